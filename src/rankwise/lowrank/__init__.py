@@ -1,0 +1,10 @@
+"""Dynamical low-rank training (DLRT) and its stabilised variant (SDLRT)."""
+
+from ._base import AbstractLowRankLayer as AbstractLowRankLayer
+from ._conv import LowRankConv2d as LowRankConv2d
+from ._convert import to_low_rank as to_low_rank
+from ._linear import LowRankLinear as LowRankLinear
+from ._metrics import compression as compression
+from ._metrics import stability_distance as stability_distance
+from ._optim import DLRT as DLRT
+from ._optim import SDLRT as SDLRT

@@ -1,0 +1,151 @@
+"""The shared shell of low-rank layers: factors U S Vᵀ, the compensation buffer, rank changes."""
+
+from __future__ import annotations
+
+import abc
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ._autograd import FactorGradSink
+
+GradMode = Literal["full", "factors", "core"]
+
+
+def _orthonormal(rows: int, cols: int, *, generator=None, **kw) -> Tensor:
+    q, _ = torch.linalg.qr(torch.randn(rows, cols, generator=generator, **kw))
+    return q
+
+
+class AbstractLowRankLayer(nn.Module, abc.ABC):
+    """A layer whose weight matrix (out_features, in_features) is ``U S Vᵀ``.
+
+    Parameters: ``U`` (out, r), ``S`` (r, r), ``V`` (in, r), optional ``bias`` (out,).
+    Buffers (saved in ``state_dict``): ``U_buf`` (out, b) and ``V_buf`` (in, b), SDLRT's
+    compensation buffer of recently discarded directions (b = 0 unless an SDLRT optimizer
+    fills it; training-only, never used by ``forward``).
+
+    The rank changes during training. ``state_dict()`` stores the factors at their current
+    shapes, and ``load_state_dict()`` resizes this layer's factors to the incoming shapes, so a
+    freshly built layer loads a checkpoint of any rank.
+    """
+
+    def __init__(self, out_features: int, in_features: int, rank: int, *,
+                 max_rank: int | None, bias: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        full = min(out_features, in_features)
+        if not 1 <= rank <= full:
+            raise ValueError(
+                f"`rank` must be in [1, {full}] for a {out_features}×{in_features} weight; got {rank}"
+            )
+        if max_rank is not None and not rank <= max_rank:
+            raise ValueError(f"`max_rank` must be >= rank ({rank}); got {max_rank}")
+        kw = {"device": device, "dtype": dtype}
+        self.out_features, self.in_features = out_features, in_features
+        self.max_rank = full if max_rank is None else min(max_rank, full)
+        self.U = nn.Parameter(torch.empty(out_features, rank, **kw))
+        self.S = nn.Parameter(torch.empty(rank, rank, **kw))
+        self.V = nn.Parameter(torch.empty(in_features, rank, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.register_buffer("U_buf", torch.empty(out_features, 0, **kw))
+        self.register_buffer("V_buf", torch.empty(in_features, 0, **kw))
+        self.sink = FactorGradSink()
+        self.reset_parameters()
+
+    # ----------------------------------------------------------------- construction
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The rank-r truncated SVD of the default PyTorch initialisation of the dense weight
+        (Kaiming-uniform with a = √5, as nn.Linear / nn.Conv2d), bias as theirs."""
+        W = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        nn.init.kaiming_uniform_(W, a=5**0.5)
+        r = self.rank
+        U, s, V = torch.svd_lowrank(W, q=min(r + 8, min(W.shape)), niter=4)
+        self.set_factors(U[:, :r], torch.diag(s[:r]), V[:, :r])
+        if self.bias is not None:
+            bound = self.in_features**-0.5
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    # ----------------------------------------------------------------- factors
+    @property
+    def rank(self) -> int:
+        """Current rank r (an int)."""
+        return self.S.shape[0]
+
+    def weight_matrix(self) -> Tensor:
+        """``U S Vᵀ`` as a matrix (out_features, in_features)."""
+        return self.U @ self.S @ self.V.mT
+
+    @abc.abstractmethod
+    def dense_weight(self) -> Tensor:
+        """The equivalent dense weight in the matching torch layer's shape."""
+
+    @torch.no_grad()
+    def set_factors(self, U: Tensor, S: Tensor, V: Tensor,
+                    U_buf: Tensor | None = None, V_buf: Tensor | None = None) -> None:
+        """Replace the factors (and optionally the buffer), possibly changing the rank.
+
+        Parameter objects keep their identity; only their data is swapped, in this layer's
+        dtype and device. Shapes: U (out, r), S (r, r), V (in, r), U_buf (out, b), V_buf (in, b).
+        (A rectangular core U (out, a), S (a, b), V (in, b) is accepted: two-pass BUG evaluates
+        the model once at such an augmented point.)
+        """
+        a, b = S.shape
+        if U.shape != (self.out_features, a) or V.shape != (self.in_features, b):
+            raise ValueError(
+                f"factor shapes must be U ({self.out_features}, r), S (r, r), V "
+                f"({self.in_features}, r); got {tuple(U.shape)}, {tuple(S.shape)}, {tuple(V.shape)}"
+            )
+        like = self.U
+        self.U.data = U.to(like).contiguous()
+        self.S.data = S.to(like).contiguous()
+        self.V.data = V.to(like).contiguous()
+        for p in (self.U, self.S, self.V):
+            p.grad = None
+        if U_buf is not None and V_buf is not None:
+            if U_buf.shape[1] != V_buf.shape[1]:
+                raise ValueError("U_buf and V_buf must have the same number of columns")
+            self.U_buf = U_buf.to(like).contiguous()
+            self.V_buf = V_buf.to(like).contiguous()
+
+    # ----------------------------------------------------------------- gradient modes
+    def set_grad_mode(self, mode: GradMode) -> None:
+        """What the backward pass computes.
+
+        - ``"full"``: ordinary ``.grad`` for U, S, V (default; any torch optimizer works).
+        - ``"factors"``: G_K and G_L into :attr:`sink` plus ``S.grad``; no U/V ``.grad``.
+        - ``"core"``: only ``S.grad`` (cheap: no (out×r) or (in×r) products).
+        """
+        if mode not in ("full", "factors", "core"):
+            raise ValueError(f"`mode` must be 'full', 'factors' or 'core'; got {mode!r}")
+        self.sink.enabled = mode == "factors"
+        self.U.requires_grad_(mode == "full")
+        self.V.requires_grad_(mode == "full")
+
+    def factor_grads(self) -> tuple[Tensor | None, Tensor | None]:
+        """(G_K (out, r), G_L (in, r)) accumulated since the last :meth:`reset_factor_grads`."""
+        return self.sink.K, self.sink.L
+
+    def reset_factor_grads(self) -> None:
+        self.sink.reset()
+
+    # ----------------------------------------------------------------- state dict
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        src = {k: state_dict.get(prefix + k) for k in ("U", "S", "V", "U_buf", "V_buf")}
+        if all(src[k] is not None for k in ("U", "S", "V")):
+            a, b = src["S"].shape
+            self.U.data = self.U.new_empty(self.out_features, a)
+            self.S.data = self.S.new_empty(a, b)
+            self.V.data = self.V.new_empty(self.in_features, b)
+        if src["U_buf"] is not None and src["V_buf"] is not None:
+            b = src["U_buf"].shape[1]
+            self.U_buf = self.U_buf.new_empty(self.out_features, b)
+            self.V_buf = self.V_buf.new_empty(self.in_features, b)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
+                f"max_rank={self.max_rank}, bias={self.bias is not None}")

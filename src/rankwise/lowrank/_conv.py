@@ -1,0 +1,84 @@
+"""LowRankConv2d: a conv with r filters (from V) followed by a 1×1 conv (from U S)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.utils import _pair
+
+from ..linalg import truncated_svd, work_dtype
+from ._autograd import LowRankConv2dFn
+from ._base import AbstractLowRankLayer
+
+
+def _explicit_padding(padding, kernel_size, dilation) -> tuple[int, int]:
+    if padding == "valid":
+        return (0, 0)
+    if padding == "same":
+        if any(d * (k - 1) % 2 for k, d in zip(kernel_size, dilation, strict=True)):
+            raise ValueError("padding='same' needs an odd effective kernel size for LowRankConv2d")
+        return tuple(d * (k - 1) // 2 for k, d in zip(kernel_size, dilation, strict=True))
+    if isinstance(padding, str):
+        raise ValueError(f"`padding` must be an int, a pair, 'valid' or 'same'; got {padding!r}")
+    return _pair(padding)
+
+
+class LowRankConv2d(AbstractLowRankLayer):
+    """Drop-in replacement for ``nn.Conv2d`` (groups=1, zero padding) with a rank-r weight.
+
+    The weight matrix (out_channels, in_channels·kh·kw) is ``U S Vᵀ``. The forward never
+    unfolds the input: it runs a conv with the r filters ``Vᵀ`` reshaped to
+    (r, in_channels, kh, kw), then a 1×1 conv with ``U S`` (out_channels, r, 1, 1).
+
+    **Arguments:** as ``nn.Conv2d`` plus `rank` (initial r) and `max_rank`.
+    Input (N, C_in, H, W) → output (N, C_out, H', W').
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, rank: int, *,
+                 stride=1, padding=0, dilation=1, bias: bool = True,
+                 max_rank: int | None = None, device=None, dtype=None) -> None:
+        self.in_channels, self.out_channels = in_channels, out_channels
+        self.kernel_size = _pair(kernel_size)
+        self.stride, self.dilation = _pair(stride), _pair(dilation)
+        self.padding = _explicit_padding(padding, self.kernel_size, self.dilation)
+        kh, kw = self.kernel_size
+        super().__init__(out_channels, in_channels * kh * kw, rank, max_rank=max_rank, bias=bias,
+                         device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_channels:
+            raise ValueError(f"expected input (N, {self.in_channels}, H, W); got {tuple(x.shape)}")
+        return LowRankConv2dFn.apply(x, self.U, self.S, self.V, self.bias, self.sink,
+                                     self.kernel_size, self.stride, self.padding, self.dilation)
+
+    def dense_weight(self) -> Tensor:
+        """(out_channels, in_channels, kh, kw), as ``nn.Conv2d.weight``."""
+        return self.weight_matrix().reshape(self.out_channels, self.in_channels, *self.kernel_size)
+
+    @classmethod
+    @torch.no_grad()
+    def from_dense(cls, conv: nn.Conv2d, *, rank: int | None = None, tau: float | None = None,
+                   max_rank: int | None = None) -> LowRankConv2d:
+        """Truncated SVD of ``conv.weight`` viewed as (out, in·kh·kw); see
+        :meth:`LowRankLinear.from_dense`. Needs ``groups=1`` and ``padding_mode='zeros'``."""
+        if conv.groups != 1 or conv.padding_mode != "zeros":
+            raise ValueError(
+                "LowRankConv2d supports groups=1 and padding_mode='zeros'; got "
+                f"groups={conv.groups}, padding_mode={conv.padding_mode!r}"
+            )
+        W = conv.weight
+        U, s, V = truncated_svd(W.reshape(W.shape[0], -1).to(work_dtype(W.dtype)), rank=rank, tau=tau)
+        r = s.numel()
+        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, r, stride=conv.stride,
+                    padding=conv.padding, dilation=conv.dilation, bias=conv.bias is not None,
+                    max_rank=max(r, max_rank) if max_rank else None,
+                    device=W.device, dtype=W.dtype)
+        layer.set_factors(U, torch.diag(s), V)
+        if conv.bias is not None:
+            layer.bias.copy_(conv.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "
+                f"stride={self.stride}, padding={self.padding}, dilation={self.dilation}, "
+                + super().extra_repr())

@@ -1,0 +1,55 @@
+"""LowRankLinear: ``y = x (U S Vᵀ)ᵀ + b``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..linalg import truncated_svd, work_dtype
+from ._autograd import LowRankLinearFn
+from ._base import AbstractLowRankLayer
+
+
+class LowRankLinear(AbstractLowRankLayer):
+    """Drop-in replacement for ``nn.Linear`` with weight ``U S Vᵀ`` of rank ``rank``.
+
+    **Arguments:**
+    - `in_features`, `out_features`: as ``nn.Linear``.
+    - `rank`: initial rank r, 1 <= r <= min(in, out).
+    - `max_rank`: the most an integrator may grow it to (default min(in, out)).
+    - `bias`: learn an additive bias (out,).
+
+    Input (..., in_features) → output (..., out_features). Factors: ``U`` (out, r),
+    ``S`` (r, r), ``V`` (in, r).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, *,
+                 max_rank: int | None = None, bias: bool = True, device=None, dtype=None) -> None:
+        super().__init__(out_features, in_features, rank, max_rank=max_rank, bias=bias,
+                         device=device, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected input (..., {self.in_features}); got {tuple(x.shape)}")
+        return LowRankLinearFn.apply(x, self.U, self.S, self.V, self.bias, self.sink)
+
+    def dense_weight(self) -> Tensor:
+        """(out_features, in_features), as ``nn.Linear.weight``."""
+        return self.weight_matrix()
+
+    @classmethod
+    @torch.no_grad()
+    def from_dense(cls, linear: nn.Linear, *, rank: int | None = None, tau: float | None = None,
+                   max_rank: int | None = None) -> LowRankLinear:
+        """Truncated SVD of ``linear.weight``: a fixed ``rank``, or the smallest rank whose
+        discarded tail is ≤ ``tau``·‖W‖_F (both: the smaller). The bias is copied."""
+        W = linear.weight
+        U, s, V = truncated_svd(W.to(work_dtype(W.dtype)), rank=rank, tau=tau)
+        r = s.numel()
+        layer = cls(linear.in_features, linear.out_features, r, bias=linear.bias is not None,
+                    max_rank=max(r, max_rank) if max_rank else None,
+                    device=W.device, dtype=W.dtype)
+        layer.set_factors(U, torch.diag(s), V)
+        if linear.bias is not None:
+            layer.bias.copy_(linear.bias)
+        return layer

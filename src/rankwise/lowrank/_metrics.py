@@ -1,0 +1,67 @@
+"""Measurement helpers: parameter counts and SDLRT's stability distance d_t."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..linalg import work_dtype
+from ._base import AbstractLowRankLayer
+
+
+def _low_rank_layers(model: nn.Module) -> dict[str, AbstractLowRankLayer]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
+
+
+def compression(model: nn.Module) -> dict[str, float]:
+    """Parameter counts of a (partly) low-rank model.
+
+    **Returns** a dict with
+    - `dense_params`: parameters of the dense equivalent (each low-rank layer counted as its
+      out×in weight + bias, everything else as is),
+    - `stored_params`: what inference needs: U, S, V (r·(out+in) + r²) + bias + every
+      parameter that is not low-rank,
+    - `buffer_params`: SDLRT compensation buffers (b·(out+in)), training only,
+    - `ratio` = 1 − stored/dense and `training_ratio` = 1 − (stored + buffer)/dense.
+
+    Only parameters are counted (not buffers such as BatchNorm statistics), in both totals.
+    """
+    lr = _low_rank_layers(model)
+    factor_ids = {id(p) for m in lr.values() for p in (m.U, m.S, m.V)}
+    other = sum(p.numel() for p in model.parameters() if id(p) not in factor_ids)
+    dense = other + sum(m.out_features * m.in_features for m in lr.values())
+    stored = other + sum(m.U.numel() + m.S.numel() + m.V.numel() for m in lr.values())
+    buf = sum(m.U_buf.numel() + m.V_buf.numel() for m in lr.values())
+    return {
+        "dense_params": dense,
+        "stored_params": stored,
+        "buffer_params": buf,
+        "ratio": 1.0 - stored / dense if dense else 0.0,
+        "training_ratio": 1.0 - (stored + buf) / dense if dense else 0.0,
+    }
+
+
+@torch.no_grad()
+def stability_distance(low_rank_model: nn.Module, dense_model: nn.Module) -> float:
+    """SDLRT's d_t = Σ_layers ‖SVD_r(W_dense) − U S Vᵀ‖_F, r = each layer's current rank.
+
+    `dense_model` is a dense shadow with the same architecture (same module names) trained on
+    the same batches from the same initialisation. Each low-rank layer is paired with the
+    module of the same name in the shadow, whose ``weight`` is viewed as (out, in·kh·kw).
+    """
+    dense_mods = dict(dense_model.named_modules())
+    total = 0.0
+    for name, layer in _low_rank_layers(low_rank_model).items():
+        shadow = dense_mods.get(name)
+        if shadow is None or not hasattr(shadow, "weight"):
+            raise ValueError(f"dense_model has no layer {name!r} with a weight to compare against")
+        W = shadow.weight.reshape(shadow.weight.shape[0], -1)
+        if W.shape != (layer.out_features, layer.in_features):
+            raise ValueError(f"layer {name!r}: dense weight {tuple(W.shape)} does not match "
+                             f"low-rank ({layer.out_features}, {layer.in_features})")
+        dt = torch.promote_types(work_dtype(W.dtype), work_dtype(layer.U.dtype))
+        U, s, Vh = torch.linalg.svd(W.to(dt), full_matrices=False)
+        r = layer.rank
+        best = (U[:, :r] * s[:r]) @ Vh[:r]
+        total += float(torch.linalg.matrix_norm(best - layer.weight_matrix().to(dt)))
+    return total

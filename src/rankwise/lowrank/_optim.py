@@ -1,0 +1,303 @@
+"""DLRT and SDLRT as ``torch.optim.Optimizer`` objects.
+
+The math lives in :mod:`._integrators` (pure functions) and :mod:`._rules` (update rules
+and state transport); this module orchestrates one training step: closure handling,
+gradient modes, dense parameters, optimizer-state transport and SDLRT's τ feedback.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..linalg import work_dtype
+from . import _integrators as bug
+from ._base import AbstractLowRankLayer
+from ._rules import apply_rule, get_rule, transport
+
+
+class _AugmentedBUG(torch.optim.Optimizer):
+    """Shared engine of :class:`DLRT` and :class:`SDLRT` (not public; build those)."""
+
+    def __init__(self, model: nn.Module, lr: float, *, tau: float, momentum: float,
+                 optimizer: str, weight_decay: float, single_pass: bool, min_rank: int,
+                 max_rank: int | None, adaptive: bool, update_every: int, buffer: bool,
+                 feedback: bool, omega: float, tau_min: float, betas: tuple[float, float],
+                 eps: float, on_nonfinite: Literal["raise", "skip"]) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
+        if not lr > 0:
+            raise ValueError(f"`lr` must be > 0; got {lr}")
+        if not 0 <= tau < 1:
+            raise ValueError(f"`tau` must be in [0, 1); got {tau}")
+        if not 0 < omega < 1:
+            raise ValueError(f"`omega` must be in (0, 1); got {omega}")
+        if not 0 <= tau_min <= tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={tau}]; got {tau_min}")
+        if update_every < 1:
+            raise ValueError(f"`update_every` must be >= 1; got {update_every}")
+        if min_rank < 1 or (max_rank is not None and max_rank < min_rank):
+            raise ValueError(f"need 1 <= min_rank <= max_rank; got {min_rank}, {max_rank}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {on_nonfinite!r}")
+        self.rule = get_rule(optimizer)
+        self.layers: dict[str, AbstractLowRankLayer] = {
+            n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
+        }
+        if not self.layers:
+            warnings.warn("no low-rank layers in `model`; every parameter is updated densely "
+                          "(use rankwise.to_low_rank first)", stacklevel=3)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas,
+                        eps=eps, global_step=0)
+        super().__init__(list(model.parameters()), defaults)
+        self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
+                        adaptive=adaptive, update_every=update_every, buffer=buffer,
+                        feedback=feedback, omega=omega, tau_min=tau_min, on_nonfinite=on_nonfinite)
+        self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
+        for layer in self.layers.values():
+            self.state[layer.S].update(tau=tau, r_init=layer.rank, K={}, L={}, S={})
+        self._set_modes()
+
+    # ----------------------------------------------------------------- public queries
+    def ranks(self) -> dict[str, int]:
+        """{layer name: current rank}."""
+        return {n: m.rank for n, m in self.layers.items()}
+
+    def taus(self) -> dict[str, float]:
+        """{layer name: current truncation tolerance τ} (SDLRT's feedback lowers it)."""
+        return {n: self.state[m.S]["tau"] for n, m in self.layers.items()}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for layer in self.layers.values():
+            layer.reset_factor_grads()
+
+    # ----------------------------------------------------------------- the step
+    def _augment_now(self) -> bool:
+        return self.param_groups[0]["global_step"] % self.cfg["update_every"] == 0
+
+    def _set_modes(self) -> None:
+        mode = "factors" if self._augment_now() else "core"
+        for layer in self.layers.values():
+            layer.set_grad_mode(mode)
+
+    def _hp(self) -> dict:
+        return self.param_groups[0]
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        """One training step. ``closure`` zeroes grads, runs forward and backward and returns
+        the loss; it is called once (single pass) or twice (``single_pass=False``). Without a
+        closure the gradients of the last ``backward()`` are used (single pass only)."""
+        augment = self._augment_now()
+        two_pass = augment and not self.cfg["single_pass"] and self.layers
+        if closure is None and two_pass:
+            raise ValueError("two-pass DLRT (`single_pass=False`) needs `step(closure)`")
+        loss = self._evaluate(closure)
+        ok = self._finite(loss)
+        if ok and augment:
+            ok = self._augmented_step(closure if two_pass else None)
+        elif ok:
+            for layer in self.layers.values():
+                self._core_step(layer)
+        if ok:
+            self._dense_step()
+            self._hp()["global_step"] += 1
+        for layer in self.layers.values():
+            layer.reset_factor_grads()
+        self._set_modes()
+        return loss
+
+    def _evaluate(self, closure):
+        if closure is None:
+            return None
+        for layer in self.layers.values():
+            layer.reset_factor_grads()
+        with torch.enable_grad():
+            return closure()
+
+    def _finite(self, loss: Tensor | None, extra: list[Tensor] | None = None) -> bool:
+        tensors = [] if loss is None else [torch.as_tensor(loss)]
+        tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for layer in self.layers.values():
+            tensors += [t for t in layer.factor_grads() if t is not None]
+        tensors += extra or []
+        if not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+            return True
+        msg = (f"non-finite loss or gradient (loss={None if loss is None else float(loss)}); "
+               "no weights were changed")
+        if self.cfg["on_nonfinite"] == "raise":
+            raise FloatingPointError(msg + "; pass on_nonfinite='skip' to skip such steps")
+        warnings.warn(msg + "; step skipped", RuntimeWarning, stacklevel=3)
+        return False
+
+    def _core_step(self, layer: AbstractLowRankLayer) -> None:
+        """Between augmentations (``update_every`` > 1): a plain rule step on S only."""
+        if layer.S.grad is None:
+            return
+        st = self.state[layer.S]
+        dt = work_dtype(layer.S.dtype)
+        S0 = layer.S.to(dt)
+        dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._hp())
+        layer.S.copy_(S0 + dS)
+
+    def _augmented_step(self, closure) -> bool:
+        hp, cfg = self._hp(), self.cfg
+        plans = {}
+        for name, layer in self.layers.items():
+            gk, gl = layer.factor_grads()
+            if gk is None or layer.S.grad is None:
+                continue  # layer unused by this forward pass
+            st = self.state[layer.S]
+            dt = work_dtype(layer.U.dtype)
+            U0, S0, V0 = (t.detach().to(dt) for t in (layer.U, layer.S, layer.V))
+            dK, st["K"] = self.rule(gk.to(dt), U0 @ S0, st["K"], hp)
+            dL, st["L"] = self.rule(gl.to(dt), V0 @ S0.mT, st["L"], hp)
+            bufs = (layer.U_buf.to(dt), layer.V_buf.to(dt)) if cfg["buffer"] else (None, None)
+            aug = bug.augment(U0, V0, dK, dL, *bufs)
+            if closure is None:
+                dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], hp)
+                S_bar = bug.galerkin_core(aug, S0) + bug.projected_update(aug, U0, V0, dK, dS, dL)
+            else:
+                S_bar = bug.galerkin_core(aug, S0)
+            plans[name] = (U0, S0, V0, aug, S_bar)
+        if closure is not None and not self._second_pass(closure, plans):
+            return False
+        for name, (U0, _, V0, aug, S_bar) in plans.items():
+            self._truncate(self.layers[name], U0, V0, aug, S_bar, two_pass=closure is not None)
+        return True
+
+    def _second_pass(self, closure, plans) -> bool:
+        """Classic BUG: the S gradient at the augmented point Ū S̄(0) V̄ᵀ (= the same weight)."""
+        dense = [p for g in self.param_groups for p in g["params"] if id(p) not in self._factor_ids]
+        saved = {p: None if p.grad is None else p.grad.clone() for p in dense}
+        originals = {n: (self.layers[n].U.clone(), self.layers[n].S.clone(),
+                         self.layers[n].V.clone()) for n in plans}
+        for name, (_, _, _, aug, S_bar) in plans.items():
+            self.layers[name].set_factors(aug.U, S_bar, aug.V)
+            self.layers[name].set_grad_mode("core")
+        with torch.enable_grad():
+            loss2 = closure()
+        for p, g in saved.items():
+            p.grad = g
+        grads = [self.layers[n].S.grad for n in plans if self.layers[n].S.grad is not None]
+        ok = False
+        try:
+            ok = self._finite(loss2, grads)
+        finally:
+            if not ok:
+                for n, (U, S, V) in originals.items():
+                    self.layers[n].set_factors(U, S, V)
+        if not ok:
+            return False
+        hp = self._hp()
+        for name, (U0, S0, V0, aug, S_bar) in plans.items():
+            st = self.state[self.layers[name].S]
+            g = self.layers[name].S.grad.to(S_bar)
+            st_aug = transport(st["S"], aug.A.mT, aug.B)  # old core coordinates -> augmented
+            dS, st["S"] = self.rule(g, S_bar, st_aug, hp)
+            plans[name] = (U0, S0, V0, aug, S_bar + dS)
+        return True
+
+    def _truncate(self, layer, U0, V0, aug, S_bar, *, two_pass: bool) -> None:
+        cfg, st = self.cfg, self.state[layer.S]
+        hi = layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
+        lo = min(cfg["min_rank"], hi)
+        if cfg["adaptive"]:
+            out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
+                               buffer=cfg["buffer"])
+        else:
+            out = bug.truncate(aug, S_bar, rank=layer.rank, buffer=cfg["buffer"])
+        r1 = out.S.shape[0]
+        if cfg["feedback"] and r1 < st["r_init"]:
+            st["tau"] = max(cfg["omega"] * st["tau"], cfg["tau_min"])
+        TU, TV = U0.mT @ out.U, V0.mT @ out.V  # old-to-new coordinate maps (r0, r1)
+        st["K"] = transport(st["K"], None, TV)
+        st["L"] = transport(st["L"], None, TU)
+        st["S"] = transport(st["S"], out.P, out.Q) if two_pass else transport(st["S"], TU, TV)
+        layer.set_factors(out.U, out.S, out.V, out.U_buf, out.V_buf)
+
+    def _dense_step(self) -> None:
+        hp = self._hp()
+        for g in self.param_groups:
+            for p in g["params"]:
+                if id(p) not in self._factor_ids:
+                    apply_rule(self.rule, p, self.state[p], hp)
+
+
+_COMMON_DOC = """
+    **Arguments:**
+    - `model`: a module containing :class:`LowRankLinear` / :class:`LowRankConv2d` layers (see
+      :func:`to_low_rank`). Every other parameter (biases, norms, dense layers) is updated by
+      the same rule in the same ``step``.
+    - `lr`: learning rate (``param_groups[0]["lr"]``, so LR schedulers work).
+    - `tau`: relative truncation tolerance τ: the discarded tail satisfies
+      ‖Σ_tail‖_F ≤ τ‖S̄‖_F.
+    - `momentum`, `weight_decay`: SGD momentum and L2 weight decay (on W for low-rank layers).
+    - `optimizer`: ``"sgd"`` or ``"adam"`` (with `betas`, `eps`), applied to K, L, S and the
+      dense parameters; its state is rotated into new bases after every truncation.
+    - `single_pass`: one closure call per step, the gradient projected onto the augmented bases
+      (default, ~2× cheaper); ``False`` gives classic two-pass BUG (closure called twice).
+    - `min_rank`, `max_rank`: bounds of the adaptive rank (max also capped per layer).
+    - `adaptive`: ``False`` keeps each layer's rank fixed (fixed-rank BUG).
+    - `update_every`: augment and truncate every N-th step; in between only the cores S and the
+      dense parameters take plain steps (much cheaper backward).
+    - `on_nonfinite`: ``"raise"`` a ``FloatingPointError`` on a NaN/inf loss or gradient, or
+      ``"skip"`` the step with a warning; weights are never overwritten with NaN.
+"""
+
+
+class DLRT(_AugmentedBUG):
+    r"""Rank-adaptive dynamical low-rank training: the augmented basis-update & Galerkin
+    integrator as an optimizer.
+
+    Per low-rank layer and augmentation step: K- and L-updates from the gradients of
+    K = US and L = VSᵀ, ``Ū = orth[U0, ΔK]``, ``V̄ = orth[V0, ΔL]``, Galerkin core
+    ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, SVD of S̄ and truncation at ϑ = τ‖S̄‖_F.
+    """ + _COMMON_DOC + """
+    Example: ``opt = DLRT(model, 0.05, tau=0.1); loss = opt.step(closure)``.
+    """
+
+    def __init__(self, model: nn.Module, lr: float, *, tau: float, momentum: float = 0.0,
+                 optimizer: str = "sgd", weight_decay: float = 0.0, single_pass: bool = True,
+                 min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
+                 update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
+        super().__init__(model, lr, tau=tau, momentum=momentum, optimizer=optimizer,
+                         weight_decay=weight_decay, single_pass=single_pass, min_rank=min_rank,
+                         max_rank=max_rank, adaptive=adaptive, update_every=update_every,
+                         buffer=False, feedback=False, omega=0.5, tau_min=0.0, betas=betas,
+                         eps=eps, on_nonfinite=on_nonfinite)
+
+
+class SDLRT(_AugmentedBUG):
+    r"""Stabilised DLRT: DLRT plus the compensation buffer and the tolerance feedback.
+
+    - **buffer**: the augmented bases also span the previous step's buffer,
+      ``Ū = orth[U0, ΔK, U_buf]``; after truncation to rank r1 the next ≤ r1 discarded
+      singular directions (mapped through the augmented bases) become the new buffer.
+    - **feedback**: whenever the new rank is below the layer's initial rank, τ ← ωτ
+      (never below `tau_min`). The feedback fires on *every* such step, so τ decays
+      geometrically while the rank stays low: by design default SDLRT pushes each layer back
+      to (at least) its initial rank. Use `tau_min` as a floor.
+    """ + _COMMON_DOC + """
+    - `omega`: feedback factor ω in (0, 1); `buffer`, `feedback`: switch each part off
+      separately (with both off this is DLRT).
+    """
+
+    def __init__(self, model: nn.Module, lr: float, *, tau: float, omega: float = 0.8,
+                 buffer: bool = True, feedback: bool = True, tau_min: float = 0.0,
+                 momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
+                 single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
+                 adaptive: bool = True, update_every: int = 1,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
+        super().__init__(model, lr, tau=tau, momentum=momentum, optimizer=optimizer,
+                         weight_decay=weight_decay, single_pass=single_pass, min_rank=min_rank,
+                         max_rank=max_rank, adaptive=adaptive, update_every=update_every,
+                         buffer=buffer, feedback=feedback, omega=omega, tau_min=tau_min,
+                         betas=betas, eps=eps, on_nonfinite=on_nonfinite)

@@ -1,0 +1,86 @@
+"""Elementwise update rules (SGD with momentum, Adam) as pure functions with explicit state,
+and the transport of their state when a low-rank basis rotates or changes rank.
+
+A rule maps ``(grad, param, state, hyper) -> (delta, state)``; the caller applies
+``param + delta``. State is a plain dict of tensors and ints, so it round-trips through
+``torch.optim.Optimizer.state_dict``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+State = dict[str, Any]
+Rule = Callable[[Tensor, Tensor, State, Mapping[str, Any]], tuple[Tensor, State]]
+
+
+def sgd(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tuple[Tensor, State]:
+    """``g ← g + wd·p``; ``m ← μ m + g`` (m = g on the first step); ``Δ = −lr·m``
+    (plain SGD when μ = 0), as ``torch.optim.SGD`` without dampening."""
+    g = grad + hp["weight_decay"] * param if hp["weight_decay"] else grad
+    mu = hp["momentum"]
+    if mu:
+        m = state.get("m")
+        m = g.clone() if m is None else m.mul_(mu).add_(g)
+        state["m"], g = m, m
+    return -hp["lr"] * g, state
+
+
+def adam(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tuple[Tensor, State]:
+    """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``:
+    ``Δ = −lr · m̂ / (√v̂ + eps)`` with bias-corrected moments."""
+    b1, b2 = hp["betas"]
+    g = grad + hp["weight_decay"] * param if hp["weight_decay"] else grad
+    m = state.get("m")
+    v = state.get("v")
+    m = (1 - b1) * g if m is None else m.mul_(b1).add_(g, alpha=1 - b1)
+    v = (1 - b2) * g * g if v is None else v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    step = state.get("step", 0) + 1
+    state.update(m=m, v=v, step=step)
+    mhat = m / (1 - b1**step)
+    vhat = v / (1 - b2**step)
+    return -hp["lr"] * mhat / (vhat.sqrt() + hp["eps"]), state
+
+
+RULES: dict[str, Rule] = {"sgd": sgd, "adam": adam}
+
+
+def get_rule(name: str) -> Rule:
+    try:
+        return RULES[name]
+    except KeyError:
+        raise ValueError(f"`optimizer` must be one of {sorted(RULES)}; got {name!r}") from None
+
+
+def transport(state: State, left: Tensor | None, right: Tensor | None) -> State:
+    """Move a rule's state into new coordinates: ``X ↦ leftᵀ X right``.
+
+    First moments (``m``) rotate linearly; second moments (``v``) rotate through their square
+    roots, ``v ↦ (leftᵀ √v right)²``; directions new to the basis get zero; the step count is
+    kept. ``left`` (r0, r1) / ``right`` (c0, c1) are old-to-new coordinate maps such as
+    ``U0ᵀ U1``; ``None`` leaves that side alone. Exact for a signed permutation; for the first
+    moment exact for any rotation.
+    """
+    def move(x: Tensor) -> Tensor:
+        x = x if left is None else left.mT.to(x) @ x
+        return x if right is None else x @ right.to(x)
+
+    out = dict(state)
+    if state.get("m") is not None:
+        out["m"] = move(state["m"])
+    if state.get("v") is not None:
+        out["v"] = move(state["v"].sqrt()).square()
+    return out
+
+
+@torch.no_grad()
+def apply_rule(rule: Rule, p: Tensor, state: State, hp: Mapping[str, Any]) -> None:
+    """Update a dense parameter in place from its ``.grad`` (no-op without one)."""
+    if p.grad is None:
+        return
+    delta, _ = rule(p.grad, p, state, hp)
+    p.add_(delta)
