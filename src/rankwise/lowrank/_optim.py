@@ -30,8 +30,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
                  eps: float, on_nonfinite: Literal["raise", "skip"]) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
-        if not lr > 0:
-            raise ValueError(f"`lr` must be > 0; got {lr}")
+        if not lr >= 0:
+            raise ValueError(f"`lr` must be >= 0; got {lr}")
         if not 0 <= tau < 1:
             raise ValueError(f"`tau` must be in [0, 1); got {tau}")
         if not 0 < omega < 1:

@@ -1,0 +1,45 @@
+"""Shared problems and independent (dense, float64) references for the tests."""
+
+from __future__ import annotations
+
+import torch
+
+F64 = torch.float64
+
+
+def rank3_problem(m: int = 30, n: int = 20, samples: int = 256, seed: int = 0):
+    """Linear regression onto a rank-3 target matrix W* (m, n): inputs X (samples, n),
+    targets Y = X W*ᵀ. Returns (X, Y, W*)."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.randn(m, 3, generator=g, dtype=F64)
+    B = torch.randn(n, 3, generator=g, dtype=F64)
+    W = A @ B.T / 3
+    X = torch.randn(samples, n, generator=g, dtype=F64)
+    return X, X @ W.T, W
+
+
+def mse_closure(opt, model, X, Y):
+    def closure():
+        opt.zero_grad()
+        loss = ((model(X) - Y) ** 2).sum(-1).mean()
+        loss.backward()
+        return loss.detach()
+
+    return closure
+
+
+def projector(M: torch.Tensor) -> torch.Tensor:
+    """Orthogonal projector onto span(M), via numpy's SVD (an independent code path)."""
+    import numpy as np
+
+    u, s, _ = np.linalg.svd(M.detach().cpu().numpy(), full_matrices=False)
+    u = u[:, s > 1e-10 * max(s.max(), 1.0)]
+    return torch.from_numpy(u @ u.T)
+
+
+def dense_grad(layer, X, Y) -> torch.Tensor:
+    """∇_W of the mse loss at W = layer's weight matrix, by dense autograd."""
+    W = layer.weight_matrix().detach().clone().requires_grad_(True)
+    loss = ((X @ W.T - Y) ** 2).sum(-1).mean()
+    (g,) = torch.autograd.grad(loss, W)
+    return g
