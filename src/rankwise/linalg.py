@@ -20,7 +20,10 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tensor:
     """Orthonormal basis of ``span[Q0, blocks...]`` whose first columns are ``Q0`` itself.
 
-    ``Q0`` (m, r) must have orthonormal columns. The extra columns are normalised to unit
+    ``Q0`` (m, r) should have orthonormal columns; if it has drifted from orthonormality by
+    more than 100·eps (e.g. factors stored in lower precision), it is re-orthonormalised first
+    (same span, signs kept), so the result is orthonormal and spans ``Q0``. The extra columns
+    are normalised to unit
     length, projected off ``Q0`` twice (classical Gram-Schmidt with re-orthogonalisation),
     and the range of the residual is found by QR followed by an SVD of the small triangular
     factor; directions whose singular value is below ``rtol`` (relative to unit columns) are
@@ -31,9 +34,11 @@ def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tenso
     - `blocks`: tensors of shape (m, c_i).
     - `rtol`: drop threshold; default ``sqrt(eps)`` of the dtype.
 
-    **Returns:** (m, r + e) orthonormal columns, ``e <= sum(c_i)``, first r columns equal ``Q0``.
+    **Returns:** (m, r + e) orthonormal columns, ``e <= sum(c_i)``; the first r columns are
+    ``Q0`` (or its re-orthonormalised version).
     """
     m = Q0.shape[0]
+    Q0 = _reorthonormalize(Q0)
     extra = [b for b in blocks if b.numel() > 0]
     if not extra:
         return Q0
@@ -58,6 +63,15 @@ def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tenso
     E = E - Q0 @ (Q0.mT @ E)  # one more pass keeps E ⟂ Q0 to roundoff
     E, _ = torch.linalg.qr(E)
     return torch.cat([Q0, E], dim=1)
+
+
+def _reorthonormalize(Q0: Tensor) -> Tensor:
+    r = Q0.shape[1]
+    eye = torch.eye(r, dtype=Q0.dtype, device=Q0.device)
+    if r == 0 or float((Q0.mT @ Q0 - eye).abs().max()) <= 100 * torch.finfo(Q0.dtype).eps:
+        return Q0
+    Q, R = torch.linalg.qr(Q0)
+    return Q * torch.where(torch.diagonal(R) < 0, -1.0, 1.0).to(Q.dtype)
 
 
 def tail_rank(s: Tensor, tol: float, *, min_rank: int = 1, max_rank: int | None = None) -> int:

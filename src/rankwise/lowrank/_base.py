@@ -8,6 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from ..linalg import work_dtype
 from ._autograd import FactorGradSink
 
 GradMode = Literal["full", "factors", "core"]
@@ -16,6 +17,17 @@ GradMode = Literal["full", "factors", "core"]
 def _orthonormal(rows: int, cols: int, *, generator=None, **kw) -> Tensor:
     q, _ = torch.linalg.qr(torch.randn(rows, cols, generator=generator, **kw))
     return q
+
+
+def _swap_data(p: nn.Parameter, new: Tensor) -> None:
+    """``p.data = new`` that also works when the shape changes while an old autograd graph is
+    still alive (e.g. a user kept a non-detached loss): autograd caches one gradient
+    accumulator per leaf, with the shape it had when created, and ``.data`` assignment only
+    drops that cache on a dtype or device change. A brief dtype change forces the reset."""
+    if new.shape != p.shape:
+        other = torch.float16 if new.dtype != torch.float16 else torch.float32
+        p.data = torch.empty(0, dtype=other, device=new.device)
+    p.data = new
 
 
 class AbstractLowRankLayer(nn.Module, abc.ABC):
@@ -58,7 +70,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
     def reset_parameters(self) -> None:
         """The rank-r truncated SVD of the default PyTorch initialisation of the dense weight
         (Kaiming-uniform with a = √5, as nn.Linear / nn.Conv2d), bias as theirs."""
-        W = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
+        W = torch.empty(self.out_features, self.in_features, dtype=work_dtype(self.U.dtype))
         nn.init.kaiming_uniform_(W, a=5**0.5)
         r = self.rank
         U, s, V = torch.svd_lowrank(W, q=min(r + 8, min(W.shape)), niter=4)
@@ -98,10 +110,8 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
                 f"({self.in_features}, r); got {tuple(U.shape)}, {tuple(S.shape)}, {tuple(V.shape)}"
             )
         like = self.U
-        self.U.data = U.to(like).contiguous()
-        self.S.data = S.to(like).contiguous()
-        self.V.data = V.to(like).contiguous()
-        for p in (self.U, self.S, self.V):
+        for p, new in ((self.U, U), (self.S, S), (self.V, V)):
+            _swap_data(p, new.to(like).contiguous())
             p.grad = None
         if U_buf is not None and V_buf is not None:
             if U_buf.shape[1] != V_buf.shape[1]:
@@ -136,9 +146,9 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         src = {k: state_dict.get(prefix + k) for k in ("U", "S", "V", "U_buf", "V_buf")}
         if all(src[k] is not None for k in ("U", "S", "V")):
             a, b = src["S"].shape
-            self.U.data = self.U.new_empty(self.out_features, a)
-            self.S.data = self.S.new_empty(a, b)
-            self.V.data = self.V.new_empty(self.in_features, b)
+            _swap_data(self.U, self.U.new_empty(self.out_features, a))
+            _swap_data(self.S, self.S.new_empty(a, b))
+            _swap_data(self.V, self.V.new_empty(self.in_features, b))
         if src["U_buf"] is not None and src["V_buf"] is not None:
             b = src["U_buf"].shape[1]
             self.U_buf = self.U_buf.new_empty(self.out_features, b)

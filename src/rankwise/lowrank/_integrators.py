@@ -89,7 +89,8 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
     """Steps 3–4: SVD of the small core, truncation and, with ``buffer``, the new buffer.
 
     With ``rank`` the rank is fixed (fixed-rank BUG), otherwise chosen by the tolerance
-    ϑ = τ‖S̄‖_F. Either is clamped to [min_rank, max_rank] and to the core size.
+    ϑ = τ‖S̄‖_F and capped at the numerical rank (σ > k·eps·σ_max); then clamped to
+    [min_rank, max_rank] and to the core size k. The discarded tail is ≤ max(ϑ, roundoff).
     """
     if (tau is None) == (rank is None):
         raise ValueError("give exactly one of `tau` (adaptive) or `rank` (fixed)")
@@ -99,8 +100,11 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
     if rank is not None:
         r1 = rank
     else:
-        r1 = tail_rank(s, tau * float(torch.linalg.vector_norm(s)), min_rank=min_rank,
-                       max_rank=max_rank)
+        # Directions at roundoff level (σ ≤ k·eps·σ_max) are never kept, however small τ has
+        # become: SDLRT's feedback can drive τ to 0, and the rank would then fill with noise.
+        numerical = int((s > s[0] * k * torch.finfo(s.dtype).eps).sum()) if k else 0
+        r1 = min(tail_rank(s, tau * float(torch.linalg.vector_norm(s))), numerical)
+        r1 = max(min(r1, max_rank if max_rank is not None else k), min_rank)
     r1 = max(1, min(r1, k))
     b = min(r1, k - r1) if buffer else 0
     return Truncated(

@@ -1,0 +1,118 @@
+"""The BUG step's pure functions against independent float64 references."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from helpers import F64
+
+from rankwise.linalg import orth_extend, tail_rank, truncated_svd
+from rankwise.lowrank import _integrators as bug
+
+
+def _orth(m, r):
+    return torch.linalg.qr(torch.randn(m, r, dtype=F64))[0]
+
+
+def test_orth_extend_keeps_q0_spans_inputs_and_drops_dependent_columns():
+    Q0 = _orth(12, 3)
+    a = torch.randn(12, 2, dtype=F64)
+    dep = Q0 @ torch.randn(3, 2, dtype=F64) + a @ torch.randn(2, 2, dtype=F64)  # in span[Q0, a]
+    Q = orth_extend(Q0, a, dep, torch.zeros(12, 1, dtype=F64))
+    assert Q.shape == (12, 5)
+    torch.testing.assert_close(Q[:, :3], Q0)
+    torch.testing.assert_close(Q.T @ Q, torch.eye(5, dtype=F64))
+    for M in (Q0, a, dep):
+        torch.testing.assert_close(Q @ (Q.T @ M), M)  # span contains every input
+    assert orth_extend(Q0, Q0 @ torch.randn(3, 4, dtype=F64)).shape == (12, 3)
+
+
+def test_tail_rank_matches_brute_force():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(50):
+        s = torch.rand(8, generator=g, dtype=F64).sort(descending=True).values
+        tol = float(torch.rand(1, generator=g)) * float(s.norm())
+        brute = next(r for r in range(9) if float(s[r:].norm()) <= tol)
+        assert tail_rank(s, tol) == max(brute, 1)
+        assert tail_rank(s, tol, min_rank=3, max_rank=5) == min(max(brute, 3), 5)
+
+
+def test_truncated_svd_matches_numpy():
+    W = torch.randn(7, 5, dtype=F64)
+    U, s, V = truncated_svd(W, rank=3)
+    ref = np.linalg.svd(W.numpy(), compute_uv=False)
+    np.testing.assert_allclose(s.numpy(), ref[:3], rtol=1e-12)
+    assert float(torch.linalg.matrix_norm(W - U @ torch.diag(s) @ V.T)) == pytest.approx(
+        float(np.sqrt((ref[3:] ** 2).sum())), abs=1e-12)
+
+
+def _setup(m=15, n=11, r=3, b=2):
+    U0, V0 = _orth(m, r), _orth(n, r)
+    S0 = torch.randn(r, r, dtype=F64)
+    dK, dL = torch.randn(m, r, dtype=F64), torch.randn(n, r, dtype=F64)
+    Q = orth_extend(torch.cat([U0, dK], 1), torch.randn(m, b, dtype=F64))[:, 2 * r:]
+    P = orth_extend(torch.cat([V0, dL], 1), torch.randn(n, b, dtype=F64))[:, 2 * r:]
+    return U0, S0, V0, dK, dL, Q, P
+
+
+def test_galerkin_core_reconstructs_previous_weight():
+    U0, S0, V0, dK, dL, Ub, Vb = _setup()
+    aug = bug.augment(U0, V0, dK, dL, Ub, Vb)
+    assert aug.U.shape[1] == 3 + 3 + 2 and aug.V.shape[1] == 8
+    S_bar = bug.galerkin_core(aug, S0)
+    torch.testing.assert_close(aug.U @ S_bar @ aug.V.T, U0 @ S0 @ V0.T)
+
+
+def test_projected_update_is_tangent_projection():
+    """For dK = G V0, dS = U0ᵀ G V0, dL = Gᵀ U0: Ū ΔS̄ V̄ᵀ = P_T(G), the tangent projection."""
+    U0, S0, V0, _, _, Ub, Vb = _setup()
+    G = torch.randn(15, 11, dtype=F64)
+    dK, dS, dL = G @ V0, U0.T @ G @ V0, G.T @ U0
+    aug = bug.augment(U0, V0, dK, dL, Ub, Vb)
+    dW = aug.U @ bug.projected_update(aug, U0, V0, dK, dS, dL) @ aug.V.T
+    PU, PV = U0 @ U0.T, V0 @ V0.T
+    torch.testing.assert_close(dW, PU @ G + G @ PV - PU @ G @ PV)
+
+
+@pytest.mark.parametrize("tau", [0.05, 0.2, 0.5])
+def test_truncation_error_below_threshold_and_buffer_orthogonal(tau):
+    U0, S0, V0, dK, dL, Ub, Vb = _setup()
+    aug = bug.augment(U0, V0, dK, dL, Ub, Vb)
+    S_bar = bug.galerkin_core(aug, S0) + 0.3 * torch.randn(8, 8, dtype=F64)
+    out = bug.truncate(aug, S_bar, tau=tau, buffer=True)
+    theta = tau * float(torch.linalg.matrix_norm(S_bar))
+    err = float(torch.linalg.matrix_norm(aug.U @ S_bar @ aug.V.T - out.U @ out.S @ out.V.T))
+    assert err <= theta + 1e-12
+    r1 = out.S.shape[0]
+    s = torch.linalg.svdvals(S_bar)
+    assert float(s[r1 - 1:].norm()) > theta  # one fewer would violate: r1 is the smallest
+    b = out.U_buf.shape[1]
+    assert b == min(r1, 8 - r1) and out.V_buf.shape[1] == b
+    for X, B in ((out.U, out.U_buf), (out.V, out.V_buf)):
+        torch.testing.assert_close(B.T @ B, torch.eye(b, dtype=F64))
+        torch.testing.assert_close(X.T @ B, torch.zeros(r1, b, dtype=F64))
+    # the buffer holds the next singular directions of the augmented iterate
+    W_bar = aug.U @ S_bar @ aug.V.T
+    torch.testing.assert_close(torch.diag(out.U_buf.T @ W_bar @ out.V_buf), s[r1:r1 + b])
+
+
+def test_truncate_respects_rank_bounds_and_fixed_rank():
+    U0, S0, V0, dK, dL, _, _ = _setup()
+    aug = bug.augment(U0, V0, dK, dL)
+    S_bar = bug.galerkin_core(aug, S0) + torch.randn(6, 6, dtype=F64)
+    assert bug.truncate(aug, S_bar, tau=0.99, min_rank=2).S.shape[0] == 2
+    assert bug.truncate(aug, S_bar, tau=0.0, max_rank=4).S.shape[0] == 4
+    for r in (1, 3, 6):
+        assert bug.truncate(aug, S_bar, rank=r).S.shape[0] == r
+    with pytest.raises(ValueError, match="exactly one"):
+        bug.truncate(aug, S_bar)
+
+
+def test_rank_deficient_inputs_do_not_divide_by_zero():
+    U0, V0 = _orth(10, 3), _orth(8, 3)
+    S0 = torch.diag(torch.tensor([1.0, 0.0, 0.0], dtype=F64))  # singular core
+    for dK, dL in itertools.product([torch.zeros(10, 3, dtype=F64), U0.clone()], repeat=2):
+        aug = bug.augment(U0, V0, dK, dL[:8] if dL.shape[0] == 10 else dL)
+        out = bug.truncate(aug, bug.galerkin_core(aug, S0), tau=0.1)
+        assert all(torch.isfinite(t).all() for t in out)
