@@ -5,8 +5,8 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from helpers import F64
 
+from helpers import F64
 from rankwise.linalg import orth_extend, tail_rank, truncated_svd
 from rankwise.lowrank import _integrators as bug
 
@@ -66,7 +66,7 @@ def test_galerkin_core_reconstructs_previous_weight():
 
 def test_projected_update_is_tangent_projection():
     """For dK = G V0, dS = U0ᵀ G V0, dL = Gᵀ U0: Ū ΔS̄ V̄ᵀ = P_T(G), the tangent projection."""
-    U0, S0, V0, _, _, Ub, Vb = _setup()
+    U0, _, V0, _, _, Ub, Vb = _setup()
     G = torch.randn(15, 11, dtype=F64)
     dK, dS, dL = G @ V0, U0.T @ G @ V0, G.T @ U0
     aug = bug.augment(U0, V0, dK, dL, Ub, Vb)

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import F64
 from torch import nn
 
 import rankwise
+from helpers import F64
 from rankwise import LowRankConv2d, LowRankLinear
 
 
@@ -29,7 +29,8 @@ def test_linear_forward_and_grads_match_dense():
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("stride,padding,dilation", [(1, 0, 1), (2, 1, 1), (1, 2, 2), ((2, 1), (1, 0), (1, 2))])
+@pytest.mark.parametrize("stride,padding,dilation",
+                         [(1, 0, 1), (2, 1, 1), (1, 2, 2), ((2, 1), (1, 0), (1, 2))])
 def test_conv_forward_and_grads_match_dense(stride, padding, dilation):
     layer = LowRankConv2d(3, 7, (3, 2), 4, stride=stride, padding=padding, dilation=dilation, dtype=F64)
     x = torch.randn(2, 3, 7, 6, dtype=F64)
@@ -58,7 +59,8 @@ def test_factor_grads_are_dense_gradient_times_bases(kind):
         layer, x = LowRankLinear(10, 8, 3, dtype=F64), torch.randn(16, 10, dtype=F64)
         dense = lambda W: F.linear(x, W, layer.bias)  # noqa: E731
     else:
-        layer, x = LowRankConv2d(2, 5, 3, 3, padding=1, stride=2, dtype=F64), torch.randn(3, 2, 7, 7, dtype=F64)
+        layer = LowRankConv2d(2, 5, 3, 3, padding=1, stride=2, dtype=F64)
+        x = torch.randn(3, 2, 7, 7, dtype=F64)
         dense = lambda W: F.conv2d(x, W.reshape(5, 2, 3, 3), layer.bias, 2, 1)  # noqa: E731
     layer.set_grad_mode("factors")
     (layer(x) ** 2).sum().backward()

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from helpers import F64, dense_grad, mse_closure, projector, rank3_problem
 from torch import nn
 
 import rankwise
+from helpers import F64, dense_grad, mse_closure, projector, rank3_problem
 from rankwise import DLRT, SDLRT, LowRankConv2d, LowRankLinear
 from rankwise.lowrank._rules import adam, sgd, transport
 
@@ -140,7 +140,8 @@ def test_update_every_only_moves_cores_in_between():
 def test_dense_parameters_follow_the_torch_rule(name, rule, hp):
     """Non-low-rank parameters get exactly torch.optim.SGD / Adam updates."""
     torch.manual_seed(1)
-    model = nn.Sequential(LowRankLinear(6, 5, 2, dtype=F64), nn.LayerNorm(5, dtype=F64), nn.Linear(5, 2).double())
+    model = nn.Sequential(LowRankLinear(6, 5, 2, dtype=F64), nn.LayerNorm(5, dtype=F64),
+                          nn.Linear(5, 2).double())
     ref = nn.Sequential(nn.LayerNorm(5, dtype=F64), nn.Linear(5, 2).double())
     ref.load_state_dict(nn.Sequential(model[1], model[2]).state_dict())
     kw = {k: v for k, v in hp.items() if k != "lr"}
