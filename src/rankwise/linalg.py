@@ -59,10 +59,8 @@ def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tenso
     e = int((s > rtol).sum())
     if e == 0:
         return Q0
-    E = Q @ P[:, :e]
-    E = E - Q0 @ (Q0.mT @ E)  # one more pass keeps E ⟂ Q0 to roundoff
-    E, _ = torch.linalg.qr(E)
-    return torch.cat([Q0, E], dim=1)
+    # Q P[:, :e] is orthonormal, and ⟂ Q0 to roundoff after two projections ("twice is enough")
+    return torch.cat([Q0, Q @ P[:, :e]], dim=1)
 
 
 def _reorthonormalize(Q0: Tensor) -> Tensor:
