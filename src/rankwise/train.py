@@ -1,0 +1,345 @@
+"""A small training loop on the bundled digits: dense SGD, DLRT or SDLRT, with run records.
+
+Used by the ``rankwise`` command line; it never prints. Progress goes to an optional callback
+and, when ``config.out`` is set, to ``metrics.csv``, TensorBoard events and ``final.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .data import load_digits
+from .lowrank import DLRT, SDLRT, compression, to_low_rank
+from .models import MODELS, get_model
+
+Method = Literal["dense", "dlrt", "sdlrt"]
+METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run on the digits (1437 train / 360 test images, 10 classes).
+
+    **Arguments:**
+    - `method`: ``"dense"`` (``torch.optim.SGD``), ``"dlrt"`` (:class:`rankwise.DLRT`) or
+      ``"sdlrt"`` (:class:`rankwise.SDLRT`); default ``"dlrt"``.
+    - `model`: a name in :data:`rankwise.models.MODELS` (``"lenet"``, ``"mlp"``); default
+      ``"lenet"``.
+    - `tau`: relative truncation tolerance τ in [0, 1) of the low-rank methods; default 0.1.
+    - `rank`: initial rank of every low-rank layer (clamped per layer); ``None`` (default)
+      starts at full rank and lets the optimizer truncate.
+    - `tau_min`: SDLRT's floor for its τ feedback (τ ← ωτ whenever a layer's rank is below its
+      initial rank), in [0, tau]; ``None`` (default) means ``tau``, which switches the feedback
+      off so that `tau` is the tolerance of both low-rank methods. From a full-rank start the
+      feedback fires on every step, so SDLRT's τ soon sits at `tau_min`.
+    - `exclude`: module names (or name suffixes) kept dense, e.g. ``("fc2",)``; default none.
+    - `epochs`: passes over the training set, ≥ 1; default 10.
+    - `lr`: learning rate > 0; default 0.05.
+    - `momentum`: SGD momentum in [0, 1); default 0.9 (all three methods).
+    - `batch_size`: minibatch size ≥ 1; default 32.
+    - `seed`: seeds the model initialisation, the shuffling and the train/test split.
+    - `out`: directory for the run records (created if missing); ``None`` writes nothing.
+    """
+
+    method: Method = "dlrt"
+    model: str = "lenet"
+    tau: float = 0.1
+    rank: int | None = None
+    tau_min: float | None = None
+    exclude: tuple[str, ...] = ()
+    epochs: int = 10
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 32
+    seed: int = 0
+    out: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"`method` must be one of {list(METHODS)}; got {self.method!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
+        if not 0.0 <= self.tau < 1.0:
+            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+        if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
+            raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
+        if self.tau_min is not None and not 0.0 <= self.tau_min <= self.tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={self.tau}] or None; got {self.tau_min}")
+        if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
+            raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
+        if not _is_int(self.epochs) or self.epochs < 1:
+            raise ValueError(f"`epochs` must be an int >= 1; got {self.epochs!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"`lr` must be a finite number > 0; got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"`momentum` must be in [0, 1); got {self.momentum}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"`batch_size` must be an int >= 1; got {self.batch_size!r}")
+        if not _is_int(self.seed):
+            raise TypeError(f"`seed` must be an int; got {type(self.seed).__name__}")
+        if self.out is not None and not isinstance(self.out, Path):
+            raise TypeError(f"`out` must be a pathlib.Path or None; got {type(self.out).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready plain types (``out`` as a string)."""
+        d = dataclasses.asdict(self)
+        d["out"] = None if self.out is None else str(self.out)
+        d["exclude"] = list(self.exclude)
+        return d
+
+
+class EpochRecord(NamedTuple):
+    """Statistics of one finished epoch.
+
+    `train_loss` is the mean minibatch loss during the epoch; `train_acc` and `test_acc` are
+    accuracies in [0, 1] of the model at the end of the epoch; `ranks` maps each low-rank
+    layer to its rank (empty for dense); `compression` is ``compression(model)["ratio"]``;
+    `epoch_time` is in seconds (training only, not evaluation).
+    """
+
+    epoch: int
+    train_loss: float
+    train_acc: float
+    test_acc: float
+    ranks: dict[str, int]
+    compression: float
+    epoch_time: float
+
+
+class Progress(NamedTuple):
+    """What the progress callback receives after every optimizer step.
+
+    `epoch` (1-based) of `epochs`, `step` (1-based) of `steps` per epoch; `loss` and `acc` are
+    the running means over this epoch's minibatches; `ranks` as :attr:`EpochRecord.ranks`;
+    `record` is the :class:`EpochRecord` on the last step of an epoch, else ``None``.
+    """
+
+    epoch: int
+    epochs: int
+    step: int
+    steps: int
+    loss: float
+    acc: float
+    ranks: dict[str, int]
+    record: EpochRecord | None
+
+
+ProgressCallback = Callable[[Progress], None]
+
+
+def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> dict[str, Any]:
+    """Train `config.model` on the digits with `config.method` and return the run summary.
+
+    With ``config.out`` set, writes into that directory: ``metrics.csv`` (a row per epoch:
+    epoch, train_loss, train_acc, test_acc, compression, epoch_time, then ``rank/<layer>``
+    columns), TensorBoard events (``loss/train``, ``accuracy/train``, ``accuracy/test``,
+    ``compression/ratio``, ``rank/<layer>``) and, last, ``final.json`` (atomically).
+    The caller's global RNG state is left untouched.
+
+    **Arguments:**
+    - `config`: a :class:`TrainConfig`.
+    - `callback`: called with a :class:`Progress` after every step; default none.
+
+    **Returns:** a dict with ``config``, ``test_acc``, ``train_acc`` (final, in [0, 1]),
+    ``compression`` (the dict of :func:`rankwise.compression`), ``ranks`` and ``taus`` (per
+    layer; empty for dense), ``wall_time`` (seconds, from building the model to the final
+    evaluation; loading the data and opening the record files are not counted), ``history`` (a list of
+    :class:`EpochRecord` as dicts), ``rankwise_version`` and ``format_version``. ``final.json``
+    holds the same dict.
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"`config` must be a TrainConfig; got {type(config).__name__}")
+    with torch.random.fork_rng(devices=[]), _Recorder(config.out) as rec:
+        torch.manual_seed(config.seed)
+        split = load_digits(seed=config.seed)
+        t_start = time.perf_counter()  # wall time: model building, training, evaluation
+        model, opt = _build(config)
+        low_rank = isinstance(opt, DLRT | SDLRT)
+        dtype = next(model.parameters()).dtype  # the data follow the model (e.g. float64)
+        x_tr, y_tr = split.train.tensors
+        x_te, y_te = split.test.tensors
+        x_tr, x_te = x_tr.to(dtype), x_te.to(dtype)
+        shuffle = torch.Generator().manual_seed(config.seed)
+        history: list[EpochRecord] = []
+        for epoch in range(1, config.epochs + 1):
+            record = _run_epoch(config, model, opt, x_tr, y_tr, x_te, y_te, epoch, shuffle, callback)
+            history.append(record)
+            rec.epoch(record)
+        train_acc, test_acc = _accuracy(model, x_tr, y_tr), _accuracy(model, x_te, y_te)
+        summary = {
+            "config": config.to_dict(),
+            "test_acc": test_acc,
+            "train_acc": train_acc,
+            "compression": compression(model),
+            "ranks": opt.ranks() if low_rank else {},
+            "taus": opt.taus() if low_rank else {},
+            "wall_time": time.perf_counter() - t_start,
+            "history": [r._asdict() for r in history],
+            "rankwise_version": _version(),
+            "format_version": FORMAT_VERSION,
+        }
+        rec.final(summary)
+    return summary
+
+
+# --------------------------------------------------------------------------- internals
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _build(config: TrainConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = get_model(config.model)
+    if config.method == "dense":
+        return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
+    # rank=None: start at full rank (to_low_rank clamps the rank to min(out, in) per layer).
+    rank = sys.maxsize if config.rank is None else config.rank
+    to_low_rank(model, rank=rank, exclude=list(config.exclude) or None)
+    if config.method == "dlrt":
+        return model, DLRT(model, config.lr, tau=config.tau, momentum=config.momentum)
+    tau_min = config.tau if config.tau_min is None else config.tau_min
+    return model, SDLRT(model, config.lr, tau=config.tau, tau_min=tau_min, momentum=config.momentum)
+
+
+def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
+               x_tr: Tensor, y_tr: Tensor, x_te: Tensor, y_te: Tensor, epoch: int,
+               shuffle: torch.Generator, callback: ProgressCallback | None) -> EpochRecord:
+    low_rank = isinstance(opt, DLRT | SDLRT)
+    n = x_tr.shape[0]
+    steps = math.ceil(n / config.batch_size)
+    order = torch.randperm(n, generator=shuffle)
+    loss_sum = correct = seen = 0.0
+    t0 = time.perf_counter()
+    model.train()
+    for step in range(1, steps + 1):
+        idx = order[(step - 1) * config.batch_size: step * config.batch_size]
+        x, y = x_tr[idx], y_tr[idx]
+        logits: list[Tensor] = []
+
+        def closure(x=x, y=y, logits=logits) -> Tensor:
+            opt.zero_grad()
+            out = model(x)
+            loss = F.cross_entropy(out, y)
+            loss.backward()
+            logits.append(out.detach())
+            return loss
+
+        loss = float(opt.step(closure).detach())
+        loss_sum += loss * len(y)
+        correct += float((logits[0].argmax(1) == y).sum())
+        seen += len(y)
+        ranks = opt.ranks() if low_rank else {}
+        record = None
+        if step == steps:
+            elapsed = time.perf_counter() - t0
+            record = EpochRecord(epoch, loss_sum / seen, _accuracy(model, x_tr, y_tr),
+                                 _accuracy(model, x_te, y_te), ranks,
+                                 float(compression(model)["ratio"]), elapsed)
+            model.train()
+        if callback is not None:
+            callback(Progress(epoch, config.epochs, step, steps, loss_sum / seen, correct / seen,
+                              ranks, record))
+    assert record is not None
+    return record
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1024) -> float:
+    """Share of correctly classified samples, x (N, ...), y (N,) int64, in eval mode."""
+    model.eval()
+    correct = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
+                  for i in range(0, len(y), batch))
+    return correct / len(y)
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to `path` atomically: a temporary file in the same directory is
+    written, flushed and fsynced, then renamed over `path` (and the directory fsynced)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if hasattr(os, "O_DIRECTORY"):
+        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class _Recorder:
+    """metrics.csv, TensorBoard and final.json in one directory; does nothing for ``None``."""
+
+    def __init__(self, out: Path | None) -> None:
+        self.out = out
+        self.writer = None
+        self.csv_file = None
+        self.csv = None
+
+    def __enter__(self) -> _Recorder:
+        if self.out is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(log_dir=str(self.out))
+            self.csv_file = open(self.out / "metrics.csv", "w", newline="", encoding="utf-8")
+        return self
+
+    def epoch(self, r: EpochRecord) -> None:
+        if self.out is None:
+            return
+        row = {"epoch": r.epoch, "train_loss": r.train_loss, "train_acc": r.train_acc,
+               "test_acc": r.test_acc, "compression": r.compression, "epoch_time": r.epoch_time}
+        row.update({f"rank/{name}": rank for name, rank in r.ranks.items()})
+        if self.csv is None:
+            self.csv = csv.DictWriter(self.csv_file, fieldnames=list(row))
+            self.csv.writeheader()
+        self.csv.writerow(row)
+        self.csv_file.flush()
+        w = self.writer
+        w.add_scalar("loss/train", r.train_loss, r.epoch)
+        w.add_scalar("accuracy/train", r.train_acc, r.epoch)
+        w.add_scalar("accuracy/test", r.test_acc, r.epoch)
+        w.add_scalar("compression/ratio", r.compression, r.epoch)
+        for name, rank in r.ranks.items():
+            w.add_scalar(f"rank/{name}", rank, r.epoch)
+        w.flush()
+
+    def final(self, summary: dict[str, Any]) -> None:
+        if self.out is not None:
+            write_json_atomic(self.out / "final.json", summary)
+
+    def __exit__(self, *exc) -> None:
+        if self.csv_file is not None:
+            self.csv_file.close()
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,173 @@
+"""The ``rankwise`` command line and the training loop behind it (rankwise.train)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rankwise.cli import app
+from rankwise.train import Progress, TrainConfig, train, write_json_atomic
+
+runner = CliRunner()
+MLP_LAYERS = {"fc1": 64, "fc2": 500, "fc3": 10}  # name -> min(out, in), the largest rank
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The models are tiny: one thread is as fast, and immune to other busy processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _invoke(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def _scalars(out: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.mark.parametrize("method", ["dense", "dlrt", "sdlrt"])
+def test_train_writes_sane_records(tmp_path, method):
+    out = tmp_path / "run"
+    result = _invoke("train", "--method", method, "--model", "mlp", "--epochs", 1, "--rank", 8,
+                     "--tau", 0.1, "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "test accuracy" in result.output and "compression" in result.output
+
+    final = json.loads((out / "final.json").read_text())
+    assert final["config"]["method"] == method and final["config"]["epochs"] == 1
+    assert 0.0 <= final["test_acc"] <= 1.0 and 0.0 <= final["train_acc"] <= 1.0
+    assert final["wall_time"] > 0 and final["format_version"] == 1
+    comp = final["compression"]
+    assert comp["dense_params"] == 64 * 500 + 500 + 500 * 500 + 500 + 500 * 10 + 10
+    assert comp["ratio"] == pytest.approx(1 - comp["stored_params"] / comp["dense_params"])
+    if method == "dense":
+        assert final["ranks"] == {} and comp["ratio"] == 0.0
+    else:
+        assert set(final["ranks"]) == set(MLP_LAYERS)
+        assert all(2 <= r <= MLP_LAYERS[n] for n, r in final["ranks"].items())
+        assert comp["ratio"] > 0.5  # rank ~8 of 500×500 stores a few percent of the weights
+        assert (comp["buffer_params"] > 0) == (method == "sdlrt")
+
+    with open(out / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 1
+    row = rows[0]
+    assert int(row["epoch"]) == 1 and float(row["train_loss"]) > 0
+    assert float(row["test_acc"]) == pytest.approx(final["test_acc"])
+    assert float(row["compression"]) == pytest.approx(comp["ratio"])
+    assert {k[len("rank/"):]: int(v) for k, v in row.items() if k.startswith("rank/")} == final["ranks"]
+
+    assert list(out.glob("events.out.tfevents.*"))
+    scalars = _scalars(out)
+    assert scalars["accuracy/test"] == [pytest.approx(final["test_acc"])]
+    assert {"loss/train", "accuracy/train", "compression/ratio"} <= set(scalars)
+    assert {t for t in scalars if t.startswith("rank/")} == {f"rank/{n}" for n in final["ranks"]}
+    assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_dense_training_learns():
+    s = train(TrainConfig(method="dense", model="mlp", epochs=1))
+    assert s["test_acc"] > 0.7  # chance is 0.1
+    assert s["history"][0]["train_loss"] < 2.0  # ln 10 ≈ 2.30 at chance
+
+
+def test_bad_method_is_a_clear_usage_error():
+    result = _invoke("train", "--method", "bogus")
+    assert result.exit_code == 2
+    assert "--method" in result.output and "bogus" in result.output
+    assert all(m in result.output for m in ("dense", "dlrt", "sdlrt"))
+
+
+def test_bad_method_through_the_console_script():
+    script = Path(sys.executable).with_name("rankwise")
+    if not script.exists():
+        pytest.skip("console script not installed (pip install -e .)")
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.run([str(script), "train", "--method", "bogus"], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert "Invalid value for '--method'" in proc.stderr and "'bogus'" in proc.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tau", "1.5"], "`tau` must be in [0, 1); got 1.5"),
+    (["--epochs", "0"], "`epochs` must be an int >= 1; got 0"),
+    (["--rank", "0"], "`rank` must be a positive int"),
+    (["--tau", "0.1", "--tau-min", "0.2"], "`tau_min` must be in [0, tau=0.1]"),
+])
+def test_bad_values_name_the_argument(args, message):
+    result = _invoke("train", *args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split()).replace("│ │", "")
+
+
+def test_demo_prints_one_comparison_table(tmp_path):
+    result = _invoke("demo", "--epochs", 1, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("LeNet-5 on digits") == 1
+    for method in ("DENSE", "DLRT", "SDLRT"):
+        assert method in result.output
+    for method in ("dense", "dlrt", "sdlrt"):
+        final = json.loads((tmp_path / method / "final.json").read_text())
+        assert final["config"]["model"] == "lenet"
+        assert (final["compression"]["ratio"] > 0) == (method != "dense")
+
+
+# --------------------------------------------------------------------------- library loop
+def test_train_config_validates_and_is_frozen():
+    with pytest.raises(ValueError, match=r"`method` must be one of \['dense', 'dlrt', 'sdlrt'\]"):
+        TrainConfig(method="adam")
+    with pytest.raises(ValueError, match=r"`model` must be one of \['lenet', 'mlp'\]; got 'vgg'"):
+        TrainConfig(model="vgg")
+    with pytest.raises(ValueError, match="`lr` must be"):
+        TrainConfig(lr=0.0)
+    with pytest.raises(TypeError, match=r"`out` must be a pathlib\.Path"):
+        TrainConfig(out="runs")
+    config = TrainConfig()
+    with pytest.raises(AttributeError):
+        config.tau = 0.5
+
+
+def test_train_is_deterministic_reports_progress_and_keeps_global_rng():
+    config = TrainConfig(method="dlrt", model="mlp", epochs=2, rank=8, batch_size=128)
+    events: list[Progress] = []
+    state = torch.get_rng_state()
+    a = train(config, callback=events.append)
+    assert torch.equal(torch.get_rng_state(), state)
+    b = train(config)
+    strip = [{k: v for k, v in h.items() if k != "epoch_time"} for h in a["history"]]
+    assert strip == [{k: v for k, v in h.items() if k != "epoch_time"} for h in b["history"]]
+    steps = -(-1437 // 128)
+    assert len(events) == 2 * steps
+    assert [e.step for e in events[:steps]] == list(range(1, steps + 1))
+    ends = [e for e in events if e.record is not None]
+    assert [e.record.epoch for e in ends] == [1, 2] and all(e.step == steps for e in ends)
+    assert ends[-1].ranks == a["ranks"]
+    assert ends[-1].record.test_acc == a["history"][-1]["test_acc"]
+
+
+def test_write_json_atomic_replaces_or_leaves_the_old_file(tmp_path):
+    path = tmp_path / "final.json"
+    write_json_atomic(path, {"a": 1})
+    write_json_atomic(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2}
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"a": float("nan")})  # not valid JSON: refused
+    assert json.loads(path.read_text()) == {"a": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["final.json"]
