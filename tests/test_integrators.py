@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import F64
-from rankwise.linalg import orth_extend, tail_rank, truncated_svd
+from rankwise.linalg import orth_complement, orth_extend, tail_rank, truncated_svd
 from rankwise.lowrank import _integrators as bug
 
 
@@ -51,9 +51,10 @@ def _setup(m=15, n=11, r=3, b=2):
     U0, V0 = _orth(m, r), _orth(n, r)
     S0 = torch.randn(r, r, dtype=F64)
     dK, dL = torch.randn(m, r, dtype=F64), torch.randn(n, r, dtype=F64)
-    Q = orth_extend(torch.cat([U0, dK], 1), torch.randn(m, b, dtype=F64))[:, 2 * r:]
-    P = orth_extend(torch.cat([V0, dL], 1), torch.randn(n, b, dtype=F64))[:, 2 * r:]
-    return U0, S0, V0, dK, dL, Q, P
+    # buffers: orthonormal, orthogonal to U0 / V0 (and here also to the updates)
+    Ub = orth_complement(orth_extend(U0, dK), torch.randn(m, b, dtype=F64))
+    Vb = orth_complement(orth_extend(V0, dL), torch.randn(n, b, dtype=F64))
+    return U0, S0, V0, dK, dL, Ub, Vb
 
 
 def test_galerkin_core_reconstructs_previous_weight():
@@ -70,7 +71,7 @@ def test_projected_update_is_tangent_projection():
     G = torch.randn(15, 11, dtype=F64)
     dK, dS, dL = G @ V0, U0.T @ G @ V0, G.T @ U0
     aug = bug.augment(U0, V0, dK, dL, Ub, Vb)
-    dW = aug.U @ bug.projected_update(aug, U0, V0, dK, dS, dL) @ aug.V.T
+    dW = aug.U @ bug.projected_update(aug, dK, dS, dL) @ aug.V.T
     PU, PV = U0 @ U0.T, V0 @ V0.T
     torch.testing.assert_close(dW, PU @ G + G @ PV - PU @ G @ PV)
 
@@ -116,3 +117,30 @@ def test_rank_deficient_inputs_do_not_divide_by_zero():
         aug = bug.augment(U0, V0, dK, dL[:8] if dL.shape[0] == 10 else dL)
         out = bug.truncate(aug, bug.galerkin_core(aug, S0), tau=0.1)
         assert all(torch.isfinite(t).all() for t in out)
+
+
+def test_reorthonormalize_keeps_weight_and_gradient():
+    U0, S0, V0, _, _, Ub, Vb = _setup()
+    U = U0 @ (torch.eye(3, dtype=F64) + 1e-3 * torch.randn(3, 3, dtype=F64))  # drifted bases
+    V = V0 @ (torch.eye(3, dtype=F64) + 1e-3 * torch.randn(3, 3, dtype=F64))
+    G = torch.randn(15, 11, dtype=F64)
+    f = bug.Factors(U, S0, V, G @ V, U.T @ G @ V, G.T @ U, Ub, Vb)
+    g = bug.reorthonormalize(f)
+    torch.testing.assert_close(g.U @ g.S @ g.V.T, U @ S0 @ V.T)
+    for Q in (torch.cat([g.U, g.U_buf], 1), torch.cat([g.V, g.V_buf], 1)):
+        torch.testing.assert_close(Q.T @ Q, torch.eye(Q.shape[1], dtype=F64))
+    torch.testing.assert_close(g.G_K, G @ g.V)
+    torch.testing.assert_close(g.G_L, G.T @ g.U)
+    torch.testing.assert_close(g.G_S, g.U.T @ G @ g.V)
+
+
+def test_orth_complement_float32_orthogonality():
+    Q0 = torch.linalg.qr(torch.randn(2048, 100))[0]
+    X = torch.randn(2048, 100) + Q0 @ torch.randn(100, 100) * 10  # mostly inside span(Q0)
+    X[:, 5] = X[:, 4] + 0.1 * X[:, 6]  # a dependent column: dropped
+    X[:, 7] = X[:, 8] + 1e-2 * torch.randn(2048)  # nearly dependent (σ ~ 1e-3 > √eps): kept
+    E = orth_complement(Q0, X)
+    assert E.shape[1] == 99
+    eps = torch.finfo(torch.float32).eps
+    assert float((E.T @ E - torch.eye(99)).abs().max()) < 50 * eps
+    assert float((Q0.T @ E).abs().max()) < 50 * eps

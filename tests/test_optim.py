@@ -67,6 +67,16 @@ def test_one_step_matches_projector_reference(single_pass):
 
 
 @pytest.mark.parametrize("single_pass", BOTH)
+def test_fixed_rank_stays_fixed(single_pass):
+    X, Y, _ = rank3_problem()
+    layer = LowRankLinear(20, 30, 4, dtype=F64)
+    opt = SDLRT(layer, 0.05, tau=0.1, adaptive=False, single_pass=single_pass)
+    for _ in range(4):
+        opt.step(mse_closure(opt, layer, X, Y))
+        assert layer.rank == 4 and layer.U_buf.shape[1] == 4
+
+
+@pytest.mark.parametrize("single_pass", BOTH)
 @pytest.mark.parametrize("cls,kw", [(DLRT, {}), (SDLRT, {"feedback": False})])
 def test_rank3_regression_reaches_zero_loss_at_rank3(cls, kw, single_pass):
     X, Y, _ = rank3_problem()

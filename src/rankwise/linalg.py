@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["orth_extend", "tail_rank", "truncated_svd", "work_dtype"]
+__all__ = ["orth_complement", "orth_extend", "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -17,59 +17,62 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tensor:
-    """Orthonormal basis of ``span[Q0, blocks...]`` whose first columns are ``Q0`` itself.
+def orthonormalize(Q: Tensor) -> tuple[Tensor, Tensor]:
+    """Thin QR ``Q = Q' R`` with ``diag(R) >= 0``: (m, k) -> Q' (m, k) orthonormal, R (k, k)."""
+    Qn, R = torch.linalg.qr(Q)
+    sign = torch.where(torch.diagonal(R) < 0, -1.0, 1.0).to(Q.dtype)
+    return Qn * sign, R * sign[:, None]
 
-    ``Q0`` (m, r) should have orthonormal columns; if it has drifted from orthonormality by
-    more than 100·eps (e.g. factors stored in lower precision), it is re-orthonormalised first
-    (same span, signs kept), so the result is orthonormal and spans ``Q0``. The extra columns
-    are normalised to unit
-    length, projected off ``Q0`` twice (classical Gram-Schmidt with re-orthogonalisation),
-    and the range of the residual is found by QR followed by an SVD of the small triangular
-    factor; directions whose singular value is below ``rtol`` (relative to unit columns) are
-    numerically dependent and dropped. Zero columns are ignored.
 
-    **Arguments:**
-    - `Q0`: (m, r) orthonormal columns (r may be 0).
-    - `blocks`: tensors of shape (m, c_i).
-    - `rtol`: drop threshold; default ``sqrt(eps)`` of the dtype.
+def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tensor:
+    """Orthonormal basis (m, e) of the part of ``span(X)`` orthogonal to ``span(Q0)``.
 
-    **Returns:** (m, r + e) orthonormal columns, ``e <= sum(c_i)``; the first r columns are
-    ``Q0`` (or its re-orthonormalised version).
+    ``Q0`` (m, r) must have orthonormal columns (r may be 0); ``X`` is (m, c). Columns of X are
+    scaled to unit length (zero columns ignored) and projected off Q0; the range of the
+    residual is taken from the eigen-decomposition of its Gram matrix (computed in float64),
+    keeping directions whose singular value exceeds ``rtol`` — numerically dependent
+    columns are dropped, and no division by a singular value below ``rtol`` ever happens.
+    The result is projected off Q0 once more and re-orthonormalised by one Cholesky-QR pass.
+    Everything is matrix products plus (e×e) factorisations, which keeps it fast for tall
+    matrices on few cores (a Householder QR is several times slower there).
+
+    `rtol` defaults to ``max(sqrt(eps), sqrt(1e3·c·eps64))``: √eps of X's dtype, but no
+    smaller than what a float64 Gram matrix can resolve.
     """
     m = Q0.shape[0]
-    Q0 = _reorthonormalize(Q0)
+    if X.shape[0] != m:
+        raise ValueError(f"X must have {m} rows like Q0; got {X.shape[0]}")
+    X = X.to(Q0.dtype)
+    norms = torch.linalg.vector_norm(X, dim=0)
+    nz = norms > torch.finfo(X.dtype).tiny
+    if not bool(nz.any()):
+        return X.new_zeros(m, 0)
+    X = X[:, nz] / norms[nz]
+    if rtol is None:
+        gram_floor = (1e3 * X.shape[1] * torch.finfo(torch.float64).eps) ** 0.5
+        rtol = max(torch.finfo(X.dtype).eps ** 0.5, gram_floor)
+    if Q0.shape[1]:
+        X = X - Q0 @ (Q0.mT @ X)
+    lam, W = torch.linalg.eigh((X.mT @ X).double())
+    keep = lam > rtol**2
+    if not bool(keep.any()):
+        return X.new_zeros(m, 0)
+    Y = X @ (W[:, keep] * lam[keep].rsqrt()).to(X.dtype)
+    if Q0.shape[1]:
+        Y = Y - Q0 @ (Q0.mT @ Y)
+    L, info = torch.linalg.cholesky_ex((Y.mT @ Y).double())
+    if int(info) != 0:  # not expected after the eigen filter; fall back to Householder QR
+        return orthonormalize(Y)[0]
+    return torch.linalg.solve_triangular(L.to(Y.dtype), Y.mT, upper=False).mT
+
+
+def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tensor:
+    """``[Q0, orth_complement(Q0, [blocks...])]``: an orthonormal basis of span[Q0, blocks]
+    whose first columns are ``Q0`` (which must be orthonormal). Shapes (m, r), (m, c_i)."""
     extra = [b for b in blocks if b.numel() > 0]
     if not extra:
         return Q0
-    X = torch.cat(extra, dim=1).to(Q0.dtype)
-    if X.shape[0] != m:
-        raise ValueError(f"blocks must have {m} rows like Q0; got {X.shape[0]}")
-    norms = torch.linalg.vector_norm(X, dim=0)
-    keep = norms > torch.finfo(X.dtype).tiny
-    if not bool(keep.any()):
-        return Q0
-    X = X[:, keep] / norms[keep]
-    for _ in range(2):
-        X = X - Q0 @ (Q0.mT @ X)
-    if rtol is None:
-        rtol = torch.finfo(X.dtype).eps ** 0.5
-    Q, R = torch.linalg.qr(X)
-    P, s, _ = torch.linalg.svd(R)
-    e = int((s > rtol).sum())
-    if e == 0:
-        return Q0
-    # Q P[:, :e] is orthonormal, and ⟂ Q0 to roundoff after two projections ("twice is enough")
-    return torch.cat([Q0, Q @ P[:, :e]], dim=1)
-
-
-def _reorthonormalize(Q0: Tensor) -> Tensor:
-    r = Q0.shape[1]
-    eye = torch.eye(r, dtype=Q0.dtype, device=Q0.device)
-    if r == 0 or float((Q0.mT @ Q0 - eye).abs().max()) <= 100 * torch.finfo(Q0.dtype).eps:
-        return Q0
-    Q, R = torch.linalg.qr(Q0)
-    return Q * torch.where(torch.diagonal(R) < 0, -1.0, 1.0).to(Q.dtype)
+    return torch.cat([Q0, orth_complement(Q0, torch.cat(extra, dim=1), rtol=rtol)], dim=1)
 
 
 def tail_rank(s: Tensor, tol: float, *, min_rank: int = 1, max_rank: int | None = None) -> int:

@@ -2,9 +2,10 @@ r"""The rank-adaptive augmented basis-update & Galerkin (BUG) step as pure funct
 
 One step for a layer ``W0 = U0 S0 V0ᵀ`` (U0 (m, r0), S0 (r0, r0), V0 (n, r0)) runs
 
-1. **augment**: ``Ū = orth[U0, ΔK, U_buf]``, ``V̄ = orth[V0, ΔL, V_buf]``. ΔK and ΔL are the
+1. **augment**: ``Ū = orth[U0, U_buf, ΔK]``, ``V̄ = orth[V0, V_buf, ΔL]``. ΔK and ΔL are the
    optimizer's updates of K = U S and L = V Sᵀ; span[U0, K1] = span[U0, ΔK] because
-   K1 = U0 S0 + ΔK. U_buf, V_buf are SDLRT's compensation buffer (empty for DLRT).
+   K1 = U0 S0 + ΔK. U_buf, V_buf are SDLRT's compensation buffer (empty for DLRT); they are
+   already orthonormal and orthogonal to U0, V0, so only ΔK, ΔL need orthogonalising.
 2. **Galerkin core**: ``S̄(0) = (ŪᵀU0) S0 (V0ᵀV̄)``, which reconstructs W0 exactly, then
    ``S̄ = S̄(0) + ΔS̄`` with ΔS̄ the core update in the augmented coordinates.
 3. **truncate**: ``S̄ = P Σ Qᵀ``; keep the smallest r1 with ``‖Σ[r1:]‖_F ≤ ϑ = τ ‖S̄‖_F``
@@ -27,22 +28,31 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..linalg import orth_extend, tail_rank
+from ..linalg import orth_complement, orthonormalize, tail_rank
 
 
 class Augmented(NamedTuple):
-    """Augmented bases Ū (m, ku), V̄ (n, kv) and the old-to-augmented coordinate maps
-    ``A = ŪᵀU0`` (ku, r0) and ``B = V0ᵀV̄`` (r0, kv)."""
+    """Augmented bases Ū = [U0, U_buf, E_U] (m, ku) and V̄ = [V0, V_buf, E_V] (n, kv); their
+    first ``r0`` columns are the old bases, so the old-to-augmented coordinate maps are
+    ``A = ŪᵀU0 = I[:, :r0]`` and ``B = V0ᵀV̄ = I[:r0, :]``."""
 
     U: Tensor
     V: Tensor
-    A: Tensor
-    B: Tensor
+    r0: int
+
+    @property
+    def A(self) -> Tensor:
+        return torch.eye(self.U.shape[1], self.r0, dtype=self.U.dtype, device=self.U.device)
+
+    @property
+    def B(self) -> Tensor:
+        return torch.eye(self.r0, self.V.shape[1], dtype=self.V.dtype, device=self.V.device)
 
 
 class Truncated(NamedTuple):
     """New factors U (m, r1), S (r1, r1), V (n, r1); buffer U_buf (m, b), V_buf (n, b);
-    ``P`` (ku, r1), ``Q`` (kv, r1): augmented-to-new coordinate maps."""
+    ``P`` (ku, r1), ``Q`` (kv, r1): augmented-to-new coordinate maps (so the old-to-new maps
+    are ``U0ᵀU1 = P[:r0]`` and ``V0ᵀV1 = Q[:r0]``)."""
 
     U: Tensor
     S: Tensor
@@ -55,33 +65,46 @@ class Truncated(NamedTuple):
 
 def augment(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor,
             U_buf: Tensor | None = None, V_buf: Tensor | None = None) -> Augmented:
-    """Step 1: orthonormal augmented bases (numerically dependent columns dropped)."""
-    U = orth_extend(U0, dK, *([] if U_buf is None else [U_buf]))
-    V = orth_extend(V0, dL, *([] if V_buf is None else [V_buf]))
-    return Augmented(U, V, U.mT @ U0, V0.mT @ V)
+    """Step 1: ``Ū = [U0, U_buf, orth((I − P)ΔK)]`` and likewise V̄.
+
+    ``[U0, U_buf]`` must be orthonormal — true for the buffer this integrator produces (it
+    comes from the same SVD as the retained basis); the optimizer re-orthonormalises
+    periodically. Only ΔK (m, r0) and ΔL (n, r0) are orthogonalised (numerically dependent
+    directions dropped).
+    """
+    r0 = U0.shape[1]
+    Uk = U0 if U_buf is None else torch.cat([U0, U_buf], dim=1)
+    Vk = V0 if V_buf is None else torch.cat([V0, V_buf], dim=1)
+    U = torch.cat([Uk, orth_complement(Uk, dK)], dim=1)
+    V = torch.cat([Vk, orth_complement(Vk, dL)], dim=1)
+    return Augmented(U, V, r0)
 
 
 def galerkin_core(aug: Augmented, S0: Tensor) -> Tensor:
-    """Step 2a: ``S̄(0) = (ŪᵀU0) S0 (V0ᵀV̄)``, so that ``Ū S̄(0) V̄ᵀ = U0 S0 V0ᵀ``."""
-    return aug.A @ S0 @ aug.B
+    """Step 2a: ``S̄(0) = (ŪᵀU0) S0 (V0ᵀV̄)`` = S0 padded with zeros to (ku, kv), so that
+    ``Ū S̄(0) V̄ᵀ = U0 S0 V0ᵀ``."""
+    r0 = aug.r0
+    S = S0.new_zeros(aug.U.shape[1], aug.V.shape[1])
+    S[:r0, :r0] = S0
+    return S
 
 
-def projected_update(aug: Augmented, U0: Tensor, V0: Tensor,
-                     dK: Tensor, dS: Tensor, dL: Tensor) -> Tensor:
+def projected_update(aug: Augmented, dK: Tensor, dS: Tensor, dL: Tensor) -> Tensor:
     r"""Step 2b, single pass: the core update in augmented coordinates, ``Ūᵀ ΔW V̄`` with
 
     ``ΔW = U0 ΔS V0ᵀ + (I − U0U0ᵀ) ΔK V0ᵀ + U0 ΔLᵀ (I − V0V0ᵀ)``,
 
     the tangent-space update assembled from the K, S, L updates. For plain SGD it is −lr
-    times the gradient projected onto the tangent space at W0, i.e. the one gradient of the
-    single pass projected onto the augmented bases (the block of the augmented core that
-    couples the two new subspaces is the one a second pass would add).
+    times the gradient projected onto the tangent space at W0: the one gradient of the single
+    pass projected onto the augmented bases. In blocks (Ũ = Ū[:, r0:], Ṽ = V̄[:, r0:]):
+    ``[[ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` — the zero block is what a second pass would fill.
     dK (m, r0), dS (r0, r0), dL (n, r0); returns (ku, kv).
     """
-    A, B = aug.A, aug.B
-    left = aug.U.mT @ dK - A @ (U0.mT @ dK)   # Ūᵀ (I − U0U0ᵀ) ΔK   (ku, r0)
-    right = dL.mT @ aug.V - (dL.mT @ V0) @ B  # ΔLᵀ (I − V0V0ᵀ) V̄   (r0, kv)
-    return A @ dS @ B + left @ B + A @ right
+    r0 = aug.r0
+    out = galerkin_core(aug, dS)
+    out[r0:, :r0] = aug.U[:, r0:].mT @ dK
+    out[:r0, r0:] = dL.mT @ aug.V[:, r0:]
+    return out
 
 
 def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: int | None = None,
@@ -112,3 +135,35 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
         U_buf=aug.U @ P[:, r1:r1 + b], V_buf=aug.V @ Q[:, r1:r1 + b],
         P=P[:, :r1], Q=Q[:, :r1],
     )
+
+
+class Factors(NamedTuple):
+    """A layer's factors in working precision: U (m, r), S (r, r), V (n, r), gradients
+    G_K (m, r), G_S (r, r), G_L (n, r), and the buffer U_buf (m, b), V_buf (n, b)."""
+
+    U: Tensor
+    S: Tensor
+    V: Tensor
+    G_K: Tensor
+    G_S: Tensor
+    G_L: Tensor
+    U_buf: Tensor
+    V_buf: Tensor
+
+
+def reorthonormalize(f: Factors) -> Factors:
+    """The same weight and gradients with exactly orthonormal ``[U, U_buf]`` and
+    ``[V, V_buf]``: with ``U = U' R_U``, ``V = V' R_V`` (thin QR, R upper-triangular),
+    ``S' = R_U S R_Vᵀ``, ``G_K' = G_K R_V⁻¹``, ``G_L' = G_L R_U⁻¹``,
+    ``G_S' = R_U⁻ᵀ G_S R_V⁻¹`` (R is the identity up to the drift being removed)."""
+    r = f.U.shape[1]
+    QU, RU = orthonormalize(torch.cat([f.U, f.U_buf], dim=1))
+    QV, RV = orthonormalize(torch.cat([f.V, f.V_buf], dim=1))
+    RU, RV = RU[:r, :r], RV[:r, :r]
+
+    def right_solve(G: Tensor, R: Tensor) -> Tensor:  # G R⁻¹
+        return torch.linalg.solve_triangular(R, G, upper=True, left=False)
+
+    G_S = torch.linalg.solve_triangular(RU.mT, right_solve(f.G_S, RV), upper=False)
+    return Factors(QU[:, :r], RU @ f.S @ RV.mT, QV[:, :r], right_solve(f.G_K, RV), G_S,
+                   right_solve(f.G_L, RU), QU[:, r:], QV[:, r:])

@@ -145,30 +145,44 @@ class _AugmentedBUG(torch.optim.Optimizer):
         dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._hp())
         layer.S.copy_(S0 + dS)
 
+    def _factors(self, layer: AbstractLowRankLayer) -> bug.Factors | None:
+        """The layer's factors, gradients and buffer in working precision; re-orthonormalised
+        on the first augmentation, every 100th, and always for half-precision layers."""
+        gk, gl = layer.factor_grads()
+        if gk is None or layer.S.grad is None:
+            return None  # layer unused by this forward pass
+        dt = work_dtype(layer.U.dtype)
+        buf = self.cfg["buffer"]
+        f = bug.Factors(*(t.detach().to(dt) for t in (
+            layer.U, layer.S, layer.V, gk, layer.S.grad, gl,
+            layer.U_buf if buf else layer.U_buf[:, :0], layer.V_buf if buf else layer.V_buf[:, :0])))
+        st = self.state[layer.S]
+        count = st.get("augmentations", 0)
+        st["augmentations"] = count + 1
+        if count % 100 == 0 or dt != layer.U.dtype:
+            f = bug.reorthonormalize(f)
+        return f
+
     def _augmented_step(self, closure) -> bool:
-        hp, cfg = self._hp(), self.cfg
+        hp = self._hp()
         plans = {}
         for name, layer in self.layers.items():
-            gk, gl = layer.factor_grads()
-            if gk is None or layer.S.grad is None:
-                continue  # layer unused by this forward pass
+            f = self._factors(layer)
+            if f is None:
+                continue
             st = self.state[layer.S]
-            dt = work_dtype(layer.U.dtype)
-            U0, S0, V0 = (t.detach().to(dt) for t in (layer.U, layer.S, layer.V))
-            dK, st["K"] = self.rule(gk.to(dt), U0 @ S0, st["K"], hp)
-            dL, st["L"] = self.rule(gl.to(dt), V0 @ S0.mT, st["L"], hp)
-            bufs = (layer.U_buf.to(dt), layer.V_buf.to(dt)) if cfg["buffer"] else (None, None)
-            aug = bug.augment(U0, V0, dK, dL, *bufs)
+            dK, st["K"] = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
+            dL, st["L"] = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
+            aug = bug.augment(f.U, f.V, dK, dL, f.U_buf, f.V_buf)
+            S_bar = bug.galerkin_core(aug, f.S)
             if closure is None:
-                dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], hp)
-                S_bar = bug.galerkin_core(aug, S0) + bug.projected_update(aug, U0, V0, dK, dS, dL)
-            else:
-                S_bar = bug.galerkin_core(aug, S0)
-            plans[name] = (U0, S0, V0, aug, S_bar)
+                dS, st["S"] = self.rule(f.G_S, f.S, st["S"], hp)
+                S_bar = S_bar + bug.projected_update(aug, dK, dS, dL)
+            plans[name] = (aug, S_bar)
         if closure is not None and not self._second_pass(closure, plans):
             return False
-        for name, (U0, _, V0, aug, S_bar) in plans.items():
-            self._truncate(self.layers[name], U0, V0, aug, S_bar, two_pass=closure is not None)
+        for name, (aug, S_bar) in plans.items():
+            self._truncate(self.layers[name], aug, S_bar, two_pass=closure is not None)
         return True
 
     def _second_pass(self, closure, plans) -> bool:
@@ -177,7 +191,7 @@ class _AugmentedBUG(torch.optim.Optimizer):
         saved = {p: None if p.grad is None else p.grad.clone() for p in dense}
         originals = {n: (self.layers[n].U.clone(), self.layers[n].S.clone(),
                          self.layers[n].V.clone()) for n in plans}
-        for name, (_, _, _, aug, S_bar) in plans.items():
+        for name, (aug, S_bar) in plans.items():
             self.layers[name].set_factors(aug.U, S_bar, aug.V)
             self.layers[name].set_grad_mode("core")
         with torch.enable_grad():
@@ -195,15 +209,15 @@ class _AugmentedBUG(torch.optim.Optimizer):
         if not ok:
             return False
         hp = self._hp()
-        for name, (U0, S0, V0, aug, S_bar) in plans.items():
+        for name, (aug, S_bar) in plans.items():
             st = self.state[self.layers[name].S]
             g = self.layers[name].S.grad.to(S_bar)
             st_aug = transport(st["S"], aug.A.mT, aug.B)  # old core coordinates -> augmented
             dS, st["S"] = self.rule(g, S_bar, st_aug, hp)
-            plans[name] = (U0, S0, V0, aug, S_bar + dS)
+            plans[name] = (aug, S_bar + dS)
         return True
 
-    def _truncate(self, layer, U0, V0, aug, S_bar, *, two_pass: bool) -> None:
+    def _truncate(self, layer, aug, S_bar, *, two_pass: bool) -> None:
         cfg, st = self.cfg, self.state[layer.S]
         hi = layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
         lo = min(cfg["min_rank"], hi)
@@ -211,11 +225,11 @@ class _AugmentedBUG(torch.optim.Optimizer):
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
                                buffer=cfg["buffer"])
         else:
-            out = bug.truncate(aug, S_bar, rank=layer.rank, buffer=cfg["buffer"])
+            out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg["buffer"])
         r1 = out.S.shape[0]
         if cfg["feedback"] and r1 < st["r_init"]:
             st["tau"] = max(cfg["omega"] * st["tau"], cfg["tau_min"])
-        TU, TV = U0.mT @ out.U, V0.mT @ out.V  # old-to-new coordinate maps (r0, r1)
+        TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
         st["K"] = transport(st["K"], None, TV)
         st["L"] = transport(st["L"], None, TU)
         st["S"] = transport(st["S"], out.P, out.Q) if two_pass else transport(st["S"], TU, TV)
