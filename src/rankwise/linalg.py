@@ -27,37 +27,38 @@ def orthonormalize(Q: Tensor) -> tuple[Tensor, Tensor]:
 def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tensor:
     """Orthonormal basis (m, e) of the part of ``span(X)`` orthogonal to ``span(Q0)``.
 
-    ``Q0`` (m, r) must have orthonormal columns (r may be 0); ``X`` is (m, c). Columns of X are
-    scaled to unit length (zero columns ignored) and projected off Q0; the range of the
-    residual is taken from the eigen-decomposition of its Gram matrix (computed in float64),
-    keeping directions whose singular value exceeds ``rtol`` — numerically dependent
-    columns are dropped, and no division by a singular value below ``rtol`` ever happens.
-    The result is projected off Q0 once more and re-orthonormalised by one Cholesky-QR pass.
-    Everything is matrix products plus (e×e) factorisations, which keeps it fast for tall
-    matrices on few cores (a Householder QR is several times slower there).
+    ``Q0`` (m, r) must have orthonormal columns (r may be 0); ``X`` is (m, c). X is projected
+    off Q0 and the range of the residual is read from the eigen-decomposition of its Gram
+    matrix (float64), scaled as if every column of X had unit length: directions whose
+    singular value is ≤ ``rtol`` relative to the original column norms are numerically
+    dependent (or inside span(Q0)) and dropped — no division by a singular value below
+    ``rtol`` ever happens. The result is projected off Q0 once more and re-orthonormalised by
+    one Cholesky-QR pass. All heavy work is matrix products plus (c×c) factorisations, which
+    is several times faster than a Householder QR of the tall matrix on few cores.
 
     `rtol` defaults to ``max(sqrt(eps), sqrt(1e3·c·eps64))``: √eps of X's dtype, but no
     smaller than what a float64 Gram matrix can resolve.
     """
-    m = Q0.shape[0]
-    if X.shape[0] != m:
-        raise ValueError(f"X must have {m} rows like Q0; got {X.shape[0]}")
+    m, c = X.shape
+    if m != Q0.shape[0]:
+        raise ValueError(f"X must have {Q0.shape[0]} rows like Q0; got {m}")
     X = X.to(Q0.dtype)
-    norms = torch.linalg.vector_norm(X, dim=0)
-    nz = norms > torch.finfo(X.dtype).tiny
-    if not bool(nz.any()):
-        return X.new_zeros(m, 0)
-    X = X[:, nz] / norms[nz]
     if rtol is None:
-        gram_floor = (1e3 * X.shape[1] * torch.finfo(torch.float64).eps) ** 0.5
+        gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
         rtol = max(torch.finfo(X.dtype).eps ** 0.5, gram_floor)
+    sq_norms = torch.zeros(c, dtype=torch.float64, device=X.device)
     if Q0.shape[1]:
-        X = X - Q0 @ (Q0.mT @ X)
-    lam, W = torch.linalg.eigh((X.mT @ X).double())
+        C = Q0.mT @ X
+        X = X - Q0 @ C
+        sq_norms += C.double().square().sum(0)
+    G = (X.mT @ X).double()
+    sq_norms += torch.diagonal(G)  # ‖x‖² = ‖Q0ᵀx‖² + ‖residual‖²
+    d = torch.where(sq_norms > 0, sq_norms.rsqrt(), torch.zeros_like(sq_norms))
+    lam, W = torch.linalg.eigh(G * d[:, None] * d[None, :])  # Gram of the unit-length columns
     keep = lam > rtol**2
     if not bool(keep.any()):
         return X.new_zeros(m, 0)
-    Y = X @ (W[:, keep] * lam[keep].rsqrt()).to(X.dtype)
+    Y = X @ (d[:, None] * W[:, keep] * lam[keep].rsqrt()).to(X.dtype)
     if Q0.shape[1]:
         Y = Y - Q0 @ (Q0.mT @ Y)
     L, info = torch.linalg.cholesky_ex((Y.mT @ Y).double())

@@ -130,11 +130,9 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
         r1 = max(min(r1, max_rank if max_rank is not None else k), min_rank)
     r1 = max(1, min(r1, k))
     b = min(r1, k - r1) if buffer else 0
-    return Truncated(
-        U=aug.U @ P[:, :r1], S=torch.diag(s[:r1]), V=aug.V @ Q[:, :r1],
-        U_buf=aug.U @ P[:, r1:r1 + b], V_buf=aug.V @ Q[:, r1:r1 + b],
-        P=P[:, :r1], Q=Q[:, :r1],
-    )
+    U, V = aug.U @ P[:, :r1 + b], aug.V @ Q[:, :r1 + b]  # retained and buffer in one product
+    return Truncated(U=U[:, :r1], S=torch.diag(s[:r1]), V=V[:, :r1], U_buf=U[:, r1:], V_buf=V[:, r1:],
+                     P=P[:, :r1], Q=Q[:, :r1])
 
 
 class Factors(NamedTuple):

@@ -126,7 +126,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
         for layer in self.layers.values():
             tensors += [t for t in layer.factor_grads() if t is not None]
         tensors += extra or []
-        if not tensors or bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all()):
+        # one reduction and one sync: a NaN or inf anywhere makes the sum non-finite
+        if not tensors or bool(torch.isfinite(torch.stack([t.sum().float() for t in tensors]).sum())):
             return True
         msg = (f"non-finite loss or gradient (loss={None if loss is None else float(loss)}); "
                "no weights were changed")
