@@ -117,8 +117,7 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
     """
     if (tau is None) == (rank is None):
         raise ValueError("give exactly one of `tau` (adaptive) or `rank` (fixed)")
-    P, s, Qh = torch.linalg.svd(S_bar, full_matrices=False)
-    Q = Qh.mT
+    P, s, Q = _svd(S_bar)
     k = s.numel()
     if rank is not None:
         r1 = rank
@@ -133,6 +132,18 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
     U, V = aug.U @ P[:, :r1 + b], aug.V @ Q[:, :r1 + b]  # retained and buffer in one product
     return Truncated(U=U[:, :r1], S=torch.diag(s[:r1]), V=V[:, :r1], U_buf=U[:, r1:], V_buf=V[:, r1:],
                      P=P[:, :r1], Q=Q[:, :r1])
+
+
+def _svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Thin SVD ``S = P diag(s) Qᵀ`` (returns P, s, Q). LAPACK's divide-and-conquer SVD
+    occasionally fails to converge on finite matrices; retry once in float64."""
+    if not bool(torch.isfinite(S).all()):
+        raise FloatingPointError("the augmented core S̄ is not finite; no weights were changed")
+    try:
+        P, s, Qh = torch.linalg.svd(S, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
+    return P, s, Qh.mT
 
 
 class Factors(NamedTuple):

@@ -182,6 +182,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
             plans[name] = (aug, S_bar)
         if closure is not None and not self._second_pass(closure, plans):
             return False
+        if not self._finite(None, [S_bar for _, S_bar in plans.values()]):
+            return False  # checked before any layer is written
         for name, (aug, S_bar) in plans.items():
             self._truncate(self.layers[name], aug, S_bar, two_pass=closure is not None)
         return True
