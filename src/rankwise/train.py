@@ -45,9 +45,9 @@ class TrainConfig:
     - `rank`: initial rank of every low-rank layer (clamped per layer); ``None`` (default)
       starts at full rank and lets the optimizer truncate.
     - `tau_min`: SDLRT's floor for its τ feedback (τ ← ωτ whenever a layer's rank is below its
-      initial rank), in [0, tau]; ``None`` (default) means ``tau``, which switches the feedback
-      off so that `tau` is the tolerance of both low-rank methods. From a full-rank start the
-      feedback fires on every step, so SDLRT's τ soon sits at `tau_min`.
+      initial rank), in [0, tau]; default 0, the paper's rule. From a full-rank start the
+      feedback fires on every step and τ quickly reaches `tau_min`: start SDLRT from a
+      compressed `rank` (as the paper does) or set a floor.
     - `exclude`: module names (or name suffixes) kept dense, e.g. ``("fc2",)``; default none.
     - `epochs`: passes over the training set, ≥ 1; default 10.
     - `lr`: learning rate > 0; default 0.05.
@@ -61,7 +61,7 @@ class TrainConfig:
     model: str = "lenet"
     tau: float = 0.1
     rank: int | None = None
-    tau_min: float | None = None
+    tau_min: float = 0.0
     exclude: tuple[str, ...] = ()
     epochs: int = 10
     lr: float = 0.05
@@ -79,8 +79,8 @@ class TrainConfig:
             raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
         if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
             raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
-        if self.tau_min is not None and not 0.0 <= self.tau_min <= self.tau:
-            raise ValueError(f"`tau_min` must be in [0, tau={self.tau}] or None; got {self.tau_min}")
+        if not 0.0 <= self.tau_min <= self.tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.tau_min}")
         if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
             raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
         if not _is_int(self.epochs) or self.epochs < 1:
@@ -218,8 +218,7 @@ def _build(config: TrainConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
     to_low_rank(model, rank=rank, exclude=list(config.exclude) or None)
     if config.method == "dlrt":
         return model, DLRT(model, config.lr, tau=config.tau, momentum=config.momentum)
-    tau_min = config.tau if config.tau_min is None else config.tau_min
-    return model, SDLRT(model, config.lr, tau=config.tau, tau_min=tau_min, momentum=config.momentum)
+    return model, SDLRT(model, config.lr, tau=config.tau, tau_min=config.tau_min, momentum=config.momentum)
 
 
 def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
