@@ -5,6 +5,8 @@ Everything here is dtype-agnostic and never divides by a singular value without 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -46,6 +48,11 @@ def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tens
     if rtol is None:
         gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
         rtol = max(torch.finfo(X.dtype).eps ** 0.5, gram_floor)
+    big = float(X.abs().amax()) if X.numel() else 0.0
+    if not math.isfinite(big):
+        raise FloatingPointError("orth_complement: X has non-finite entries")
+    if big > 1e15 or 0.0 < big < 1e-15:  # keep the Gram matrix X^T X inside the dtype's range
+        X = X / big
     sq_norms = torch.zeros(c, dtype=torch.float64, device=X.device)
     if Q0.shape[1]:
         C = Q0.mT @ X

@@ -71,10 +71,12 @@ class LowRankLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, U, S, V, h = ctx.saved_tensors
+        x_in, U, S, V, h = ctx.saved_tensors
+        # under autocast the forward ran in lower precision: do the backward in the factors' dtype
+        x, h, dy = x_in.to(U.dtype), h.to(U.dtype), dy.to(U.dtype)
         x2, h2, dy2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
         t = dy2 @ U  # (N, r)
-        dx = ((t @ S) @ V.mT).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        dx = ((t @ S) @ V.mT).reshape(x.shape).to(x_in.dtype) if ctx.needs_input_grad[0] else None
         dU, dS, dV = _finish(ctx, lambda: dy2.mT @ h2, lambda: x2.mT @ t, t.mT @ h2, U, S)
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return dx, dU, dS, dV, db, None
@@ -95,7 +97,8 @@ class LowRankConv2dFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, U, S, V, h = ctx.saved_tensors
+        x_in, U, S, V, h = ctx.saved_tensors
+        x, h, dy = x_in.to(U.dtype), h.to(U.dtype), dy.to(U.dtype)  # see LowRankLinearFn
         ksize, stride, padding, dilation = ctx.geom
         r = V.shape[1]
         t = torch.einsum("nmhw,mr->nrhw", dy, U)
@@ -103,7 +106,7 @@ class LowRankConv2dFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dh = torch.einsum("nrhw,rs->nshw", t, S)
             filt = V.mT.reshape(r, x.shape[1], *ksize)
-            dx = torch.nn.grad.conv2d_input(x.shape, filt, dh, stride, padding, dilation)
+            dx = torch.nn.grad.conv2d_input(x.shape, filt, dh, stride, padding, dilation).to(x_in.dtype)
 
         def gl():
             w = torch.nn.grad.conv2d_weight(x, (U.shape[1], x.shape[1], *ksize), t, stride, padding,

@@ -40,6 +40,8 @@ class LowRankConv2d(AbstractLowRankLayer):
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size = _pair(kernel_size)
         self.stride, self.dilation = _pair(stride), _pair(dilation)
+        if padding == "same" and self.stride != (1, 1):
+            raise ValueError(f"padding='same' needs stride 1 (as nn.Conv2d); got stride={stride}")
         self.padding = _explicit_padding(padding, self.kernel_size, self.dilation)
         kh, kw = self.kernel_size
         super().__init__(out_channels, in_channels * kh * kw, rank, max_rank=max_rank, bias=bias,

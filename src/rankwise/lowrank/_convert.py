@@ -34,8 +34,9 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     - `include`, `exclude`: module-name filters (regex string, or a list of names/suffixes).
     - `max_rank`: cap for later rank growth (default: min(out, in) per layer).
 
-    A pretrained model keeps its function up to the truncation error. Conv layers with
-    groups ≠ 1 or non-zero padding modes are left dense, with a warning.
+    A pretrained model keeps its function up to the truncation error. Conv layers that
+    LowRankConv2d cannot express (groups ≠ 1, non-zero padding modes, 'same' padding with an
+    even kernel) are left dense, with a warning.
     """
     if rank is None and tau is None:
         raise ValueError("to_low_rank needs `rank` or `tau` (or both)")
@@ -53,12 +54,12 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     for name, mod in targets:
         if isinstance(mod, nn.Linear):
             new = LowRankLinear.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
-        elif mod.groups != 1 or mod.padding_mode != "zeros":
-            warnings.warn(f"to_low_rank: leaving {name!r} dense (groups={mod.groups}, "
-                          f"padding_mode={mod.padding_mode!r} are not supported)", stacklevel=2)
-            continue
         else:
-            new = LowRankConv2d.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
+            try:
+                new = LowRankConv2d.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
+            except ValueError as e:  # groups, padding modes or 'same' padding we cannot express
+                warnings.warn(f"to_low_rank: leaving {name!r} dense: {e}", stacklevel=2)
+                continue
         new.train(mod.training)
         _set_submodule(model, name, new)
     return model

@@ -97,20 +97,34 @@ class _AugmentedBUG(torch.optim.Optimizer):
         two_pass = augment and not self.cfg["single_pass"] and self.layers
         if closure is None and two_pass:
             raise ValueError("two-pass DLRT (`single_pass=False`) needs `step(closure)`")
-        loss = self._evaluate(closure)
-        ok = self._finite(loss)
-        if ok and augment:
-            ok = self._augmented_step(closure if two_pass else None)
-        elif ok:
+        try:
+            loss = self._evaluate(closure)
+            ok = self._finite(loss)
+            if ok and augment:
+                ok = self._augmented_step(closure if two_pass else None)
+            elif ok:
+                for layer in self.layers.values():
+                    self._core_step(layer)
+            if ok:
+                self._dense_step()
+                self._hp()["global_step"] += 1
+        finally:
             for layer in self.layers.values():
-                self._core_step(layer)
-        if ok:
-            self._dense_step()
-            self._hp()["global_step"] += 1
-        for layer in self.layers.values():
-            layer.reset_factor_grads()
-        self._set_modes()
+                layer.reset_factor_grads()
+            self._set_modes()
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, then the K/L/S moments go back to the
+        integrator's working precision (torch casts them to the dtype of ``S``) and the
+        layers' gradient modes are re-synchronised with the loaded step count."""
+        super().load_state_dict(state_dict)
+        for layer in self.layers.values():
+            st, dt = self.state[layer.S], work_dtype(layer.S.dtype)
+            for key in ("K", "L", "S"):
+                st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
+                           for k, v in st.get(key, {}).items()}
+        self._set_modes()
 
     def _evaluate(self, closure):
         if closure is None:
@@ -120,17 +134,20 @@ class _AugmentedBUG(torch.optim.Optimizer):
         with torch.enable_grad():
             return closure()
 
-    def _finite(self, loss: Tensor | None, extra: list[Tensor] | None = None) -> bool:
+    def _finite(self, loss: Tensor | float | None, extra: list[Tensor] | None = None) -> bool:
         tensors = [] if loss is None else [torch.as_tensor(loss)]
         tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for layer in self.layers.values():
             tensors += [t for t in layer.factor_grads() if t is not None]
         tensors += extra or []
-        # one reduction and one sync: a NaN or inf anywhere makes the sum non-finite
-        if not tensors or bool(torch.isfinite(torch.stack([t.sum().float() for t in tensors]).sum())):
+        flags = [torch.isfinite(t).all().cpu() for t in tensors]
+        if all(bool(f) for f in flags):
             return True
-        msg = (f"non-finite loss or gradient (loss={None if loss is None else float(loss)}); "
-               "no weights were changed")
+        return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
+
+    def _nonfinite(self, what: str) -> bool:
+        """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
+        msg = what + "; no weights were changed"
         if self.cfg["on_nonfinite"] == "raise":
             raise FloatingPointError(msg + "; pass on_nonfinite='skip' to skip such steps")
         warnings.warn(msg + "; step skipped", RuntimeWarning, stacklevel=3)
@@ -157,14 +174,13 @@ class _AugmentedBUG(torch.optim.Optimizer):
         f = bug.Factors(*(t.detach().to(dt) for t in (
             layer.U, layer.S, layer.V, gk, layer.S.grad, gl,
             layer.U_buf if buf else layer.U_buf[:, :0], layer.V_buf if buf else layer.V_buf[:, :0])))
-        st = self.state[layer.S]
-        count = st.get("augmentations", 0)
-        st["augmentations"] = count + 1
-        if count % 100 == 0 or dt != layer.U.dtype:
+        if self.state[layer.S].get("augmentations", 0) % 100 == 0 or dt != layer.U.dtype:
             f = bug.reorthonormalize(f)
         return f
 
     def _augmented_step(self, closure) -> bool:
+        """Plan every layer's step, check it, then write. Optimizer states are new objects
+        (the rules are pure) and are committed only in :meth:`_truncate`."""
         hp = self._hp()
         plans = {}
         for name, layer in self.layers.items():
@@ -172,29 +188,39 @@ class _AugmentedBUG(torch.optim.Optimizer):
             if f is None:
                 continue
             st = self.state[layer.S]
-            dK, st["K"] = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
-            dL, st["L"] = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
-            aug = bug.augment(f.U, f.V, dK, dL, f.U_buf, f.V_buf)
-            S_bar = bug.galerkin_core(aug, f.S)
+            dK, stK = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
+            dL, stL = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
+            try:
+                aug = bug.augment(f.U, f.V, dK, dL, f.U_buf, f.V_buf)
+            except FloatingPointError as e:  # finite gradients, non-finite update (overflow)
+                return self._nonfinite(f"layer {name!r}: {e}")
+            S_bar, stS = bug.galerkin_core(aug, f.S), st["S"]
             if closure is None:
-                dS, st["S"] = self.rule(f.G_S, f.S, st["S"], hp)
+                dS, stS = self.rule(f.G_S, f.S, st["S"], hp)
                 S_bar = S_bar + bug.projected_update(aug, dK, dS, dL)
-            plans[name] = (aug, S_bar)
-        if closure is not None and not self._second_pass(closure, plans):
-            return False
-        if not self._finite(None, [S_bar for _, S_bar in plans.values()]):
-            return False  # checked before any layer is written
-        for name, (aug, S_bar) in plans.items():
-            self._truncate(self.layers[name], aug, S_bar, two_pass=closure is not None)
+            plans[name] = [aug, S_bar, {"K": stK, "L": stL, "S": stS}]
+        originals = {n: tuple(t.clone() for t in (self.layers[n].U, self.layers[n].S, self.layers[n].V))
+                     for n in plans} if closure is not None else {}
+        done = False
+        try:
+            if closure is not None and not self._second_pass(closure, plans):
+                return False
+            if not self._finite(None, [plan[1] for plan in plans.values()]):
+                return False  # checked before any layer is truncated
+            for name, (aug, S_bar, states) in plans.items():
+                self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None)
+            done = True
+        finally:
+            if not done:  # two-pass: the layers may hold the augmented factors; put W0 back
+                for n, (U, S, V) in originals.items():
+                    self.layers[n].set_factors(U, S, V)
         return True
 
     def _second_pass(self, closure, plans) -> bool:
         """Classic BUG: the S gradient at the augmented point Ū S̄(0) V̄ᵀ (= the same weight)."""
         dense = [p for g in self.param_groups for p in g["params"] if id(p) not in self._factor_ids]
         saved = {p: None if p.grad is None else p.grad.clone() for p in dense}
-        originals = {n: (self.layers[n].U.clone(), self.layers[n].S.clone(),
-                         self.layers[n].V.clone()) for n in plans}
-        for name, (aug, S_bar) in plans.items():
+        for name, (aug, S_bar, _) in plans.items():
             self.layers[name].set_factors(aug.U, S_bar, aug.V)
             self.layers[name].set_grad_mode("core")
         with torch.enable_grad():
@@ -202,25 +228,19 @@ class _AugmentedBUG(torch.optim.Optimizer):
         for p, g in saved.items():
             p.grad = g
         grads = [self.layers[n].S.grad for n in plans if self.layers[n].S.grad is not None]
-        ok = False
-        try:
-            ok = self._finite(loss2, grads)
-        finally:
-            if not ok:
-                for n, (U, S, V) in originals.items():
-                    self.layers[n].set_factors(U, S, V)
-        if not ok:
+        if not self._finite(loss2, grads):
             return False
         hp = self._hp()
-        for name, (aug, S_bar) in plans.items():
-            st = self.state[self.layers[name].S]
-            g = self.layers[name].S.grad.to(S_bar)
-            st_aug = transport(st["S"], aug.A.mT, aug.B)  # old core coordinates -> augmented
-            dS, st["S"] = self.rule(g, S_bar, st_aug, hp)
-            plans[name] = (aug, S_bar + dS)
+        for name, plan in plans.items():
+            aug, S_bar, states = plan
+            g = self.layers[name].S.grad  # None if the second forward skipped this layer
+            g = torch.zeros_like(S_bar) if g is None else g.to(S_bar)
+            st_aug = transport(states["S"], aug.A.mT, aug.B)  # old core coordinates -> augmented
+            dS, states["S"] = self.rule(g, S_bar, st_aug, hp)
+            plan[1] = S_bar + dS
         return True
 
-    def _truncate(self, layer, aug, S_bar, *, two_pass: bool) -> None:
+    def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool) -> None:
         cfg, st = self.cfg, self.state[layer.S]
         hi = layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
         lo = min(cfg["min_rank"], hi)
@@ -233,9 +253,11 @@ class _AugmentedBUG(torch.optim.Optimizer):
         if cfg["feedback"] and r1 < st["r_init"]:
             st["tau"] = max(cfg["omega"] * st["tau"], cfg["tau_min"])
         TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
-        st["K"] = transport(st["K"], None, TV)
-        st["L"] = transport(st["L"], None, TU)
-        st["S"] = transport(st["S"], out.P, out.Q) if two_pass else transport(st["S"], TU, TV)
+        st["K"] = transport(states["K"], None, TV)
+        st["L"] = transport(states["L"], None, TU)
+        st["S"] = (transport(states["S"], out.P, out.Q) if two_pass
+                   else transport(states["S"], TU, TV))
+        st["augmentations"] = st.get("augmentations", 0) + 1
         layer.set_factors(out.U, out.S, out.V, out.U_buf, out.V_buf)
 
     def _dense_step(self) -> None:

@@ -20,30 +20,29 @@ Rule = Callable[[Tensor, Tensor, State, Mapping[str, Any]], tuple[Tensor, State]
 
 def sgd(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tuple[Tensor, State]:
     """``g ← g + wd·p``; ``m ← μ m + g`` (m = g on the first step); ``Δ = −lr·m``
-    (plain SGD when μ = 0), as ``torch.optim.SGD`` without dampening."""
+    (plain SGD when μ = 0), as ``torch.optim.SGD`` without dampening. Pure: returns a new
+    state and never modifies ``state``."""
     g = grad + hp["weight_decay"] * param if hp["weight_decay"] else grad
     mu = hp["momentum"]
-    if mu:
-        m = state.get("m")
-        m = g.clone() if m is None else m.mul_(mu).add_(g)
-        state["m"], g = m, m
-    return -hp["lr"] * g, state
+    if not mu:
+        return -hp["lr"] * g, dict(state)
+    m = state.get("m")
+    m = g.clone() if m is None else mu * m.to(g.dtype) + g
+    return -hp["lr"] * m, {**state, "m": m}
 
 
 def adam(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tuple[Tensor, State]:
     """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``:
-    ``Δ = −lr · m̂ / (√v̂ + eps)`` with bias-corrected moments."""
+    ``Δ = −lr · m̂ / (√v̂ + eps)`` with bias-corrected moments. Pure, like :func:`sgd`."""
     b1, b2 = hp["betas"]
     g = grad + hp["weight_decay"] * param if hp["weight_decay"] else grad
-    m = state.get("m")
-    v = state.get("v")
-    m = (1 - b1) * g if m is None else m.mul_(b1).add_(g, alpha=1 - b1)
-    v = (1 - b2) * g * g if v is None else v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    m, v = state.get("m"), state.get("v")
+    m = (1 - b1) * g if m is None else b1 * m.to(g.dtype) + (1 - b1) * g
+    v = (1 - b2) * g * g if v is None else b2 * v.to(g.dtype) + (1 - b2) * g * g
     step = state.get("step", 0) + 1
-    state.update(m=m, v=v, step=step)
     mhat = m / (1 - b1**step)
     vhat = v / (1 - b2**step)
-    return -hp["lr"] * mhat / (vhat.sqrt() + hp["eps"]), state
+    return -hp["lr"] * mhat / (vhat.sqrt() + hp["eps"]), {**state, "m": m, "v": v, "step": step}
 
 
 RULES: dict[str, Rule] = {"sgd": sgd, "adam": adam}
@@ -79,8 +78,10 @@ def transport(state: State, left: Tensor | None, right: Tensor | None) -> State:
 
 @torch.no_grad()
 def apply_rule(rule: Rule, p: Tensor, state: State, hp: Mapping[str, Any]) -> None:
-    """Update a dense parameter in place from its ``.grad`` (no-op without one)."""
+    """Update a dense parameter in place from its ``.grad`` (no-op without one); ``state`` (the
+    optimizer's dict for ``p``) is updated in place."""
     if p.grad is None:
         return
-    delta, _ = rule(p.grad, p, state, hp)
+    delta, new = rule(p.grad, p, state, hp)
+    state.update(new)
     p.add_(delta)
