@@ -20,6 +20,14 @@ from ._base import AbstractLowRankLayer
 from ._rules import apply_rule, get_rule, transport
 
 
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """One reduction and one host sync per device."""
+    by_device: dict[torch.device, list[Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
+
+
 class _AugmentedBUG(torch.optim.Optimizer):
     """Shared engine of :class:`DLRT` and :class:`SDLRT` (not public; build those)."""
 
@@ -134,14 +142,13 @@ class _AugmentedBUG(torch.optim.Optimizer):
         with torch.enable_grad():
             return closure()
 
-    def _finite(self, loss: Tensor | float | None, extra: list[Tensor] | None = None) -> bool:
+    def _finite(self, loss: Tensor | float | None) -> bool:
+        """Is the loss and every gradient (``.grad`` and the layers' G_K, G_L) finite?"""
         tensors = [] if loss is None else [torch.as_tensor(loss)]
         tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for layer in self.layers.values():
             tensors += [t for t in layer.factor_grads() if t is not None]
-        tensors += extra or []
-        flags = [torch.isfinite(t).all().cpu() for t in tensors]
-        if all(bool(f) for f in flags):
+        if _all_finite(tensors):
             return True
         return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
 
@@ -205,8 +212,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
         try:
             if closure is not None and not self._second_pass(closure, plans):
                 return False
-            if not self._finite(None, [plan[1] for plan in plans.values()]):
-                return False  # checked before any layer is truncated
+            if not _all_finite([plan[1] for plan in plans.values()]):  # before any layer is written
+                return self._nonfinite("non-finite augmented core (overflow in the update)")
             for name, (aug, S_bar, states) in plans.items():
                 self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None)
             done = True
@@ -227,8 +234,7 @@ class _AugmentedBUG(torch.optim.Optimizer):
             loss2 = closure()
         for p, g in saved.items():
             p.grad = g
-        grads = [self.layers[n].S.grad for n in plans if self.layers[n].S.grad is not None]
-        if not self._finite(loss2, grads):
+        if not self._finite(loss2):
             return False
         hp = self._hp()
         for name, plan in plans.items():
