@@ -8,7 +8,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
-from ..linalg import work_dtype
+from ..linalg import truncated_svd, work_dtype
 from ._autograd import FactorGradSink
 
 GradMode = Literal["full", "factors", "core"]
@@ -28,6 +28,21 @@ def _swap_data(p: nn.Parameter, new: Tensor) -> None:
         other = torch.float16 if new.dtype != torch.float16 else torch.float32
         p.data = torch.empty(0, dtype=other, device=new.device)
     p.data = new
+
+
+@torch.no_grad()
+def from_dense_weight(make, weight: Tensor, bias: Tensor | None, *, rank: int | None,
+                      tau: float | None, max_rank: int | None):
+    """Shared body of the ``from_dense`` constructors: the truncated SVD of ``weight`` viewed as
+    (out, in·…), a layer built by ``make(rank, max_rank)``, factors and bias copied in."""
+    W = weight.reshape(weight.shape[0], -1)
+    U, s, V = truncated_svd(W.to(work_dtype(W.dtype)), rank=rank, tau=tau)
+    r = s.numel()
+    layer = make(r, max(r, max_rank) if max_rank else None)
+    layer.set_factors(U, torch.diag(s), V)
+    if bias is not None:
+        layer.bias.copy_(bias)
+    return layer
 
 
 class AbstractLowRankLayer(nn.Module, abc.ABC):

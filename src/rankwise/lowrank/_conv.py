@@ -6,9 +6,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
-from ..linalg import truncated_svd, work_dtype
 from ._autograd import LowRankConv2dFn
-from ._base import AbstractLowRankLayer
+from ._base import AbstractLowRankLayer, from_dense_weight
 
 
 def _explicit_padding(padding, kernel_size, dilation) -> tuple[int, int]:
@@ -69,16 +68,11 @@ class LowRankConv2d(AbstractLowRankLayer):
                 f"groups={conv.groups}, padding_mode={conv.padding_mode!r}"
             )
         W = conv.weight
-        U, s, V = truncated_svd(W.reshape(W.shape[0], -1).to(work_dtype(W.dtype)), rank=rank, tau=tau)
-        r = s.numel()
-        layer = cls(conv.in_channels, conv.out_channels, conv.kernel_size, r, stride=conv.stride,
-                    padding=conv.padding, dilation=conv.dilation, bias=conv.bias is not None,
-                    max_rank=max(r, max_rank) if max_rank else None,
-                    device=W.device, dtype=W.dtype)
-        layer.set_factors(U, torch.diag(s), V)
-        if conv.bias is not None:
-            layer.bias.copy_(conv.bias)
-        return layer
+        return from_dense_weight(
+            lambda r, hi: cls(conv.in_channels, conv.out_channels, conv.kernel_size, r,
+                              stride=conv.stride, padding=conv.padding, dilation=conv.dilation,
+                              bias=conv.bias is not None, max_rank=hi, device=W.device, dtype=W.dtype),
+            W, conv.bias, rank=rank, tau=tau, max_rank=max_rank)
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, "

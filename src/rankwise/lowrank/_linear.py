@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ..linalg import truncated_svd, work_dtype
 from ._autograd import LowRankLinearFn
-from ._base import AbstractLowRankLayer
+from ._base import AbstractLowRankLayer, from_dense_weight
 
 
 class LowRankLinear(AbstractLowRankLayer):
@@ -44,12 +43,7 @@ class LowRankLinear(AbstractLowRankLayer):
         """Truncated SVD of ``linear.weight``: a fixed ``rank``, or the smallest rank whose
         discarded tail is ≤ ``tau``·‖W‖_F (both: the smaller). The bias is copied."""
         W = linear.weight
-        U, s, V = truncated_svd(W.to(work_dtype(W.dtype)), rank=rank, tau=tau)
-        r = s.numel()
-        layer = cls(linear.in_features, linear.out_features, r, bias=linear.bias is not None,
-                    max_rank=max(r, max_rank) if max_rank else None,
-                    device=W.device, dtype=W.dtype)
-        layer.set_factors(U, torch.diag(s), V)
-        if linear.bias is not None:
-            layer.bias.copy_(linear.bias)
-        return layer
+        return from_dense_weight(
+            lambda r, hi: cls(linear.in_features, linear.out_features, r, bias=linear.bias is not None,
+                              max_rank=hi, device=W.device, dtype=W.dtype),
+            W, linear.bias, rank=rank, tau=tau, max_rank=max_rank)
