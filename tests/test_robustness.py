@@ -126,3 +126,34 @@ def test_to_low_rank_leaves_unsupported_same_padding_dense():
     assert any("leaving '0' dense" in str(x.message) for x in w)
     x = torch.randn(1, 2, 6, 6)
     assert model(x).shape == (1, 4, 6, 6)
+
+
+def test_grad_scaler_step_equals_unscaled_training():
+    def run(enabled: bool):
+        torch.manual_seed(0)
+        layer = LowRankLinear(20, 30, 4, dtype=torch.float32)
+        X, Y, _ = rank3_problem()
+        X, Y = X.float(), Y.float()
+        opt = SDLRT(layer, 0.05, tau=0.1, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=enabled)
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(((layer(X) - Y) ** 2).sum(-1).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+        return layer.weight_matrix().detach()
+
+    torch.testing.assert_close(run(True), run(False), rtol=1e-4, atol=1e-5)
+
+
+def test_grad_scaler_skips_steps_with_inf():
+    layer = LowRankLinear(8, 6, 2)
+    opt = DLRT(layer, 0.1, tau=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1e38)
+    x = torch.randn(4, 8)
+    W = layer.weight_matrix().detach().clone()
+    opt.zero_grad()
+    scaler.scale((layer(x) * 1e3).sum()).backward()  # overflows at this scale
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(layer.weight_matrix().detach(), W) and scaler.get_scale() < 1e38

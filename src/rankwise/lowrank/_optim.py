@@ -107,6 +107,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
             raise ValueError("two-pass DLRT (`single_pass=False`) needs `step(closure)`")
         try:
             loss = self._evaluate(closure)
+            if not self._amp_unscale():
+                return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
             ok = self._finite(loss)
             if ok and augment:
                 ok = self._augmented_step(closure if two_pass else None)
@@ -121,6 +123,28 @@ class _AugmentedBUG(torch.optim.Optimizer):
                 layer.reset_factor_grads()
             self._set_modes()
         return loss
+
+    # torch.amp.GradScaler: with this flag, ``scaler.step(opt)`` checks ``.grad`` for inf, sets
+    # ``opt.grad_scale`` / ``opt.found_inf`` and calls ``opt.step()``; we unscale every gradient,
+    # including the factor gradients G_K, G_L that ``scaler.unscale_`` cannot see.
+    _step_supports_amp_scaling = True
+
+    def _amp_unscale(self) -> bool:
+        """Unscale all gradients if called by a GradScaler; False if the step must be skipped."""
+        if not hasattr(self, "found_inf"):
+            return True
+        scale = getattr(self, "grad_scale", None)
+        if scale is None:
+            raise ValueError("with DLRT/SDLRT call scaler.step(opt) without scaler.unscale_(opt) first: "
+                             "unscale_ cannot see the factor gradients G_K, G_L")
+        if float(self.found_inf) > 0:
+            return False
+        inv = 1.0 / scale.double()
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads += [t for layer in self.layers.values() for t in layer.factor_grads() if t is not None]
+        for t in grads:
+            t.mul_(inv.to(t))
+        return True
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As ``torch.optim.Optimizer.load_state_dict``, then the K/L/S moments go back to the
