@@ -1,0 +1,222 @@
+"""Code2D: a checkpoint coded into a k×k block matrix, extended by a systematic MDS code in
+both dimensions; every worker holds one row and one column; repair from small peer symbols.
+
+Let M be the data as a k×k grid of blocks (block size B = ⌈|m|/k²⌉, zero padded) and G the
+systematic (n, k) Cauchy generator over GF(2^8), k = n − t. The extended grid is
+P = G M Gᵀ (n×n); worker i stores the row C[i, :] of C = G M and the column R[:, i] of
+R = M Gᵀ (k blocks each). To rebuild worker i, helper j sends P[i, j] = G[i,:]·R[:, j] and
+P[j, i] = C[j, :]·G[i,:]ᵀ, both computed from its own fragment; row i of P is an RS codeword
+of C[i, :] and column i of P one of R[:, i], so any k helpers suffice — parity workers
+included. (Storing the raw M[i, :] and M[:, i], as the seed suggests, cannot repair the
+diagonal block M[i, i]: it lives on worker i alone.)
+
+Every symbol is checked against a commitment: a Merkle root for every full row and column of
+P (2n line roots) under one top root.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _gf, _merkle
+
+log = logging.getLogger(__name__)
+
+
+class NotEnoughSymbols(Exception):
+    """Fewer verified symbols (or fragments) than the k a decode needs."""
+
+    def __init__(self, have: int, need: int, bad_helpers: list[int], what: str = "repair",
+                 unit: str = "symbols from distinct helpers"):
+        super().__init__(f"{what} needs {need} verified {unit}; got {have}"
+                         + (f" (bad symbols from helpers {bad_helpers})" if bad_helpers else ""))
+        self.have, self.need, self.bad_helpers = have, need, bad_helpers
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """What every party agrees on: geometry, and Merkle roots of the 2n lines of P (rows 0..n−1,
+    then columns 0..n−1) under one top ``root``."""
+
+    n: int
+    t: int
+    data_len: int
+    block_size: int
+    hash: str
+    codec: str
+    line_roots: tuple[bytes, ...]
+    root: bytes
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Worker ``index``'s share: ``row`` = C[index, :] and ``col`` = R[:, index] (k blocks each)."""
+
+    index: int
+    row: bytes
+    col: bytes
+
+
+@dataclass(frozen=True)
+class RepairSymbols:
+    """Helper ``helper``'s two blocks for worker ``target``: ``col_block`` = P[target, helper]
+    (leaf ``target`` of column ``helper``) and ``row_block`` = P[helper, target] (leaf
+    ``target`` of row ``helper``), each with its Merkle path."""
+
+    helper: int
+    target: int
+    col_block: bytes
+    col_path: tuple[bytes, ...]
+    row_block: bytes
+    row_path: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload: the two blocks."""
+        return len(self.col_block) + len(self.row_block)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Everything sent: blocks, paths and two 4-byte indices."""
+        return self.nbytes + sum(map(len, self.col_path + self.row_path)) + 8
+
+
+@dataclass(frozen=True)
+class Dispersal:
+    fragments: list[Fragment]
+    commitment: Commitment
+
+
+class Code2D:
+    """The 2-D code with n workers tolerating t losses (k = n − t; 1 ≤ t, 3t < n ≤ 255).
+
+    **Arguments:** `n`, `t`; `backend` (``"auto"`` or ``"numpy"``); `hash` (``"blake3"`` or
+    ``"sha256"``) for the Merkle trees.
+    """
+
+    def __init__(self, n: int, t: int, *, backend: str = "auto", hash: str = "blake3") -> None:
+        if not (isinstance(n, int) and isinstance(t, int) and t >= 1 and 3 * t < n <= 255):
+            raise ValueError(f"Code2D needs integers with 1 <= t and 3t < n <= 255; got n={n}, t={t}")
+        if backend not in ("auto", "numpy"):
+            raise ValueError(f"`backend` must be 'auto' or 'numpy' (isal: not yet); got {backend!r}")
+        self.n, self.t, self.k = n, t, n - t
+        self.backend, self.hash_name = "numpy", hash
+        self._h = _merkle.get_hash(hash)
+        self.G = _gf.cauchy_generator(n, self.k)
+        self.last_bad_helpers: list[int] = []
+
+    # ---------------------------------------------------------------- geometry
+    def block_size(self, data_len: int) -> int:
+        return max(1, -(-data_len // (self.k * self.k)))
+
+    def _blocks(self, buf: bytes, B: int) -> np.ndarray:
+        """k blocks of B bytes -> (k, B) uint8."""
+        return np.frombuffer(buf, dtype=np.uint8).reshape(self.k, B)
+
+    def _row_line(self, frag: Fragment, B: int) -> list[bytes]:
+        """P[i, :] = C[i, :] Gᵀ as n blocks."""
+        return [bytes(b) for b in _gf.matmul(self.G, self._blocks(frag.row, B))]
+
+    def _col_line(self, frag: Fragment, B: int) -> list[bytes]:
+        """P[:, i] = G R[:, i] as n blocks."""
+        return [bytes(b) for b in _gf.matmul(self.G, self._blocks(frag.col, B))]
+
+    # ---------------------------------------------------------------- encode
+    def encode(self, data: bytes | bytearray | memoryview) -> Dispersal:
+        """Split ``data`` (any length, 0 included) into n fragments and their commitment."""
+        data = bytes(data)
+        k, B = self.k, self.block_size(len(data))
+        buf = np.zeros(k * k * B, dtype=np.uint8)
+        buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
+        M = buf.reshape(k, k * B)  # row a = blocks M[a, 0..k-1]
+        Mt = buf.reshape(k, k, B).transpose(1, 0, 2).reshape(k, k * B)  # row b = blocks M[0..k-1, b]
+        C, Rt = _gf.matmul(self.G, M), _gf.matmul(self.G, Mt)
+        frags = [Fragment(i, C[i].tobytes(), Rt[i].tobytes()) for i in range(self.n)]
+        rows = [_merkle.root(self._h, self._row_line(f, B)) for f in frags]
+        cols = [_merkle.root(self._h, self._col_line(f, B)) for f in frags]
+        lines = tuple(rows + cols)
+        com = Commitment(self.n, self.t, len(data), B, self.hash_name, "cauchy-gf256",
+                         lines, _merkle.root(self._h, list(lines)))
+        return Dispersal(frags, com)
+
+    # ---------------------------------------------------------------- verification
+    def _check(self, com: Commitment) -> None:
+        if (com.n, com.t) != (self.n, self.t) or com.hash != self.hash_name:
+            raise ValueError(f"commitment is for n={com.n}, t={com.t}, hash={com.hash}; this code is "
+                             f"n={self.n}, t={self.t}, hash={self.hash_name}")
+        if len(com.line_roots) != 2 * self.n or _merkle.root(self._h, list(com.line_roots)) != com.root:
+            raise ValueError("commitment is inconsistent: its line roots do not hash to its root")
+
+    def verify(self, fragment: Fragment, commitment: Commitment) -> bool:
+        """Do the fragment's row and column lines hash to the committed line roots?"""
+        self._check(commitment)
+        B, i = commitment.block_size, fragment.index
+        if not 0 <= i < self.n or len(fragment.row) != self.k * B or len(fragment.col) != self.k * B:
+            return False
+        return (_merkle.root(self._h, self._row_line(fragment, B)) == commitment.line_roots[i]
+                and _merkle.root(self._h, self._col_line(fragment, B)) == commitment.line_roots[self.n + i])
+
+    # ---------------------------------------------------------------- repair
+    def helper_symbols(self, fragment: Fragment, target: int) -> RepairSymbols:
+        """The two blocks helper ``fragment.index`` sends to rebuild worker ``target``."""
+        if not 0 <= target < self.n:
+            raise ValueError(f"`target` must be in [0, {self.n}); got {target}")
+        B = len(fragment.row) // self.k
+        col = self._col_line(fragment, B)  # P[:, j]
+        row = self._row_line(fragment, B)  # P[j, :]
+        ct, rt = _merkle.levels(self._h, col), _merkle.levels(self._h, row)
+        return RepairSymbols(fragment.index, target, col[target], tuple(_merkle.path(ct, target)),
+                             row[target], tuple(_merkle.path(rt, target)))
+
+    def repair(self, target: int, symbols: list[RepairSymbols], commitment: Commitment) -> Fragment:
+        """Rebuild worker ``target`` from any k helpers' verified symbols; bad symbols are
+        dropped and their senders reported (``NotEnoughSymbols.bad_helpers`` on failure,
+        ``self.last_bad_helpers`` and a log warning on success)."""
+        self._check(commitment)
+        n, k, B, h = self.n, self.k, commitment.block_size, self._h
+        good: dict[int, RepairSymbols] = {}
+        bad: list[int] = []
+        for s in symbols:
+            j = s.helper
+            roots = commitment.line_roots
+            ok = (s.target == target and 0 <= j < n and j != target and j not in good
+                  and len(s.col_block) == B and len(s.row_block) == B
+                  and _merkle.verify(h, s.col_block, target, n, list(s.col_path), roots[n + j])
+                  and _merkle.verify(h, s.row_block, target, n, list(s.row_path), roots[j]))
+            if ok:
+                good[j] = s
+            elif j not in good:
+                bad.append(j)
+        self.last_bad_helpers = sorted(set(bad))
+        if len(good) < k:
+            raise NotEnoughSymbols(len(good), k, self.last_bad_helpers)
+        if bad:
+            log.warning("repair of worker %d: dropped bad symbols from helpers %s", target, bad)
+        J = sorted(good)[:k]
+        Ginv = _gf.inverse(self.G[J])
+        # row i of P at positions J is G[J] · C[i, :]; column i at J is G[J] · R[:, i]
+        row = _gf.matmul(Ginv, np.stack([np.frombuffer(good[j].col_block, np.uint8) for j in J]))
+        col = _gf.matmul(Ginv, np.stack([np.frombuffer(good[j].row_block, np.uint8) for j in J]))
+        frag = Fragment(target, row.tobytes(), col.tobytes())
+        if not self.verify(frag, commitment):  # pragma: no cover - only with a hash collision
+            raise RuntimeError(f"rebuilt fragment {target} does not match the commitment")
+        return frag
+
+    # ---------------------------------------------------------------- retrieve
+    def retrieve(self, fragments: list[Fragment], commitment: Commitment) -> bytes:
+        """The original bytes from any k valid fragments (invalid ones are skipped)."""
+        self._check(commitment)
+        valid: dict[int, Fragment] = {}
+        for f in fragments:
+            if f.index not in valid and self.verify(f, commitment):
+                valid[f.index] = f
+        if len(valid) < self.k:
+            raise NotEnoughSymbols(len(valid), self.k, [], "retrieve", "fragments")
+        k = self.k
+        idx = list(range(k)) if all(i in valid for i in range(k)) else sorted(valid)[:k]
+        C = np.stack([np.frombuffer(valid[i].row, np.uint8) for i in idx])
+        M = C if idx == list(range(k)) else _gf.matmul(_gf.inverse(self.G[idx]), C)  # systematic fast path
+        return M.reshape(-1)[:commitment.data_len].tobytes()

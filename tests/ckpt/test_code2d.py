@@ -1,0 +1,143 @@
+"""The 2-D code against brute-force references: GF(2^8), generator, erasure patterns, repair."""
+
+import dataclasses
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from rankwise.ckpt import Code2D, NotEnoughSymbols, RepairSymbols, _gf
+
+
+def _slow_mul(a: int, b: int) -> int:
+    """Carry-less multiply reduced by x⁸+x⁴+x³+x²+1, bit by bit (an independent oracle)."""
+    r = 0
+    while b:
+        if b & 1:
+            r ^= a
+        a <<= 1
+        if a & 0x100:
+            a ^= 0x11D
+        b >>= 1
+    return r
+
+
+def test_gf_tables_match_bitwise_multiplication():
+    for a in range(256):
+        for b in range(0, 256, 7):
+            assert int(_gf.MUL[a, b]) == _slow_mul(a, b)
+    for a in range(1, 256):
+        assert _slow_mul(a, int(_gf.INV[a])) == 1
+
+
+def test_generator_is_systematic_cauchy_and_mds():
+    n, k = 9, 6
+    G = _gf.cauchy_generator(n, k)
+    assert (G[:k] == np.eye(k, dtype=np.uint8)).all()
+    for i in range(k, n):
+        for j in range(k):
+            assert _slow_mul(int(G[i, j]), i ^ j) == 1  # 1 / (i xor j), as ISA-L's cauchy1
+    for rows in itertools.combinations(range(n), k):  # every k×k submatrix is invertible
+        A = G[list(rows)]
+        assert (_gf.matmul(A, _gf.inverse(A)) == np.eye(k, dtype=np.uint8)).all()
+
+
+def _repair_from(code, disp, target, helpers):
+    syms = [code.helper_symbols(disp.fragments[j], target) for j in helpers]
+    return code.repair(target, syms, disp.commitment), syms
+
+
+@pytest.mark.parametrize("n,t", [(4, 1), (7, 2), (10, 3)])
+def test_every_erasure_pattern_retrieves_and_repairs(n, t):
+    code = Code2D(n, t)
+    k = n - t
+    data = random.Random(n).randbytes(k * k * 3 + 5)
+    disp = code.encode(data)
+    for lost in range(t + 1):
+        for gone in itertools.combinations(range(n), lost):
+            alive = [f for f in disp.fragments if f.index not in gone]
+            assert code.retrieve(alive, disp.commitment) == data
+            for target in gone:
+                helpers = [f.index for f in alive]
+                frag, syms = _repair_from(code, disp, target, helpers)
+                assert frag == disp.fragments[target]
+                assert all(s.nbytes == 2 * disp.commitment.block_size for s in syms)
+
+
+@pytest.mark.parametrize("n,t", [(16, 5), (31, 10), (64, 21)])
+def test_random_erasures_large_n(n, t):
+    code = Code2D(n, t)
+    rng = random.Random(n)
+    data = rng.randbytes(5000)
+    disp = code.encode(data)
+    for _ in range(3):
+        gone = rng.sample(range(n), t)
+        alive = [f for f in disp.fragments if f.index not in gone]
+        assert code.retrieve(alive, disp.commitment) == data
+        target = gone[0]
+        frag, _ = _repair_from(code, disp, target, rng.sample([f.index for f in alive], n - t))
+        assert frag == disp.fragments[target]
+
+
+@pytest.mark.parametrize("size_of", [lambda k: 0, lambda k: 1, lambda k: k * k - 1, lambda k: k * k + 1])
+def test_edge_sizes(size_of):
+    code = Code2D(5, 1)
+    data = bytes(range(256)) * 2
+    data = data[: size_of(code.k)]
+    disp = code.encode(data)
+    assert code.retrieve(disp.fragments[1:], disp.commitment) == data
+    frag, _ = _repair_from(code, disp, 0, range(1, 5))
+    assert frag == disp.fragments[0]
+
+
+def test_lying_helpers_are_excluded_and_named():
+    n, t = 10, 3
+    code = Code2D(n, t)
+    data = random.Random(1).randbytes(2000)
+    disp = code.encode(data)
+    target, liars = 4, [0, 7]  # t − 1 liars
+    syms = []
+    for f in disp.fragments:
+        if f.index == target:
+            continue
+        s = code.helper_symbols(f, target)
+        if f.index in liars:
+            bad = bytearray(s.col_block)
+            bad[0] ^= 1
+            s = RepairSymbols(s.helper, s.target, bytes(bad), s.col_path, s.row_block, s.row_path)
+        syms.append(s)
+    assert code.repair(target, syms, disp.commitment) == disp.fragments[target]
+    assert code.last_bad_helpers == liars
+    honest = [s for s in syms if s.helper not in liars][: code.k - 1]
+    with pytest.raises(NotEnoughSymbols, match="needs 7 verified symbols") as e:
+        code.repair(target, honest + [s for s in syms if s.helper in liars], disp.commitment)
+    assert e.value.bad_helpers == liars and e.value.have == code.k - 1
+
+
+def test_bit_flips_in_stored_fragments_are_detected():
+    code = Code2D(7, 2)
+    data = random.Random(2).randbytes(777)
+    disp = code.encode(data)
+    for i, f in enumerate(disp.fragments):
+        assert code.verify(f, disp.commitment)
+        for field in ("row", "col"):
+            buf = bytearray(getattr(f, field))
+            buf[i % len(buf)] ^= 0x10
+            bad = dataclasses.replace(f, **{field: bytes(buf)})
+            assert not code.verify(bad, disp.commitment)
+    bad0 = type(disp.fragments[0])(0, bytes(len(disp.fragments[0].row)), disp.fragments[0].col)
+    assert code.retrieve([bad0, *disp.fragments[1:]], disp.commitment) == data  # skipped
+    with pytest.raises(NotEnoughSymbols, match="retrieve needs 5 verified fragments; got 4"):
+        code.retrieve([bad0, *disp.fragments[1:5]], disp.commitment)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="3t < n"):
+        Code2D(3, 1)
+    with pytest.raises(ValueError, match="hash"):
+        Code2D(4, 1, hash="md5")
+    code = Code2D(4, 1)
+    disp = Code2D(5, 1).encode(b"abc")
+    with pytest.raises(ValueError, match="commitment is for n=5"):
+        code.retrieve(disp.fragments, disp.commitment)
