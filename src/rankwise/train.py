@@ -10,9 +10,7 @@ import csv
 import dataclasses
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._io import write_atomic
 from .data import load_digits
 from .lowrank import DLRT, SDLRT, compression, to_low_rank
 from .models import MODELS, get_model
@@ -273,26 +272,9 @@ def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1024) -> floa
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON to `path` atomically: a temporary file in the same directory is
-    written, flushed and fsynced, then renamed over `path` (and the directory fsynced)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, allow_nan=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if hasattr(os, "O_DIRECTORY"):
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    """Write `obj` as JSON to `path` atomically (see :func:`rankwise._io.write_atomic`)."""
+    text = json.dumps(obj, indent=2, sort_keys=False, allow_nan=False) + "\n"
+    write_atomic(path, text.encode("utf-8"))
 
 
 class _Recorder:

@@ -141,3 +141,27 @@ def test_bad_arguments():
     disp = Code2D(5, 1).encode(b"abc")
     with pytest.raises(ValueError, match="commitment is for n=5"):
         code.retrieve(disp.fragments, disp.commitment)
+
+
+def test_binary_format_round_trips_and_rejects_damage(tmp_path):
+    from rankwise.ckpt import Commitment, Fragment
+
+    code = Code2D(7, 2, hash="sha256")
+    disp = code.encode(random.Random(3).randbytes(999))
+    f, c = disp.fragments[5], disp.commitment
+    assert Fragment.from_bytes(f.to_bytes()) == f and Commitment.from_bytes(c.to_bytes()) == c
+    f.save(tmp_path / "f5")
+    c.save(tmp_path / "com")
+    assert Fragment.load(tmp_path / "f5") == f and Commitment.load(tmp_path / "com") == c
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["com", "f5"]  # no temporary files left
+    blob = f.to_bytes()
+    for cut in (0, 5, len(blob) // 2, len(blob) - 1):
+        with pytest.raises(ValueError, match=r"fragment: (truncated|checksum)"):
+            Fragment.from_bytes(blob[:cut])
+    for pos in (0, 7, 40, len(blob) - 3):
+        bad = bytearray(blob)
+        bad[pos] ^= 0xFF
+        with pytest.raises(ValueError, match="fragment"):
+            Fragment.from_bytes(bytes(bad))
+    with pytest.raises(ValueError, match="expected 1"):
+        Fragment.from_bytes(c.to_bytes())

@@ -17,11 +17,13 @@ P (2n line roots) under one top root.
 from __future__ import annotations
 
 import logging
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import _gf, _merkle
+from .. import _io
+from . import _format, _gf, _merkle
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,32 @@ class Commitment:
     line_roots: tuple[bytes, ...]
     root: bytes
 
+    def to_bytes(self) -> bytes:
+        names = b"".join(len(x).to_bytes(1, "little") + x for x in (self.hash.encode(), self.codec.encode()))
+        d = len(self.root)
+        body = struct.pack("<HHQQB", self.n, self.t, self.data_len, self.block_size, d) + names
+        return _format.seal(_format.COMMITMENT, body + b"".join(self.line_roots) + self.root)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Commitment:
+        r = _format.Reader(_format.unseal(blob, _format.COMMITMENT, "commitment"), "commitment")
+        n, t, data_len, block_size, d = r.unpack("HHQQB")
+        hash_name = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        codec = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        roots = tuple(r.take(d) for _ in range(2 * n))
+        root = r.take(d)
+        r.done()
+        return cls(n, t, data_len, block_size, hash_name, codec, roots, root)
+
+    def save(self, path) -> None:
+        """Atomic write of :meth:`to_bytes`."""
+        _io.write_atomic(path, self.to_bytes())
+
+    @classmethod
+    def load(cls, path) -> Commitment:
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
+
 
 @dataclass(frozen=True)
 class Fragment:
@@ -58,6 +86,27 @@ class Fragment:
     index: int
     row: bytes
     col: bytes
+
+    def to_bytes(self) -> bytes:
+        body = struct.pack("<IQQ", self.index, len(self.row), len(self.col)) + self.row + self.col
+        return _format.seal(_format.FRAGMENT, body)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Fragment:
+        r = _format.Reader(_format.unseal(blob, _format.FRAGMENT, "fragment"), "fragment")
+        index, nrow, ncol = r.unpack("IQQ")
+        row, col = r.take(nrow), r.take(ncol)
+        r.done()
+        return cls(index, row, col)
+
+    def save(self, path) -> None:
+        """Atomic write of :meth:`to_bytes`."""
+        _io.write_atomic(path, self.to_bytes())
+
+    @classmethod
+    def load(cls, path) -> Fragment:
+        with open(path, "rb") as f:
+            return cls.from_bytes(f.read())
 
 
 @dataclass(frozen=True)
