@@ -165,3 +165,19 @@ def test_binary_format_round_trips_and_rejects_damage(tmp_path):
             Fragment.from_bytes(bytes(bad))
     with pytest.raises(ValueError, match="expected 1"):
         Fragment.from_bytes(c.to_bytes())
+
+
+def _naive_repairable(n: int, t: int) -> int:
+    """The seed's literal layout: worker i < k stores M[i, :] and M[:, i] raw; the t extra
+    workers duplicate the assignments of workers 0..t−1. A worker is repairable iff every block
+    it holds is also held by someone else."""
+    k = n - t
+    holds = [{(i, b) for b in range(k)} | {(a, i) for a in range(k)} for i in range(k)]
+    holds += [holds[d] for d in range(t)]
+    return sum(all(any(blk in holds[w] for w in range(n) if w != v) for blk in holds[v])
+               for v in range(n))
+
+
+def test_naive_layout_repairs_only_2t_workers_as_the_seed_found():
+    found = {n: _naive_repairable(n, (n - 1) // 3) for n in (4, 8, 16, 32, 64)}
+    assert found == {4: 2, 8: 4, 16: 10, 32: 20, 64: 42}  # the seed's 2/4 … 42/64

@@ -184,8 +184,10 @@ class Code2D:
         Mt = buf.reshape(k, k, B).transpose(1, 0, 2).reshape(k, k * B)  # row b = blocks M[0..k-1, b]
         C, Rt = _gf.matmul(self.G, M), _gf.matmul(self.G, Mt)
         frags = [Fragment(i, C[i].tobytes(), Rt[i].tobytes()) for i in range(self.n)]
-        rows = [_merkle.root(self._h, self._row_line(f, B)) for f in frags]
-        cols = [_merkle.root(self._h, self._col_line(f, B)) for f in frags]
+        n = self.n  # the whole grid once: P[:, j] = G R[:, j] for every j in one product
+        P = _gf.matmul(self.G, Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
+        rows = [_merkle.root(self._h, [bytes(b) for b in P[i]]) for i in range(n)]
+        cols = [_merkle.root(self._h, [bytes(b) for b in P[:, j]]) for j in range(n)]
         lines = tuple(rows + cols)
         com = Commitment(self.n, self.t, len(data), B, self.hash_name, "cauchy-gf256",
                          lines, _merkle.root(self._h, list(lines)))

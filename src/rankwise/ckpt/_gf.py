@@ -3,6 +3,8 @@ reference backend. Elements are uint8; addition is XOR; products use a 256×256 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 POLY = 0x11D
@@ -36,22 +38,40 @@ def mul(a: np.ndarray | int, b: np.ndarray | int) -> np.ndarray:
     return MUL[np.asarray(a, dtype=np.uint8), np.asarray(b, dtype=np.uint8)]
 
 
+@functools.lru_cache(maxsize=256)
+def _table16(c: int) -> np.ndarray:
+    """Multiplication by ``c`` of two packed bytes at once: a 65536-entry uint16 table."""
+    v = np.arange(65536, dtype=np.uint32)
+    lo, hi = MUL[c][v & 0xFF].astype(np.uint16), MUL[c][v >> 8].astype(np.uint16)
+    return lo | (hi << 8)
+
+
 def matmul(A: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """``A @ X`` over GF(2^8): A (r, k) uint8, X (k, L) uint8 -> (r, L) uint8."""
+    """``A @ X`` over GF(2^8): A (r, k) uint8, X (k, L) uint8 -> (r, L) uint8.
+
+    Each product row is an XOR of table lookups; lookups go through 16-bit tables (two bytes
+    per lookup), and coefficients 0 and 1 cost nothing and an XOR respectively."""
     A = np.asarray(A, dtype=np.uint8)
-    X = np.asarray(X, dtype=np.uint8)
+    X = np.ascontiguousarray(X, dtype=np.uint8)
     if A.shape[1] != X.shape[0]:
         raise ValueError(f"shape mismatch: {A.shape} @ {X.shape}")
-    out = np.zeros((A.shape[0], X.shape[1]), dtype=np.uint8)
+    r, L = A.shape[0], X.shape[1]
+    pad = L % 2
+    if pad:
+        X = np.concatenate([X, np.zeros((X.shape[0], 1), dtype=np.uint8)], axis=1)
+    X16 = X.view(np.uint16)
+    out = np.zeros((r, X16.shape[1]), dtype=np.uint16)
+    tmp = np.empty(X16.shape[1], dtype=np.uint16)
     for j in range(A.shape[1]):
-        row = X[j]
-        for i in range(A.shape[0]):
-            c = A[i, j]
+        for i in range(r):
+            c = int(A[i, j])
             if c == 1:
-                out[i] ^= row
+                out[i] ^= X16[j]
             elif c:
-                out[i] ^= MUL[c][row]
-    return out
+                np.take(_table16(c), X16[j], out=tmp)
+                out[i] ^= tmp
+    out8 = out.view(np.uint8)
+    return out8[:, :L] if pad else out8
 
 
 def inverse(A: np.ndarray) -> np.ndarray:
