@@ -10,6 +10,9 @@ TORCH   := torch==2.13.0
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@# ISA-L for the fast checkpoint codec, when we may install system packages (else numpy is used)
+	-@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libisal.so; then \
+		apt-get install -y -q libisal2 >/dev/null 2>&1 || echo "note: libisal2 not installed; numpy codec backend"; fi
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import _io
-from . import _format, _gf, _merkle
+from . import _backends, _format, _gf, _merkle
 
 log = logging.getLogger(__name__)
 
@@ -142,17 +142,19 @@ class Dispersal:
 class Code2D:
     """The 2-D code with n workers tolerating t losses (k = n − t; 1 ≤ t, 3t < n ≤ 255).
 
-    **Arguments:** `n`, `t`; `backend` (``"auto"`` or ``"numpy"``); `hash` (``"blake3"`` or
-    ``"sha256"``) for the Merkle trees.
+    **Arguments:** `n`, `t`; `backend`: ``"isal"`` (ISA-L, the system library ``libisal2``),
+    ``"numpy"`` (the reference), or ``"auto"`` (ISA-L when installed, else numpy with one
+    warning); both give identical bytes. `hash`: ``"blake3"`` or ``"sha256"`` for the Merkle
+    trees.
     """
 
     def __init__(self, n: int, t: int, *, backend: str = "auto", hash: str = "blake3") -> None:
         if not (isinstance(n, int) and isinstance(t, int) and t >= 1 and 3 * t < n <= 255):
             raise ValueError(f"Code2D needs integers with 1 <= t and 3t < n <= 255; got n={n}, t={t}")
-        if backend not in ("auto", "numpy"):
-            raise ValueError(f"`backend` must be 'auto' or 'numpy' (isal: not yet); got {backend!r}")
         self.n, self.t, self.k = n, t, n - t
-        self.backend, self.hash_name = "numpy", hash
+        self.backend = _backends.resolve(backend)
+        self._mm, self._inv = _backends.BACKENDS[self.backend]
+        self.hash_name = hash
         self._h = _merkle.get_hash(hash)
         self.G = _gf.cauchy_generator(n, self.k)
         self.last_bad_helpers: list[int] = []
@@ -167,11 +169,11 @@ class Code2D:
 
     def _row_line(self, frag: Fragment, B: int) -> list[bytes]:
         """P[i, :] = C[i, :] Gᵀ as n blocks."""
-        return [bytes(b) for b in _gf.matmul(self.G, self._blocks(frag.row, B))]
+        return [bytes(b) for b in self._mm(self.G, self._blocks(frag.row, B))]
 
     def _col_line(self, frag: Fragment, B: int) -> list[bytes]:
         """P[:, i] = G R[:, i] as n blocks."""
-        return [bytes(b) for b in _gf.matmul(self.G, self._blocks(frag.col, B))]
+        return [bytes(b) for b in self._mm(self.G, self._blocks(frag.col, B))]
 
     # ---------------------------------------------------------------- encode
     def encode(self, data: bytes | bytearray | memoryview) -> Dispersal:
@@ -182,10 +184,10 @@ class Code2D:
         buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         M = buf.reshape(k, k * B)  # row a = blocks M[a, 0..k-1]
         Mt = buf.reshape(k, k, B).transpose(1, 0, 2).reshape(k, k * B)  # row b = blocks M[0..k-1, b]
-        C, Rt = _gf.matmul(self.G, M), _gf.matmul(self.G, Mt)
+        C, Rt = self._mm(self.G, M), self._mm(self.G, Mt)
         frags = [Fragment(i, C[i].tobytes(), Rt[i].tobytes()) for i in range(self.n)]
         n = self.n  # the whole grid once: P[:, j] = G R[:, j] for every j in one product
-        P = _gf.matmul(self.G, Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
+        P = self._mm(self.G, Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
         rows = [_merkle.root(self._h, [bytes(b) for b in P[i]]) for i in range(n)]
         cols = [_merkle.root(self._h, [bytes(b) for b in P[:, j]]) for j in range(n)]
         lines = tuple(rows + cols)
@@ -247,10 +249,10 @@ class Code2D:
         if bad:
             log.warning("repair of worker %d: dropped bad symbols from helpers %s", target, bad)
         J = sorted(good)[:k]
-        Ginv = _gf.inverse(self.G[J])
+        Ginv = self._inv(self.G[J])
         # row i of P at positions J is G[J] · C[i, :]; column i at J is G[J] · R[:, i]
-        row = _gf.matmul(Ginv, np.stack([np.frombuffer(good[j].col_block, np.uint8) for j in J]))
-        col = _gf.matmul(Ginv, np.stack([np.frombuffer(good[j].row_block, np.uint8) for j in J]))
+        row = self._mm(Ginv, np.stack([np.frombuffer(good[j].col_block, np.uint8) for j in J]))
+        col = self._mm(Ginv, np.stack([np.frombuffer(good[j].row_block, np.uint8) for j in J]))
         frag = Fragment(target, row.tobytes(), col.tobytes())
         if not self.verify(frag, commitment):  # pragma: no cover - only with a hash collision
             raise RuntimeError(f"rebuilt fragment {target} does not match the commitment")
@@ -269,5 +271,5 @@ class Code2D:
         k = self.k
         idx = list(range(k)) if all(i in valid for i in range(k)) else sorted(valid)[:k]
         C = np.stack([np.frombuffer(valid[i].row, np.uint8) for i in idx])
-        M = C if idx == list(range(k)) else _gf.matmul(_gf.inverse(self.G[idx]), C)  # systematic fast path
+        M = C if idx == list(range(k)) else self._mm(self._inv(self.G[idx]), C)  # systematic fast path
         return M.reshape(-1)[:commitment.data_len].tobytes()
