@@ -16,9 +16,13 @@ from rich.table import Table
 
 from ..train import Progress as TrainProgress
 from ..train import TrainConfig, train
+from ._ckpt import app as ckpt_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Low-rank training (DLRT / SDLRT) on the bundled 8×8 digits.")
+
+
+app.add_typer(ckpt_app, name="ckpt")
 
 
 class Method(str, enum.Enum):
