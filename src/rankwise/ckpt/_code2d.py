@@ -167,13 +167,18 @@ class Code2D:
         """k blocks of B bytes -> (k, B) uint8."""
         return np.frombuffer(buf, dtype=np.uint8).reshape(self.k, B)
 
+    def _extend(self, X: np.ndarray) -> np.ndarray:
+        """``G @ X`` for X (k, L): the systematic rows are X itself, only the t parity rows are
+        computed -> (n, L)."""
+        return np.concatenate([X, self._mm(self.G[self.k:], X)])
+
     def _row_line(self, frag: Fragment, B: int) -> list[bytes]:
         """P[i, :] = C[i, :] Gᵀ as n blocks."""
-        return [bytes(b) for b in self._mm(self.G, self._blocks(frag.row, B))]
+        return [bytes(b) for b in self._extend(self._blocks(frag.row, B))]
 
     def _col_line(self, frag: Fragment, B: int) -> list[bytes]:
         """P[:, i] = G R[:, i] as n blocks."""
-        return [bytes(b) for b in self._mm(self.G, self._blocks(frag.col, B))]
+        return [bytes(b) for b in self._extend(self._blocks(frag.col, B))]
 
     # ---------------------------------------------------------------- encode
     def encode(self, data: bytes | bytearray | memoryview) -> Dispersal:
@@ -184,10 +189,10 @@ class Code2D:
         buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
         M = buf.reshape(k, k * B)  # row a = blocks M[a, 0..k-1]
         Mt = buf.reshape(k, k, B).transpose(1, 0, 2).reshape(k, k * B)  # row b = blocks M[0..k-1, b]
-        C, Rt = self._mm(self.G, M), self._mm(self.G, Mt)
+        C, Rt = self._extend(M), self._extend(Mt)
         frags = [Fragment(i, C[i].tobytes(), Rt[i].tobytes()) for i in range(self.n)]
         n = self.n  # the whole grid once: P[:, j] = G R[:, j] for every j in one product
-        P = self._mm(self.G, Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
+        P = self._extend(Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
         rows = [_merkle.root(self._h, [bytes(b) for b in P[i]]) for i in range(n)]
         cols = [_merkle.root(self._h, [bytes(b) for b in P[:, j]]) for j in range(n)]
         lines = tuple(rows + cols)
