@@ -51,7 +51,8 @@ def run_case(n: int, t: int, data: bytes, backend: str, repeats: int, memcpy_s: 
     payload = sum(s.nbytes for s in syms)
     return dict(
         n=n, t=t, k=k, backend=backend, mib=size / 2**20,
-        encode=memcpy_s / enc_s, retrieve=memcpy_s / ret_s,
+        encode=memcpy_s / enc_s, retrieve=memcpy_s / ret_s, encode_mbs=size / 1e6 / enc_s,
+        memcpy_mbs=size / 1e6 / memcpy_s,
         repair_seq_s=sum(per_helper) + dec_s, repair_crit_s=max(per_helper) + dec_s, retrieve_s=ret_s,
         stored=2 * n * k * com.block_size / size, repair_bytes=payload / size,
         repair_formula=2 * k / k**2, wire=sum(s.wire_bytes for s in syms) / size,
@@ -79,12 +80,14 @@ def main() -> None:
             rows.append(run_case(n, t, data, backend, args.repeats, memcpy_s))
             r = rows[-1]
             print(f"done n={n} t={t} {backend} ({r['mib']:.0f} MiB)", flush=True)
-    head = ("| n | t | backend | MiB | encode ×memcpy | retrieve ×memcpy | repair / retrieve time "
+    head = ("| n | t | backend | MiB | encode MB/s (memcpy MB/s) | encode ×memcpy | retrieve ×memcpy | "
+            "repair / retrieve time "
             "(critical path; all on one machine) | stored ×|m| (2-D / RS / repl.) | repair bytes ×|m| "
             "(measured; formula 2/k; 1-D RS 1; repl. 1) |")
-    print("\n" + head + "\n|" + "---|" * 9)
+    print("\n" + head + "\n|" + "---|" * 10)
     for r in rows:
-        print(f"| {r['n']} | {r['t']} | {r['backend']} | {r['mib']:.0f} | {r['encode']:.3f} | "
+        print(f"| {r['n']} | {r['t']} | {r['backend']} | {r['mib']:.0f} | {r['encode_mbs']:.0f} "
+              f"({r['memcpy_mbs']:.0f}) | {r['encode']:.3f} | "
               f"{r['retrieve']:.3f} | {r['repair_crit_s'] / r['retrieve_s']:.3f}; "
               f"{r['repair_seq_s'] / r['retrieve_s']:.2f} (target 3/k = {3 / r['k']:.3f}) | "
               f"{r['stored']:.3f} / {r['n'] / r['k']:.3f} / {r['t'] + 1} | "
