@@ -8,10 +8,11 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import track
 from rich.table import Table
 
 from .. import _io
-from ..ckpt import Code2D, NotEnoughSymbols, fragment_path, load_commitment, load_fragments, save_dispersal
+from ..ckpt import Code2D, NotEnoughSymbols, fragment_path, load_commitment, load_fragments
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
@@ -47,7 +48,11 @@ def encode_cmd(
     t0 = time.perf_counter()
     with console.status(f"encoding {len(data):,} bytes"):
         disp = code.encode(data)
-        save_dispersal(out, disp)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in track(disp.fragments, description="writing fragments", console=console,
+                   transient=True):
+        f.save(fragment_path(out, f.index))
+    disp.commitment.save(out / "commitment.rwck")  # last: a complete folder has a commitment
     com = disp.commitment
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
@@ -61,7 +66,7 @@ def verify_cmd(folder: Folder) -> None:
     code, com = _code(folder)
     found, problems = load_fragments(folder, com.n)
     table = Table("worker", "status")
-    for i in range(com.n):
+    for i in track(range(com.n), description="verifying", console=console, transient=True):
         ok = i in found and code.verify(found[i], com)
         table.add_row(str(i), "ok" if ok else problems.get(i, "does not match the commitment"))
         if not ok:
@@ -78,7 +83,8 @@ def repair_cmd(folder: Folder,
     code, com = _code(folder)
     found, _ = load_fragments(folder, com.n)
     helpers = [f for i, f in sorted(found.items()) if i != worker and code.verify(f, com)]
-    syms = [code.helper_symbols(f, worker) for f in helpers[:code.k]]
+    syms = [code.helper_symbols(f, worker)
+            for f in track(helpers[:code.k], description="helper symbols", console=console, transient=True)]
     try:
         frag = code.repair(worker, syms, com)
     except NotEnoughSymbols as e:
