@@ -172,13 +172,13 @@ class Code2D:
         computed -> (n, L)."""
         return np.concatenate([X, self._mm(self.G[self.k:], X)])
 
-    def _row_line(self, frag: Fragment, B: int) -> list[bytes]:
-        """P[i, :] = C[i, :] Gᵀ as n blocks."""
-        return [bytes(b) for b in self._extend(self._blocks(frag.row, B))]
+    def _row_line(self, frag: Fragment, B: int) -> np.ndarray:
+        """P[i, :] = C[i, :] Gᵀ as n blocks (n, B)."""
+        return self._extend(self._blocks(frag.row, B))
 
-    def _col_line(self, frag: Fragment, B: int) -> list[bytes]:
-        """P[:, i] = G R[:, i] as n blocks."""
-        return [bytes(b) for b in self._extend(self._blocks(frag.col, B))]
+    def _col_line(self, frag: Fragment, B: int) -> np.ndarray:
+        """P[:, i] = G R[:, i] as n blocks (n, B)."""
+        return self._extend(self._blocks(frag.col, B))
 
     # ---------------------------------------------------------------- encode
     def encode(self, data: bytes | bytearray | memoryview) -> Dispersal:
@@ -193,8 +193,10 @@ class Code2D:
         frags = [Fragment(i, C[i].tobytes(), Rt[i].tobytes()) for i in range(self.n)]
         n = self.n  # the whole grid once: P[:, j] = G R[:, j] for every j in one product
         P = self._extend(Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
-        rows = [_merkle.root(self._h, [bytes(b) for b in P[i]]) for i in range(n)]
-        cols = [_merkle.root(self._h, [bytes(b) for b in P[:, j]]) for j in range(n)]
+        leaves = [[_merkle.leaf(self._h, P[i, j]) for j in range(n)] for i in range(n)]  # once each
+        rows = [_merkle.levels_from_leaves(self._h, leaves[i])[-1][0] for i in range(n)]
+        cols = [_merkle.levels_from_leaves(self._h, [leaves[i][j] for i in range(n)])[-1][0]
+                for j in range(n)]
         lines = tuple(rows + cols)
         com = Commitment(self.n, self.t, len(data), B, self.hash_name, "cauchy-gf256",
                          lines, _merkle.root(self._h, list(lines)))
@@ -226,8 +228,8 @@ class Code2D:
         col = self._col_line(fragment, B)  # P[:, j]
         row = self._row_line(fragment, B)  # P[j, :]
         ct, rt = _merkle.levels(self._h, col), _merkle.levels(self._h, row)
-        return RepairSymbols(fragment.index, target, col[target], tuple(_merkle.path(ct, target)),
-                             row[target], tuple(_merkle.path(rt, target)))
+        return RepairSymbols(fragment.index, target, col[target].tobytes(), tuple(_merkle.path(ct, target)),
+                             row[target].tobytes(), tuple(_merkle.path(rt, target)))
 
     def repair(self, target: int, symbols: list[RepairSymbols], commitment: Commitment) -> Fragment:
         """Rebuild worker ``target`` from any k helpers' verified symbols; bad symbols are
