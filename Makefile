@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test lint bench bench-ckpt clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,9 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_time.py
+
+bench-ckpt: $(STAMP)
+	$(BIN)/python benchmarks/ckpt_codec.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
