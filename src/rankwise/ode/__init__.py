@@ -1,0 +1,8 @@
+"""Low-rank matrix ODE blocks integrated by projector splitting, reversible step by step
+(work in progress: state, KSL step, exact reverse, reversal defect)."""
+
+from ._ksl import ksl_reverse as ksl_reverse
+from ._ksl import ksl_step as ksl_step
+from ._ksl import rank_ratio as rank_ratio
+from ._ksl import reversal_defect as reversal_defect
+from ._state import LowRankState as LowRankState
