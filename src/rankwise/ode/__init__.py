@@ -1,6 +1,10 @@
 """Low-rank matrix ODE blocks integrated by projector splitting, reversible step by step
 (work in progress: state, KSL step, exact reverse, reversal defect)."""
 
+from ._controller import AbstractController as AbstractController
+from ._controller import DefectController as DefectController
+from ._controller import FixedController as FixedController
+from ._enrich import enrich as enrich
 from ._ksl import ksl_reverse as ksl_reverse
 from ._ksl import ksl_step as ksl_step
 from ._ksl import rank_ratio as rank_ratio

@@ -1,0 +1,113 @@
+"""Checkpoint-spacing and rank controllers driven by the reversal defect δ and ρ = σ_min/σ_max."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+class AbstractController(abc.ABC):
+    """Decides, per block of the forward pass: the spacing C of the next checkpoint, how much
+    to grow the rank, and (in the backward pass) whether to reload a checkpoint instead of
+    reversing. Called by the ODE block in that order."""
+
+    @abc.abstractmethod
+    def initial_spacing(self) -> int: ...
+
+    @abc.abstractmethod
+    def next_spacing(self, c: int, delta: float) -> int: ...
+
+    @abc.abstractmethod
+    def rank_increase(self, rank: int, delta: float, rho: float) -> int: ...
+
+    @abc.abstractmethod
+    def reload(self, local_delta: float) -> bool: ...
+
+
+@dataclass(frozen=True)
+class FixedController(AbstractController):
+    """The baseline: checkpoint every ``c`` steps, rank fixed at ``rank``, never reload."""
+
+    c: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.c < 1 or self.rank < 1:
+            raise ValueError(f"need c >= 1 and rank >= 1; got c={self.c}, rank={self.rank}")
+
+    def initial_spacing(self) -> int:
+        return self.c
+
+    def next_spacing(self, c: int, delta: float) -> int:
+        del delta
+        return self.c
+
+    def rank_increase(self, rank: int, delta: float, rho: float) -> int:
+        del rank, delta, rho
+        return 0
+
+    def reload(self, local_delta: float) -> bool:
+        del local_delta
+        return False
+
+
+@dataclass(frozen=True)
+class DefectController(AbstractController):
+    r"""The seed's rules:
+
+    - C ← max(1, ⌊C/2⌋) if δ > τ_warn; C ← min(C_max, C + 1) if δ < τ_safe; else unchanged;
+    - r ← min(max_rank, r + Δr) if δ > τ_rank or ρ < τ_svd;
+    - reload a checkpoint in the backward pass when the local defect exceeds τ_grad.
+
+    With exact substep inverses δ sits at the dtype's roundoff, so thresholds must be set
+    relative to it (:meth:`for_dtype`), or C never grows.
+    """
+
+    tau_warn: float
+    tau_safe: float
+    tau_rank: float
+    tau_svd: float
+    tau_grad: float
+    c_init: int = 8
+    c_max: int = 32
+    delta_r: int = 2
+    max_rank: int = 32
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tau_safe <= self.tau_warn:
+            raise ValueError(f"need 0 < tau_safe <= tau_warn; got {self.tau_safe}, {self.tau_warn}")
+        if min(self.tau_rank, self.tau_grad) <= 0 or not 0 <= self.tau_svd < 1:
+            raise ValueError("tau_rank and tau_grad must be > 0 and tau_svd in [0, 1)")
+        if not 1 <= self.c_init <= self.c_max or self.delta_r < 1 or self.max_rank < 1:
+            raise ValueError(f"need 1 <= c_init <= c_max, delta_r >= 1, max_rank >= 1; got "
+                             f"{self.c_init}, {self.c_max}, {self.delta_r}, {self.max_rank}")
+
+    @classmethod
+    def for_dtype(cls, dtype: torch.dtype, **overrides) -> DefectController:
+        """Thresholds as multiples of the dtype's eps: τ_safe = 1e2·eps, τ_warn = 1e4·eps,
+        τ_rank = 1e5·eps, τ_grad = 1e6·eps, τ_svd = 1e3·eps (ρ floor)."""
+        eps = torch.finfo(dtype).eps
+        kw = dict(tau_safe=1e2 * eps, tau_warn=1e4 * eps, tau_rank=1e5 * eps,
+                  tau_grad=1e6 * eps, tau_svd=1e3 * eps)
+        kw.update(overrides)
+        return cls(**kw)
+
+    def initial_spacing(self) -> int:
+        return self.c_init
+
+    def next_spacing(self, c: int, delta: float) -> int:
+        if delta > self.tau_warn:
+            return max(1, c // 2)
+        if delta < self.tau_safe:
+            return min(self.c_max, c + 1)
+        return c
+
+    def rank_increase(self, rank: int, delta: float, rho: float) -> int:
+        if delta > self.tau_rank or rho < self.tau_svd:
+            return max(0, min(self.delta_r, self.max_rank - rank))
+        return 0
+
+    def reload(self, local_delta: float) -> bool:
+        return local_delta > self.tau_grad
