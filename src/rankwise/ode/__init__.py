@@ -1,6 +1,8 @@
 """Low-rank matrix ODE blocks integrated by projector splitting, reversible step by step
 (work in progress: state, KSL step, exact reverse, reversal defect)."""
 
+from ._block import LowRankODEBlock as LowRankODEBlock
+from ._block import audit_gradients as audit_gradients
 from ._controller import AbstractController as AbstractController
 from ._controller import DefectController as DefectController
 from ._controller import FixedController as FixedController

@@ -59,8 +59,9 @@ def _l_rhs(field: Field, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
     return lambda L: field(t, X @ L.mT).mT @ X
 
 
-def ksl_step(state: LowRankState, field: Field, t: float, h: float) -> LowRankState:
-    """One KSL step of size h (explicit Euler substeps). Shapes as in :class:`LowRankState`."""
+def _step(state: LowRankState, field: Field, t: float, h: float) -> tuple[LowRankState, Tensor, Tensor]:
+    """One forward step, plus the two r×r rotations its QRs will introduce in the reverse:
+    QR(X0 S0) = X0·Q_x·R and QR(V0 S̃0ᵀ) = V0·Q_v·R with Q_x, Q_v from QR(S0), QR(S̃0ᵀ)."""
     X0, S0, V0 = state.X, state.S, state.V
     K1 = X0 @ S0 + h * _k_rhs(field, t, V0)(X0 @ S0)
     X1, S_hat = _qr(K1)
@@ -68,21 +69,34 @@ def ksl_step(state: LowRankState, field: Field, t: float, h: float) -> LowRankSt
     L0 = V0 @ S_tilde.mT
     L1 = L0 + h * _l_rhs(field, t, X1)(L0)
     V1, St = _qr(L1)
-    return LowRankState(X1, St.mT, V1)
+    with torch.no_grad():
+        Qx, Qv = _qr(S0.detach())[0], _qr(S_tilde.detach().mT)[0]
+    return LowRankState(X1, St.mT, V1), Qx, Qv
 
 
-def ksl_reverse(state: LowRankState, field: Field, t: float, h: float) -> LowRankState:
+def ksl_step(state: LowRankState, field: Field, t: float, h: float) -> LowRankState:
+    """One KSL step of size h (explicit Euler substeps). Shapes as in :class:`LowRankState`."""
+    return _step(state, field, t, h)[0]
+
+
+def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *,
+                rotations: tuple[Tensor, Tensor] | None = None) -> LowRankState:
     """The inverse of :func:`ksl_step` (same t and h): from Φ_h(F0) back to F0, up to roundoff
-    at full rank. Returns factors of F0 (in possibly rotated bases)."""
+    at full rank. Without ``rotations`` the factors of F0 come back in rotated bases; with the
+    (Q_x, Q_v) that the forward step reported, the forward's own factors come back."""
     X1, S1, V1 = state.X, state.S, state.V
     L1 = V1 @ S1.mT
     L0 = _invert_euler(_l_rhs(field, t, X1), L1, h)
-    V0, St = _qr(L0)  # L0 = V0 S̃0ᵀ, with V0 rotated relative to the forward pass
+    V0, St = _qr(L0)  # L0 = V0' R with V0' = V0 Q_v
     S_tilde = St.mT
+    if rotations is not None:
+        V0, S_tilde = V0 @ rotations[1].mT, S_tilde @ rotations[1].mT
     S_hat = _invert_euler(_s_rhs(field, t + h, X1, V0), S_tilde, h)
     K1 = X1 @ S_hat
     K0 = _invert_euler(_k_rhs(field, t, V0), K1, h)
-    X0, S0 = _qr(K0)
+    X0, S0 = _qr(K0)  # K0 = X0' R with X0' = X0 Q_x
+    if rotations is not None:
+        X0, S0 = X0 @ rotations[0].mT, rotations[0] @ S0
     return LowRankState(X0, S0, V0)
 
 
