@@ -1,7 +1,7 @@
 """LowRankODEBlock: a low-rank matrix ODE layer trained by reversal instead of a stored graph.
 
 The forward pass keeps one factor checkpoint per segment of C steps (C set by the controller
-from each segment's reversal defect), the two r×r rotations per step that the reverse needs
+from the reversal defect δ of each segment's last step), the two r×r rotations per step that the reverse needs
 to return the forward's own factors, and the enrichment events. The backward pass walks the
 steps in reverse: it reconstructs each state with :func:`ksl_reverse`, recomputes that one
 step with autograd for its vector-Jacobian product, and replays forward from the segment's
@@ -112,17 +112,15 @@ class LowRankODEBlock(nn.Module):
                     record.enrichments.append(event)
             if event is not None:
                 state = self._enrich(state, i, event)
-            start = state
             for j in range(length):
+                prev = state
                 state, Qx, Qv = _step(state, self._f, (i + j) * self.h, self.h)
                 if record is not None:
                     record.rotations.append((Qx, Qv))
-            if record is not None:  # the segment's reversal defect drives the controller
-                back = state
-                for j in reversed(range(length)):
-                    back = ksl_reverse(back, self._f, (i + j) * self.h, self.h,
-                                       rotations=record.rotations[i + j])
-                deltas.append(_rel(back, start))
+            if record is not None:  # δ of the segment's last step drives the controller
+                t_last = (i + length - 1) * self.h
+                back = ksl_reverse(state, self._f, t_last, self.h, rotations=record.rotations[-1])
+                deltas.append(_rel(back, prev))
                 rhos.append(float(rank_ratio(state).min()))
                 c = ctl.next_spacing(c, deltas[-1])
             i += length
