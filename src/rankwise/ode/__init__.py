@@ -1,5 +1,6 @@
-"""Low-rank matrix ODE blocks integrated by projector splitting, reversible step by step
-(work in progress: state, KSL step, exact reverse, reversal defect)."""
+"""Low-rank matrix ODE blocks integrated by projector splitting, reversible step by step:
+the KSL step and its exact reverse, reversal defect, rank enrichment, controllers, and
+LowRankODEBlock trained by reversal from checkpoints."""
 
 from ._block import LowRankODEBlock as LowRankODEBlock
 from ._block import audit_gradients as audit_gradients
