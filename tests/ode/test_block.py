@@ -58,3 +58,19 @@ def test_controller_schedule_enrichment_and_reload_keep_gradients_exact():
     block.reversible = True
     _loss(block(F0.clone().requires_grad_(True))).backward()
     assert block.last_stats["rank"] == 6 and block.last_stats["reloads"] > 0  # τ_grad ~ 0: reload
+
+
+def test_failed_reverse_falls_back_to_replay_for_every_controller():
+    """A stiff field (h·Lip > 1): the fixed-point reverse cannot converge, the local defect is
+    large, and the backward replays from checkpoints instead of returning wrong gradients."""
+    F0 = torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(4), dtype=F64)
+    field = Field(10, 8, seed=5)
+    with torch.no_grad():
+        field.A.mul_(15.0)
+        field.B.mul_(15.0)
+    block = LowRankODEBlock(field, rank=4, steps=8, h=0.3, controller=FixedController(4, 4))
+    rev = _grads(block, F0, True)
+    assert block.last_stats["reloads"] > 0
+    ref = _grads(block, F0, False)
+    for a, b in zip(rev, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)

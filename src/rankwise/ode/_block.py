@@ -40,6 +40,13 @@ class Tape:
     stats: dict = dc_field(default_factory=dict)
 
 
+_SAFE = 1e4  # local defect (in units of eps) above which the backward always replays
+
+
+def _eps(st: LowRankState) -> float:
+    return torch.finfo(st.S.dtype).eps
+
+
 def _rel(a: LowRankState, b: LowRankState) -> float:
     Fa, Fb = a.dense(), b.dense()
     return float((torch.linalg.matrix_norm(Fa - Fb) / (torch.linalg.matrix_norm(Fb) + 1e-300)).max())
@@ -53,8 +60,9 @@ class LowRankODEBlock(nn.Module):
     - `field`: an ``nn.Module`` called as ``field(t, F)``, F (B, m, n); its parameters learn.
     - `rank`: rank of the state built from a dense input; `steps`, `h`: the time grid.
     - `controller`: :class:`DefectController` or :class:`FixedController`.
-    - `reversible`: ``False`` runs the same schedule with plain autograd through the whole
-      stored graph (the reference that :func:`audit_gradients` compares against).
+    - `reversible`: ``False`` integrates with plain autograd through the whole stored graph,
+      at the initial spacing and rank (no adaptive decisions); :func:`audit_gradients` makes it
+      replay the schedule of the last reversible forward.
     - `alpha`: diagonal value given to enriched directions; `seed`: enrichment seeds.
 
     ``forward(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns the
@@ -72,6 +80,7 @@ class LowRankODEBlock(nn.Module):
         self.controller, self.reversible, self.alpha, self.seed = controller, reversible, alpha, seed
         self.last_stats: dict = {}
         self.last_tape: Tape | None = None
+        self._replay: Tape | None = None
 
     def _f(self, t: float, F: Tensor) -> Tensor:
         return self.field(t, F)
@@ -134,8 +143,9 @@ class LowRankODEBlock(nn.Module):
     def forward(self, state: LowRankState | Tensor) -> LowRankState:
         if isinstance(state, Tensor):
             state = LowRankState.from_dense(state, self.rank)
-        if not self.reversible:
-            return self.run(state, replay=self.last_tape) if self.last_tape else self.run(state)
+        if not self.reversible:  # plain autograd; the schedule only matters for reversal, so
+            # no adaptive decisions are taken unless a recorded one is replayed (the audit)
+            return self.run(state, replay=self._replay)
         params = [p for p in self.field.parameters() if p.requires_grad]
         X, S, V = _Reversal.apply(self, state.X, state.S, state.V, *params)
         return LowRankState(X, S, V)
@@ -189,7 +199,10 @@ class _Reversal(torch.autograd.Function):
                 with torch.no_grad():
                     prev = seg_start if j == 0 else ksl_reverse(cur, f, i * h, h, rotations=tape.rotations[i])
                 out, gin, gp = _vjp(step, prev, g, params)
-                if j > 0 and block.controller.reload(_rel(out, cur)):
+                local = _rel(out, cur)
+                # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
+                # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
+                if j > 0 and (block.controller.reload(local) or local > _SAFE * _eps(cur)):
                     reloads += 1  # reversal drifted: replay from the checkpoint instead
                     with torch.no_grad():
                         prev = seg_start
@@ -224,9 +237,10 @@ def audit_gradients(module: LowRankODEBlock, inputs: LowRankState | Tensor,
     was = module.reversible
     try:
         g_rev = grads(True)
+        module._replay = module.last_tape  # the reference follows the same schedule
         g_ref = grads(False)
     finally:
-        module.reversible = was
+        module.reversible, module._replay = was, None
     cos = float(g_rev @ g_ref / (g_rev.norm() * g_ref.norm() + 1e-300))
     log.info("audit_gradients: cosine %.12f", cos)
     return cos
