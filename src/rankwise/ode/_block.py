@@ -52,6 +52,13 @@ def _rel(a: LowRankState, b: LowRankState) -> float:
     return float((torch.linalg.matrix_norm(Fa - Fb) / (torch.linalg.matrix_norm(Fb) + 1e-300)).max())
 
 
+def _rel_factors(a: LowRankState, b: LowRankState) -> float:
+    """Largest relative difference of the factors X, S, V (not only of the product: with an
+    ill-conditioned core the product can be right while the factors are rotated)."""
+    return max(float((torch.linalg.matrix_norm(x - y) / (torch.linalg.matrix_norm(y) + 1e-300)).max())
+               for x, y in ((a.X, b.X), (a.S, b.S), (a.V, b.V)))
+
+
 class LowRankODEBlock(nn.Module):
     """Integrate dF/dt = field(t, F) for ``steps`` KSL steps of size ``h``, with reversal
     backprop.
@@ -199,7 +206,7 @@ class _Reversal(torch.autograd.Function):
                 with torch.no_grad():
                     prev = seg_start if j == 0 else ksl_reverse(cur, f, i * h, h, rotations=tape.rotations[i])
                 out, gin, gp = _vjp(step, prev, g, params)
-                local = _rel(out, cur)
+                local = _rel_factors(out, cur)  # the cotangent g is w.r.t. cur's own factors
                 # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
                 # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
                 if j > 0 and (block.controller.reload(local) or local > _SAFE * _eps(cur)):

@@ -1,0 +1,1 @@
+"""Experiments built on the library (not part of the core API)."""
