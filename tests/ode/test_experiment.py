@@ -20,3 +20,12 @@ def test_reversal_gradients_on_rank_deficient_float32_states():
     cos = audit_gradients(model.block, F0,
                           lambda s: nn.functional.cross_entropy(model.out(s.dense().flatten(1)), y))
     assert cos > 0.999
+
+
+def test_ode_cli_rejects_unknown_controller():
+    from typer.testing import CliRunner
+
+    from rankwise.cli import app
+
+    r = CliRunner().invoke(app, ["ode", "--controllers", "magic"])
+    assert r.exit_code != 0 and "controller must be" in r.output
