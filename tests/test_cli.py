@@ -20,13 +20,7 @@ runner = CliRunner()
 MLP_LAYERS = {"fc1": 64, "fc2": 500, "fc3": 10}  # name -> min(out, in), the largest rank
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The models are tiny: one thread is as fast, and immune to other busy processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _invoke(*args: str):

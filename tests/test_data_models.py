@@ -14,12 +14,7 @@ from rankwise.models import MODELS, get_model, lenet, mlp, register_model
 N_DIGITS = 1797
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -66,6 +66,18 @@ def test_one_step_matches_projector_reference(single_pass):
     assert 4 < layer.rank <= 8
 
 
+def _fit_rank3(cls, steps: int = 300, **kw):
+    """300 steps on the rank-3 regression from rank 8: (layer, optimizer, first loss, last loss)."""
+    X, Y, _ = rank3_problem()
+    layer = LowRankLinear(20, 30, 8, bias=False, dtype=F64)
+    opt = cls(layer, 0.2, tau=0.05, **kw)
+    closure = mse_closure(opt, layer, X, Y)
+    first = float(closure())
+    for _ in range(steps):
+        loss = opt.step(closure)
+    return layer, opt, first, loss
+
+
 @pytest.mark.parametrize("single_pass", BOTH)
 def test_fixed_rank_stays_fixed(single_pass):
     X, Y, _ = rank3_problem()
@@ -79,13 +91,7 @@ def test_fixed_rank_stays_fixed(single_pass):
 @pytest.mark.parametrize("single_pass", BOTH)
 @pytest.mark.parametrize("cls,kw", [(DLRT, {}), (SDLRT, {"feedback": False})])
 def test_rank3_regression_reaches_zero_loss_at_rank3(cls, kw, single_pass):
-    X, Y, _ = rank3_problem()
-    layer = LowRankLinear(20, 30, 8, bias=False, dtype=F64)
-    opt = cls(layer, 0.2, tau=0.05, single_pass=single_pass, **kw)
-    closure = mse_closure(opt, layer, X, Y)
-    first = float(closure())
-    for _ in range(300):
-        loss = opt.step(closure)
+    layer, _, first, loss = _fit_rank3(cls, single_pass=single_pass, **kw)
     assert float(loss) < 1e-6 * first
     assert layer.rank == 3
 
@@ -95,13 +101,7 @@ def test_default_sdlrt_reaches_zero_loss_with_decaying_tau(single_pass):
     """Default SDLRT: the rank (3, the target's) stays below the initial rank 8, so the feedback
     fires on every step and τ decays as ω^t; the numerical-rank guard keeps roundoff
     directions out of the rank even when τ has reached ~0."""
-    X, Y, _ = rank3_problem()
-    layer = LowRankLinear(20, 30, 8, bias=False, dtype=F64)
-    opt = SDLRT(layer, 0.2, tau=0.05, single_pass=single_pass)
-    closure = mse_closure(opt, layer, X, Y)
-    first = float(closure())
-    for _ in range(300):
-        loss = opt.step(closure)
+    layer, opt, first, loss = _fit_rank3(SDLRT, single_pass=single_pass)
     assert float(loss) < 1e-6 * first
     assert layer.rank == 3
     assert opt.taus()[""] <= 0.05 * 0.8**290
