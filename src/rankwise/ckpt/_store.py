@@ -5,6 +5,7 @@ used by the command line and the tests.)"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ._code2d import Commitment, Dispersal, Fragment
@@ -16,11 +17,13 @@ def fragment_path(folder: str | Path, index: int) -> Path:
     return Path(folder) / f"worker{index}.rwck"
 
 
-def save_dispersal(folder: str | Path, dispersal: Dispersal) -> None:
-    """Write every fragment, then the commitment (each atomically)."""
+def save_dispersal(folder: str | Path, dispersal: Dispersal, *,
+                   progress: Callable[[Iterable[Fragment]], Iterable[Fragment]] = iter) -> None:
+    """Write every fragment, then the commitment (each atomically): a folder with a
+    commitment is complete. ``progress`` wraps the fragment loop (e.g. ``rich.progress.track``)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    for f in dispersal.fragments:
+    for f in progress(dispersal.fragments):
         f.save(fragment_path(folder, f.index))
     dispersal.commitment.save(folder / COMMITMENT_FILE)
 

@@ -12,7 +12,7 @@ from rich.progress import track
 from rich.table import Table
 
 from .. import _io
-from ..ckpt import Code2D, NotEnoughSymbols, fragment_path, load_commitment, load_fragments
+from ..ckpt import Code2D, NotEnoughSymbols, fragment_path, load_commitment, load_fragments, save_dispersal
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
@@ -48,11 +48,8 @@ def encode_cmd(
     t0 = time.perf_counter()
     with console.status(f"encoding {len(data):,} bytes"):
         disp = code.encode(data)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in track(disp.fragments, description="writing fragments", console=console,
-                   transient=True):
-        f.save(fragment_path(out, f.index))
-    disp.commitment.save(out / "commitment.rwck")  # last: a complete folder has a commitment
+    save_dispersal(out, disp, progress=lambda it: track(it, description="writing fragments",
+                                                        console=console, transient=True))
     com = disp.commitment
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
