@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["orth_complement", "orth_extend", "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
+__all__ = ["orth_complement", "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,15 +72,6 @@ def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tens
     if int(info) != 0:  # not expected after the eigen filter; fall back to Householder QR
         return orthonormalize(Y)[0]
     return torch.linalg.solve_triangular(L.to(Y.dtype), Y.mT, upper=False).mT
-
-
-def orth_extend(Q0: Tensor, *blocks: Tensor, rtol: float | None = None) -> Tensor:
-    """``[Q0, orth_complement(Q0, [blocks...])]``: an orthonormal basis of span[Q0, blocks]
-    whose first columns are ``Q0`` (which must be orthonormal). Shapes (m, r), (m, c_i)."""
-    extra = [b for b in blocks if b.numel() > 0]
-    if not extra:
-        return Q0
-    return torch.cat([Q0, orth_complement(Q0, torch.cat(extra, dim=1), rtol=rtol)], dim=1)
 
 
 def tail_rank(s: Tensor, tol: float, *, min_rank: int = 1, max_rank: int | None = None) -> int:
