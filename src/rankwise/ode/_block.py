@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from ._controller import AbstractController
 from ._enrich import enrich
-from ._ksl import _step, ksl_reverse, rank_ratio
+from ._ksl import _step, ksl_reverse, rank_ratio, relative_error
 from ._state import LowRankState
 
 log = logging.getLogger(__name__)
@@ -48,14 +48,14 @@ def _eps(st: LowRankState) -> float:
 
 
 def _rel(a: LowRankState, b: LowRankState) -> float:
-    Fa, Fb = a.dense(), b.dense()
-    return float((torch.linalg.matrix_norm(Fa - Fb) / (torch.linalg.matrix_norm(Fb) + 1e-300)).max())
+    return float(relative_error(a, b).max())
 
 
 def _rel_factors(a: LowRankState, b: LowRankState) -> float:
     """Largest relative difference of the factors X, S, V (not only of the product: with an
     ill-conditioned core the product can be right while the factors are rotated)."""
-    return max(float((torch.linalg.matrix_norm(x - y) / (torch.linalg.matrix_norm(y) + 1e-300)).max())
+    tiny = torch.finfo(b.S.dtype).tiny
+    return max(float((torch.linalg.matrix_norm(x - y) / (torch.linalg.matrix_norm(y) + tiny)).max())
                for x, y in ((a.X, b.X), (a.S, b.S), (a.V, b.V)))
 
 

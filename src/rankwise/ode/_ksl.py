@@ -100,13 +100,15 @@ def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *,
     return LowRankState(X0, S0, V0)
 
 
+def relative_error(a: LowRankState, b: LowRankState) -> Tensor:
+    """‖a − b‖_F / (‖b‖_F + ε) per batch element, on the products X S Vᵀ. (B,)"""
+    Fa, Fb = a.dense(), b.dense()
+    return torch.linalg.matrix_norm(Fa - Fb) / (torch.linalg.matrix_norm(Fb) + torch.finfo(Fb.dtype).tiny)
+
+
 def reversal_defect(state: LowRankState, field: Field, t: float, h: float) -> Tensor:
     """δ = ‖Φ⁻¹_h(Φ_h(F)) − F‖_F / (‖F‖_F + ε) per batch element, on the products X S Vᵀ. (B,)"""
-    back = ksl_reverse(ksl_step(state, field, t, h), field, t, h)
-    F = state.dense()
-    eps = torch.finfo(F.dtype).tiny
-    err = torch.linalg.matrix_norm(back.dense() - F)
-    return err / (torch.linalg.matrix_norm(F) + eps)
+    return relative_error(ksl_reverse(ksl_step(state, field, t, h), field, t, h), state)
 
 
 def rank_ratio(state: LowRankState) -> Tensor:
