@@ -61,3 +61,29 @@ def test_defect_controller_rules():
     assert d.tau_safe == pytest.approx(100 * torch.finfo(torch.float32).eps)
     with pytest.raises(ValueError, match="tau_safe"):
         DefectController(tau_warn=1e-9, tau_safe=1e-6, tau_rank=1, tau_svd=0.1, tau_grad=1)
+
+
+def test_carry_over_spacing_across_forward_passes():
+    """carry=True: a forward pass starts where the last one left C (the seed restarts at c_init)."""
+    from rankwise.ode import LowRankODEBlock
+
+    c = DefectController.for_dtype(F64, c_init=2, c_max=6)
+    assert c.initial_spacing(5) == 2 and c.initial_spacing() == 2
+    carry = DefectController.for_dtype(F64, c_init=2, c_max=6, carry=True)
+    assert carry.initial_spacing(5) == 5 and carry.initial_spacing() == 2
+    assert FixedController(3, 2).initial_spacing(5) == 3
+
+    class Decay(torch.nn.Module):
+        def forward(self, t, F):
+            return -0.1 * F
+
+    F0 = torch.randn(1, 6, 5, generator=torch.Generator().manual_seed(0), dtype=F64)
+    block = LowRankODEBlock(Decay(), rank=3, steps=12, h=0.1, controller=carry)
+    block(F0)
+    first = block.last_tape.lengths
+    block(F0)
+    second = block.last_tape.lengths
+    assert first == [2, 3, 4, 3] and second == [6, 6]  # δ at roundoff: C grows by one per segment
+    block.controller = c
+    block(F0)
+    assert block.last_tape.lengths[0] == 2

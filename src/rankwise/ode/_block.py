@@ -1,12 +1,20 @@
 """LowRankODEBlock: a low-rank matrix ODE layer trained by reversal instead of a stored graph.
 
 The forward pass keeps one factor checkpoint per segment of C steps (C set by the controller
-from the reversal defect δ of each segment's last step), the two r×r rotations per step that the reverse needs
-to return the forward's own factors, and the enrichment events. The backward pass walks the
-steps in reverse: it reconstructs each state with :func:`ksl_reverse`, recomputes that one
-step with autograd for its vector-Jacobian product, and replays forward from the segment's
-checkpoint whenever the local defect exceeds the controller's τ_grad. Enrichment is replayed
-with the same random seed; its new directions are treated as constants (like a pivot choice).
+from the reversal defect δ of each segment's last step) and the enrichment events, nothing per
+step. The backward pass walks the steps in reverse: it reconstructs each state with
+:func:`ksl_reverse`, recomputes that one step with autograd for its vector-Jacobian product, and
+replays the segment forward from its checkpoint whenever the local defect exceeds the
+controller's τ_grad. Enrichment is replayed with the same random seed; its new directions are
+treated as constants (like a pivot choice).
+
+**Gauge.** A reconstructed state has the right product F but factors in other bases than the
+forward's (each QR picks a frame). Everything downstream depends on the factors only through F
+and the spans of X and V (KSL is equivariant under X → XQ₁, S → Q₁ᵀSQ₂, V → VQ₂), so the
+cotangent is carried across frames exactly by the r×r rotations Rx = X_gᵀX, Rv = V_gᵀV between
+the frame the cotangent is expressed in and the recomputed one. Where the core is numerically
+singular the spans are not determined by F, Rx stops being orthogonal, the aligned factors
+disagree, and the segment is replayed from its checkpoint instead.
 """
 
 from __future__ import annotations
@@ -30,13 +38,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class Tape:
     """The forward schedule: per segment its first step, length, checkpoint (before
-    enrichment) and enrichment ``(delta_r, seed)`` or None; per step the reverse's rotations."""
+    enrichment) and enrichment ``(delta_r, seed)`` or None."""
 
     starts: list[int] = dc_field(default_factory=list)
     lengths: list[int] = dc_field(default_factory=list)
     checkpoints: list[LowRankState] = dc_field(default_factory=list)
     enrichments: list[tuple[int, int] | None] = dc_field(default_factory=list)
-    rotations: list[tuple[Tensor, Tensor]] = dc_field(default_factory=list)
     stats: dict = dc_field(default_factory=dict)
 
 
@@ -45,6 +52,15 @@ _SAFE = 1e4  # local defect (in units of eps) above which the backward always re
 
 def _eps(st: LowRankState) -> float:
     return torch.finfo(st.S.dtype).eps
+
+
+def _nbytes(st: LowRankState) -> int:
+    return st.X.nbytes + st.S.nbytes + st.V.nbytes
+
+
+def tape_bytes(tape: Tape) -> int:
+    """Bytes the reversal backward keeps between forward and backward: the checkpoints."""
+    return sum(_nbytes(cp) for cp in tape.checkpoints)
 
 
 def _rel(a: LowRankState, b: LowRankState) -> float:
@@ -74,7 +90,8 @@ class LowRankODEBlock(nn.Module):
 
     ``forward(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns the
     final :class:`LowRankState`. ``last_stats``: rank, checkpoints stored, max/mean δ, min ρ
-    (and ``reloads`` after a backward pass).
+    (after a backward pass also ``reloads``, segments replayed from their checkpoint, and
+    ``replay_bytes``, the largest replayed segment's states held at once).
     """
 
     def __init__(self, field: nn.Module, *, rank: int, steps: int, h: float,
@@ -88,6 +105,7 @@ class LowRankODEBlock(nn.Module):
         self.last_stats: dict = {}
         self.last_tape: Tape | None = None
         self._replay: Tape | None = None
+        self._spacing: int | None = None  # where the last recorded forward left C
 
     def _f(self, t: float, F: Tensor) -> Tensor:
         return self.field(t, F)
@@ -108,9 +126,9 @@ class LowRankODEBlock(nn.Module):
     def run(self, state: LowRankState, *, record: Tape | None = None,
             replay: Tape | None = None) -> LowRankState:
         """Integrate all steps. ``record``: choose the schedule with the controller and record
-        it (checkpoints, rotations, events, stats). ``replay``: follow a recorded schedule."""
+        it (checkpoints, events, stats). ``replay``: follow a recorded schedule."""
         ctl, i, seg = self.controller, 0, 0
-        c = ctl.initial_spacing()
+        c = ctl.initial_spacing(self._spacing if replay is None else None)
         deltas, rhos = [], []
         while i < self.steps:
             if replay is not None:
@@ -130,19 +148,18 @@ class LowRankODEBlock(nn.Module):
                 state = self._enrich(state, i, event)
             for j in range(length):
                 prev = state
-                state, Qx, Qv = _step(state, self._f, (i + j) * self.h, self.h)
-                if record is not None:
-                    record.rotations.append((Qx, Qv))
+                state = _step(state, self._f, (i + j) * self.h, self.h)[0]
             if record is not None:  # δ of the segment's last step drives the controller
                 t_last = (i + length - 1) * self.h
-                back = ksl_reverse(state, self._f, t_last, self.h, rotations=record.rotations[-1])
+                back = ksl_reverse(state, self._f, t_last, self.h)
                 deltas.append(_rel(back, prev))
                 rhos.append(float(rank_ratio(state).min()))
                 c = ctl.next_spacing(c, deltas[-1])
             i += length
             seg += 1
         if record is not None:
-            record.stats = dict(rank=state.rank, checkpoints=len(record.checkpoints),
+            self._spacing = c
+            record.stats = dict(rank=state.rank, checkpoints=len(record.checkpoints), spacing=c,
                                 max_delta=max(deltas), mean_delta=sum(deltas) / len(deltas),
                                 min_rho=min(rhos))
         return state
@@ -158,17 +175,37 @@ class LowRankODEBlock(nn.Module):
         return LowRankState(X, S, V)
 
 
-def _vjp(fn: Callable[[LowRankState], LowRankState], state: LowRankState, g, params):
-    """Recompute ``fn(state)`` with autograd: (output, cotangents of X, S, V, param grads)."""
+def _align(out: LowRankState, ref: LowRankState) -> tuple[Tensor, Tensor]:
+    """Rotations (Rx, Rv), (B, r, r), taking ``ref``'s frame to ``out``'s: out.X ≈ ref.X Rx."""
+    return ref.X.mT @ out.X, ref.V.mT @ out.V
+
+
+def _vjp(fn: Callable[[LowRankState], LowRankState], state: LowRankState,
+         g: tuple[Tensor | None, ...], params, ref: LowRankState | None = None):
+    """Recompute ``fn(state)`` with autograd and pull back the cotangent ``g``.
+
+    ``g`` is expressed in the frame of ``ref`` (default: the recomputed output's own). Returns
+    (output, cotangents of X, S, V, param grads, local defect): the defect is the largest relative
+    difference between the frame-aligned output factors and ``ref``'s (0 when ``ref`` is None).
+    """
     X, S, V = (t.detach().requires_grad_(True) for t in (state.X, state.S, state.V))
     with torch.enable_grad():
         out = fn(LowRankState(X, S, V))
+        local = 0.0
+        if ref is not None:
+            with torch.no_grad():
+                o = LowRankState(out.X.detach(), out.S.detach(), out.V.detach())
+                Rx, Rv = _align(o, ref)
+                local = _rel_factors(LowRankState(o.X @ Rx.mT, Rx @ o.S @ Rv.mT, o.V @ Rv.mT), ref)
+                gX, gS, gV = g
+                g = (None if gX is None else gX @ Rx, None if gS is None else Rx.mT @ gS @ Rv,
+                     None if gV is None else gV @ Rv)
         pairs = [(o, go) for o, go in zip((out.X, out.S, out.V), g, strict=True) if go is not None]
         grads = torch.autograd.grad([o for o, _ in pairs], [X, S, V, *params],
                                     [go for _, go in pairs], allow_unused=True)
     gin = tuple(torch.zeros_like(t) if gr is None else gr for t, gr in zip((X, S, V), grads[:3], strict=True))
     done = LowRankState(out.X.detach(), out.S.detach(), out.V.detach())
-    return done, gin, grads[3:]
+    return done, gin, grads[3:], local
 
 
 class _Reversal(torch.autograd.Function):
@@ -187,67 +224,88 @@ class _Reversal(torch.autograd.Function):
         block, tape = ctx.block, ctx.tape
         params = [p for p in block.field.parameters() if p.requires_grad]
         pgrads = [torch.zeros_like(p) for p in params]
-        cur, g = ctx.out, (gX, gS, gV)
-        h, f, reloads = block.h, block._f, 0
+        h, f, ctl = block.h, block._f, block.controller
+        cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
+        reloads, replay_bytes = 0, 0
 
-        def add(gp):
-            for acc, x in zip(pgrads, gp, strict=True):
+        def add(acc, gp):
+            for a, x in zip(acc, gp, strict=True):
                 if x is not None:
-                    acc.add_(x)
+                    a.add_(x)
 
         for seg in reversed(range(len(tape.starts))):
             i0, n = tape.starts[seg], tape.lengths[seg]
             cp, event = tape.checkpoints[seg], tape.enrichments[seg]
             with torch.no_grad():
                 seg_start = block._enrich(cp, i0, event) if event is not None else cp
-            for j in reversed(range(n)):
+            seg_g = [torch.zeros_like(p) for p in params]
+            c, gc, reversed_ok = cur, g, True
+            for j in reversed(range(n)):  # reversal, in reconstructed frames
                 i = i0 + j
                 step = lambda st, i=i: _step(st, f, i * h, h)[0]  # noqa: E731
                 with torch.no_grad():
-                    prev = seg_start if j == 0 else ksl_reverse(cur, f, i * h, h, rotations=tape.rotations[i])
-                out, gin, gp = _vjp(step, prev, g, params)
-                local = _rel_factors(out, cur)  # the cotangent g is w.r.t. cur's own factors
+                    prev = seg_start if j == 0 else ksl_reverse(c, f, i * h, h)
+                _, gin, gp, local = _vjp(step, prev, gc, params, ref=c)
                 # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
                 # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
-                if j > 0 and (block.controller.reload(local) or local > _SAFE * _eps(cur)):
-                    reloads += 1  # reversal drifted: replay from the checkpoint instead
-                    with torch.no_grad():
-                        prev = seg_start
-                        for k in range(j):
-                            prev = _step(prev, f, (i0 + k) * h, h)[0]
-                    out, gin, gp = _vjp(step, prev, g, params)
-                add(gp)
-                cur, g = prev, gin
+                if ctl.reload(local) or local > _SAFE * _eps(c):
+                    reversed_ok = False
+                    break
+                add(seg_g, gp)
+                c, gc = prev, gin
+            if reversed_ok:
+                add(pgrads, seg_g)
+                g = gc
+            else:  # reversal drifted: replay the segment from its checkpoint, in the forward's
+                reloads += 1  # own frames (g at the segment's end is expressed in them)
+                with torch.no_grad():  # the segment's states, held only while it is processed
+                    states = [seg_start]
+                    for k in range(n - 1):
+                        states.append(_step(states[-1], f, (i0 + k) * h, h)[0])
+                replay_bytes = max(replay_bytes, sum(_nbytes(st) for st in states))
+                for j in reversed(range(n)):
+                    i = i0 + j
+                    _, g, gp, _ = _vjp(lambda st, i=i: _step(st, f, i * h, h)[0], states[j], g, params)
+                    add(pgrads, gp)
+                del states
             if event is not None:
-                cur, g, gp = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
-                cur = cp
-                add(gp)
-        block.last_stats = {**tape.stats, "reloads": reloads}
+                _, g, gp, _ = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
+                add(pgrads, gp)
+            cur = cp
+        block.last_stats = {**tape.stats, "reloads": reloads, "replay_bytes": replay_bytes}
         return (None, *g, *pgrads)
 
 
-def audit_gradients(module: LowRankODEBlock, inputs: LowRankState | Tensor,
+def audit_gradients(module: nn.Module, inputs: LowRankState | Tensor,
                     loss_fn: Callable[[LowRankState], Tensor]) -> float:
     """Cosine between the reversal gradient and dense autograd through the stored graph (same
-    schedule), over the field's parameters and the input. Logged at INFO."""
-    params = [p for p in module.field.parameters() if p.requires_grad]
+    schedule), over all trainable parameters of ``module`` and the input. ``module`` is a
+    :class:`LowRankODEBlock` or any module containing some (each replays its last schedule);
+    ``loss_fn`` maps ``module(inputs)`` to a scalar. Logged at INFO."""
+    blocks = [b for b in module.modules() if isinstance(b, LowRankODEBlock)]
+    if not blocks:
+        raise ValueError("audit_gradients: the module contains no LowRankODEBlock")
+    params = [p for p in module.parameters() if p.requires_grad]
 
     def grads(reversible: bool) -> Tensor:
         x = inputs.detach().clone().requires_grad_(True) if isinstance(inputs, Tensor) else \
             LowRankState(*(t.detach().clone().requires_grad_(True) for t in (inputs.X, inputs.S, inputs.V)))
         leaves = [x] if isinstance(x, Tensor) else [x.X, x.S, x.V]
-        module.reversible = reversible
+        for b in blocks:
+            b.reversible = reversible
         loss = loss_fn(module(x))
         gs = torch.autograd.grad(loss, [*leaves, *params], allow_unused=True)
         return torch.cat([torch.zeros(0) if gr is None else gr.reshape(-1).double() for gr in gs])
 
-    was = module.reversible
+    was = [b.reversible for b in blocks]
     try:
         g_rev = grads(True)
-        module._replay = module.last_tape  # the reference follows the same schedule
+        for b in blocks:  # the reference follows the same schedules
+            b._replay = b.last_tape
         g_ref = grads(False)
     finally:
-        module.reversible, module._replay = was, None
+        for b, w in zip(blocks, was, strict=True):
+            b.reversible, b._replay = w, None
     cos = float(g_rev @ g_ref / (g_rev.norm() * g_ref.norm() + 1e-300))
     log.info("audit_gradients: cosine %.12f", cos)
     return cos

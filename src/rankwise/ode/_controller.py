@@ -14,7 +14,9 @@ class AbstractController(abc.ABC):
     reversing. Called by the ODE block in that order."""
 
     @abc.abstractmethod
-    def initial_spacing(self) -> int: ...
+    def initial_spacing(self, previous: int | None = None) -> int:
+        """Spacing of a forward pass's first segment; ``previous`` is the spacing the last
+        forward pass ended with (None on the first)."""
 
     @abc.abstractmethod
     def next_spacing(self, c: int, delta: float) -> int: ...
@@ -37,7 +39,8 @@ class FixedController(AbstractController):
         if self.c < 1 or self.rank < 1:
             raise ValueError(f"need c >= 1 and rank >= 1; got c={self.c}, rank={self.rank}")
 
-    def initial_spacing(self) -> int:
+    def initial_spacing(self, previous: int | None = None) -> int:
+        del previous
         return self.c
 
     def next_spacing(self, c: int, delta: float) -> int:
@@ -61,6 +64,11 @@ class DefectController(AbstractController):
     - r ← min(max_rank, r + Δr) if δ > τ_rank or ρ < τ_svd;
     - reload a checkpoint in the backward pass when the local defect exceeds τ_grad.
 
+    With ``carry=True`` each forward pass starts from the spacing the previous one reached
+    instead of ``c_init`` (our tuning: the seed restarts at C_init, so with its +1 growth a
+    64-step pass stores ⌈64/C⌉-ish checkpoints forever; carried over, C reaches C_max after a
+    few iterations when δ stays small, and halves again as soon as it does not).
+
     With exact substep inverses δ sits at the dtype's roundoff, so thresholds must be set
     relative to it (:meth:`for_dtype`), or C never grows.
     """
@@ -74,6 +82,7 @@ class DefectController(AbstractController):
     c_max: int = 32
     delta_r: int = 2
     max_rank: int = 32
+    carry: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.tau_safe <= self.tau_warn:
@@ -94,8 +103,8 @@ class DefectController(AbstractController):
         kw.update(overrides)
         return cls(**kw)
 
-    def initial_spacing(self) -> int:
-        return self.c_init
+    def initial_spacing(self, previous: int | None = None) -> int:
+        return previous if self.carry and previous is not None else self.c_init
 
     def next_spacing(self, c: int, delta: float) -> int:
         if delta > self.tau_warn:
