@@ -22,7 +22,8 @@ _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2
             ("loss_spikes", "loss spikes", "{:.1f}"), ("seconds", "s/run", "{:.0f}"))
 
 
-def _parse_grid(grid: str) -> list[tuple[str, int, int | None]]:
+def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
+    """``controller:C[-CMAX][:rR]`` entries -> (controller, C, C_max or None, rank or None)."""
     out = []
     for item in grid.split(","):
         parts = item.strip().split(":")
@@ -30,12 +31,12 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None]]:
             raise typer.BadParameter(
                 f"controller must be 'fixed' or 'adaptive'; got {parts[0]!r} in {item!r}")
         try:
-            c = int(parts[1]) if len(parts) > 1 else 8
+            c, _, cmax = (parts[1] if len(parts) > 1 else "8").partition("-")
             r = int(parts[2].lstrip("r")) if len(parts) > 2 else None
+            out.append((parts[0], int(c), int(cmax) if cmax else None, r))
         except ValueError as e:
             raise typer.BadParameter(
-                f"grid entries are controller:C[:rR], e.g. adaptive:8:r4; got {item!r}") from e
-        out.append((parts[0], c, r))
+                f"grid entries are controller:C[-CMAX][:rR], e.g. adaptive:8-16:r4; got {item!r}") from e
     return out
 
 
@@ -48,10 +49,11 @@ def _run_one(cfg: OdeRunConfig) -> dict:
 
 def ode_cmd(
     data: Annotated[str, typer.Option(help="digits (permuted, 64 steps) or mnist1d (40 steps).")] = "digits",
-    grid: Annotated[str, typer.Option(help="Comma-separated controller:C[:rR], e.g. fixed:4,adaptive:8:r4.")]
+    grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],... e.g. fixed:4,adaptive:8-16:r4")]
     = "fixed:8,adaptive:8",
     rank: Annotated[int, typer.Option(help="Initial rank of every layer (adaptive may grow it).")] = 8,
     max_rank: Annotated[int, typer.Option(help="Adaptive rank cap.")] = 32,
+    c_max: Annotated[int, typer.Option(help="Adaptive spacing cap, unless an entry gives -CMAX.")] = 32,
     layers: Annotated[int, typer.Option(help="ODE layers (1 reads the sequence, the rest are depth).")] = 6,
     depth_steps: Annotated[int, typer.Option(help="Steps of each depth block.")] = 8,
     epochs: Annotated[int, typer.Option(help="Training epochs per run.")] = 1,
@@ -65,9 +67,9 @@ def ode_cmd(
     entries = _parse_grid(grid)
     if data not in ("digits", "mnist1d"):
         raise typer.BadParameter(f"data must be 'digits' or 'mnist1d'; got {data!r}")
-    cfgs = [OdeRunConfig(data=data, controller=k, c=c, rank=r or rank, max_rank=max_rank, layers=layers,
-                         depth_steps=depth_steps, epochs=epochs, seed=s)
-            for k, c, r in entries for s in range(seeds)]
+    cfgs = [OdeRunConfig(data=data, controller=k, c=c, c_max=cm or c_max, rank=r or rank,
+                         max_rank=max_rank, layers=layers, depth_steps=depth_steps, epochs=epochs, seed=s)
+            for k, c, cm, r in entries for s in range(seeds)]
     console = Console()
     with console.status(f"training {len(cfgs)} run(s)"):
         if jobs > 1:

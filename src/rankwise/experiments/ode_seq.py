@@ -19,7 +19,7 @@ stored memory against replay time. The rank is what can change accuracy.
 from __future__ import annotations
 
 import io
-import itertools
+import statistics
 import time
 from dataclasses import asdict, dataclass
 
@@ -121,7 +121,9 @@ class OdeRunConfig:
 
     @property
     def name(self) -> str:
-        return f"{self.controller}-C{self.c}-r{self.rank}"
+        if self.controller == "fixed":
+            return f"fixed C={self.c} r={self.rank}"
+        return f"adaptive C={self.c}→{self.c_max} r={self.rank}→{self.max_rank}"
 
 
 def load_sequences(data: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -202,8 +204,14 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                 peak_tape_mib=max(r["tape_bytes"] for r in trace) / 2**20,
                 grad_cosine=cos, mean_replays=sum(r["reloads"] for r in trace) / len(trace),
                 loss_var_2nd_half=sum((x - mean) ** 2 for x in tail) / len(tail),
-                loss_spikes=sum(1 for a, b in itertools.pairwise(losses) if b > 2 * a),
+                loss_spikes=_spikes(losses),
                 seconds=seconds, trace=trace)
+
+
+def _spikes(losses: list[float], window: int = 10) -> int:
+    """Iterations whose loss exceeds twice the median of the ``window`` before it."""
+    return sum(1 for i in range(window, len(losses))
+               if losses[i] > 2 * statistics.median(losses[i - window:i]))
 
 
 class _Audit(nn.Module):
