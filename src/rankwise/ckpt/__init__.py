@@ -1,5 +1,6 @@
 """Two-dimensional coded checkpoints with peer repair: codec, commitments, on-disk format."""
 
+from ._checkpointer import CodedCheckpointer as CodedCheckpointer
 from ._code2d import Code2D as Code2D
 from ._code2d import Commitment as Commitment
 from ._code2d import Dispersal as Dispersal

@@ -132,6 +132,25 @@ class RepairSymbols:
         """Everything sent: blocks, paths and two 4-byte indices."""
         return self.nbytes + sum(map(len, self.col_path + self.row_path)) + 8
 
+    def to_bytes(self) -> bytes:
+        """Sealed wire form: indices, the two blocks and their Merkle paths."""
+        d = len(self.col_path[0]) if self.col_path else 0
+        parts = [struct.pack("<IIQBHH", self.helper, self.target, len(self.col_block), d,
+                             len(self.col_path), len(self.row_path)),
+                 self.col_block, *self.col_path, self.row_block, *self.row_path]
+        return _format.seal(_format.SYMBOLS, b"".join(parts))
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> RepairSymbols:
+        r = _format.Reader(_format.unseal(blob, _format.SYMBOLS, "repair symbols"), "repair symbols")
+        helper, target, B, d, nc, nr = r.unpack("IIQBHH")
+        col = r.take(B)
+        cpath = tuple(r.take(d) for _ in range(nc))
+        row = r.take(B)
+        rpath = tuple(r.take(d) for _ in range(nr))
+        r.done()
+        return cls(helper, target, col, cpath, row, rpath)
+
 
 @dataclass(frozen=True)
 class Dispersal:
@@ -266,6 +285,29 @@ class Code2D:
         return frag
 
     # ---------------------------------------------------------------- retrieve
+    def verify_row(self, index: int, row: bytes, commitment: Commitment) -> bool:
+        """Does ``row`` = C[index, :] hash to the committed root of row ``index`` of P?"""
+        self._check(commitment)
+        B = commitment.block_size
+        if not 0 <= index < self.n or len(row) != self.k * B:
+            return False
+        return _merkle.root(self._h, self._extend(self._blocks(row, B))) == commitment.line_roots[index]
+
+    def retrieve_rows(self, rows: dict[int, bytes], commitment: Commitment) -> bytes:
+        """The original bytes from any k verified rows C[i, :] (|m|/k bytes each: half a
+        fragment, all a reader needs). Rows that fail verification are skipped and listed in
+        ``self.last_bad_helpers``."""
+        self._check(commitment)
+        valid = {i: r for i, r in rows.items() if self.verify_row(i, r, commitment)}
+        self.last_bad_helpers = sorted(set(rows) - set(valid))
+        if len(valid) < self.k:
+            raise NotEnoughSymbols(len(valid), self.k, self.last_bad_helpers, "retrieve", "rows")
+        k = self.k
+        idx = list(range(k)) if all(i in valid for i in range(k)) else sorted(valid)[:k]
+        C = np.stack([np.frombuffer(valid[i], np.uint8) for i in idx])
+        M = C if idx == list(range(k)) else self._mm(self._inv(self.G[idx]), C)
+        return M.reshape(-1)[:commitment.data_len].tobytes()
+
     def retrieve(self, fragments: list[Fragment], commitment: Commitment) -> bytes:
         """The original bytes from any k valid fragments (invalid ones are skipped)."""
         self._check(commitment)

@@ -11,7 +11,7 @@ import hashlib
 import struct
 
 MAGIC, VERSION = b"RWCK", 1
-FRAGMENT, COMMITMENT = 1, 2
+FRAGMENT, COMMITMENT, SYMBOLS = 1, 2, 3
 _HEAD = struct.Struct("<4sHB")
 _DIGEST = 32
 

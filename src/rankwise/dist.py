@@ -1,0 +1,59 @@
+"""Restart-safe process-group set-up for torchrun.
+
+torchrun restarts the whole worker group after a failure, but its rendezvous store lives on:
+a plain ``init_process_group("gloo")`` in the restarted group meets the dead attempt's keys
+(and, for the gloo backend, its peers' old addresses) and fails or hangs. Each restart attempt
+therefore gets its own key namespace, ``PrefixStore(f"rankwise/attempt_{n}", store)`` with
+n = ``TORCHELASTIC_RESTART_COUNT``, and every collective gets a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    v = os.environ.get(name)
+    if v is None:
+        if default is None:
+            raise RuntimeError(f"rankwise.dist.init_process_group: environment variable {name} is not set "
+                               "(launch with torchrun, or set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        return default
+    try:
+        return int(v)
+    except ValueError as e:
+        raise RuntimeError(f"environment variable {name} must be an integer; got {v!r}") from e
+
+
+def init_process_group(backend: str | None = None, *, timeout: timedelta = timedelta(seconds=120)) -> int:
+    """Initialise the default process group from torchrun's environment, with one store
+    namespace per restart attempt; returns the attempt number (0 on the first run).
+
+    **Arguments:**
+    - `backend`: ``"gloo"``, ``"nccl"``, … (default: ``"nccl"`` when CUDA is available, else
+      ``"gloo"``).
+    - `timeout`: for the store connection and every collective, so a lost peer raises instead
+      of hanging.
+
+    Under torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) the agent hosts the TCP store and
+    every worker connects as a client; launched otherwise, rank 0 hosts it.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("the default process group is already initialised")
+    if backend is None:
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT")
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(addr, port, world_size=None if agent else world,
+                          is_master=(rank == 0 and not agent), timeout=timeout, wait_for_workers=False)
+    prefixed = dist.PrefixStore(f"rankwise/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    return attempt

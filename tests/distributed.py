@@ -1,0 +1,52 @@
+"""Run a function on n gloo ranks in spawned processes, with a hard timeout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+
+def _worker(rank: int, n: int, init_file: str, fn, args, queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
+                                timeout=timedelta(seconds=60))
+        out = fn(rank, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_world(fn, n: int, tmp: Path, *args, timeout: float = 120.0) -> list:
+    """``fn(rank, *args)`` on ranks 0..n−1 (``fn`` must be importable: a module-level function);
+    returns the results by rank, or raises with every failing rank's traceback."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = str(Path(tmp) / f"pg_init_{os.getpid()}_{id(fn)}")
+    procs = [ctx.Process(target=_worker, args=(r, n, init, fn, args, queue)) for r in range(n)]
+    for p in procs:
+        p.start()
+    results: dict[int, tuple] = {}
+    try:
+        for _ in range(n):
+            r, status, out = queue.get(timeout=timeout)
+            results[r] = (status, out)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: out for r, (s, out) in results.items() if s != "ok"}
+    if errors:
+        raise AssertionError("ranks failed:\n" + "\n".join(f"--- rank {r}\n{e}" for r, e in errors.items()))
+    return [results[r][1] for r in range(n)]
