@@ -7,6 +7,8 @@ from ._code2d import Dispersal as Dispersal
 from ._code2d import Fragment as Fragment
 from ._code2d import NotEnoughSymbols as NotEnoughSymbols
 from ._code2d import RepairSymbols as RepairSymbols
+from ._dcp import CodedStorageReader as CodedStorageReader
+from ._dcp import CodedStorageWriter as CodedStorageWriter
 from ._store import fragment_path as fragment_path
 from ._store import load_commitment as load_commitment
 from ._store import load_fragments as load_fragments

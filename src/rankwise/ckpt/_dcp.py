@@ -1,0 +1,229 @@
+"""torch.distributed.checkpoint storage on 2-D coded fragments spread over n folders.
+
+Each rank gathers the items it writes into one blob (in plan order, tensors with ``torch.save``),
+encodes the blob with :class:`Code2D` (n = number of locations) and writes fragment i, plus a
+copy of the commitment, to location i. The DCP metadata (small) is replicated to every location
+with a checksum. A read decodes each needed blob from any k = n − t locations whose fragment
+verifies against the commitment: up to t deleted or corrupted locations are tolerated.
+
+Files, in every location: ``.metadata.rwck`` and, per writing rank r, ``__{r}.frag.rwck`` and
+``__{r}.commit.rwck``; all written atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import _io
+from ._code2d import Code2D, Commitment, Fragment, NotEnoughSymbols
+
+log = logging.getLogger(__name__)
+
+_META = ".metadata.rwck"
+_META_MAGIC = b"RWDCPMD1"
+
+
+def _frag_name(rank: int) -> str:
+    return f"__{rank}.frag.rwck"
+
+
+def _commit_name(rank: int) -> str:
+    return f"__{rank}.commit.rwck"
+
+
+def _locations(locations) -> list[Path]:
+    locs = [Path(p) for p in locations]
+    if len(set(locs)) != len(locs):
+        raise ValueError(f"storage locations must be distinct; got {locations}")
+    return locs
+
+
+def _subfolders(roots: list[Path], checkpoint_id) -> list[Path]:
+    if checkpoint_id is None:
+        return roots
+    sub = Path(checkpoint_id)
+    if sub.is_absolute() or ".." in sub.parts:
+        raise ValueError(f"checkpoint_id must be a relative name inside every location; "
+                         f"got {checkpoint_id!r}")
+    return [r / sub for r in roots]
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+class CodedStorageWriter(StorageWriter):
+    """DCP ``StorageWriter``: every rank's data as 2-D coded fragments over ``locations``
+    (n = len(locations) folders, any k = n − t of which suffice to read; 3t < n)."""
+
+    def __init__(self, locations, *, t: int, hash: str = "blake3") -> None:
+        super().__init__()
+        self._roots = self.locations = _locations(locations)
+        self.code = Code2D(len(self.locations), t, hash=hash)  # validates n, t
+        self.rank, self.is_coordinator = 0, True
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A ``checkpoint_id`` (a relative name) selects that subfolder of every location."""
+        self.locations = _subfolders(self._roots, checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank") or 0)
+        if kwargs.get("use_collectives") is False:
+            raise ValueError("CodedStorageWriter needs use_collectives=True (one metadata for all ranks)")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        for loc in self.locations:
+            loc.mkdir(parents=True, exist_ok=True)
+        return dataclasses.replace(plan, storage_data=self.rank)
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        owner = plan.storage_data if plan.storage_data is not None else self.rank
+        buf, results = io.BytesIO(), []
+        items = ([i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+                 + [i for i in plan.items if i.type != WriteItemType.BYTE_IO])
+        for item in items:
+            data = planner.resolve_data(item)
+            offset = buf.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                buf.write(data.getbuffer())
+            else:
+                t = data.detach().cpu()
+                if t.untyped_storage().nbytes() != t.nbytes:
+                    t = t.clone()  # a view would serialise its whole base storage
+                torch.save(t, buf)
+            results.append(WriteResult(index=item.index, size_in_bytes=buf.tell() - offset,
+                                       storage_data=(owner, offset, buf.tell() - offset)))
+        disp = self.code.encode(buf.getvalue())
+        com = disp.commitment.to_bytes()
+        for loc, frag in zip(self.locations, disp.fragments, strict=True):
+            _io.write_atomic(loc / _frag_name(owner), frag.to_bytes())
+            _io.write_atomic(loc / _commit_name(owner), com)
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
+        metadata.storage_meta = StorageMeta()
+        body = pickle.dumps(metadata)
+        blob = _META_MAGIC + hashlib.sha256(body).digest() + body
+        for loc in self.locations:
+            _io.write_atomic(loc / _META, blob)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+
+class CodedStorageReader(StorageReader):
+    """DCP ``StorageReader`` for :class:`CodedStorageWriter` checkpoints: decodes every blob from
+    any k of the n ``locations`` (missing or corrupted ones are skipped and logged)."""
+
+    def __init__(self, locations, *, hash: str = "blake3") -> None:
+        super().__init__()
+        self._roots = self.locations = _locations(locations)
+        self.hash = hash
+        self.storage_data: dict = {}
+        self.skipped: dict[str, str] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """A ``checkpoint_id`` (a relative name) selects that subfolder of every location."""
+        self.locations = _subfolders(self._roots, checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        problems = []
+        for loc in self.locations:
+            try:
+                blob = (loc / _META).read_bytes()
+            except OSError as e:
+                problems.append(f"{loc}: {e.strerror or e}")
+                continue
+            head, digest, body = blob[:8], blob[8:40], blob[40:]
+            if head != _META_MAGIC or hashlib.sha256(body).digest() != digest:
+                problems.append(f"{loc}: metadata corrupted")
+                continue
+            md = pickle.loads(body)
+            if md.storage_meta is None:
+                md.storage_meta = StorageMeta()
+            return md
+        raise FileNotFoundError("no readable coded DCP metadata in any location: " + "; ".join(problems))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _blob(self, owner: int) -> bytes:
+        com: Commitment | None = None
+        frags: list[Fragment] = []
+        for loc in self.locations:
+            try:
+                c = Commitment.load(loc / _commit_name(owner))
+                com = com or c
+                if c.root == com.root:
+                    frags.append(Fragment.load(loc / _frag_name(owner)))
+            except (OSError, ValueError) as e:
+                self.skipped[f"{loc}/{owner}"] = str(e)
+                log.warning("coded DCP read: skipping %s for rank %d's data: %s", loc, owner, e)
+        if com is None:
+            raise FileNotFoundError(f"no readable commitment for rank {owner}'s data in any location")
+        code = Code2D(com.n, com.t, hash=com.hash)
+        try:
+            return code.retrieve(frags, com)
+        except NotEnoughSymbols as e:
+            raise RuntimeError(f"rank {owner}'s data cannot be decoded: {e} "
+                               f"(skipped: {self.skipped})") from e
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        blobs: dict[int, memoryview] = {}
+        for req in plan.items:
+            owner, offset, length = self.storage_data[req.storage_index]
+            if owner not in blobs:
+                blobs[owner] = memoryview(self._blob(owner))
+            chunk = io.BytesIO(blobs[owner][offset:offset + length].tobytes())
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, chunk)
+                continue
+            t = torch.load(chunk, map_location="cpu", weights_only=True)
+            for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
+                t = t.narrow(dim, o, n)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != t.size():
+                raise RuntimeError(f"{req.storage_index}: stored {tuple(t.size())}, "
+                                   f"expected {tuple(target.size())}")
+            target.copy_(t)
+            planner.commit_tensor(req, target)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False

@@ -1,0 +1,99 @@
+"""CodedStorageWriter / CodedStorageReader under torch.distributed.checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from distributed import run_world
+from rankwise.ckpt import CodedStorageReader, CodedStorageWriter, Commitment
+
+
+def _sd(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"model": nn.Linear(40, 30).state_dict(), "step": 5, "extra": {"a": torch.arange(7.0)}}
+
+
+def _fresh(sd: dict) -> dict:
+    return {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0,
+            "extra": {"a": torch.zeros(7)}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["step"] == b["step"] and torch.equal(a["extra"]["a"], b["extra"]["a"])
+            and all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"]))
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+        yield
+
+
+def test_single_process_round_trip_tolerates_t_lost_locations(tmp_path):
+    locs = [tmp_path / f"disk{i}" for i in range(5)]  # n = 5, t = 1
+    sd = _sd(0)
+    dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+    frags = sum((loc / "__0.frag.rwck").stat().st_size for loc in locs)
+    m = Commitment.load(locs[0] / "__0.commit.rwck").data_len
+    shutil.move(locs[1], tmp_path / "away")  # a lost location
+    got = _fresh(sd)
+    dcp.load(got, storage_reader=CodedStorageReader(locs))
+    assert _same(got, sd)
+    k = 4
+    assert 2 * 5 / k * m <= frags < 2 * 5 / k * m + 5 * (2 * k * k + 100)  # 2n/k = 2.5×, not 5 replicas
+
+    frag = locs[3] / "__0.frag.rwck"  # and, instead, a corrupted one
+    shutil.move(tmp_path / "away", locs[1])
+    b = bytearray(frag.read_bytes())
+    b[100] ^= 1
+    frag.write_bytes(bytes(b))
+    got = _fresh(sd)
+    reader = CodedStorageReader(locs)
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, sd) and any("disk3" in k for k in reader.skipped)
+
+    shutil.rmtree(locs[4])  # two bad locations > t = 1: a clear error, no wrong data
+    with pytest.raises(CheckpointException, match="cannot be decoded"):
+        dcp.load(_fresh(sd), storage_reader=CodedStorageReader(locs))
+
+
+def test_checkpoint_id_selects_a_subfolder(tmp_path):
+    locs = [tmp_path / f"disk{i}" for i in range(4)]
+    dcp.save(_sd(1), checkpoint_id="step_1", storage_writer=CodedStorageWriter(locs, t=1))
+    dcp.save(_sd(2), checkpoint_id="step_2", storage_writer=CodedStorageWriter(locs, t=1))
+    got = _fresh(_sd(1))
+    dcp.load(got, checkpoint_id="step_1", storage_reader=CodedStorageReader(locs))
+    assert _same(got, _sd(1)) and (locs[0] / "step_2" / ".metadata.rwck").exists()
+    with pytest.raises(ValueError, match="relative"):
+        dcp.save(_sd(1), checkpoint_id="/abs", storage_writer=CodedStorageWriter(locs, t=1))
+
+
+def _dcp_ranks(rank: int, root: str):
+    locs = [Path(root) / f"disk{i}" for i in range(4)]
+    # same key = the same (replicated) tensor to DCP, written once; per-rank data needs own keys
+    sd = {"model": _sd(0)["model"], f"mine{rank}": torch.full((3,), float(rank)), "step": 5}
+    dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(locs[2])
+    dist.barrier()
+    got = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, f"mine{rank}": torch.zeros(3),
+           "step": 0}
+    dcp.load(got, storage_reader=CodedStorageReader(locs))
+    return bool(torch.equal(got[f"mine{rank}"], sd[f"mine{rank}"]) and got["step"] == 5
+                and all(torch.equal(got["model"][k], sd["model"][k]) for k in sd["model"]))
+
+
+def test_multi_rank_round_trip_with_a_lost_location(tmp_path):
+    assert run_world(_dcp_ranks, 2, tmp_path, str(tmp_path)) == [True, True]
