@@ -83,6 +83,7 @@ class CodedCheckpointer:
         self.dir = self.root_dir / f"rank{self.rank}"
         self.keep, self.weights_only, self.fault = keep, weights_only, fault
         self._stats: dict[str, Any] = {}
+        self.per_rank: Any = None  # this rank's ``per_rank`` object after restore()
 
     # ------------------------------------------------------------------ helpers
     def _global(self, r: int) -> int:
@@ -118,14 +119,20 @@ class CodedCheckpointer:
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
 
     # ------------------------------------------------------------------ save
-    def save(self, state: Any, step: int) -> None:
-        """Collective. Serialise ``state`` (model / optimizer / scheduler state dicts, RNG
-        states, ...), encode it, write this rank's fragment and the commitment, prune old steps.
-        Raises on every rank if the ranks' states differ (their commitment roots disagree)."""
+    def save(self, state: Any, step: int, *, per_rank: Any = None) -> None:
+        """Collective. Serialise ``state`` (model / optimizer / scheduler state dicts, ...),
+        encode it, write this rank's fragment and the commitment, prune old steps.
+
+        ``state`` must be identical on every rank (as under DDP); if the ranks' states differ
+        (their commitment roots disagree) every rank raises. Per-rank extras that legitimately
+        differ, such as RNG states, go in ``per_rank``: they are all-gathered (small) and coded
+        with the state, so a lost rank gets its own back; after :meth:`restore` this rank's
+        is ``self.per_rank``."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"`step` must be a non-negative int; got {step!r}")
         t0 = time.perf_counter()
-        blob = serialize(state)
+        extras = self._gather(per_rank) if per_rank is not None else None
+        blob = serialize({"state": state, "per_rank": extras})
         disp = self.code.encode(blob)
         roots = self._gather(disp.commitment.root)
         if len(set(roots)) != 1:
@@ -210,7 +217,9 @@ class CodedCheckpointer:
         t_ret = time.perf_counter()
         blob, s, rc, bad = self._retrieve(frag, com)
         bad_helpers |= set(bad)
-        state = deserialize(blob, weights_only=self.weights_only)
+        saved = deserialize(blob, weights_only=self.weights_only)
+        state = saved["state"]
+        self.per_rank = saved["per_rank"][self.rank] if saved["per_rank"] is not None else None
         self._stats = dict(op="restore", step=step, repaired=targets, helpers=helpers,
                            repair_bytes_sent=sent, repair_bytes_received=recv,
                            retrieve_bytes_sent=s, retrieve_bytes_received=rc,

@@ -1,0 +1,219 @@
+"""Survive losing a worker under torchrun: DDP training with a coded checkpoint every few steps.
+
+``worker`` runs under ``torchrun --nproc_per_node=N --max-restarts=1``: it restores from the
+newest coded checkpoint (repairing a lost rank from its peers), trains an MLP on scikit-learn's
+digits with DDP (gloo), checkpoints every ``every`` steps and logs each step's loss exactly
+(``float.hex``). On the first attempt, rank ``kill_rank`` stops at ``kill_step`` and waits to
+be killed.
+
+``run_demo`` is the harness: an uninterrupted reference run; a run in which it SIGKILLs that
+worker and wipes its node-local store (a lost machine) so torchrun restarts the group; and
+optionally a restore in which one rank serves corrupted symbols. It returns the measured bytes
+and times, and whether the merged loss curve equals the reference bitwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# ---------------------------------------------------------------------------- worker
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import random
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ..ckpt import CodedCheckpointer
+    from ..data import load_digits
+    from ..dist import init_process_group, ordered_allreduce_hook
+
+    torch.set_num_threads(1)
+    attempt = init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, ordered_allreduce_hook)  # bitwise-reproducible across restarts
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    train, _ = load_digits(seed=0)
+    X, y = train.tensors[0].flatten(1), train.tensors[1]
+    ck = CodedCheckpointer(t=1, store_dir=args.store,
+                           fault="corrupt_symbols" if rank == args.fault_rank else None)
+    start = 0
+    restored = ck.restore()
+    if restored is not None:
+        state, step = restored
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+        torch.set_rng_state(ck.per_rank["torch_rng"])
+        random.setstate(ck.per_rank["py_rng"])
+        start = step + 1
+    stats = ck.stats()
+    (out / f"restore_attempt{attempt}_rank{rank}.json").write_text(json.dumps(stats))
+    log = open(out / f"losses_attempt{attempt}.csv", "a") if rank == 0 else None  # noqa: SIM115
+    per_rank = args.batch // world
+    for step in range(start, args.steps):
+        g = torch.Generator().manual_seed(1000 + step)  # the batch depends only on the step
+        idx = torch.randperm(len(X), generator=g)[:args.batch][rank * per_rank:(rank + 1) * per_rank]
+        x = X[idx] + 0.05 * torch.randn(len(idx), 64)  # uses (and so tests) the restored RNG
+        loss = nn.functional.cross_entropy(ddp(x), y[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if log is not None:  # rank 0's loss and a digest of the parameters, both exact
+            digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+            log.write(f"{step},{loss.item().hex()},{digest.hexdigest()[:16]}\n")
+            log.flush()
+        if step % args.every == 0:
+            ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step,
+                    per_rank={"torch_rng": torch.get_rng_state(), "py_rng": random.getstate()})
+        if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+            (out / "victim.pid").write_text(str(os.getpid()))
+            while True:  # wait for the harness's SIGKILL
+                time.sleep(1)
+    if log is not None:
+        log.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- harness
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc: int, out: Path, store: Path, *, steps: int, every: int, kill_rank: int = -1,
+              kill_step: int = -1, fault_rank: int = -1, max_restarts: int = 0,
+              timeout: float = 300) -> subprocess.Popen:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
+           f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+           "-m", "rankwise.experiments.ddp_resilience", "worker", "--out", str(out), "--store", str(store),
+           "--steps", str(steps), "--every", str(every), "--kill-rank", str(kill_rank),
+           "--kill-step", str(kill_step), "--fault-rank", str(fault_rank)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen(cmd, env=env, stdout=open(out / "torchrun.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _wait(p: subprocess.Popen, out: Path, timeout: float) -> None:
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise RuntimeError(f"torchrun timed out after {timeout} s; see {out / 'torchrun.log'}") from None
+    if rc != 0:
+        tail = (out / "torchrun.log").read_text()[-3000:]
+        raise RuntimeError(f"torchrun exited with {rc}; log tail:\n{tail}")
+
+
+def _curve(out: Path) -> dict[int, str]:
+    """step -> loss (hex); later attempts override earlier ones (they recomputed those steps)."""
+    curve: dict[int, str] = {}
+    for f in sorted(out.glob("losses_attempt*.csv")):
+        for line in f.read_text().splitlines():
+            s, v = line.split(",", 1)
+            curve[int(s)] = v
+    return curve
+
+
+def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int = 5, kill_rank: int = 2,
+             kill_step: int = 22, corrupt_scenario: bool = True, timeout: float = 300) -> dict:
+    """Run the three scenarios in ``workdir`` (wiped first) and return the measurements."""
+    if not 0 <= kill_step < steps or kill_step % every == 0:
+        raise ValueError("need 0 <= kill_step < steps, not on a checkpoint step (so work is lost)")
+    work = Path(workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    ref, run = work / "reference", work / "faulty"
+    t0 = time.perf_counter()
+    _wait(_torchrun(nproc, ref, ref / "store", steps=steps, every=every), ref, timeout)
+    t_ref = time.perf_counter() - t0
+
+    p = _torchrun(nproc, run, run / "store", steps=steps, every=every, kill_rank=kill_rank,
+                  kill_step=kill_step, max_restarts=1)
+    killed: dict = {}
+
+    def killer() -> None:
+        pid_file = run / "victim.pid"
+        while p.poll() is None:
+            if pid_file.exists() and pid_file.read_text():
+                pid = int(pid_file.read_text())
+                os.kill(pid, signal.SIGKILL)
+                shutil.rmtree(run / "store" / f"rank{kill_rank}")  # the machine's disk is gone too
+                killed.update(pid=pid, at=time.perf_counter())
+                return
+            time.sleep(0.05)
+
+    th = threading.Thread(target=killer, daemon=True)
+    th.start()
+    _wait(p, run, timeout)
+    th.join(timeout=5)
+    if not killed:
+        raise RuntimeError("the victim never reached its kill step")
+    stats = [json.loads((run / f"restore_attempt1_rank{r}.json").read_text()) for r in range(nproc)]
+    ref_curve, got_curve = _curve(ref), _curve(run)
+    victim = stats[kill_rank]
+    k, d = victim["k"], len(victim["helpers"])
+    result = dict(
+        nproc=nproc, steps=steps, every=every, kill_rank=kill_rank, kill_step=kill_step,
+        restored_step=victim["step"], repaired=victim["repaired"], state_bytes=victim["state_bytes"],
+        block_size=victim["block_size"], k=k, helpers=victim["helpers"],
+        repair_bytes_per_helper={h: stats[h]["repair_bytes_sent"] for h in victim["helpers"]},
+        repair_bytes_total=victim["repair_bytes_received"],
+        repair_payload_formula=2 * d * victim["state_bytes"] / k**2,
+        repair_payload_measured=2 * d * victim["block_size"],
+        repair_seconds=victim["repair_seconds"], retrieve_seconds=victim["retrieve_seconds"],
+        retrieve_bytes_received=victim["retrieve_bytes_received"],
+        bitwise_equal=ref_curve == got_curve and len(ref_curve) == steps,
+        reference_seconds=t_ref)
+    if corrupt_scenario:  # restore the finished run while rank 1 serves corrupted symbols
+        bad = work / "corrupt"
+        bad.mkdir()
+        _wait(_torchrun(nproc, bad, run / "store", steps=steps, every=every, fault_rank=1), bad, timeout)
+        cs = [json.loads((bad / f"restore_attempt0_rank{r}.json").read_text()) for r in range(nproc)]
+        result["corrupt_scenario"] = dict(fault_rank=1, bad_helpers_seen={r: s["bad_helpers"] for r, s in
+                                                                          enumerate(cs)},
+                                          restored_step=cs[0]["step"])
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("worker")
+    for name, typ, default in (("out", str, None), ("store", str, None), ("steps", int, 40),
+                               ("every", int, 5), ("kill-rank", int, -1), ("kill-step", int, -1),
+                               ("fault-rank", int, -1), ("batch", int, 64)):
+        w.add_argument(f"--{name}", type=typ, default=default, required=default is None)
+    d = sub.add_parser("demo")
+    d.add_argument("--workdir", default="runs/ddp_resilience")
+    d.add_argument("--nproc", type=int, default=4)
+    a = ap.parse_args(argv)
+    if a.cmd == "worker":
+        _worker(a)
+    else:
+        print(json.dumps(run_demo(a.workdir, nproc=a.nproc), indent=1))
+
+
+if __name__ == "__main__":
+    main()
