@@ -1,0 +1,192 @@
+"""Coded checkpoints vs replication, a central store and DCP, over gloo, in one run.
+
+Run: ``.venv/bin/python benchmarks/ckpt_dist.py`` (4 processes; sizes 16 and 256 MiB; about
+3 min on 2 cores). Scenario per method: every rank saves the same state (DDP); rank 2's node
+is then lost (its local store wiped) and the group restarts: rank 2's share is rebuilt, and
+every rank loads the state. Times are the slowest rank's; bytes are counted from what is sent.
+
+- ``coded``: :class:`rankwise.ckpt.CodedCheckpointer`, t = 1 (k = n − 1).
+- ``replicate``: every node keeps a full ``torch.save`` copy; the lost node copies it back from
+  a peer over the process group.
+- ``central``: rank 0 ``torch.save`` s to one shared folder; every rank reads it back.
+- ``dcp``: ``torch.distributed.checkpoint`` with the file-system writer to one shared folder;
+  every rank loads. (Central and DCP keep nothing on the nodes, so there is nothing to rebuild,
+  but they depend on the shared store surviving.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+
+def _state(mib: int) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = mib * 2**20 // 4 // 8
+    return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(8)}, "step": 7}
+
+
+def _bench(rank: int, n: int, root: str, mib: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from rankwise.ckpt import CodedCheckpointer
+
+    victim, out = 2, {}
+    state = _state(mib)
+    root_p = Path(root)
+
+    def timed(fn):
+        dist.barrier()
+        t0 = time.perf_counter()
+        r = fn()
+        dt = time.perf_counter() - t0
+        dist.barrier()
+        return r, dt
+
+    def dir_bytes(p: Path) -> int:
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
+
+    # coded
+    ck = CodedCheckpointer(t=1, store_dir=root_p / "coded")
+    _, t_save = timed(lambda: ck.save(state, 7))
+    stored = dir_bytes(root_p / "coded" / f"rank{rank}")
+    dist.barrier()
+    if rank == victim:
+        shutil.rmtree(root_p / "coded" / f"rank{rank}")
+    _, t_restore = timed(ck.restore)
+    st = ck.stats()
+    out["coded"] = dict(save=t_save, stored=stored, rebuild_bytes=st["repair_bytes_received"],
+                        rebuild_s=st["repair_seconds"], load_bytes=st["retrieve_bytes_received"],
+                        load_s=t_restore)
+
+    # replicate
+    mine = root_p / "replicate" / f"rank{rank}"
+
+    def save_rep():
+        mine.mkdir(parents=True, exist_ok=True)
+        torch.save(state, mine / "state.pt")
+
+    _, t_save = timed(save_rep)
+    stored = dir_bytes(mine)
+    if rank == victim:
+        shutil.rmtree(mine)
+
+    def rebuild_rep():
+        if rank == 0:
+            blob = (mine / "state.pt").read_bytes()
+            dist.send(torch.tensor([len(blob)]), victim)
+            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), victim)
+            return 0  # counted once, on the receiving side
+        if rank == victim:
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, 0)
+            buf = torch.empty(int(size), dtype=torch.uint8)
+            dist.recv(buf, 0)
+            mine.mkdir(parents=True, exist_ok=True)
+            (mine / "state.pt").write_bytes(buf.numpy().tobytes())
+            return int(size)
+        return 0
+
+    moved, t_rebuild = timed(rebuild_rep)
+    _, t_load = timed(lambda: torch.load(mine / "state.pt"))
+    out["replicate"] = dict(save=t_save, stored=stored, rebuild_bytes=moved, rebuild_s=t_rebuild,
+                            load_bytes=0, load_s=t_load)
+
+    # central
+    shared = root_p / "central"
+
+    def save_central():
+        if rank == 0:
+            shared.mkdir(parents=True, exist_ok=True)
+            torch.save(state, shared / "state.pt")
+
+    _, t_save = timed(save_central)
+    _, t_load = timed(lambda: torch.load(shared / "state.pt"))
+    size = (shared / "state.pt").stat().st_size
+    out["central"] = dict(save=t_save, stored=size if rank == 0 else 0, rebuild_bytes=0, rebuild_s=0.0,
+                          load_bytes=size, load_s=t_load)
+
+    # dcp
+    dshared = root_p / "dcp"
+    _, t_save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dshared))))
+    got = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}, "step": 0}
+    _, t_load = timed(lambda: dcp.load(got, storage_reader=dcp.FileSystemReader(str(dshared))))
+    size = dir_bytes(dshared)
+    out["dcp"] = dict(save=t_save, stored=size if rank == 0 else 0, rebuild_bytes=0, rebuild_s=0.0,
+                      load_bytes=sum(v.nbytes for v in state["model"].values()), load_s=t_load)
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    out["state_bytes"] = len(buf.getvalue())
+    return out
+
+
+def _worker(rank: int, n: int, init: str, root: str, mib: int, q) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
+                            timeout=timedelta(seconds=600))
+    try:
+        q.put((rank, _bench(rank, n, root, mib)))
+    finally:
+        dist.destroy_process_group()
+
+
+def run(n: int, mib: int) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="rw_ckpt_dist_") as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, n, f"{tmp}/init", tmp, mib, q)) for r in range(n)]
+        for p in procs:
+            p.start()
+        res = dict(q.get(timeout=1800) for _ in range(n))
+        for p in procs:
+            p.join()
+    table = {}
+    for method in ("coded", "replicate", "central", "dcp"):
+        rows = [res[r][method] for r in range(n)]
+        table[method] = dict(save_s=max(x["save"] for x in rows), stored_bytes=sum(x["stored"] for x in rows),
+                             rebuild_bytes=sum(x["rebuild_bytes"] for x in rows),
+                             rebuild_s=max(x["rebuild_s"] for x in rows),
+                             load_bytes=sum(x["load_bytes"] for x in rows),
+                             load_s=max(x["load_s"] for x in rows))
+    return dict(n=n, mib=mib, state_bytes=res[0]["state_bytes"], methods=table)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--sizes", default="16,256", help="state sizes in MiB")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args()
+    results = [run(a.nproc, int(s)) for s in a.sizes.split(",")]
+    print(f"n = {a.nproc} processes (gloo, one machine), lost node: rank 2; bytes are totals over ranks\n")
+    print("| size | method | save (s) | stored | rebuild lost node: bytes / s "
+          "| load on every rank: bytes / s |")
+    print("|---|---|---|---|---|---|")
+    for r in results:
+        m = r["state_bytes"]
+        for name, x in r["methods"].items():
+            print(f"| {r['mib']} MiB | {name} | {x['save_s']:.2f} | {x['stored_bytes'] / m:.2f}·|m| | "
+                  f"{x['rebuild_bytes'] / m:.2f}·|m| / {x['rebuild_s']:.2f} | "
+                  f"{x['load_bytes'] / m:.2f}·|m| / {x['load_s']:.2f} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
