@@ -14,6 +14,7 @@ each) with the same on-disk result; this class implements the data-parallel case
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import shutil
@@ -133,23 +134,26 @@ class CodedCheckpointer:
         t0 = time.perf_counter()
         extras = self._gather(per_rank) if per_rank is not None else None
         blob = serialize({"state": state, "per_rank": extras})
-        disp = self.code.encode(blob)
-        roots = self._gather(disp.commitment.root)
-        if len(set(roots)) != 1:
+        # each rank encodes only its own share; the 2n line roots are gathered (with a digest
+        # of the bytes, which catches ranks whose states diverged)
+        frag, row_root, col_root = self.code.encode_share(blob, self.rank)
+        digest = hashlib.sha256(blob).digest()
+        shared = self._gather((digest, row_root, col_root))
+        if len({x[0] for x in shared}) != 1:
             groups: dict[bytes, list[int]] = {}
-            for r, x in enumerate(roots):
-                groups.setdefault(x, []).append(r)
+            for r, x in enumerate(shared):
+                groups.setdefault(x[0], []).append(r)
             raise RuntimeError(f"save(step={step}): the ranks hold different states "
-                               f"(ranks grouped by commitment: {sorted(groups.values())})")
+                               f"(ranks grouped by state digest: {sorted(groups.values())})")
+        com = self.code.commitment_from_roots(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
         d.mkdir(parents=True, exist_ok=True)
-        frag = disp.fragments[self.rank]
         frag.save(d / "fragment.rwck")
-        disp.commitment.save(d / "commitment.rwck")
+        com.save(d / "commitment.rwck")
         self._prune(step)
         dist.barrier(group=self.group)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
-                           stored_bytes=len(frag.to_bytes()) + len(disp.commitment.to_bytes()),
+                           stored_bytes=len(frag.to_bytes()) + len(com.to_bytes()),
                            save_seconds=time.perf_counter() - t0)
 
     def _prune(self, newest: int) -> None:

@@ -221,6 +221,40 @@ class Code2D:
                          lines, _merkle.root(self._h, list(lines)))
         return Dispersal(frags, com)
 
+    def encode_share(self, data: bytes | bytearray | memoryview, index: int) -> tuple[Fragment, bytes, bytes]:
+        """Worker ``index``'s fragment of :meth:`encode` and the Merkle roots of its row and
+        column lines of P, without computing the other workers' shares: O(|m|) work instead of
+        the whole n×n grid. When every worker holds ``data`` (data-parallel training), each
+        encodes its own share, and :meth:`commitment_from_roots` assembles the commitment from
+        the 2n gathered roots."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"`index` must be in [0, {self.n}); got {index}")
+        mv = memoryview(data).cast("B")
+        k, B = self.k, self.block_size(len(mv))
+        buf = np.zeros(k * k * B, dtype=np.uint8)
+        buf[:len(mv)] = np.frombuffer(mv, dtype=np.uint8)
+        M3 = buf.reshape(k, k, B)  # M3[a, b] = block M[a, b]
+        if index < k:  # systematic: row and column of M itself
+            row, col = M3[index].reshape(-1), np.ascontiguousarray(M3[:, index]).reshape(-1)
+        else:
+            g = self.G[index:index + 1]
+            row = self._mm(g, buf.reshape(k, k * B))[0]  # C[i, :] = G[i, :] M
+            Mt = np.ascontiguousarray(M3.transpose(1, 0, 2)).reshape(k, k * B)
+            col = self._mm(g, Mt)[0]  # R[:, i] = M G[i, :]ᵀ
+        frag = Fragment(index, row.tobytes(), col.tobytes())
+        return (frag, _merkle.root(self._h, self._row_line(frag, B)),
+                _merkle.root(self._h, self._col_line(frag, B)))
+
+    def commitment_from_roots(self, data_len: int, row_roots: list[bytes],
+                              col_roots: list[bytes]) -> Commitment:
+        """The commitment of :meth:`encode` from every worker's :meth:`encode_share` roots."""
+        if len(row_roots) != self.n or len(col_roots) != self.n:
+            raise ValueError(f"need {self.n} row and {self.n} column roots; "
+                             f"got {len(row_roots)}, {len(col_roots)}")
+        lines = tuple(row_roots) + tuple(col_roots)
+        return Commitment(self.n, self.t, data_len, self.block_size(data_len), self.hash_name,
+                          "cauchy-gf256", lines, _merkle.root(self._h, list(lines)))
+
     # ---------------------------------------------------------------- verification
     def _check(self, com: Commitment) -> None:
         if (com.n, com.t) != (self.n, self.t) or com.hash != self.hash_name:
