@@ -222,3 +222,16 @@ def test_encode_share_equals_encode(backend):
     assert com == full.commitment
     with pytest.raises(ValueError, match="index"):
         code.encode_share(data, 7)
+
+
+def test_retrieve_rows_skips_and_names_bad_rows():
+    code = Code2D(5, 1, backend="numpy")
+    data = bytes(random.Random(3).randbytes(1000))
+    disp = code.encode(data)
+    rows = {f.index: f.row for f in disp.fragments}
+    assert code.retrieve_rows(rows, disp.commitment) == data and code.last_bad_helpers == []
+    rows[1] = bytes([rows[1][0] ^ 1]) + rows[1][1:]
+    assert code.retrieve_rows(rows, disp.commitment) == data and code.last_bad_helpers == [1]
+    del rows[4]
+    with pytest.raises(NotEnoughSymbols, match="needs 4 verified rows; got 3"):
+        code.retrieve_rows(rows, disp.commitment)

@@ -329,11 +329,19 @@ class Code2D:
 
     def retrieve_rows(self, rows: dict[int, bytes], commitment: Commitment) -> bytes:
         """The original bytes from any k verified rows C[i, :] (|m|/k bytes each: half a
-        fragment, all a reader needs). Rows that fail verification are skipped and listed in
-        ``self.last_bad_helpers``."""
+        fragment, all a reader needs). Rows are verified in index order until k pass; those that
+        fail are skipped and listed in ``self.last_bad_helpers``."""
         self._check(commitment)
-        valid = {i: r for i, r in rows.items() if self.verify_row(i, r, commitment)}
-        self.last_bad_helpers = sorted(set(rows) - set(valid))
+        valid: dict[int, bytes] = {}
+        bad: list[int] = []
+        for i in sorted(rows):  # systematic rows first; stop at k verified ones
+            if len(valid) == self.k:
+                break
+            if self.verify_row(i, rows[i], commitment):
+                valid[i] = rows[i]
+            else:
+                bad.append(i)
+        self.last_bad_helpers = bad
         if len(valid) < self.k:
             raise NotEnoughSymbols(len(valid), self.k, self.last_bad_helpers, "retrieve", "rows")
         k = self.k
