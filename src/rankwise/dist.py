@@ -34,8 +34,9 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = timed
     namespace per restart attempt; returns the attempt number (0 on the first run).
 
     **Arguments:**
-    - `backend`: ``"gloo"``, ``"nccl"``, … (default: ``"nccl"`` when CUDA is available, else
-      ``"gloo"``).
+    - `backend`: ``"gloo"``, ``"nccl"``, … (default: ``"cpu:gloo,cuda:nccl"`` when CUDA is
+      available, so that CPU tensors, which :class:`rankwise.ckpt.CodedCheckpointer` sends,
+      still have a backend; else ``"gloo"``). With CUDA the device is set to ``LOCAL_RANK``.
     - `timeout`: for the store connection and every collective, so a lost peer raises instead
       of hanging.
 
@@ -45,7 +46,9 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = timed
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialised")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available() and "nccl" in backend:
+        torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")

@@ -94,3 +94,18 @@ def test_fresh_start_restores_nothing(tmp_path):
 def test_too_many_losses_fail_clearly(tmp_path):
     with pytest.raises(AssertionError, match="no checkpoint step is held by k=3 ranks"):
         run_world(_save_then_restore, 4, tmp_path, str(tmp_path / "store"), 1, {1: "wipe", 2: "wipe"}, None)
+
+
+def _save_only(rank: int, store: str):
+    CodedCheckpointer(t=1, store_dir=store).save(_state(1), 1)
+
+
+def test_restart_with_another_world_size_raises_on_every_rank(tmp_path):
+    """Saved by 4 ranks, restored by 5: every rank must raise the same clear error (a rank that
+    raised alone would leave the others waiting in a collective)."""
+    store = str(tmp_path / "store")
+    run_world(_save_only, 4, tmp_path, store)
+    with pytest.raises(AssertionError) as e:
+        run_world(_restore_fresh, 5, tmp_path, store, timeout=90)
+    msg = str(e.value)
+    assert msg.count("--- rank") == 5 and msg.count("saved with another code") >= 5

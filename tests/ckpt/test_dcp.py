@@ -97,3 +97,19 @@ def _dcp_ranks(rank: int, root: str):
 
 def test_multi_rank_round_trip_with_a_lost_location(tmp_path):
     assert run_world(_dcp_ranks, 2, tmp_path, str(tmp_path)) == [True, True]
+
+
+def test_interrupted_overwrite_reads_the_save_the_metadata_names(tmp_path):
+    """Save A to 4 locations; an overwrite by B reaches only location 0 (a crash): the reader
+    must skip location 0's foreign files and decode A from the other three (k = 3)."""
+    locs = [tmp_path / f"disk{i}" for i in range(4)]
+    a, b = _sd(1), _sd(2)
+    dcp.save(a, storage_writer=CodedStorageWriter(locs, t=1))
+    other = [tmp_path / f"b{i}" for i in range(4)]
+    dcp.save(b, storage_writer=CodedStorageWriter(other, t=1))
+    for name in ("__0.frag.rwck", "__0.commit.rwck"):
+        shutil.copy(other[0] / name, locs[0] / name)
+    got = _fresh(a)
+    reader = CodedStorageReader(locs)
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, a) and "another save" in reader.skipped[f"{locs[0]}/0"]

@@ -98,3 +98,46 @@ def test_tape_keeps_only_checkpoints():
     block(F0)
     per_state = 2 * (10 * 4 + 4 * 4 + 8 * 4) * 8  # batch 2, float64
     assert tape_bytes(block.last_tape) == 4 * per_state
+
+
+def test_loss_that_sees_the_factors_frame_falls_back_to_replay():
+    """A loss on X or S themselves is not frame-invariant: carrying the cotangent across QR
+    frames would be wrong (18 % off in a review), so every segment must be replayed."""
+    F0 = torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(9), dtype=F64)
+    block = LowRankODEBlock(Field(10, 8, seed=1), rank=4, steps=20, h=0.05, controller=FixedController(20, 4))
+
+    def loss(st):
+        return st.X[..., 0].sum() + (torch.diagonal(st.S, dim1=-2, dim2=-1) ** 2).sum()
+
+    grads = []
+    for rev in (True, False):
+        block.reversible = rev
+        x = F0.clone().requires_grad_(True)
+        loss(block(x)).backward()
+        grads.append([x.grad] + [p.grad.clone() for p in block.field.parameters()])
+        block.field.zero_grad()
+        if rev:
+            assert block.last_stats["reloads"] == 1  # the one segment, replayed
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_nan_defect_counts_as_failure():
+    """h·‖A‖ ≈ 60: the fixed-point reverse returns NaN; NaN must trigger the replay (a NaN
+    compared with '>' would silently pass) and the controller must halve C."""
+    class Linear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.A = nn.Parameter(60 * torch.eye(10, dtype=F64))
+
+        def forward(self, t, F):
+            return self.A @ F
+
+    F0 = torch.randn(1, 10, 8, generator=torch.Generator().manual_seed(0), dtype=F64)
+    block = LowRankODEBlock(Linear(), rank=3, steps=4, h=1.0, controller=FixedController(4, 3))
+    x = F0.clone().requires_grad_(True)
+    (block(x).dense() ** 2).sum().backward()
+    assert block.last_stats["reloads"] == 1 and torch.isfinite(x.grad).all()
+    nan = float("nan")
+    ctl = DefectController.for_dtype(F64)
+    assert ctl.next_spacing(8, nan) == 4 and ctl.reload(nan) and ctl.rank_increase(3, nan, 0.5) > 0

@@ -43,6 +43,34 @@ def deserialize(blob: bytes, *, weights_only: bool = True) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=weights_only)
 
 
+def _off_cpu(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.device.type != "cpu"
+    if isinstance(obj, dict):
+        return any(_off_cpu(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_off_cpu(v) for v in obj)
+    return False
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Tensors moved to the CPU (``torch.save`` records devices, so GPU ranks would otherwise
+    serialise the same state to different bytes). CPU-only states are returned as they are;
+    otherwise containers are rebuilt, keeping a state dict's ``_metadata``."""
+    if not _off_cpu(obj):
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        new = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            new._metadata = obj._metadata
+        return new
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
 def _flip(blob: bytes, at: int) -> bytes:
     b = bytearray(blob)
     b[at % len(b)] ^= 0xFF
@@ -132,8 +160,13 @@ class CodedCheckpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"`step` must be a non-negative int; got {step!r}")
         t0 = time.perf_counter()
-        extras = self._gather(per_rank) if per_rank is not None else None
-        blob = serialize({"state": state, "per_rank": extras})
+        extras = self._gather(per_rank)  # always gathered: ranks must make the same calls
+        if any(x is None for x in extras) and any(x is not None for x in extras):
+            raise RuntimeError(f"save(step={step}): per_rank given on some ranks only")
+        steps = self._gather(step)
+        if len(set(steps)) != 1:
+            raise RuntimeError(f"save: the ranks save different steps: {steps}")
+        blob = serialize({"state": _to_cpu(state), "per_rank": None if extras[0] is None else extras})
         # each rank encodes only its own share; the 2n line roots are gathered (with a digest
         # of the bytes, which catches ranks whose states diverged)
         frag, row_root, col_root = self.code.encode_share(blob, self.rank)
@@ -147,19 +180,31 @@ class CodedCheckpointer:
                                f"(ranks grouped by state digest: {sorted(groups.values())})")
         com = self.code.commitment_from_roots(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
-        d.mkdir(parents=True, exist_ok=True)
-        frag.save(d / "fragment.rwck")
-        com.save(d / "commitment.rwck")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            frag.save(d / "fragment.rwck")
+            com.save(d / "commitment.rwck")
+            err = None
+        except OSError as e:
+            err = f"writing {d}: {e}"
+        self._raise_if_any(err, f"save(step={step})")  # every rank has written: now prune
         self._prune(step)
-        dist.barrier(group=self.group)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
                            stored_bytes=len(frag.to_bytes()) + len(com.to_bytes()),
                            save_seconds=time.perf_counter() - t0)
 
     def _prune(self, newest: int) -> None:
-        steps = sorted(s for s in self._local_steps() if s <= newest)
-        for s in steps[:-self.keep]:
-            shutil.rmtree(self._step_dir(s), ignore_errors=True)
+        """Keep the newest ``keep`` complete steps up to ``newest``; drop older ones and
+        incomplete folders (a crashed save) older than ``newest``."""
+        complete = sorted(s for s in self._local_steps() if s <= newest)
+        keep = set(complete[-self.keep:])
+        for d in self.dir.glob("step_*"):
+            try:
+                s = int(d.name[5:])
+            except ValueError:
+                continue
+            if s < newest and s not in keep:
+                shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> tuple[Any, int] | None:
@@ -190,8 +235,12 @@ class CodedCheckpointer:
         obj = [Commitment.load(d / "commitment.rwck").to_bytes() if self.rank == holders[0] else None]
         dist.broadcast_object_list(obj, src=self._global(holders[0]), group=self.group)
         com = Commitment.from_bytes(obj[0])
-        if com.root != root:
+        if com.root != root:  # the same on every rank: all raise together
             raise RuntimeError(f"restore: the broadcast commitment of step {step} does not match its root")
+        try:
+            self.code._check(com)
+        except ValueError as e:  # e.g. restarted with another world size, t or hash
+            raise RuntimeError(f"restore: step {step} was saved with another code: {e}") from e
         status, frag = self._check_local(d, com)
         statuses = self._gather(status)
         targets = [r for r, s in enumerate(statuses) if s != "ok"]
@@ -210,13 +259,17 @@ class CodedCheckpointer:
                 frag = frag_or_none
         repair_seconds = time.perf_counter() - t_rep
         err = None
-        if self.rank in targets:
-            if frag is None:
-                err = "repair did not produce a fragment"
-            else:
-                d.mkdir(parents=True, exist_ok=True)
-                frag.save(d / "fragment.rwck")
-                com.save(d / "commitment.rwck")
+        try:
+            if self.rank in targets:
+                if frag is None:
+                    err = "repair did not produce a fragment"
+                else:
+                    d.mkdir(parents=True, exist_ok=True)
+                    frag.save(d / "fragment.rwck")
+            if err is None and not (d / "commitment.rwck").exists():
+                com.save(d / "commitment.rwck")  # restores this rank's vote
+        except OSError as e:
+            err = f"writing {d}: {e}"
         self._raise_if_any(err, "repair")
         t_ret = time.perf_counter()
         blob, s, rc, bad = self._retrieve(frag, com)
@@ -239,8 +292,8 @@ class CodedCheckpointer:
             return "missing", None
         try:
             frag = Fragment.load(path)
-        except ValueError as e:
-            return f"corrupt ({e})", None
+        except (ValueError, OSError) as e:  # any local failure is a status, never a lone raise
+            return f"unreadable ({e})", None
         if frag.index != self.rank:
             return f"holds rank {frag.index}'s fragment", None
         if not self.code.verify(frag, com):
@@ -286,6 +339,8 @@ class CodedCheckpointer:
                 bad = sorted(set(bad) | set(self.code.last_bad_helpers))
             except NotEnoughSymbols as e:
                 err = f"{e} (unreadable from {bad})" if bad else str(e)
+            except Exception as e:  # reported to every rank below instead of a lone raise
+                err = f"{type(e).__name__}: {e}"
         self._raise_if_any(err, f"repair of rank {target}")
         bad_all = self._gather(bad if self.rank == target else None)[target]
         return out, sent, recv, bad_all

@@ -104,7 +104,7 @@ class CodedStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         owner = plan.storage_data if plan.storage_data is not None else self.rank
-        buf, results = io.BytesIO(), []
+        buf, spans = io.BytesIO(), []
         items = ([i for i in plan.items if i.type == WriteItemType.BYTE_IO]
                  + [i for i in plan.items if i.type != WriteItemType.BYTE_IO])
         for item in items:
@@ -117,9 +117,11 @@ class CodedStorageWriter(StorageWriter):
                 if t.untyped_storage().nbytes() != t.nbytes:
                     t = t.clone()  # a view would serialise its whole base storage
                 torch.save(t, buf)
-            results.append(WriteResult(index=item.index, size_in_bytes=buf.tell() - offset,
-                                       storage_data=(owner, offset, buf.tell() - offset)))
+            spans.append((item.index, offset, buf.tell() - offset))
         disp = self.code.encode(buf.getvalue())
+        root = disp.commitment.root  # ties the metadata to exactly this save's fragments
+        results = [WriteResult(index=i, size_in_bytes=n, storage_data=(owner, off, n, root))
+                   for i, off, n in spans]
         com = disp.commitment.to_bytes()
         for loc, frag in zip(self.locations, disp.fragments, strict=True):
             _io.write_atomic(loc / _frag_name(owner), frag.to_bytes())
@@ -182,20 +184,24 @@ class CodedStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _blob(self, owner: int) -> bytes:
+    def _blob(self, owner: int, root: bytes) -> bytes:
+        """Rank ``owner``'s blob, from the fragments whose commitment is the one the metadata
+        names (a location holding another save's files is skipped, not trusted)."""
         com: Commitment | None = None
         frags: list[Fragment] = []
         for loc in self.locations:
             try:
                 c = Commitment.load(loc / _commit_name(owner))
-                com = com or c
-                if c.root == com.root:
-                    frags.append(Fragment.load(loc / _frag_name(owner)))
+                if c.root != root:
+                    raise ValueError("its commitment belongs to another save")
+                com = c
+                frags.append(Fragment.load(loc / _frag_name(owner)))
             except (OSError, ValueError) as e:
                 self.skipped[f"{loc}/{owner}"] = str(e)
                 log.warning("coded DCP read: skipping %s for rank %d's data: %s", loc, owner, e)
         if com is None:
-            raise FileNotFoundError(f"no readable commitment for rank {owner}'s data in any location")
+            raise RuntimeError(f"rank {owner}'s data cannot be decoded: no location holds the commitment "
+                               f"the metadata names (skipped: {self.skipped})")
         code = Code2D(com.n, com.t, hash=com.hash)
         try:
             return code.retrieve(frags, com)
@@ -206,9 +212,9 @@ class CodedStorageReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         blobs: dict[int, memoryview] = {}
         for req in plan.items:
-            owner, offset, length = self.storage_data[req.storage_index]
+            owner, offset, length, root = self.storage_data[req.storage_index]
             if owner not in blobs:
-                blobs[owner] = memoryview(self._blob(owner))
+                blobs[owner] = memoryview(self._blob(owner, root))
             chunk = io.BytesIO(blobs[owner][offset:offset + length].tobytes())
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, chunk)

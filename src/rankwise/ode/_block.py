@@ -175,6 +175,22 @@ class LowRankODEBlock(nn.Module):
         return LowRankState(X, S, V)
 
 
+def _frame_invariant(st: LowRankState, g: tuple[Tensor | None, ...]) -> bool:
+    """Is the cotangent ``g`` of (X, S, V) blind to the factors' frame? A loss invariant under
+    X → XQ₁, S → Q₁ᵀSQ₂, V → VQ₂ has skew(XᵀG_X − G_S Sᵀ) = 0 and skew(SᵀG_S + VᵀG_V) = 0."""
+    gX, gS, gV = (torch.zeros_like(t) if x is None else x for t, x in zip((st.X, st.S, st.V), g, strict=True))
+    a, b = st.X.mT @ gX, gS @ st.S.mT
+    c, d = st.S.mT @ gS, st.V.mT @ gV
+    tol = 1e3 * _eps(st)
+
+    def skew_small(p: Tensor, q: Tensor) -> bool:
+        m = p - q
+        scale = torch.linalg.matrix_norm(p) + torch.linalg.matrix_norm(q) + torch.finfo(p.dtype).tiny
+        return bool((torch.linalg.matrix_norm(m - m.mT) <= tol * scale).all())
+
+    return skew_small(a, b) and skew_small(c, -d)
+
+
 def _align(out: LowRankState, ref: LowRankState) -> tuple[Tensor, Tensor]:
     """Rotations (Rx, Rv), (B, r, r), taking ``ref``'s frame to ``out``'s: out.X ≈ ref.X Rx."""
     return ref.X.mT @ out.X, ref.V.mT @ out.V
@@ -227,6 +243,9 @@ class _Reversal(torch.autograd.Function):
         h, f, ctl = block.h, block._f, block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
         reloads, replay_bytes = 0, 0
+        # carrying g across QR frames is exact only if the loss does not see the frame (it
+        # depends on F and the spans); otherwise every segment is replayed in the forward's frames
+        frame_free = _frame_invariant(ctx.out, g)
 
         def add(acc, gp):
             for a, x in zip(acc, gp, strict=True):
@@ -239,8 +258,8 @@ class _Reversal(torch.autograd.Function):
             with torch.no_grad():
                 seg_start = block._enrich(cp, i0, event) if event is not None else cp
             seg_g = [torch.zeros_like(p) for p in params]
-            c, gc, reversed_ok = cur, g, True
-            for j in reversed(range(n)):  # reversal, in reconstructed frames
+            c, gc, reversed_ok = cur, g, frame_free
+            for j in reversed(range(n) if frame_free else ()):  # reversal, in reconstructed frames
                 i = i0 + j
                 step = lambda st, i=i: _step(st, f, i * h, h)[0]  # noqa: E731
                 with torch.no_grad():
@@ -248,7 +267,7 @@ class _Reversal(torch.autograd.Function):
                 _, gin, gp, local = _vjp(step, prev, gc, params, ref=c)
                 # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
                 # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
-                if ctl.reload(local) or local > _SAFE * _eps(c):
+                if ctl.reload(local) or not local <= _SAFE * _eps(c):  # NaN counts as failure
                     reversed_ok = False
                     break
                 add(seg_g, gp)

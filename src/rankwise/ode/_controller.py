@@ -107,16 +107,16 @@ class DefectController(AbstractController):
         return previous if self.carry and previous is not None else self.c_init
 
     def next_spacing(self, c: int, delta: float) -> int:
-        if delta > self.tau_warn:
+        if not delta <= self.tau_warn:  # a NaN defect counts as a failed reversal
             return max(1, c // 2)
         if delta < self.tau_safe:
             return min(self.c_max, c + 1)
         return c
 
     def rank_increase(self, rank: int, delta: float, rho: float) -> int:
-        if delta > self.tau_rank or rho < self.tau_svd:
+        if not (delta <= self.tau_rank and rho >= self.tau_svd):  # NaN triggers
             return max(0, min(self.delta_r, self.max_rank - rank))
         return 0
 
     def reload(self, local_delta: float) -> bool:
-        return local_delta > self.tau_grad
+        return not local_delta <= self.tau_grad
