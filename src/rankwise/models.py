@@ -15,23 +15,27 @@ from torch import nn
 ModelFactory = Callable[..., nn.Module]
 
 
-def lenet(num_classes: int = 10) -> nn.Module:
+def lenet(num_classes: int = 10, size: int = 8) -> nn.Module:
     """LeNet-5 as in the DLRT paper (Schotthöfer et al., 2022), sized for 8×8 inputs.
 
     ``conv(1→20, k5, pad2) → ReLU → maxpool2 → conv(20→50, k5, pad2) → ReLU → maxpool2 →
-    flatten → linear(50·2·2→500) → ReLU → linear(500→num_classes)``.
+    flatten → linear(50·(size/4)²→500) → ReLU → linear(500→num_classes)``.
 
     **Arguments:**
     - `num_classes`: output width; default 10.
+    - `size`: input height = width, a multiple of 4; default 8 (28 for MNIST).
 
-    **Returns:** a module mapping images float (N, 1, 8, 8) to logits (N, num_classes).
+    **Returns:** a module mapping images float (N, 1, size, size) to logits (N, num_classes).
     Module names: ``conv1``, ``conv2``, ``fc1``, ``fc2``.
     """
     _check_positive("num_classes", num_classes)
+    _check_positive("size", size)
+    if size % 4:
+        raise ValueError(f"`size` must be a multiple of 4; got {size}")
     return nn.Sequential(OrderedDict(
         conv1=nn.Conv2d(1, 20, kernel_size=5, padding=2), relu1=nn.ReLU(), pool1=nn.MaxPool2d(2),
         conv2=nn.Conv2d(20, 50, kernel_size=5, padding=2), relu2=nn.ReLU(), pool2=nn.MaxPool2d(2),
-        flatten=nn.Flatten(), fc1=nn.Linear(50 * 2 * 2, 500), relu3=nn.ReLU(),
+        flatten=nn.Flatten(), fc1=nn.Linear(50 * (size // 4) ** 2, 500), relu3=nn.ReLU(),
         fc2=nn.Linear(500, num_classes),
     ))
 
@@ -63,6 +67,30 @@ def mlp(in_features: int = 64, hidden: int = 500, depth: int = 3, num_classes: i
     return nn.Sequential(OrderedDict(layers))
 
 
+def vgg(in_channels: int = 1, size: int = 16, width: int = 16, num_classes: int = 10) -> nn.Module:
+    """A small VGG-style CNN: two blocks of two 3×3 convolutions (``width`` and ``2·width``
+    channels) each followed by a 2×2 max-pool, then ``linear(2·width·(size/4)²→128) → ReLU →
+    linear(128→num_classes)``. For 16×16 inputs (digits upsampled) or 32×32 (CIFAR).
+
+    **Returns:** a module mapping images (N, in_channels, size, size) to logits. Module names:
+    ``conv1`` … ``conv4``, ``fc1``, ``fc2``.
+    """
+    for name, value in (("in_channels", in_channels), ("size", size), ("width", width),
+                        ("num_classes", num_classes)):
+        _check_positive(name, value)
+    if size % 4:
+        raise ValueError(f"`size` must be a multiple of 4; got {size}")
+    w = width
+    return nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(in_channels, w, 3, padding=1), relu1=nn.ReLU(),
+        conv2=nn.Conv2d(w, w, 3, padding=1), relu2=nn.ReLU(), pool1=nn.MaxPool2d(2),
+        conv3=nn.Conv2d(w, 2 * w, 3, padding=1), relu3=nn.ReLU(),
+        conv4=nn.Conv2d(2 * w, 2 * w, 3, padding=1), relu4=nn.ReLU(), pool2=nn.MaxPool2d(2),
+        flatten=nn.Flatten(), fc1=nn.Linear(2 * w * (size // 4) ** 2, 128), relu5=nn.ReLU(),
+        fc2=nn.Linear(128, num_classes),
+    ))
+
+
 MODELS: dict[str, ModelFactory] = {}
 
 
@@ -83,10 +111,11 @@ def register_model(name: str, factory: ModelFactory) -> None:
 
 register_model("lenet", lenet)
 register_model("mlp", mlp)
+register_model("vgg", vgg)
 
 
 def get_model(name: str, **kwargs) -> nn.Module:
-    """Build the registered model `name` (``"lenet"`` or ``"mlp"``) with `kwargs` passed to
+    """Build the registered model `name` (``"lenet"``, ``"mlp"``, ``"vgg"``) with `kwargs` passed to
     its factory. An unknown name raises a ``ValueError`` listing the valid names."""
     try:
         factory = MODELS[name]

@@ -18,6 +18,7 @@ from ..train import Progress as TrainProgress
 from ..train import TrainConfig, train
 from ._ckpt import app as ckpt_app
 from ._ode import ode_cmd
+from ._sweep import sweep_cmd
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Low-rank training (DLRT / SDLRT) on the bundled 8×8 digits.")
@@ -25,6 +26,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 
 app.add_typer(ckpt_app, name="ckpt")
 app.command("ode")(ode_cmd)
+app.command("sweep")(sweep_cmd)
 
 
 class Method(str, enum.Enum):

@@ -2,5 +2,8 @@
 
 from ._digits import DigitsSplit as DigitsSplit
 from ._digits import load_digits as load_digits
+from ._files import load_cifar as load_cifar
+from ._files import load_mnist as load_mnist
+from ._files import read_idx as read_idx
 from ._mnist1d import Mnist1dSplit as Mnist1dSplit
 from ._mnist1d import load_mnist1d as load_mnist1d

@@ -1,0 +1,318 @@
+"""SDLRT's stability claims, tested offline: compression sweeps with a dense shadow.
+
+One run trains a model with one method at one τ and seed. Low-rank runs also train a dense
+*shadow* with plain SGD on the same batches, from the same initialisation, so that the
+stability distance d_t = Σ_layers ‖SVD_r(W_shadow) − U S Vᵀ‖_F (the seed's definition,
+:func:`rankwise.stability_distance`) can be tracked. Runs are independent and resumable: each
+writes ``runs/<key>.json`` atomically and is skipped when that file exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import math
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._io import write_atomic
+from ..lowrank import DLRT, SDLRT, compression, stability_distance, to_low_rank
+from ..models import lenet, mlp, vgg
+
+METHODS: dict[str, dict[str, Any] | None] = {
+    "dense": None,
+    "dlrt": {},
+    "sdlrt": {"buffer": True, "feedback": True},
+    "sdlrt-buffer": {"buffer": True, "feedback": False},
+    "sdlrt-feedback": {"buffer": False, "feedback": True},
+}
+PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
+
+
+def _digits(size: int, seed: int):
+    from ..data import load_digits
+
+    tr, te = load_digits(seed=seed)
+    x, y, xt, yt = tr.tensors[0], tr.tensors[1], te.tensors[0], te.tensors[1]
+    if size != 8:
+        x, xt = (F.interpolate(a, size=(size, size), mode="bilinear", align_corners=False) for a in (x, xt))
+    return x, y, xt, yt
+
+
+def _mnist1d(seed: int):
+    from ..data import load_mnist1d
+
+    tr, te = load_mnist1d()
+    return tr.tensors[0], tr.tensors[1], te.tensors[0], te.tensors[1]
+
+
+def _files(kind: str, data_dir: str | None):
+    from ..data import load_cifar, load_mnist
+
+    if not data_dir:
+        raise ValueError(f"task on {kind} needs --data-dir with the {kind} files")
+    tr, te = load_mnist(data_dir) if kind == "mnist" else load_cifar(data_dir, int(kind[5:]))
+    return tr.tensors[0], tr.tensors[1], te.tensors[0], te.tensors[1]
+
+
+# task -> (model factory, data loader(seed, data_dir) -> (x, y, x_test, y_test))
+TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tuple]]] = {
+    "lenet-digits": (lambda: lenet(), lambda s, d: _digits(8, s)),
+    "vgg-digits16": (lambda: vgg(1, 16), lambda s, d: _digits(16, s)),
+    "mlp-mnist1d": (lambda: mlp(40, 256, 3), lambda s, d: _mnist1d(s)),
+    "lenet-mnist": (lambda: lenet(size=28), lambda s, d: _files("mnist", d)),
+    "vgg-cifar10": (lambda: vgg(3, 32, 32), lambda s, d: _files("cifar10", d)),
+    "vgg-cifar100": (lambda: vgg(3, 32, 32, num_classes=100), lambda s, d: _files("cifar100", d)),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run. ``rank``: initial rank of every low-rank layer (clamped per layer); all
+    low-rank methods start from the truncated SVD of the same dense initialisation."""
+
+    task: str = "lenet-digits"
+    method: str = "sdlrt"
+    tau: float = 0.2
+    seed: int = 0
+    epochs: int = 5
+    rank: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 64
+    omega: float = 0.8
+    dt_every: int = 5
+    data_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {sorted(TASKS)}; got {self.task!r}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {list(METHODS)}; got {self.method!r}")
+        if not 0 <= self.tau < 1:
+            raise ValueError(f"tau must be in [0, 1); got {self.tau}")
+
+    @property
+    def key(self) -> str:
+        tau = "" if self.method == "dense" else f"_tau{self.tau:g}"
+        return f"{self.task}_{self.method}{tau}_s{self.seed}"
+
+
+def _accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    model.eval()
+    with torch.no_grad():
+        acc = sum(float((model(x[i:i + 512]).argmax(1) == y[i:i + 512]).sum()) for i in range(0, len(x), 512))
+    model.train()
+    return acc / len(x)
+
+
+def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Parameters, buffers (SDLRT's compensation bases included) and optimizer state."""
+    n = sum(t.nbytes for t in model.parameters()) + sum(t.nbytes for t in model.buffers())
+    for st in opt.state.values():
+        n += sum(v.nbytes for v in st.values() if isinstance(v, Tensor))
+    return n
+
+
+def run_one(spec: RunSpec) -> dict:
+    """Train one :class:`RunSpec`; returns the metrics (JSON-ready)."""
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    factory, loader = TASKS[spec.task]
+    x, y, xt, yt = loader(spec.seed, spec.data_dir)
+    torch.manual_seed(spec.seed)
+    base = factory()
+    low = METHODS[spec.method] is not None
+    if low:
+        model = copy.deepcopy(base)
+        to_low_rank(model, rank=spec.rank)
+        cls = DLRT if spec.method == "dlrt" else SDLRT
+        extra = {} if spec.method == "dlrt" else dict(METHODS[spec.method], omega=spec.omega)
+        opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
+        shadow = copy.deepcopy(base)
+        shadow_opt = torch.optim.SGD(shadow.parameters(), lr=spec.lr, momentum=spec.momentum)
+    else:
+        model, opt = base, torch.optim.SGD(base.parameters(), lr=spec.lr, momentum=spec.momentum)
+    gen = torch.Generator().manual_seed(spec.seed)
+    steps_per_epoch = math.ceil(len(x) / spec.batch_size)
+    trace: list[dict] = []
+    epoch_times: list[float] = []
+    step = 0
+    for _ in range(spec.epochs):
+        order = torch.randperm(len(x), generator=gen)
+        t_train = 0.0
+        for k in range(steps_per_epoch):
+            idx = order[k * spec.batch_size:(k + 1) * spec.batch_size]
+            xb, yb = x[idx], y[idx]
+
+            def closure(m=model, o=opt, xb=xb, yb=yb):
+                o.zero_grad()
+                loss = F.cross_entropy(m(xb), yb)
+                loss.backward()
+                return loss
+
+            t0 = time.perf_counter()
+            loss = float(opt.step(closure).detach())
+            t_train += time.perf_counter() - t0
+            if low:
+                closure(shadow, shadow_opt)
+                shadow_opt.step()
+            step += 1
+            if low and (step % spec.dt_every == 0 or step == 1):
+                ranks = opt.ranks()
+                trace.append(dict(step=step, loss=loss, rank=sum(ranks.values()),
+                                  d_t=stability_distance(model, shadow)))
+        epoch_times.append(t_train)
+    comp = compression(model) if low else dict(ratio=0.0, training_ratio=0.0)
+    return dict(spec=asdict(spec), key=spec.key, test_acc=_accuracy(model, xt, yt),
+                train_acc=_accuracy(model, x, y), compression=comp["ratio"],
+                training_compression=comp["training_ratio"],
+                ranks=opt.ranks() if low else {}, taus=opt.taus() if low else {},
+                seconds_per_epoch=statistics.mean(epoch_times), state_mib=_state_bytes(model, opt) / 2**20,
+                peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
+                final_d_t=trace[-1]["d_t"] if trace else 0.0, trace=trace)
+
+
+def _run_and_store(spec: RunSpec, folder: str) -> dict:
+    torch.set_num_threads(1)
+    r = run_one(spec)
+    write_atomic(Path(folder) / f"{spec.key}.json", json.dumps(r).encode())
+    return r
+
+
+def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1,
+          on_done: Callable[[dict], None] | None = None) -> list[dict]:
+    """Run every spec not already stored in ``out/runs/`` (resumable), in ``jobs`` processes
+    (a fresh one per run, so peak memory is per run), then return all results."""
+    folder = out / "runs"
+    folder.mkdir(parents=True, exist_ok=True)
+    done: dict[str, dict] = {}
+    for s in specs:
+        p = folder / f"{s.key}.json"
+        if p.exists():
+            try:
+                r = json.loads(p.read_text())
+                if RunSpec(**r["spec"]) == s:
+                    done[s.key] = r
+            except (ValueError, KeyError, TypeError):
+                pass  # unreadable or from another configuration: rerun
+    todo = [s for s in specs if s.key not in done]
+    if todo:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as ex:
+            for r in ex.map(_run_and_store, todo, [str(folder)] * len(todo)):
+                done[r["key"]] = r
+                if on_done:
+                    on_done(r)
+    return [done[s.key] for s in specs]
+
+
+# ------------------------------------------------------------------------- reporting
+_CSV = ("key", "task", "method", "tau", "seed", "test_acc", "train_acc", "compression",
+        "training_compression", "final_d_t", "seconds_per_epoch", "state_mib", "peak_rss_mib", "ranks")
+
+
+def write_csv(results: list[dict], path: Path) -> None:
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(_CSV)
+    for r in results:
+        s = r["spec"]
+        w.writerow([r["key"], s["task"], s["method"], s["tau"] if s["method"] != "dense" else "",
+                    s["seed"], *(f"{r[k]:.6g}" for k in _CSV[5:13]),
+                    " ".join(f"{k}:{v}" for k, v in r["ranks"].items())])
+    write_atomic(path, buf.getvalue().encode())
+
+
+def _groups(results: list[dict]) -> dict[tuple, list[dict]]:
+    g: dict[tuple, list[dict]] = {}
+    for r in results:
+        s = r["spec"]
+        g.setdefault((s["task"], s["method"], s["tau"] if s["method"] != "dense" else None), []).append(r)
+    return g
+
+
+def _ms(vals: list[float], fmt: str) -> str:
+    m = statistics.mean(vals)
+    return fmt.format(m) + (f" ± {fmt.format(statistics.stdev(vals))}" if len(vals) > 1 else "")
+
+
+def summary_markdown(results: list[dict]) -> str:
+    """Mean ± std over seeds per (task, method, τ)."""
+    lines = ["| task | method | τ | seeds | test acc | compression | training compression | final d_t "
+             "| s/epoch | state MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for (task, method, tau), rs in sorted(_groups(results).items(), key=lambda kv: (kv[0][0], kv[0][1],
+                                                                                      kv[0][2] or 0)):
+        lines.append(f"| {task} | {method} | {'' if tau is None else tau} | {len(rs)} | "
+                     f"{_ms([r['test_acc'] for r in rs], '{:.4f}')} | "
+                     f"{_ms([r['compression'] for r in rs], '{:.3f}')} | "
+                     f"{_ms([r['training_compression'] for r in rs], '{:.3f}')} | "
+                     f"{_ms([r['final_d_t'] for r in rs], '{:.2f}')} | "
+                     f"{_ms([r['seconds_per_epoch'] for r in rs], '{:.2f}')} | "
+                     f"{_ms([r['state_mib'] for r in rs], '{:.3f}')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], out: Path) -> list[Path]:
+    """acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png (one panel per task)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({r["spec"]["task"] for r in results})
+    methods = [m for m in METHODS if any(r["spec"]["method"] == m for r in results)]
+    paths = []
+    groups = _groups(results)
+
+    def save(fig, name: str) -> None:
+        buf = io.BytesIO()
+        fig.tight_layout()
+        fig.savefig(buf, format="png", dpi=70)
+        plt.close(fig)
+        write_atomic(out / name, buf.getvalue())
+        paths.append(out / name)
+
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for m in methods:
+            pts = sorted((statistics.mean(r["compression"] for r in rs),
+                          statistics.mean(r["test_acc"] for r in rs))
+                         for (t, mm, _), rs in groups.items() if t == task and mm == m)
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-" if m != "dense" else "k*", label=m, ms=4)
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel("compression (1 − stored/dense)")
+        ax.set_ylabel("test accuracy")
+    axes[0][-1].legend(fontsize=7)
+    save(fig, "acc_vs_compression.png")
+
+    for key, name, ylabel in (("rank", "rank_vs_step.png", "sum of layer ranks"),
+                              ("d_t", "dt_vs_step.png", "d_t (seed 0)")):
+        taus = sorted({r["spec"]["tau"] for r in results if r["spec"]["method"] != "dense"})
+        mid = taus[len(taus) // 2] if taus else None
+        fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+        for ax, task in zip(axes[0], tasks, strict=True):
+            for r in results:
+                s = r["spec"]
+                if s["task"] == task and s["seed"] == 0 and s["method"] != "dense" and s["tau"] == mid:
+                    ax.plot([p["step"] for p in r["trace"]], [p[key] for p in r["trace"]],
+                            label=s["method"], lw=1)
+            ax.set_title(f"{task}, τ = {mid}", fontsize=9)
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+        axes[0][-1].legend(fontsize=7)
+        save(fig, name)
+    return paths
