@@ -1,0 +1,86 @@
+"""rankwise sweep: end to end on a tiny configuration, resumability, the file loaders. (d_t = 0 for
+the truncated SVD of the shadow: tests/test_metrics.py.)"""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rankwise.cli import app
+from rankwise.data import load_cifar, load_mnist, read_idx
+
+TINY = ["sweep", "--tasks", "lenet-digits", "--methods", "dense,sdlrt", "--taus", "0.2,0.4",
+        "--seeds", "1", "--epochs", "1"]
+
+
+def test_sweep_end_to_end_and_resume(tmp_path):
+    out = tmp_path / "sw"
+    r = CliRunner().invoke(app, [*TINY, "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "3 runs (3 new)" in r.output
+    for name in ("runs.csv", "summary.md", "acc_vs_compression.png", "rank_vs_step.png", "dt_vs_step.png"):
+        assert (out / name).stat().st_size > 0
+    rows = (out / "runs.csv").read_text().splitlines()
+    assert len(rows) == 4 and rows[0].startswith("key,task,method,tau")
+    assert "| lenet-digits | sdlrt | 0.2 | 1 |" in (out / "summary.md").read_text()
+    before = (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes()
+
+    r = CliRunner().invoke(app, [*TINY, "--out", str(out)])  # resumed: nothing recomputed
+    assert r.exit_code == 0 and "3 runs (0 new)" in r.output
+    (out / "runs" / "lenet-digits_sdlrt_tau0.2_s0.json").unlink()
+    r = CliRunner().invoke(app, [*TINY, "--out", str(out)])  # only the missing run
+    assert r.exit_code == 0 and "3 runs (1 new)" in r.output
+    assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes() == before
+
+
+def test_sweep_rejects_unknown_names():
+    r = CliRunner().invoke(app, ["sweep", "--methods", "sgd"])
+    assert r.exit_code != 0 and "methods must be from" in r.output
+
+
+def _idx(arr: np.ndarray, code: int) -> bytes:
+    head = struct.pack(">BBBB", 0, 0, code, arr.ndim) + struct.pack(f">{arr.ndim}I", *arr.shape)
+    return head + arr.tobytes()
+
+
+def test_mnist_idx_loader(tmp_path):
+    rng = np.random.default_rng(0)
+    for prefix, n in (("train", 5), ("t10k", 3)):
+        x = rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        y = rng.integers(0, 10, n, dtype=np.uint8)
+        (tmp_path / f"{prefix}-images-idx3-ubyte").write_bytes(_idx(x, 0x08))
+        with gzip.open(tmp_path / f"{prefix}-labels-idx1-ubyte.gz", "wb") as f:
+            f.write(_idx(y, 0x08))
+    tr, te = load_mnist(tmp_path)
+    assert tr.tensors[0].shape == (5, 1, 28, 28) and te.tensors[1].shape == (3,)
+    raw = read_idx(tmp_path / "train-images-idx3-ubyte")
+    assert torch.equal(tr.tensors[0][:, 0], torch.from_numpy(raw.astype(np.float32) / 255))
+    (tmp_path / "bad").write_bytes(b"\x01\x02\x08\x01" + b"\0" * 8)
+    with pytest.raises(ValueError, match="not an IDX file"):
+        read_idx(tmp_path / "bad")
+    (tmp_path / "short").write_bytes(_idx(np.zeros(4, np.uint8), 0x08)[:-1])
+    with pytest.raises(ValueError, match="header says"):
+        read_idx(tmp_path / "short")
+
+
+@pytest.mark.parametrize("classes", [10, 100])
+def test_cifar_pickle_loader(tmp_path, classes):
+    rng = np.random.default_rng(1)
+    key = b"labels" if classes == 10 else b"fine_labels"
+    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"] if classes == 10 else ["train", "test"]
+    for name in names:
+        batch = {b"data": rng.integers(0, 256, (2, 3072), dtype=np.uint8), key: [1, classes - 1]}
+        with open(tmp_path / name, "wb") as f:
+            pickle.dump(batch, f)
+    tr, te = load_cifar(tmp_path, classes)
+    assert tr.tensors[0].shape == (2 * (len(names) - 1), 3, 32, 32) and te.tensors[0].shape == (2, 3, 32, 32)
+    assert tr.tensors[1].tolist()[:2] == [1, classes - 1] and float(tr.tensors[0].max()) <= 1.0
+    (tmp_path / names[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=names[-1]):
+        load_cifar(tmp_path, classes)
