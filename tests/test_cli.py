@@ -127,8 +127,8 @@ def test_demo_prints_one_comparison_table(tmp_path):
 def test_train_config_validates_and_is_frozen():
     with pytest.raises(ValueError, match=r"`method` must be one of \['dense', 'dlrt', 'sdlrt'\]"):
         TrainConfig(method="adam")
-    with pytest.raises(ValueError, match=r"`model` must be one of \['lenet', 'mlp'\]; got 'vgg'"):
-        TrainConfig(model="vgg")
+    with pytest.raises(ValueError, match=r"`model` must be one of \['lenet', 'mlp', 'vgg'\]; got 'resnet'"):
+        TrainConfig(model="resnet")
     with pytest.raises(ValueError, match="`lr` must be"):
         TrainConfig(lr=0.0)
     with pytest.raises(TypeError, match=r"`out` must be a pathlib\.Path"):

@@ -67,7 +67,7 @@ def mlp(in_features: int = 64, hidden: int = 500, depth: int = 3, num_classes: i
     return nn.Sequential(OrderedDict(layers))
 
 
-def vgg(in_channels: int = 1, size: int = 16, width: int = 16, num_classes: int = 10) -> nn.Module:
+def vgg(in_channels: int = 1, size: int = 8, width: int = 16, num_classes: int = 10) -> nn.Module:
     """A small VGG-style CNN: two blocks of two 3×3 convolutions (``width`` and ``2·width``
     channels) each followed by a 2×2 max-pool, then ``linear(2·width·(size/4)²→128) → ReLU →
     linear(128→num_classes)``. For 16×16 inputs (digits upsampled) or 32×32 (CIFAR).
