@@ -1,0 +1,47 @@
+"""Compare methods at equal final compression (not only equal τ) from sweep results."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+
+def _curve(results: list[dict], task: str, method: str) -> list[tuple[float, float, float, float]]:
+    """(τ, mean compression, mean test acc, std test acc) per τ, sorted by compression."""
+    by: dict[float, list[dict]] = {}
+    for r in results:
+        s = r["spec"]
+        if s["task"] == task and s["method"] == method:
+            by.setdefault(s["tau"], []).append(r)
+    pts = []
+    for tau, rs in by.items():
+        accs = [r["test_acc"] for r in rs]
+        pts.append((tau, statistics.mean(r["compression"] for r in rs), statistics.mean(accs),
+                    statistics.stdev(accs) if len(accs) > 1 else 0.0))
+    return sorted(pts, key=lambda p: p[1])
+
+
+def equal_compression_markdown(results: list[dict], reference: str = "dlrt") -> str:
+    """For every (task, method, τ) point, the reference method's accuracy interpolated (linearly
+    in compression) at the same final compression, and the difference. Points outside the
+    reference's compression range are marked "outside"."""
+    lines = [f"| task | method | τ | compression | test acc | {reference} acc at that compression | Δ acc |",
+             "|---|---|---|---|---|---|---|"]
+    tasks = sorted({r["spec"]["task"] for r in results})
+    methods = sorted({r["spec"]["method"] for r in results} - {"dense", reference})
+    for task in tasks:
+        ref = _curve(results, task, reference)
+        if len(ref) < 2:
+            continue
+        xs, ys = np.array([p[1] for p in ref]), np.array([p[2] for p in ref])
+        for m in methods:
+            for tau, c, a, sd in sorted(_curve(results, task, m)):
+                if xs.min() <= c <= xs.max():
+                    at = float(np.interp(c, xs, ys))
+                    lines.append(f"| {task} | {m} | {tau:g} | {c:.3f} | {a:.4f} ± {sd:.4f} | {at:.4f} "
+                                 f"| {a - at:+.4f} |")
+                else:
+                    lines.append(f"| {task} | {m} | {tau:g} | {c:.3f} | {a:.4f} ± {sd:.4f} | outside "
+                                 f"[{xs.min():.3f}, {xs.max():.3f}] | |")
+    return "\n".join(lines) + "\n"
