@@ -84,3 +84,17 @@ def test_cifar_pickle_loader(tmp_path, classes):
     (tmp_path / names[-1]).unlink()
     with pytest.raises(FileNotFoundError, match=names[-1]):
         load_cifar(tmp_path, classes)
+
+
+def test_equal_compression_interpolates_the_reference_curve():
+    from rankwise.experiments.sweep_report import equal_compression_markdown
+
+    def r(method, tau, comp, acc, seed=0):
+        return {"spec": {"task": "t", "method": method, "tau": tau, "seed": seed},
+                "compression": comp, "test_acc": acc}
+
+    rs = [r("dlrt", 0.1, 0.5, 0.9), r("dlrt", 0.3, 0.9, 0.5), r("sdlrt", 0.2, 0.7, 0.8),
+          r("sdlrt", 0.4, 0.95, 0.3)]
+    md = equal_compression_markdown(rs)
+    assert "| t | sdlrt | 0.2 | 0.700 | 0.8000 ± 0.0000 | 0.7000 | +0.1000 |" in md
+    assert "outside [0.500, 0.900]" in md

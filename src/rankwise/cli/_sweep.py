@@ -11,6 +11,7 @@ from rich.console import Console
 
 from .._io import write_atomic
 from ..experiments.sweep import METHODS, PAPER_TAUS, TASKS, RunSpec, plot, summary_markdown, sweep, write_csv
+from ..experiments.sweep_report import equal_compression_markdown
 
 
 def _split(text: str, allowed, what: str) -> list[str]:
@@ -38,8 +39,9 @@ def sweep_cmd(
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, runs.csv, summary.md, PNGs.")]
     = Path("runs/sweep"),
 ) -> None:
-    """Run (or resume) a sweep and write runs.csv, summary.md (mean ± std over seeds) and the
-    plots acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png into --out."""
+    """Run (or resume) a sweep and write runs.csv, summary.md (mean ± std over seeds),
+    equal_compression.md (each method against DLRT at the same final compression) and the plots
+    acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png into --out."""
     task_list = _split(tasks, TASKS, "tasks")
     method_list = _split(methods, METHODS, "methods")
     try:
@@ -68,6 +70,8 @@ def sweep_cmd(
     write_csv(results, out / "runs.csv")
     table = summary_markdown(results)
     write_atomic(out / "summary.md", table.encode())
+    if "dlrt" in method_list:
+        write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
     plot(results, out)
     console.print(table)
     console.print(f"{len(results)} runs ({count[0]} new); wrote {out}/runs.csv, summary.md and 3 PNGs")
