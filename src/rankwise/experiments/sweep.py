@@ -148,7 +148,7 @@ def run_one(spec: RunSpec) -> dict:
     steps_per_epoch = math.ceil(len(x) / spec.batch_size)
     trace: list[dict] = []
     epoch_times: list[float] = []
-    step = 0
+    step, diverged = 0, None
     for _ in range(spec.epochs):
         order = torch.randperm(len(x), generator=gen)
         t_train = 0.0
@@ -163,7 +163,14 @@ def run_one(spec: RunSpec) -> dict:
                 return loss
 
             t0 = time.perf_counter()
-            loss = float(opt.step(closure).detach())
+            try:  # a diverged run is recorded as such (at its last finite weights), not lost
+                loss = float(opt.step(closure).detach())
+            except FloatingPointError as e:
+                diverged = f"step {step + 1}: {e}"
+                break
+            if not math.isfinite(loss):
+                diverged = f"step {step + 1}: loss {loss}"
+                break
             t_train += time.perf_counter() - t0
             if low:
                 closure(shadow, shadow_opt)
@@ -174,6 +181,8 @@ def run_one(spec: RunSpec) -> dict:
                 trace.append(dict(step=step, loss=loss, rank=sum(ranks.values()),
                                   d_t=stability_distance(model, shadow)))
         epoch_times.append(t_train)
+        if diverged:
+            break
     comp = compression(model) if low else dict(ratio=0.0, training_ratio=0.0)
     return dict(spec=asdict(spec), key=spec.key, test_acc=_accuracy(model, xt, yt),
                 train_acc=_accuracy(model, x, y), compression=comp["ratio"],
@@ -181,7 +190,7 @@ def run_one(spec: RunSpec) -> dict:
                 ranks=opt.ranks() if low else {}, taus=opt.taus() if low else {},
                 seconds_per_epoch=statistics.mean(epoch_times), state_mib=_state_bytes(model, opt) / 2**20,
                 peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
-                final_d_t=trace[-1]["d_t"] if trace else 0.0, trace=trace)
+                final_d_t=trace[-1]["d_t"] if trace else 0.0, diverged=diverged, trace=trace)
 
 
 def _run_and_store(spec: RunSpec, folder: str) -> dict:
@@ -251,11 +260,12 @@ def _ms(vals: list[float], fmt: str) -> str:
 
 def summary_markdown(results: list[dict]) -> str:
     """Mean ± std over seeds per (task, method, τ)."""
-    lines = ["| task | method | τ | seeds | test acc | compression | training compression | final d_t "
-             "| s/epoch | state MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | method | τ | seeds | diverged | test acc | compression | training compression "
+             "| final d_t | s/epoch | state MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (task, method, tau), rs in sorted(_groups(results).items(), key=lambda kv: (kv[0][0], kv[0][1],
                                                                                       kv[0][2] or 0)):
         lines.append(f"| {task} | {method} | {'' if tau is None else tau} | {len(rs)} | "
+                     f"{sum(1 for r in rs if r.get('diverged'))} | "
                      f"{_ms([r['test_acc'] for r in rs], '{:.4f}')} | "
                      f"{_ms([r['compression'] for r in rs], '{:.3f}')} | "
                      f"{_ms([r['training_compression'] for r in rs], '{:.3f}')} | "
