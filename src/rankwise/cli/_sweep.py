@@ -10,7 +10,17 @@ import typer
 from rich.console import Console
 
 from .._io import write_atomic
-from ..experiments.sweep import METHODS, PAPER_TAUS, TASKS, RunSpec, plot, summary_markdown, sweep, write_csv
+from ..experiments.sweep import (
+    METHODS,
+    PAPER_TAUS,
+    TASK_LR,
+    TASKS,
+    RunSpec,
+    plot,
+    summary_markdown,
+    sweep,
+    write_csv,
+)
 from ..experiments.sweep_report import equal_compression_markdown
 
 
@@ -32,7 +42,8 @@ def sweep_cmd(
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.")] = 3,
     epochs: Annotated[int, typer.Option(help="Training epochs per run.")] = 10,
     rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 32,
-    lr: Annotated[float, typer.Option(help="Learning rate (SGD with momentum 0.9 everywhere).")] = 0.05,
+    lr: Annotated[float | None, typer.Option(help="Learning rate (SGD, momentum 0.9); default 0.05, "
+                                             "0.02 for the VGG tasks.")] = None,
     omega: Annotated[float, typer.Option(help="SDLRT's feedback factor ω.")] = 0.8,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).")] = 1,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with MNIST IDX / CIFAR batches.")] = None,
@@ -56,7 +67,7 @@ def sweep_cmd(
             for tau in ([0.0] if method == "dense" else tau_list):
                 for seed in range(seeds):
                     specs.append(RunSpec(task=task, method=method, tau=tau, seed=seed, epochs=epochs,
-                                         rank=rank, lr=lr, omega=omega,
+                                         rank=rank, lr=lr or TASK_LR.get(task, 0.05), omega=omega,
                                          data_dir=str(data_dir) if data_dir else None))
     console = Console()
     count = [0]
