@@ -167,12 +167,50 @@ def run(n: int, mib: int) -> dict:
     return dict(n=n, mib=mib, state_bytes=res[0]["state_bytes"], methods=table)
 
 
+def profile_save(mib: int, n: int) -> None:
+    """One rank's coded save, timed part by part in this process (no process group)."""
+    import hashlib
+
+    import torch
+
+    from rankwise import _io
+    from rankwise.ckpt import Code2D
+    from rankwise.ckpt._checkpointer import serialize
+
+    torch.set_num_threads(1)
+    state = _state(mib)
+    code = Code2D(n, 1)
+    rows = []
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        rows.append((name, time.perf_counter() - t0))
+        return out
+
+    blob = timed("torch.save to memory", lambda: serialize({"state": state, "per_rank": None}))
+    timed("SHA-256 digest", lambda: hashlib.sha256(blob).digest())
+    timed("encode_share (systematic rank 0)", lambda: code.encode_share(blob, 0))
+    frag = timed(f"encode_share (parity rank {n - 1})", lambda: code.encode_share(blob, n - 1))[0]
+    sealed = timed("seal the fragment file", frag.to_bytes)
+    with tempfile.TemporaryDirectory() as tmp:
+        timed("atomic write with fsync", lambda: _io.write_atomic(Path(tmp) / "f", sealed))
+    print(f"one rank's coded save of {mib} MiB (n = {n}), one process:\n")
+    print("| part | seconds |\n|---|---|")
+    for name, t in rows:
+        print(f"| {name} | {t:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile-save", action="store_true", help="only time one rank's save, part by part")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--sizes", default="16,256", help="state sizes in MiB")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
+    if a.profile_save:
+        profile_save(int(a.sizes.split(",")[-1]), a.nproc)
+        return
     results = [run(a.nproc, int(s)) for s in a.sizes.split(",")]
     print(f"n = {a.nproc} processes (gloo, one machine), lost node: rank 2; bytes are totals over ranks\n")
     print("| size | method | save (s) | stored | rebuild lost node: bytes / s "
