@@ -87,3 +87,28 @@ def test_carry_over_spacing_across_forward_passes():
     block.controller = c
     block(F0)
     assert block.last_tape.lengths[0] == 2
+
+
+def test_replay_aware_spacing_halves_where_replays_happen_and_relaxes_elsewhere():
+    from rankwise.ode import LowRankODEBlock
+
+    class Tanh(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.A = torch.nn.Parameter(0.3 * torch.eye(6, dtype=F64))
+
+        def forward(self, t, F):
+            return torch.tanh(self.A @ F) - 0.1 * F
+
+    # τ_grad ~ 0: every reversed step "drifts", so every segment longer than 1 is replayed
+    ctl = DefectController.for_dtype(F64, c_init=4, c_max=4, tau_grad=1e-300, replay_aware=True)
+    assert ctl.learns_from_replays() and not FixedController(4, 2).learns_from_replays()
+    F0 = torch.randn(1, 6, 5, generator=torch.Generator().manual_seed(0), dtype=F64)
+    block = LowRankODEBlock(Tanh(), rank=3, steps=8, h=0.1, controller=ctl)
+    lengths = []
+    for _ in range(4):
+        x = F0.clone().requires_grad_(True)
+        (block(x).dense() ** 2).sum().backward()
+        lengths.append(block.last_tape.lengths)
+    # replayed at 4 → cap 2 → replayed → cap 1 (no reversal, no replay) → relaxed to 2
+    assert lengths == [[4, 4], [2, 2, 2, 2], [1] * 8, [2, 2, 2, 2]]

@@ -27,9 +27,9 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
     out = []
     for item in grid.split(","):
         parts = item.strip().split(":")
-        if parts[0] not in ("fixed", "adaptive"):
+        if parts[0] not in ("fixed", "adaptive", "replay"):
             raise typer.BadParameter(
-                f"controller must be 'fixed' or 'adaptive'; got {parts[0]!r} in {item!r}")
+                f"controller must be 'fixed', 'adaptive' or 'replay'; got {parts[0]!r} in {item!r}")
         try:
             c, _, cmax = (parts[1] if len(parts) > 1 else "8").partition("-")
             r = int(parts[2].lstrip("r")) if len(parts) > 2 else None
@@ -49,7 +49,7 @@ def _run_one(cfg: OdeRunConfig) -> dict:
 
 def ode_cmd(
     data: Annotated[str, typer.Option(help="digits (permuted, 64 steps) or mnist1d (40 steps).")] = "digits",
-    grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],... e.g. fixed:4,adaptive:8-16:r4")]
+    grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay")]
     = "fixed:8,adaptive:8",
     rank: Annotated[int, typer.Option(help="Initial rank of every layer (adaptive may grow it).")] = 8,
     max_rank: Annotated[int, typer.Option(help="Adaptive rank cap.")] = 32,

@@ -102,8 +102,9 @@ class LayeredMemoryODE(nn.Module):
 
 @dataclass(frozen=True)
 class OdeRunConfig:
-    """One training run. ``controller``: "fixed" (spacing ``c``, rank ``rank``) or "adaptive"
-    (:meth:`DefectController.for_dtype` for float32 with ``c_init=c``, ``max_rank``, carry-over)."""
+    """One training run. ``controller``: "fixed" (spacing ``c``, rank ``rank``), "adaptive"
+    (:meth:`DefectController.for_dtype` for float32 with ``c_init=c``, ``max_rank``, carry-over)
+    or "replay" (the same, replay-aware)."""
 
     data: str = "digits"  # "digits" (permuted, 64 steps) or "mnist1d" (40 steps)
     controller: str = "fixed"
@@ -123,7 +124,8 @@ class OdeRunConfig:
     def name(self) -> str:
         if self.controller == "fixed":
             return f"fixed C={self.c} r={self.rank}"
-        return f"adaptive C={self.c}→{self.c_max} r={self.rank}→{self.max_rank}"
+        kind = "adaptive" if self.controller == "adaptive" else "replay-aware"
+        return f"{kind} C={self.c}→{self.c_max} r={self.rank}→{self.max_rank}"
 
 
 def load_sequences(data: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -143,10 +145,11 @@ def load_sequences(data: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor
 def _controller(cfg: OdeRunConfig) -> AbstractController:
     if cfg.controller == "fixed":
         return FixedController(cfg.c, cfg.rank)
-    if cfg.controller == "adaptive":
+    if cfg.controller in ("adaptive", "replay"):
         return DefectController.for_dtype(torch.float32, c_init=cfg.c, c_max=cfg.c_max,
-                                          max_rank=cfg.max_rank, carry=True)
-    raise ValueError(f"controller must be 'fixed' or 'adaptive'; got {cfg.controller!r}")
+                                          max_rank=cfg.max_rank, carry=True,
+                                          replay_aware=cfg.controller == "replay")
+    raise ValueError(f"controller must be 'fixed', 'adaptive' or 'replay'; got {cfg.controller!r}")
 
 
 def run(cfg: OdeRunConfig, callback=None) -> dict:

@@ -106,6 +106,7 @@ class LowRankODEBlock(nn.Module):
         self.last_tape: Tape | None = None
         self._replay: Tape | None = None
         self._spacing: int | None = None  # where the last recorded forward left C
+        self._caps: dict[int, int] = {}  # step -> longest segment allowed over it (replay-aware)
 
     def _f(self, t: float, F: Tensor) -> Tensor:
         return self.field(t, F)
@@ -135,6 +136,8 @@ class LowRankODEBlock(nn.Module):
                 length, event = replay.lengths[seg], replay.enrichments[seg]
             else:
                 length, event = min(c, self.steps - i), None
+                if record is not None and self._caps:
+                    length = min(length, *(self._caps.get(k, length) for k in range(i, i + length)))
                 if record is not None:
                     rho = float(rank_ratio(state).min())
                     room = min(state.X.shape[1], state.V.shape[1]) - state.rank
@@ -267,7 +270,8 @@ class _Reversal(torch.autograd.Function):
                 _, gin, gp, local = _vjp(step, prev, gc, params, ref=c)
                 # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
                 # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
-                if ctl.reload(local) or not local <= _SAFE * _eps(c):  # NaN counts as failure
+                # (a one-step segment is computed from its checkpoint: nothing to check)
+                if n > 1 and (ctl.reload(local) or not local <= _SAFE * _eps(c)):  # NaN fails too
                     reversed_ok = False
                     break
                 add(seg_g, gp)
@@ -287,6 +291,12 @@ class _Reversal(torch.autograd.Function):
                     _, g, gp, _ = _vjp(lambda st, i=i: _step(st, f, i * h, h)[0], states[j], g, params)
                     add(pgrads, gp)
                 del states
+            if ctl.learns_from_replays():
+                for k in range(i0, i0 + n):  # halve where a replay was needed, relax elsewhere
+                    if not reversed_ok:
+                        block._caps[k] = max(1, n // 2)
+                    elif k in block._caps:
+                        block._caps[k] *= 2
             if event is not None:
                 _, g, gp, _ = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
                 add(pgrads, gp)

@@ -27,6 +27,11 @@ class AbstractController(abc.ABC):
     @abc.abstractmethod
     def reload(self, local_delta: float) -> bool: ...
 
+    def learns_from_replays(self) -> bool:
+        """Should the block shorten segments where its backward had to replay (and lengthen
+        them again where it did not)? Default: no."""
+        return False
+
 
 @dataclass(frozen=True)
 class FixedController(AbstractController):
@@ -69,6 +74,12 @@ class DefectController(AbstractController):
     64-step pass stores ⌈64/C⌉-ish checkpoints forever; carried over, C reaches C_max after a
     few iterations when δ stays small, and halves again as soon as it does not).
 
+    With ``replay_aware=True`` the block also remembers, step by step, where its backward had to
+    replay a segment (local defect > τ_grad): the next forward caps the segments there at half
+    the replayed length, and doubles the cap where the replay was not needed (our second
+    tuning: δ is probed only at segment ends, on the product, and does not see the factor
+    drift that forces replays, while the replayed segment's C states set the peak memory).
+
     With exact substep inverses δ sits at the dtype's roundoff, so thresholds must be set
     relative to it (:meth:`for_dtype`), or C never grows.
     """
@@ -83,6 +94,7 @@ class DefectController(AbstractController):
     delta_r: int = 2
     max_rank: int = 32
     carry: bool = False
+    replay_aware: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.tau_safe <= self.tau_warn:
@@ -120,3 +132,6 @@ class DefectController(AbstractController):
 
     def reload(self, local_delta: float) -> bool:
         return not local_delta <= self.tau_grad
+
+    def learns_from_replays(self) -> bool:
+        return self.replay_aware
