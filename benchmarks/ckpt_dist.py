@@ -36,7 +36,7 @@ def _state(mib: int) -> dict:
     return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(8)}, "step": 7}
 
 
-def _bench(rank: int, n: int, root: str, mib: int) -> dict:
+def _bench(rank: int, root: str, mib: int) -> dict:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -141,7 +141,7 @@ def _worker(rank: int, n: int, init: str, root: str, mib: int, q) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=timedelta(seconds=600))
     try:
-        q.put((rank, _bench(rank, n, root, mib)))
+        q.put((rank, _bench(rank, root, mib)))
     finally:
         dist.destroy_process_group()
 

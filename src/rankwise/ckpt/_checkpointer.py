@@ -6,10 +6,11 @@ it from two small symbols per peer, each checked against the Merkle commitment, 
 downloading the checkpoint; the state is then decoded from any k rows.
 
 Under DDP every rank holds the same state, so every rank serialises and encodes it itself and
-keeps only its own fragment: saving moves no bytes (only the 32-byte commitment roots are
-compared, which also catches ranks whose states diverged). Where only one rank holds the state
-(e.g. a parameter server), that rank encodes and sends fragment i to rank i (|m|·2/k bytes
-each) with the same on-disk result; this class implements the data-parallel case.
+keeps only its own fragment: saving moves no payload, only 2 Merkle line roots and a digest
+of the state per rank (the digests also catch ranks whose states diverged). Where only one
+rank holds the state (e.g. a parameter server), that rank encodes and sends fragment i to
+rank i (|m|·2/k bytes each) with the same on-disk result; this class implements the
+data-parallel case.
 """
 
 from __future__ import annotations
@@ -43,32 +44,32 @@ def deserialize(blob: bytes, *, weights_only: bool = True) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=weights_only)
 
 
-def _off_cpu(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return obj.device.type != "cpu"
-    if isinstance(obj, dict):
-        return any(_off_cpu(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_off_cpu(v) for v in obj)
-    return False
-
-
 def _to_cpu(obj: Any) -> Any:
     """Tensors moved to the CPU (``torch.save`` records devices, so GPU ranks would otherwise
-    serialise the same state to different bytes). CPU-only states are returned as they are;
-    otherwise containers are rebuilt, keeping a state dict's ``_metadata``."""
-    if not _off_cpu(obj):
-        return obj
+    serialise the same state to different bytes). Containers are rebuilt only where something
+    moved, keeping a state dict's ``_metadata``; CPU-only states come back as they are."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
+        return obj if obj.device.type == "cpu" else obj.detach().cpu()
     if isinstance(obj, dict):
-        new = type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+        new = {k: _to_cpu(v) for k, v in obj.items()}
+        if all(new[k] is v for k, v in obj.items()):
+            return obj
+        out = type(obj)(new.items())
         if hasattr(obj, "_metadata"):
-            new._metadata = obj._metadata
-        return new
+            out._metadata = obj._metadata
+        return out
     if type(obj) in (list, tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
+        new = [_to_cpu(v) for v in obj]
+        return obj if all(a is b for a, b in zip(new, obj, strict=True)) else type(obj)(new)
     return obj
+
+
+def _step_of(folder: Path) -> int | None:
+    """The step of a ``step_{step:010d}`` folder, or None for anything else."""
+    try:
+        return int(folder.name[5:]) if folder.name.startswith("step_") else None
+    except ValueError:
+        return None
 
 
 def _flip(blob: bytes, at: int) -> bytes:
@@ -132,9 +133,10 @@ class CodedCheckpointer:
         if not self.dir.is_dir():
             return out
         for d in self.dir.glob("step_*"):
+            step = _step_of(d)
             try:
-                step = int(d.name[5:])
-                out[step] = Commitment.load(d / "commitment.rwck").root
+                if step is not None:
+                    out[step] = Commitment.load(d / "commitment.rwck").root
             except (ValueError, OSError):
                 continue
         return out
@@ -160,13 +162,13 @@ class CodedCheckpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"`step` must be a non-negative int; got {step!r}")
         t0 = time.perf_counter()
-        extras = self._gather(per_rank)  # always gathered: ranks must make the same calls
+        # always gathered (ranks must make the same collective calls), with the step
+        steps, extras = zip(*self._gather((step, per_rank)), strict=True)
+        if len(set(steps)) != 1:
+            raise RuntimeError(f"save: the ranks save different steps: {list(steps)}")
         if any(x is None for x in extras) and any(x is not None for x in extras):
             raise RuntimeError(f"save(step={step}): per_rank given on some ranks only")
-        steps = self._gather(step)
-        if len(set(steps)) != 1:
-            raise RuntimeError(f"save: the ranks save different steps: {steps}")
-        blob = serialize({"state": _to_cpu(state), "per_rank": None if extras[0] is None else extras})
+        blob = serialize({"state": _to_cpu(state), "per_rank": None if extras[0] is None else list(extras)})
         # each rank encodes only its own share; the 2n line roots are gathered (with a digest
         # of the bytes, which catches ranks whose states diverged)
         frag, row_root, col_root = self.code.encode_share(blob, self.rank)
@@ -199,11 +201,8 @@ class CodedCheckpointer:
         complete = sorted(s for s in self._local_steps() if s <= newest)
         keep = set(complete[-self.keep:])
         for d in self.dir.glob("step_*"):
-            try:
-                s = int(d.name[5:])
-            except ValueError:
-                continue
-            if s < newest and s not in keep:
+            s = _step_of(d)
+            if s is not None and s < newest and s not in keep:
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ restore

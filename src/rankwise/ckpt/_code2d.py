@@ -344,11 +344,15 @@ class Code2D:
         self.last_bad_helpers = bad
         if len(valid) < self.k:
             raise NotEnoughSymbols(len(valid), self.k, self.last_bad_helpers, "retrieve", "rows")
+        return self._decode(valid, commitment.data_len)
+
+    def _decode(self, rows: dict[int, bytes], data_len: int) -> bytes:
+        """The data from ≥ k verified rows C[i, :] (index -> bytes)."""
         k = self.k
-        idx = list(range(k)) if all(i in valid for i in range(k)) else sorted(valid)[:k]
-        C = np.stack([np.frombuffer(valid[i], np.uint8) for i in idx])
-        M = C if idx == list(range(k)) else self._mm(self._inv(self.G[idx]), C)
-        return M.reshape(-1)[:commitment.data_len].tobytes()
+        idx = list(range(k)) if all(i in rows for i in range(k)) else sorted(rows)[:k]
+        C = np.stack([np.frombuffer(rows[i], np.uint8) for i in idx])
+        M = C if idx == list(range(k)) else self._mm(self._inv(self.G[idx]), C)  # systematic fast path
+        return M.reshape(-1)[:data_len].tobytes()
 
     def retrieve(self, fragments: list[Fragment], commitment: Commitment) -> bytes:
         """The original bytes from any k valid fragments (invalid ones are skipped)."""
@@ -359,8 +363,4 @@ class Code2D:
                 valid[f.index] = f
         if len(valid) < self.k:
             raise NotEnoughSymbols(len(valid), self.k, [], "retrieve", "fragments")
-        k = self.k
-        idx = list(range(k)) if all(i in valid for i in range(k)) else sorted(valid)[:k]
-        C = np.stack([np.frombuffer(valid[i].row, np.uint8) for i in idx])
-        M = C if idx == list(range(k)) else self._mm(self._inv(self.G[idx]), C)  # systematic fast path
-        return M.reshape(-1)[:commitment.data_len].tobytes()
+        return self._decode({i: f.row for i, f in valid.items()}, commitment.data_len)

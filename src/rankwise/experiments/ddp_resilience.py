@@ -103,8 +103,7 @@ def _free_port() -> int:
 
 
 def _torchrun(nproc: int, out: Path, store: Path, *, steps: int, every: int, kill_rank: int = -1,
-              kill_step: int = -1, fault_rank: int = -1, max_restarts: int = 0,
-              timeout: float = 300) -> subprocess.Popen:
+              kill_step: int = -1, fault_rank: int = -1, max_restarts: int = 0) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
