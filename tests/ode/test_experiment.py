@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from rankwise.experiments.ode_seq import LayeredMemoryODE, OdeRunConfig, run
+from rankwise.experiments.ode_seq import FromInitialMemory, LayeredMemoryODE, OdeRunConfig, run
 from rankwise.ode import FixedController, audit_gradients
 
 
@@ -17,19 +17,7 @@ def test_reversal_gradients_on_rank_deficient_float32_states():
     u = 2 * torch.rand(8, 64, generator=g) - 1
     y = torch.randint(0, 10, (8,), generator=g)
 
-    class AsFunctionOfF0(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self, F0):
-            model.seq.u = u
-            st = F0
-            for b in model.blocks:
-                st = b(st)
-            return model.out(st.dense().flatten(1))
-
-    cos = audit_gradients(AsFunctionOfF0(), model.initial_state(8),
+    cos = audit_gradients(FromInitialMemory(model, u), model.initial_state(8),
                           lambda logits: nn.functional.cross_entropy(logits, y))
     assert cos > 0.999
     assert model.blocks[0].last_stats["reloads"] > 0  # the ill-conditioned start was replayed

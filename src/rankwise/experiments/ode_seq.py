@@ -92,12 +92,29 @@ class LayeredMemoryODE(nn.Module):
         g = torch.Generator().manual_seed(1)
         return 0.01 * torch.randn(batch, self.m, self.m, generator=g)
 
-    def forward(self, u: Tensor) -> Tensor:
-        self.seq.u = u.detach()
-        state = self.initial_state(u.shape[0])
+    def integrate(self, F0: Tensor) -> Tensor:
+        """Logits from an initial memory F0 (B, m, m), for the sequence already set in ``seq.u``."""
+        state = F0
         for b in self.blocks:
             state = b(state)
         return self.out(state.dense().flatten(1))
+
+    def forward(self, u: Tensor) -> Tensor:
+        self.seq.u = u.detach()
+        return self.integrate(self.initial_state(u.shape[0]))
+
+
+class FromInitialMemory(nn.Module):
+    """``model`` on the fixed sequences ``u`` as a function of the initial memory F0: what
+    :func:`audit_gradients` perturbs (its gradient covers F0 and every parameter)."""
+
+    def __init__(self, model: LayeredMemoryODE, u: Tensor) -> None:
+        super().__init__()
+        self.model, self.u = model, u
+
+    def forward(self, F0: Tensor) -> Tensor:
+        self.model.seq.u = self.u
+        return self.model.integrate(F0)
 
 
 @dataclass(frozen=True)
@@ -192,8 +209,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
         train_acc = float((model(utr[:1000]).argmax(1) == ytr[:1000]).float().mean())
         for blk in model.blocks:
             blk.reversible = True
-    audit = _Audit(model, ute[:16])
-    cos = audit_gradients(audit, model.initial_state(16),
+    cos = audit_gradients(FromInitialMemory(model, ute[:16]), model.initial_state(16),
                           lambda logits: nn.functional.cross_entropy(logits, yte[:16]))
     losses = [r["loss"] for r in trace]
     tail = losses[len(losses) // 2:]
@@ -215,21 +231,6 @@ def _spikes(losses: list[float], window: int = 10) -> int:
     """Iterations whose loss exceeds twice the median of the ``window`` before it."""
     return sum(1 for i in range(window, len(losses))
                if losses[i] > 2 * statistics.median(losses[i - window:i]))
-
-
-class _Audit(nn.Module):
-    """The model as a function of its initial memory (what :func:`audit_gradients` perturbs)."""
-
-    def __init__(self, model: LayeredMemoryODE, u: Tensor) -> None:
-        super().__init__()
-        self.model, self.u = model, u
-
-    def forward(self, F0: Tensor) -> Tensor:
-        self.model.seq.u = self.u
-        state = F0
-        for b in self.model.blocks:
-            state = b(state)
-        return self.model.out(state.dense().flatten(1))
 
 
 def plot_traces(results: list[dict], path, *, title: str = "") -> None:

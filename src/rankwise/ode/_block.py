@@ -136,9 +136,8 @@ class LowRankODEBlock(nn.Module):
                 length, event = replay.lengths[seg], replay.enrichments[seg]
             else:
                 length, event = min(c, self.steps - i), None
-                if record is not None and self._caps:
-                    length = min(length, *(self._caps.get(k, length) for k in range(i, i + length)))
                 if record is not None:
+                    length = min([length, *(self._caps[k] for k in range(i, i + length) if k in self._caps)])
                     rho = float(rank_ratio(state).min())
                     room = min(state.X.shape[1], state.V.shape[1]) - state.rank
                     grow = min(ctl.rank_increase(state.rank, deltas[-1] if deltas else 0.0, rho), room)
@@ -291,12 +290,10 @@ class _Reversal(torch.autograd.Function):
                     _, g, gp, _ = _vjp(lambda st, i=i: _step(st, f, i * h, h)[0], states[j], g, params)
                     add(pgrads, gp)
                 del states
-            if ctl.learns_from_replays():
-                for k in range(i0, i0 + n):  # halve where a replay was needed, relax elsewhere
-                    if not reversed_ok:
-                        block._caps[k] = max(1, n // 2)
-                    elif k in block._caps:
-                        block._caps[k] *= 2
+            if ctl.learns_from_replays():  # halve where a replay was needed, relax elsewhere
+                caps = block._caps
+                caps.update({k: max(1, n // 2) if not reversed_ok else 2 * caps[k]
+                             for k in range(i0, i0 + n) if not reversed_ok or k in caps})
             if event is not None:
                 _, g, gp, _ = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
                 add(pgrads, gp)
