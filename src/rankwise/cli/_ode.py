@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import statistics
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .._io import write_atomic
+from ..experiments._stats import mean_std
 from ..experiments.ode_seq import OdeRunConfig, plot_traces, run
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
@@ -92,11 +92,6 @@ def ode_cmd(
         table.add_column(head)
     for name in dict.fromkeys(r["name"] for r in results):
         rs = [r for r in results if r["name"] == name]
-        cells = []
-        for key, _, fmt in _COLUMNS:
-            vals = [float(r[key]) for r in rs]
-            cell = fmt.format(statistics.mean(vals))
-            cells.append(cell + (f" ± {fmt.format(statistics.stdev(vals))}" if len(vals) > 1 else ""))
-        table.add_row(name, *cells)
+        table.add_row(name, *(mean_std([float(r[key]) for r in rs], fmt) for key, _, fmt in _COLUMNS))
     console.print(table)
     console.print(f"wrote {out}/results.json, traces.csv, ode_traces.png")

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from .._io import write_atomic
 from ..lowrank import DLRT, SDLRT, compression, stability_distance, to_low_rank
 from ..models import lenet, mlp, vgg
+from ._stats import mean_std
 
 METHODS: dict[str, dict[str, Any] | None] = {
     "dense": None,
@@ -258,11 +259,6 @@ def _groups(results: list[dict]) -> dict[tuple, list[dict]]:
     return g
 
 
-def _ms(vals: list[float], fmt: str) -> str:
-    m = statistics.mean(vals)
-    return fmt.format(m) + (f" ± {fmt.format(statistics.stdev(vals))}" if len(vals) > 1 else "")
-
-
 def summary_markdown(results: list[dict]) -> str:
     """Mean ± std over seeds per (task, method, τ)."""
     lines = ["| task | method | τ | seeds | diverged | test acc | compression | training compression "
@@ -271,12 +267,12 @@ def summary_markdown(results: list[dict]) -> str:
                                                                                       kv[0][2] or 0)):
         lines.append(f"| {task} | {method} | {'' if tau is None else tau} | {len(rs)} | "
                      f"{sum(1 for r in rs if r.get('diverged'))} | "
-                     f"{_ms([r['test_acc'] for r in rs], '{:.4f}')} | "
-                     f"{_ms([r['compression'] for r in rs], '{:.3f}')} | "
-                     f"{_ms([r['training_compression'] for r in rs], '{:.3f}')} | "
-                     f"{_ms([r['final_d_t'] for r in rs], '{:.2f}')} | "
-                     f"{_ms([r['seconds_per_epoch'] for r in rs], '{:.2f}')} | "
-                     f"{_ms([r['state_mib'] for r in rs], '{:.3f}')} |")
+                     f"{mean_std([r['test_acc'] for r in rs], '{:.4f}')} | "
+                     f"{mean_std([r['compression'] for r in rs], '{:.3f}')} | "
+                     f"{mean_std([r['training_compression'] for r in rs], '{:.3f}')} | "
+                     f"{mean_std([r['final_d_t'] for r in rs], '{:.2f}')} | "
+                     f"{mean_std([r['seconds_per_epoch'] for r in rs], '{:.2f}')} | "
+                     f"{mean_std([r['state_mib'] for r in rs], '{:.3f}')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,11 @@
+"""Small formatting helper shared by the experiment reports."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def mean_std(vals: list[float], fmt: str) -> str:
+    """``"mean ± std"`` with ``fmt`` (e.g. ``"{:.3f}"``) for each; just the mean for one value."""
+    m = statistics.mean(vals)
+    return fmt.format(m) + (f" ± {fmt.format(statistics.stdev(vals))}" if len(vals) > 1 else "")
