@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from ._base import AbstractLowRankLayer
 from ._conv import LowRankConv2d
 from ._linear import LowRankLinear
 
@@ -36,21 +37,39 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
 
     A pretrained model keeps its function up to the truncation error. Conv layers that
     LowRankConv2d cannot express (groups ≠ 1, non-zero padding modes, 'same' padding with an
-    even kernel) are left dense, with a warning.
+    even kernel) are left dense, with a warning. Only exact ``nn.Linear`` / ``nn.Conv2d``
+    modules are converted (not their subclasses).
+
+    Layers that are already low-rank (:class:`LowRankLinear`, :class:`LowRankConv2d`) are left
+    as they are: on a mixed model only the remaining dense layers are converted. If nothing
+    would be converted (every matching layer is already low-rank, no ``nn.Linear`` /
+    ``nn.Conv2d`` matches `include` / `exclude`, or none can be expressed) a ``ValueError`` is
+    raised and the model is not changed; ranks of low-rank layers change through the
+    optimizer's truncation (``tau``, ``max_rank`` of DLRT/SDLRT), not through this function.
     """
     if rank is None and tau is None:
         raise ValueError("to_low_rank needs `rank` or `tau` (or both)")
     if rank is not None and rank < 1:
         raise ValueError(f"`rank` must be >= 1; got {rank}")
-    targets = []
+    # a one-shot iterator (e.g. a generator) would be used up by the first module name
+    include = include if include is None or isinstance(include, str) else list(include)
+    exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)
+
+    def selected(name: str) -> bool:
+        return ((include is None or _matches(name, include))
+                and (exclude is None or not _matches(name, exclude)))
+
+    targets, low_rank, subclassed = [], [], []
     for name, mod in model.named_modules():
-        if type(mod) not in (nn.Linear, nn.Conv2d):
+        if not selected(name):
             continue
-        if include is not None and not _matches(name, include):
-            continue
-        if exclude is not None and _matches(name, exclude):
-            continue
-        targets.append((name, mod))
+        if type(mod) in (nn.Linear, nn.Conv2d):
+            targets.append((name, mod))
+        elif isinstance(mod, AbstractLowRankLayer):
+            low_rank.append((name, mod))
+        elif isinstance(mod, nn.Linear | nn.Conv2d):
+            subclassed.append((name, mod))
+    converted, left_dense = 0, []
     for name, mod in targets:
         if isinstance(mod, nn.Linear):
             new = LowRankLinear.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
@@ -58,11 +77,53 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
             try:
                 new = LowRankConv2d.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
             except ValueError as e:  # groups, padding modes or 'same' padding we cannot express
-                warnings.warn(f"to_low_rank: leaving {name!r} dense: {e}", stacklevel=2)
+                left_dense.append((name, e))
                 continue
         new.train(mod.training)
         _set_submodule(model, name, new)
+        converted += 1
+    if not converted:
+        raise ValueError(_nothing_converted(model, include, exclude, low_rank, subclassed,
+                                            left_dense))
+    for name, e in left_dense:
+        warnings.warn(f"to_low_rank: leaving {name!r} dense: {e}", stacklevel=2)
     return model
+
+
+def _nothing_converted(model: nn.Module, include: Pattern, exclude: Pattern, low_rank: list,
+                       subclassed: list, left_dense: list) -> str:
+    """The error message of a call of :func:`to_low_rank` that would convert no layer."""
+    filters = ", ".join(f"{k}={v!r}" for k, v in (("include", include), ("exclude", exclude))
+                        if v is not None)
+    where = f" matching {filters}" if filters else ""
+    msg = "to_low_rank converted nothing"
+    names = ", ".join(f"{_show(n)} ({type(m).__name__}, rank {m.rank})" for n, m in low_rank)
+    if left_dense:
+        already = f"; already low-rank: {names}" if names else ""
+        return (f"{msg}: every nn.Linear / nn.Conv2d{where} is a convolution LowRankConv2d "
+                f"cannot express ({'; '.join(f'{_show(n)}: {e}' for n, e in left_dense)})"
+                f"{already}; the model was not changed")
+    if low_rank:
+        return (f"{msg}: the layers{where} are already low-rank: {names}. to_low_rank only "
+                "converts nn.Linear / nn.Conv2d; to start from another rank, build the dense "
+                "model again and convert that (a trained model: copy its weights into a fresh "
+                "dense model via dense_weight()); during training ranks change through the "
+                "optimizer's truncation (`tau`, `max_rank` of DLRT/SDLRT)")
+    dense = [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    if filters and dense:
+        shown = ", ".join(_show(n) for n in dense[:10]) + (", ..." if len(dense) > 10 else "")
+        hint = (f"; its nn.Linear / nn.Conv2d modules are: {shown} (a str filter is a regex "
+                "matched against the full name, a list holds names or name suffixes)")
+    else:
+        hint = "; the model has no nn.Linear / nn.Conv2d module"
+    if subclassed:
+        hint += ("; subclasses of nn.Linear / nn.Conv2d are not converted: "
+                 + ", ".join(f"{_show(n)} ({type(m).__name__})" for n, m in subclassed[:10]))
+    return f"{msg}: no nn.Linear / nn.Conv2d{where} in the model{hint}"
+
+
+def _show(name: str) -> str:
+    return repr(name) if name else "<root module>"
 
 
 def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:

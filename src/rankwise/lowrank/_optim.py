@@ -7,6 +7,7 @@ gradient modes, dense parameters, optimizer-state transport and SDLRT's τ feedb
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from typing import Literal
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from ..linalg import work_dtype
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
-from ._rules import apply_rule, get_rule, transport
+from ._rules import RULES, apply_rule, get_rule, transport
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
@@ -26,6 +27,57 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     for t in tensors:
         by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
     return all(bool(torch.stack(flags).all()) for flags in by_device.values())
+
+
+def _is_real(x: object) -> bool:
+    """A real number (Python, NumPy or one-element tensor), not a bool or a string."""
+    if isinstance(x, bool | str | bytes) or (torch.is_tensor(x) and (x.numel() != 1 or x.is_complex())):
+        return False
+    try:
+        float(x)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_hyperparameters(*, lr, momentum, weight_decay, optimizer, betas, eps) -> None:
+    """Reject values of the rule's hyperparameters that cannot train, naming the argument."""
+    def real(name: str, value) -> float:
+        if not _is_real(value):
+            raise TypeError(f"`{name}` must be a real number; got {value!r} "
+                            f"({type(value).__name__})")
+        return float(value)
+
+    if not isinstance(optimizer, str):
+        raise TypeError(f"`optimizer` must be the name of an update rule, one of {sorted(RULES)}; "
+                        f"got {optimizer!r} ({type(optimizer).__name__}); DLRT/SDLRT apply the "
+                        "rule themselves, so pass e.g. optimizer='adam', not torch.optim.Adam")
+    if optimizer not in RULES:
+        raise ValueError(f"`optimizer` must be one of {sorted(RULES)}; got {optimizer!r} "
+                         "(names are lower case)")
+    if not (math.isfinite(v := real("lr", lr)) and v >= 0):
+        raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
+    # torch.optim.SGD accepts any momentum >= 0, but m ← μ m + g (no dampening) is a
+    # geometric series: the effective step lr/(1 − μ) is unbounded at μ = 1 (m sums all past
+    # gradients, never forgetting any) and grows as μᵗ for μ > 1, so training always diverges.
+    if not 0 <= real("momentum", momentum) < 1:
+        raise ValueError(
+            f"`momentum` must be in [0, 1); got {momentum}: with momentum μ >= 1 the buffer "
+            "m ← μ·m + g never forgets old gradients (μ = 1) or grows geometrically (μ > 1), so "
+            "training diverges; use a value such as 0.9 or 0.99, or 0 for plain SGD")
+    if not (math.isfinite(v := real("weight_decay", weight_decay)) and v >= 0):
+        raise ValueError(f"`weight_decay` must be a finite number >= 0 (L2 coefficient; 0 "
+                         f"switches it off); got {weight_decay}")
+    if (isinstance(betas, str | bytes) or not hasattr(betas, "__len__") or len(betas) != 2):
+        raise TypeError(f"`betas` must be a pair (beta1, beta2) of Adam's moment decay rates; "
+                        f"got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0 <= real(f"betas[{i}]", b) < 1:
+            raise ValueError(f"`betas[{i}]` must be in [0, 1); got betas={tuple(betas)!r}; "
+                             "the default is (0.9, 0.999)")
+    if not (math.isfinite(v := real("eps", eps)) and v > 0):
+        raise ValueError(f"`eps` must be a finite number > 0 (Adam's denominator term, "
+                         f"default 1e-8); got {eps}")
 
 
 class _AugmentedBUG(torch.optim.Optimizer):
@@ -38,8 +90,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
                  eps: float, on_nonfinite: Literal["raise", "skip"]) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
-        if not lr >= 0:
-            raise ValueError(f"`lr` must be >= 0; got {lr}")
+        _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                               optimizer=optimizer, betas=betas, eps=eps)
         if not 0 <= tau < 1:
             raise ValueError(f"`tau` must be in [0, 1); got {tau}")
         if not 0 < omega < 1:
@@ -100,13 +152,28 @@ class _AugmentedBUG(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
         """One training step. ``closure`` zeroes grads, runs forward and backward and returns
         the loss; it is called once (single pass) or twice (``single_pass=False``). Without a
-        closure the gradients of the last ``backward()`` are used (single pass only)."""
+        closure the gradients of the last ``backward()`` are used (single pass only).
+
+        Raises (before any weight or optimizer state is changed):
+
+        - ``TypeError`` if the closure returns ``None``: it must return the loss, as the
+          closures of torch optimizers do.
+        - ``RuntimeError`` if there is no gradient at all: no ``.grad`` on any parameter and
+          no factor gradient G_K/G_L in any low-rank layer, i.e. the closure (or, without a
+          closure, the caller) did not call ``backward()``. Unlike ``torch.optim.SGD``, which
+          silently does nothing in that case, this also holds for ``step()`` without a
+          closure: nothing can be learnt from such a step, so it is almost surely a bug.
+          Layers unused by a forward pass having no gradient is fine. Gradients that are zero
+          tensors (``zero_grad(set_to_none=False)``) count as gradients.
+        """
         augment = self._augment_now()
         two_pass = augment and not self.cfg["single_pass"] and self.layers
         if closure is None and two_pass:
             raise ValueError("two-pass DLRT (`single_pass=False`) needs `step(closure)`")
         try:
             loss = self._evaluate(closure)
+            if not self._has_grads():
+                raise RuntimeError(self._no_grad_message(closure))
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
             ok = self._finite(loss)
@@ -164,7 +231,33 @@ class _AugmentedBUG(torch.optim.Optimizer):
         for layer in self.layers.values():
             layer.reset_factor_grads()
         with torch.enable_grad():
-            return closure()
+            loss = closure()
+        self._check_loss(loss)
+        return loss
+
+    def _check_loss(self, loss) -> None:
+        if loss is None:
+            raise TypeError(
+                f"the closure passed to {type(self).__name__}.step returned None; it must return "
+                "the loss tensor, as closures of torch optimizers do (zero the gradients, run the "
+                "forward pass, call loss.backward(), then `return loss`); no weights were changed")
+
+    def _has_grads(self) -> bool:
+        """Is there any gradient: a ``.grad`` on a parameter or a layer's G_K / G_L?"""
+        if any(p.grad is not None for g in self.param_groups for p in g["params"]):
+            return True
+        return any(t is not None for layer in self.layers.values() for t in layer.factor_grads())
+
+    def _no_grad_message(self, closure, when: str = "") -> str:
+        name = type(self).__name__
+        if closure is None:
+            return (f"{name}.step() found no gradient on any parameter: call loss.backward() "
+                    f"before {name}.step(), or pass a closure that zeroes the gradients, runs the "
+                    "forward pass, calls loss.backward() and returns the loss; no weights were "
+                    "changed")
+        return (f"the closure passed to {name}.step did not call backward(){when}: after it "
+                "ran, no parameter has a gradient; call loss.backward() inside the closure "
+                "before returning the loss; no weights were changed")
 
     def _finite(self, loss: Tensor | float | None) -> bool:
         """Is the loss and every gradient (``.grad`` and the layers' G_K, G_L) finite?"""
@@ -256,8 +349,15 @@ class _AugmentedBUG(torch.optim.Optimizer):
             self.layers[name].set_grad_mode("core")
         with torch.enable_grad():
             loss2 = closure()
+        # before the first pass's dense gradients go back; core mode: no G_K, G_L expected
+        got_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
         for p, g in saved.items():
             p.grad = g
+        # on either error the caller (_augmented_step) puts the original factors back
+        self._check_loss(loss2)
+        if not got_grads:
+            raise RuntimeError(self._no_grad_message(closure, " on its second call (two-pass, "
+                                                              "`single_pass=False`)"))
         if not self._finite(loss2):
             return False
         hp = self._hp()
@@ -303,12 +403,15 @@ _COMMON_DOC = """
     - `model`: a module containing :class:`LowRankLinear` / :class:`LowRankConv2d` layers (see
       :func:`to_low_rank`). Every other parameter (biases, norms, dense layers) is updated by
       the same rule in the same ``step``.
-    - `lr`: learning rate (``param_groups[0]["lr"]``, so LR schedulers work).
-    - `tau`: relative truncation tolerance τ: the discarded tail satisfies
+    - `lr`: learning rate, finite and >= 0 (``param_groups[0]["lr"]``, so LR schedulers work).
+    - `tau`: relative truncation tolerance τ in [0, 1): the discarded tail satisfies
       ‖Σ_tail‖_F ≤ τ‖S̄‖_F.
-    - `momentum`, `weight_decay`: SGD momentum and L2 weight decay (on W for low-rank layers).
-    - `optimizer`: ``"sgd"`` or ``"adam"`` (with `betas`, `eps`), applied to K, L, S and the
-      dense parameters; its state is rotated into new bases after every truncation.
+    - `momentum`: SGD momentum μ in [0, 1) (``torch.optim.SGD`` accepts μ >= 1, but then the
+      buffer m ← μm + g never decays and training diverges, so it is rejected here).
+    - `weight_decay`: L2 weight decay >= 0 (on W for low-rank layers).
+    - `optimizer`: ``"sgd"`` or ``"adam"`` (with `betas`, each in [0, 1), and `eps` > 0),
+      applied to K, L, S and the dense parameters; its state is rotated into new bases after
+      every truncation.
     - `single_pass`: one closure call per step, the gradient projected onto the augmented bases
       (default, ~2× cheaper); ``False`` gives classic two-pass BUG (closure called twice).
     - `min_rank`, `max_rank`: bounds of the adaptive rank (max also capped per layer).
