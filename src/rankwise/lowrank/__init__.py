@@ -3,6 +3,7 @@
 from ._base import AbstractLowRankLayer as AbstractLowRankLayer
 from ._conv import LowRankConv2d as LowRankConv2d
 from ._convert import to_low_rank as to_low_rank
+from ._export import export as export
 from ._linear import LowRankLinear as LowRankLinear
 from ._metrics import compression as compression
 from ._metrics import stability_distance as stability_distance
