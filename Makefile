@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 TORCH   := torch==2.13.0
 
-.PHONY: venv demo test lint bench bench-ckpt clean
+.PHONY: venv demo test lint bench bench-ckpt bench-inference docs-figures clean
 
 venv: $(STAMP)
 
@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# --force: `make demo` replaces its own earlier records in runs/demo (idempotent)
 demo: $(STAMP)
-	$(BIN)/rankwise demo --out runs/demo
+	$(BIN)/rankwise demo --out runs/demo --force
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -33,6 +34,13 @@ bench: $(STAMP)
 
 bench-ckpt: $(STAMP)
 	$(BIN)/python benchmarks/ckpt_codec.py
+
+bench-inference: $(STAMP)
+	$(BIN)/python benchmarks/inference.py
+
+# rewrites the README's measured tables from their commands (run on a clean checkout, then commit)
+docs-figures: $(STAMP)
+	$(BIN)/python benchmarks/docs_figures.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

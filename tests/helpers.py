@@ -43,3 +43,29 @@ def dense_grad(layer, X, Y) -> torch.Tensor:
     loss = ((X @ W.T - Y) ** 2).sum(-1).mean()
     (g,) = torch.autograd.grad(loss, W)
     return g
+
+
+class CliResult:
+    """What one ``rankwise`` command line call did: `exit_code`, `stdout`, `stderr`, and
+    `output` (both, whitespace-normalised, for message checks)."""
+
+    def __init__(self, exit_code: int, stdout: str, stderr: str) -> None:
+        self.exit_code, self.stdout, self.stderr = exit_code, stdout, stderr
+        self.output = " ".join((stdout + "\n" + stderr).split())
+
+    def __repr__(self) -> str:
+        return f"CliResult({self.exit_code}, stdout={self.stdout[-2000:]!r}, stderr={self.stderr!r})"
+
+
+def run_cli(*args: object) -> CliResult:
+    """``rankwise *args`` in this process, through the console script's entry point
+    (:func:`rankwise.cli.main`, which turns errors into one line and an exit status)."""
+    import contextlib
+    import io
+
+    from rankwise.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return CliResult(code, out.getvalue(), err.getvalue())

@@ -4,15 +4,15 @@ the truncated SVD of the shadow: tests/test_metrics.py.)"""
 from __future__ import annotations
 
 import gzip
+import json
 import pickle
 import struct
 
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from rankwise.cli import app
+from helpers import run_cli
 from rankwise.data import load_cifar, load_mnist, read_idx
 
 TINY = ["sweep", "--tasks", "lenet-digits", "--methods", "dense,sdlrt", "--taus", "0.2,0.4",
@@ -21,7 +21,7 @@ TINY = ["sweep", "--tasks", "lenet-digits", "--methods", "dense,sdlrt", "--taus"
 
 def test_sweep_end_to_end_and_resume(tmp_path):
     out = tmp_path / "sw"
-    r = CliRunner().invoke(app, [*TINY, "--out", str(out)])
+    r = run_cli(*TINY, "--out", out)
     assert r.exit_code == 0, r.output
     assert "3 runs (3 new)" in r.output
     for name in ("runs.csv", "summary.md", "acc_vs_compression.png", "rank_vs_step.png", "dt_vs_step.png"):
@@ -31,17 +31,28 @@ def test_sweep_end_to_end_and_resume(tmp_path):
     assert "| lenet-digits | sdlrt | 0.2 | 1 |" in (out / "summary.md").read_text()
     before = (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes()
 
-    r = CliRunner().invoke(app, [*TINY, "--out", str(out)])  # resumed: nothing recomputed
+    r = run_cli(*TINY, "--out", out)  # resumed: nothing recomputed
     assert r.exit_code == 0 and "3 runs (0 new)" in r.output
     (out / "runs" / "lenet-digits_sdlrt_tau0.2_s0.json").unlink()
-    r = CliRunner().invoke(app, [*TINY, "--out", str(out)])  # only the missing run
+    r = run_cli(*TINY, "--out", out)  # only the missing run
     assert r.exit_code == 0 and "3 runs (1 new)" in r.output
     assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes() == before
 
+    # the same keys with other settings: refused before anything runs, then replaced with --force
+    r = run_cli(*TINY, "--epochs", "2", "--out", out)
+    assert r.exit_code == 1 and "with other settings (epochs 1 there, 2 now)" in r.output, r
+    assert "--force" in r.stderr and r.stderr.count("\n") == 1
+    assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes() == before
+    r = run_cli(*TINY, "--epochs", "2", "--out", out, "--force")
+    assert r.exit_code == 0 and "3 runs (3 new)" in r.output, r
+    stored = json.loads((out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_text())
+    assert stored["spec"]["epochs"] == 2
+
 
 def test_sweep_rejects_unknown_names():
-    r = CliRunner().invoke(app, ["sweep", "--methods", "sgd"])
-    assert r.exit_code != 0 and "methods must be from" in r.output
+    r = run_cli("sweep", "--methods", "sgd")
+    assert r.exit_code == 2 and "--methods must be a comma-separated list from" in r.stderr
+    assert "got sgd" in r.stderr
 
 
 def _idx(arr: np.ndarray, code: int) -> bytes:

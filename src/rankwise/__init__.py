@@ -2,15 +2,59 @@
 
 The public API of the low-rank training core is re-exported here; ``rankwise.ode`` and
 ``rankwise.ckpt`` hold the other two capabilities.
+
+The names are resolved on first use (PEP 562), so that ``import rankwise`` — and the
+``rankwise`` command line, which imports this package first — does not pay for importing
+torch until something needs it.
 """
 
-from .lowrank import DLRT as DLRT
-from .lowrank import SDLRT as SDLRT
-from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
-from .lowrank import LowRankConv2d as LowRankConv2d
-from .lowrank import LowRankLinear as LowRankLinear
-from .lowrank import compression as compression
-from .lowrank import stability_distance as stability_distance
-from .lowrank import to_low_rank as to_low_rank
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# public name -> the module that defines it
+_LAZY: dict[str, str] = {
+    "DLRT": "rankwise.lowrank",
+    "SDLRT": "rankwise.lowrank",
+    "AbstractLowRankLayer": "rankwise.lowrank",
+    "LowRankConv2d": "rankwise.lowrank",
+    "LowRankLinear": "rankwise.lowrank",
+    "compression": "rankwise.lowrank",
+    "export": "rankwise.lowrank",
+    "stability_distance": "rankwise.lowrank",
+    "to_low_rank": "rankwise.lowrank",
+}
+
+_SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "models", "data", "train", "train_config", "dist",
+                         "linalg", "experiments", "cli"})
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from .lowrank import DLRT as DLRT
+    from .lowrank import SDLRT as SDLRT
+    from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
+    from .lowrank import LowRankConv2d as LowRankConv2d
+    from .lowrank import LowRankLinear as LowRankLinear
+    from .lowrank import compression as compression
+    from .lowrank import export as export
+    from .lowrank import stability_distance as stability_distance
+    from .lowrank import to_low_rank as to_low_rank
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # ``rankwise.models`` etc. without importing them first
+        return importlib.import_module(f"rankwise.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rankwise' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -7,15 +7,13 @@ and, when ``config.out`` is set, to ``metrics.csv``, TensorBoard events and ``fi
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,91 +22,19 @@ from torch import Tensor, nn
 from ._io import write_atomic
 from .data import load_digits
 from .lowrank import DLRT, SDLRT, compression, to_low_rank
-from .models import MODELS, get_model
-
-Method = Literal["dense", "dlrt", "sdlrt"]
-METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
-FORMAT_VERSION = 1
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """One training run on the digits (1437 train / 360 test images, 10 classes).
-
-    **Arguments:**
-    - `method`: ``"dense"`` (``torch.optim.SGD``), ``"dlrt"`` (:class:`rankwise.DLRT`) or
-      ``"sdlrt"`` (:class:`rankwise.SDLRT`); default ``"dlrt"``.
-    - `model`: a name in :data:`rankwise.models.MODELS` (``"lenet"``, ``"mlp"``); default
-      ``"lenet"``.
-    - `tau`: relative truncation tolerance τ in [0, 1) of the low-rank methods; default 0.1.
-    - `rank`: initial rank of every low-rank layer (clamped per layer); ``None`` (default)
-      starts at full rank and lets the optimizer truncate.
-    - `tau_min`: SDLRT's floor for its τ feedback (τ ← ωτ whenever a layer's rank is below its
-      initial rank), in [0, tau]; default 0, the paper's rule. From a full-rank start the
-      feedback fires on every step and τ quickly reaches `tau_min`: start SDLRT from a
-      compressed `rank` (as the paper does) or set a floor.
-    - `exclude`: module names (or name suffixes) kept dense, e.g. ``("fc2",)``; default none.
-    - `epochs`: passes over the training set, ≥ 1; default 10.
-    - `lr`: learning rate > 0; default 0.05.
-    - `momentum`: SGD momentum in [0, 1); default 0.9 (all three methods).
-    - `batch_size`: minibatch size ≥ 1; default 32.
-    - `seed`: seeds the model initialisation, the shuffling and the train/test split.
-    - `out`: directory for the run records (created if missing); ``None`` writes nothing.
-    """
-
-    method: Method = "dlrt"
-    model: str = "lenet"
-    tau: float = 0.1
-    rank: int | None = None
-    tau_min: float = 0.0
-    exclude: tuple[str, ...] = ()
-    epochs: int = 10
-    lr: float = 0.05
-    momentum: float = 0.9
-    batch_size: int = 32
-    seed: int = 0
-    out: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"`method` must be one of {list(METHODS)}; got {self.method!r}")
-        if self.model not in MODELS:
-            raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
-        if not 0.0 <= self.tau < 1.0:
-            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
-        if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
-            raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
-        if not 0.0 <= self.tau_min <= self.tau:
-            raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.tau_min}")
-        if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
-            raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
-        if not _is_int(self.epochs) or self.epochs < 1:
-            raise ValueError(f"`epochs` must be an int >= 1; got {self.epochs!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"`lr` must be a finite number > 0; got {self.lr}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"`momentum` must be in [0, 1); got {self.momentum}")
-        if not _is_int(self.batch_size) or self.batch_size < 1:
-            raise ValueError(f"`batch_size` must be an int >= 1; got {self.batch_size!r}")
-        if not _is_int(self.seed):
-            raise TypeError(f"`seed` must be an int; got {type(self.seed).__name__}")
-        if self.out is not None and not isinstance(self.out, Path):
-            raise TypeError(f"`out` must be a pathlib.Path or None; got {type(self.out).__name__}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The fields as JSON-ready plain types (``out`` as a string)."""
-        d = dataclasses.asdict(self)
-        d["out"] = None if self.out is None else str(self.out)
-        d["exclude"] = list(self.exclude)
-        return d
+from .models import get_model
+from .train_config import FORMAT_VERSION as FORMAT_VERSION
+from .train_config import METHODS as METHODS
+from .train_config import TrainConfig as TrainConfig
 
 
 class EpochRecord(NamedTuple):
     """Statistics of one finished epoch.
 
     `train_loss` is the mean minibatch loss during the epoch; `train_acc` and `test_acc` are
-    accuracies in [0, 1] of the model at the end of the epoch; `ranks` maps each low-rank
-    layer to its rank (empty for dense); `compression` is ``compression(model)["ratio"]``;
+    accuracies in [0, 1] of the model at the end of the epoch (evaluated in eval mode on the
+    whole split); `ranks` maps each low-rank layer to its rank and `taus` to its truncation
+    tolerance τ (both empty for dense); `compression` is ``compression(model)["ratio"]``;
     `epoch_time` is in seconds (training only, not evaluation).
     """
 
@@ -119,13 +45,16 @@ class EpochRecord(NamedTuple):
     ranks: dict[str, int]
     compression: float
     epoch_time: float
+    taus: dict[str, float] = {}  # noqa: RUF012 (NamedTuple default, never mutated)
 
 
 class Progress(NamedTuple):
     """What the progress callback receives after every optimizer step.
 
     `epoch` (1-based) of `epochs`, `step` (1-based) of `steps` per epoch; `loss` and `acc` are
-    the running means over this epoch's minibatches; `ranks` as :attr:`EpochRecord.ranks`;
+    the running means over this epoch's minibatches, measured on each batch as it was trained
+    (so `acc` is not :attr:`EpochRecord.train_acc`, the end-of-epoch accuracy on the whole
+    training split); `ranks` as :attr:`EpochRecord.ranks`;
     `record` is the :class:`EpochRecord` on the last step of an epoch, else ``None``.
     """
 
@@ -147,8 +76,10 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
 
     With ``config.out`` set, writes into that directory: ``metrics.csv`` (a row per epoch:
     epoch, train_loss, train_acc, test_acc, compression, epoch_time, then ``rank/<layer>``
-    columns), TensorBoard events (``loss/train``, ``accuracy/train``, ``accuracy/test``,
-    ``compression/ratio``, ``rank/<layer>``) and, last, ``final.json`` (atomically).
+    columns, then ``tau/<layer>``), TensorBoard events (``loss/train``, ``accuracy/train``,
+    ``accuracy/test``, ``compression/ratio``, ``rank/<layer>``, ``tau/<layer>``) and, last,
+    ``final.json`` (atomically). Files of an earlier run in ``config.out`` are overwritten
+    (the command line refuses that without ``--force``).
     The caller's global RNG state is left untouched.
 
     **Arguments:**
@@ -198,10 +129,6 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
 
 
 # --------------------------------------------------------------------------- internals
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _version() -> str:
     from . import __version__
 
@@ -253,7 +180,8 @@ def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer
             elapsed = time.perf_counter() - t0
             record = EpochRecord(epoch, loss_sum / seen, _accuracy(model, x_tr, y_tr),
                                  _accuracy(model, x_te, y_te), ranks,
-                                 float(compression(model)["ratio"]), elapsed)
+                                 float(compression(model)["ratio"]), elapsed,
+                                 opt.taus() if low_rank else {})
             model.train()
         if callback is not None:
             callback(Progress(epoch, config.epochs, step, steps, loss_sum / seen, correct / seen,
@@ -301,6 +229,7 @@ class _Recorder:
         row = {"epoch": r.epoch, "train_loss": r.train_loss, "train_acc": r.train_acc,
                "test_acc": r.test_acc, "compression": r.compression, "epoch_time": r.epoch_time}
         row.update({f"rank/{name}": rank for name, rank in r.ranks.items()})
+        row.update({f"tau/{name}": tau for name, tau in r.taus.items()})
         if self.csv is None:
             self.csv = csv.DictWriter(self.csv_file, fieldnames=list(row))
             self.csv.writeheader()
@@ -313,6 +242,8 @@ class _Recorder:
         w.add_scalar("compression/ratio", r.compression, r.epoch)
         for name, rank in r.ranks.items():
             w.add_scalar(f"rank/{name}", rank, r.epoch)
+        for name, tau in r.taus.items():
+            w.add_scalar(f"tau/{name}", tau, r.epoch)
         w.flush()
 
     def final(self, summary: dict[str, Any]) -> None:

@@ -2,18 +2,14 @@
 
 import random
 
-from typer.testing import CliRunner
-
-from rankwise.cli import app
-
-runner = CliRunner()
+from helpers import run_cli
 
 
 def test_encode_lose_repair_retrieve(tmp_path):
     data = random.Random(5).randbytes(50_000)
     (tmp_path / "ck.bin").write_bytes(data)
     folder = tmp_path / "d"
-    r = runner.invoke(app, ["ckpt", "encode", str(tmp_path / "ck.bin"), "--n", "7", "--t", "2",
+    r = run_cli(*["ckpt", "encode", str(tmp_path / "ck.bin"), "--n", "7", "--t", "2",
                             "--out", str(folder)])
     assert r.exit_code == 0, r.output
     expected = ["commitment.rwck"] + [f"worker{i}.rwck" for i in range(7)]
@@ -22,21 +18,21 @@ def test_encode_lose_repair_retrieve(tmp_path):
     blob = bytearray((folder / "worker1.rwck").read_bytes())
     blob[100] ^= 1  # a corrupted systematic worker
     (folder / "worker1.rwck").write_bytes(bytes(blob))
-    r = runner.invoke(app, ["ckpt", "verify", str(folder)])
+    r = run_cli(*["ckpt", "verify", str(folder)])
     assert r.exit_code == 1 and "missing" in r.output and "checksum mismatch" in r.output
     for w in (6, 1):
-        r = runner.invoke(app, ["ckpt", "repair", str(folder), "--worker", str(w)])
+        r = run_cli(*["ckpt", "repair", str(folder), "--worker", str(w)])
         assert r.exit_code == 0, r.output
         assert "read 20,000 payload bytes" in r.output.replace("\n", " ")  # 2·k·B = 2·5·2000
-    assert runner.invoke(app, ["ckpt", "verify", str(folder)]).exit_code == 0
-    r = runner.invoke(app, ["ckpt", "retrieve", str(folder), "--out", str(tmp_path / "out.bin")])
+    assert run_cli(*["ckpt", "verify", str(folder)]).exit_code == 0
+    r = run_cli(*["ckpt", "retrieve", str(folder), "--out", str(tmp_path / "out.bin")])
     assert r.exit_code == 0 and (tmp_path / "out.bin").read_bytes() == data
 
 
 def test_clear_errors(tmp_path):
     (tmp_path / "x").write_bytes(b"abc")
-    r = runner.invoke(app, ["ckpt", "encode", str(tmp_path / "x"), "--n", "3", "--t", "1",
+    r = run_cli(*["ckpt", "encode", str(tmp_path / "x"), "--n", "3", "--t", "1",
                             "--out", str(tmp_path)])
     assert r.exit_code != 0 and "3t < n" in r.output
-    r = runner.invoke(app, ["ckpt", "verify", str(tmp_path)])
+    r = run_cli(*["ckpt", "verify", str(tmp_path)])
     assert r.exit_code != 0 and "no commitment.rwck" in r.output

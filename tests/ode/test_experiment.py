@@ -32,9 +32,7 @@ def test_run_end_to_end_tiny():
 
 
 def test_ode_cli_rejects_unknown_controller():
-    from typer.testing import CliRunner
+    from helpers import run_cli
 
-    from rankwise.cli import app
-
-    r = CliRunner().invoke(app, ["ode", "--grid", "magic:8"])
-    assert r.exit_code != 0 and "controller must be" in r.output
+    r = run_cli("ode", "--grid", "magic:8")
+    assert r.exit_code == 2 and "controller must be" in r.stderr

@@ -1,4 +1,4 @@
-"""The ``rankwise`` command line (``rankwise train``, ``rankwise demo``); a thin typer app."""
+"""The ``rankwise`` command line; a thin typer app (:func:`main` is the console script)."""
 
 from ._app import app as app
 from ._app import main as main

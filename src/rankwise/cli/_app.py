@@ -1,32 +1,47 @@
-"""The ``rankwise`` command line: parse options, call :func:`rankwise.train.train`, print."""
+"""The ``rankwise`` command line: a thin typer app over the library.
+
+Commands import what they need when they run, so ``rankwise --help`` and argument errors
+answer without importing torch. :func:`main` turns every error into one line on stderr and a
+non-zero exit; ``--debug`` (or ``RANKWISE_DEBUG=1``) shows the traceback instead.
+"""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from contextlib import contextmanager
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
-import torch
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from ..train import Progress as TrainProgress
-from ..train import TrainConfig, train
-from ._ckpt import app as ckpt_app
-from ._ode import ode_cmd
-from ._sweep import sweep_cmd
+from .. import __version__
+from ._common import Command, Force, UserError, claim_output_dir, new_app, num_threads
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Low-rank training (DLRT / SDLRT) on the bundled 8×8 digits.")
+app = new_app(
+    "rankwise: low-rank training that adapts its rank (DLRT / SDLRT), reversible low-rank ODE "
+    "blocks, and 2-D coded checkpoints that survive a lost worker.\n\n"
+    "train / demo: train a model on the bundled digits, dense or low-rank.  "
+    "sweep: the compression study.  ode: the reversible ODE experiment.  "
+    "ckpt: encode, verify, repair and retrieve coded checkpoints; a torchrun demo.\n\n"
+    "Errors are one line; add --debug (or set RANKWISE_DEBUG=1) for a traceback.")
 
 
-app.add_typer(ckpt_app, name="ckpt")
-app.command("ode")(ode_cmd)
-app.command("sweep")(sweep_cmd)
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"rankwise {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the full traceback when a command fails.")]
+    = False,
+    version: Annotated[bool, typer.Option("--version", help="Print the version and exit.",
+                                          callback=_version, is_eager=True)] = False,
+) -> None:
+    """rankwise"""
+    del debug, version  # read by main() before the command runs
 
 
 class Method(str, enum.Enum):
@@ -38,155 +53,209 @@ class Method(str, enum.Enum):
 class ModelName(str, enum.Enum):
     lenet = "lenet"
     mlp = "mlp"
+    vgg = "vgg"
 
 
-_DEFAULTS = TrainConfig()
 _THREADS_HELP = ("CPU threads for torch. The models are tiny, so one thread is about as fast as "
                  "several and is not slowed down by other busy processes.")
+# what `train` writes into --out (claim_output_dir refuses to mix two runs)
+RUN_OUTPUTS = ("metrics.csv", "final.json", "events.out.tfevents.*")
 
 
-@app.command("train")
+@app.command("train", cls=Command)
 def train_cmd(
-    method: Annotated[Method, typer.Option(help="Training method.")] = Method(_DEFAULTS.method),
-    model: Annotated[ModelName, typer.Option(help="Reference model.")] = ModelName(_DEFAULTS.model),
-    tau: Annotated[float, typer.Option(help="Relative truncation tolerance τ in [0, 1).")] = _DEFAULTS.tau,
+    method: Annotated[Method, typer.Option(help="Training method.")] = Method.dlrt,
+    model: Annotated[ModelName, typer.Option(help="Reference model.")] = ModelName.lenet,
+    tau: Annotated[float, typer.Option(help="Relative truncation tolerance τ in [0, 1).")] = 0.1,
     tau_min: Annotated[float, typer.Option(
-        help="SDLRT only: floor of the τ feedback (default 0: the paper's rule).")] = _DEFAULTS.tau_min,
+        help="SDLRT only: floor of the τ feedback (default 0: the paper's rule).")] = 0.0,
     rank: Annotated[int | None, typer.Option(
         help="Initial rank of every low-rank layer (default: full rank).")] = None,
-    epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = _DEFAULTS.epochs,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = _DEFAULTS.lr,
-    momentum: Annotated[float, typer.Option(help="SGD momentum.")] = _DEFAULTS.momentum,
-    batch_size: Annotated[int, typer.Option(help="Minibatch size.")] = _DEFAULTS.batch_size,
-    seed: Annotated[int, typer.Option(help="Seed of initialisation, shuffling and split.")] = _DEFAULTS.seed,
+    epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = 10,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.05,
+    momentum: Annotated[float, typer.Option(help="SGD momentum in [0, 1).")] = 0.9,
+    batch_size: Annotated[int, typer.Option(help="Minibatch size.")] = 32,
+    seed: Annotated[int, typer.Option(help="Seed of initialisation, shuffling and split.")] = 0,
     out: Annotated[Path | None, typer.Option(
-        help="Directory for metrics.csv, TensorBoard events and final.json (default: none).",
-        file_okay=False)] = None,
+        help="Folder for metrics.csv, TensorBoard events and final.json (default: none). An earlier "
+             "run's records there are replaced only with --force.")] = None,
+    force: Force = False,
     threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1)] = 1,
 ) -> None:
-    """Train one model and print a summary."""
-    config = _config(method=method.value, model=model.value, tau=tau, tau_min=tau_min, rank=rank,
-                     epochs=epochs, lr=lr, momentum=momentum, batch_size=batch_size, seed=seed,
-                     out=out)
+    """Train one model on the bundled 8×8 digits and print a summary."""
+    from ..train_config import TrainConfig
+
+    config = _config(TrainConfig, method=method.value, model=model.value, tau=tau, tau_min=tau_min,
+                     rank=rank, epochs=epochs, lr=lr, momentum=momentum, batch_size=batch_size,
+                     seed=seed, out=out)
+    if out is not None:
+        claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
+    from rich.console import Console
+
+    from ..train import train
+    from ._train_view import progress, summary_table
+
     console = Console()
-    with _num_threads(threads), _progress(console) as bar:
+    with num_threads(threads), progress(console) as bar:
         summary = train(config, callback=bar(config.method))
-    console.print(_summary_table(summary))
+    console.print(summary_table(summary))
 
 
-@app.command("demo")
+@app.command("demo", cls=Command)
 def demo_cmd(
-    out: Annotated[Path, typer.Option(help="Directory for the three runs' records.",
-                                      file_okay=False)] = Path("runs/demo"),
+    out: Annotated[Path, typer.Option(help="Folder for the three runs' records (dense/, dlrt/, sdlrt/).")]
+    = Path("runs/demo"),
     epochs: Annotated[int, typer.Option(help="Epochs per method.")] = 20,
     tau: Annotated[float, typer.Option(help="Truncation tolerance τ of DLRT and SDLRT.")] = 0.2,
     rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed shared by the three runs.")] = 0,
+    force: Force = False,
     threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1)] = 1,
+    markdown: Annotated[Path | None, typer.Option(
+        help="Also write the table as Markdown to this file (used by `make docs-figures`).")] = None,
 ) -> None:
     """Dense SGD vs DLRT vs SDLRT: LeNet-5 on the digits, one comparison table.
 
     Both low-rank methods start from the same compressed initialisation (every layer at
     `rank`, as in the SDLRT paper) and truncate at the same τ."""
-    configs = [_config(method=m, model="lenet", tau=tau, rank=None if m == "dense" else rank,
+    from ..train_config import TrainConfig
+
+    configs = [_config(TrainConfig, method=m, model="lenet", tau=tau, rank=None if m == "dense" else rank,
                        epochs=epochs, seed=seed, out=out / m)
                for m in ("dense", "dlrt", "sdlrt")]
+    if markdown is not None:
+        from ._common import check_new_file
+
+        check_new_file(markdown, force=True, option="--markdown")
+    for c in configs:
+        claim_output_dir(c.out, produced=RUN_OUTPUTS, force=force, what="demo run")
+    from rich.console import Console
+
+    from .._io import write_atomic
+    from ..train import train
+    from ._train_view import comparison_markdown, comparison_table, progress
+
     console = Console()
     summaries = []
-    with _num_threads(threads), _progress(console) as bar:
+    with num_threads(threads), progress(console) as bar:
         for config in configs:
             summaries.append(train(config, callback=bar(config.method)))
-    console.print(_comparison_table(summaries, tau=tau, epochs=epochs, rank=rank))
+    console.print(comparison_table(summaries, tau=tau, epochs=epochs, rank=rank))
     console.print(f"Run records (metrics.csv, final.json, TensorBoard): {out}/{{dense,dlrt,sdlrt}}")
+    if markdown is not None:
+        write_atomic(markdown, comparison_markdown(summaries).encode())
 
 
-def main() -> None:
-    """Entry point of the ``rankwise`` console script."""
-    app()
+def _register() -> None:
+    from ._ckpt import app as ckpt_app
+    from ._ode import ode_cmd
+    from ._sweep import sweep_cmd
+
+    app.command("sweep", cls=Command)(sweep_cmd)
+    app.command("ode", cls=Command)(ode_cmd)
+    app.add_typer(ckpt_app, name="ckpt")
 
 
-# --------------------------------------------------------------------------- helpers
-def _config(**kwargs: Any) -> TrainConfig:
+_register()
+
+
+# --------------------------------------------------------------------------- entry point
+_USER_ERRORS = (UserError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError,
+                IsADirectoryError, PermissionError)
+
+
+def _debug(args: list[str]) -> bool:
+    return os.environ.get("RANKWISE_DEBUG", "") not in ("", "0") or "--debug" in args
+
+
+def _command_path(args: list[str]) -> str:
+    """``rankwise ckpt repair`` from the arguments (the words before the first option)."""
+    words = ["rankwise"]
+    for a in args:
+        if a.startswith("-") or len(words) == 3:
+            break
+        words.append(a)
+        if a != "ckpt":
+            break
+    return " ".join(words)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line on `argv` (default ``sys.argv[1:]``) and return the exit status.
+
+    A user's mistake (a bad option value, a missing or existing file, a refused overwrite)
+    prints ``rankwise <command>: error: <what, with the value, and what to do>`` on stderr and
+    returns 2 (bad arguments) or 1; any other failure prints one line naming the exception
+    and how to see its traceback, and returns 1. With ``--debug`` or ``RANKWISE_DEBUG=1``
+    the exception propagates with its traceback."""
+    args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    command = typer.main.get_command(app)
     try:
-        return TrainConfig(**kwargs)
+        rc = command.main(args=args, prog_name="rankwise", standalone_mode=False)
+        return rc if isinstance(rc, int) else 0
+    except typer.TyperException as e:  # click's usage errors (typer vendors click)
+        if type(e).__name__ == "NoArgsIsHelpError":  # the help was printed already
+            return e.exit_code
+        ctx = getattr(e, "ctx", None)
+        where = ctx.command_path if ctx is not None else _command_path(args)
+        message = e.format_message().replace("Value error, ", "")
+        given = _given(args, getattr(e, "param", None))
+        if given is not None and repr(given) not in message and f" {given}" not in message:
+            message = message.rstrip(".") + f"; got {given}"
+        _error(f"{where}: error: {message} (see '{where} --help')")
+        return e.exit_code
+    except typer.Abort:
+        _error("rankwise: aborted")
+        return 130
+    except KeyboardInterrupt:
+        if _debug(args):
+            raise
+        _error("rankwise: interrupted")
+        return 130
+    except _USER_ERRORS as e:
+        if _debug(args):
+            raise
+        code = e.exit_code if isinstance(e, UserError) else (2 if isinstance(e, ValueError) else 1)
+        _error(f"{_command_path(args)}: error: {_one_line(e)}")
+        return code
+    except Exception as e:
+        if _debug(args):
+            raise
+        _error(f"{_command_path(args)}: internal error: {type(e).__name__}: {_one_line(e)} "
+               "(rerun with --debug or RANKWISE_DEBUG=1 for the traceback, and please report it)")
+        return 1
+
+
+def _given(args: list[str], param: Any) -> str | None:
+    """The value the user gave for option `param` (the last occurrence), if any."""
+    opts = getattr(param, "opts", None) or []
+    value = None
+    for i, a in enumerate(args):
+        for o in opts:
+            if a == o and i + 1 < len(args):
+                value = args[i + 1]
+            elif a.startswith(o + "="):
+                value = a[len(o) + 1:]
+    return value
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e)
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        text = f"{e.filename}: {e.strerror}"
+    return " ".join(text.split()) or type(e).__name__
+
+
+def _error(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _config(cls: type, **kwargs: Any):
+    """``cls(**kwargs)``; its validation errors name fields (`` `tau` ``): say options (--tau)."""
+    import re
+
+    try:
+        return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        raise typer.BadParameter(str(e)) from e
-
-
-def _ranks(ranks: dict[str, int]) -> str:
-    return " ".join(f"{name}:{r}" for name, r in ranks.items()) or "-"
-
-
-@contextmanager
-def _num_threads(n: int) -> Iterator[None]:
-    """Run with ``torch.set_num_threads(n)``, restoring the previous count afterwards."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-@contextmanager
-def _progress(console: Console) -> Iterator:
-    """A rich progress display; yields ``bar(label) -> callback`` that adds one bar per run."""
-    columns = (TextColumn("{task.description:>5}"), BarColumn(bar_width=16),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-    with Progress(*columns, console=console) as progress:
-        def bar(label: str):
-            task = progress.add_task(label, total=None, info="")
-
-            def callback(p: TrainProgress) -> None:
-                info = f"ep {p.epoch}/{p.epochs} loss {p.loss:.3f} acc {p.acc:.3f}"
-                if p.record is not None:
-                    info += f" test {p.record.test_acc:.3f}"
-                if p.ranks:
-                    info += " r " + "/".join(str(r) for r in p.ranks.values())
-                progress.update(task, total=p.epochs * p.steps,
-                                completed=(p.epoch - 1) * p.steps + p.step, info=info)
-
-            return callback
-
-        yield bar
-
-
-def _summary_table(s: dict[str, Any]) -> Table:
-    cfg, comp = s["config"], s["compression"]
-    table = Table(title=f"rankwise train: {cfg['method']} / {cfg['model']}", show_header=False)
-    table.add_column("", style="bold")
-    table.add_column("")
-    rows = [
-        ("test accuracy", f"{s['test_acc']:.4f}"),
-        ("train accuracy", f"{s['train_acc']:.4f}"),
-        ("compression", f"{comp['ratio']:.1%} ({comp['stored_params']:,} of "
-                        f"{comp['dense_params']:,} params stored)"),
-        ("final ranks", _ranks(s["ranks"])),
-        ("final τ", " ".join(f"{n}:{t:.3g}" for n, t in s["taus"].items()) or "-"),
-        ("epochs", str(cfg["epochs"])),
-        ("wall time", f"{s['wall_time']:.1f} s"),
-        ("records", cfg["out"] or "-"),
-    ]
-    for row in rows:
-        table.add_row(*row)
-    return table
-
-
-def _comparison_table(summaries: list[dict[str, Any]], *, tau: float, epochs: int, rank: int) -> Table:
-    layers = next((list(s["ranks"]) for s in summaries if s["ranks"]), [])
-    caption = [f"final ranks of {'/'.join(layers)} (all start at rank ≤ {rank})" if layers else "",
-               "compression = 1 − stored / dense parameters (inference)"]
-    caption += [f"SDLRT: {s['compression']['training_ratio']:.1%} compression while training "
-                "(counting its buffer); final τ "
-                + "/".join(f"{t:.2g}" for t in s["taus"].values())
-                for s in summaries if s["config"]["method"] == "sdlrt"]
-    table = Table(title=f"LeNet-5 on digits: {epochs} epochs, τ = {tau}",
-                  caption="\n".join(c for c in caption if c))
-    for name, justify in (("method", "left"), ("test acc", "right"), ("train acc", "right"),
-                          ("compression", "right"), ("final ranks", "left"), ("wall time", "right")):
-        table.add_column(name, justify=justify)
-    for s in summaries:
-        ranks = "/".join(str(s["ranks"][n]) for n in layers) if s["ranks"] else "dense"
-        table.add_row(s["config"]["method"].upper(), f"{s['test_acc']:.4f}", f"{s['train_acc']:.4f}",
-                      f"{s['compression']['ratio']:.1%}", ranks, f"{s['wall_time']:.1f} s")
-    return table
+        message = re.sub(r"`(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
+        raise UserError(message) from e

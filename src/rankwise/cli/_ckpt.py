@@ -1,4 +1,13 @@
-"""``rankwise ckpt``: encode, verify, repair, retrieve and inspect 2-D coded checkpoints."""
+"""``rankwise ckpt``: encode, verify, repair, retrieve and inspect 2-D coded checkpoints.
+
+Overwrites: ``encode`` refuses an output folder that already holds a coded checkpoint
+(``--force`` replaces it: the old commitment is removed first, then fragments are written,
+stale ``worker{i}.rwck`` beyond the new n are deleted, and the commitment is written last);
+``retrieve`` refuses an existing ``--out`` file without ``--force``; ``repair`` rewrites only
+a worker whose fragment is missing or does not match the commitment (``--force`` rebuilds a
+valid one too); ``demo`` refuses a ``--workdir`` that holds an earlier demo without ``--force``
+and never deletes anything else there.
+"""
 
 from __future__ import annotations
 
@@ -8,134 +17,201 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import track
-from rich.table import Table
 
-from .. import _io
-from ..ckpt import Code2D, NotEnoughSymbols, fragment_path, load_commitment, load_fragments, save_dispersal
+from ._common import Command, Force, UserError, check_new_file, check_range, claim_output_dir, new_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
-                       "from two small symbols of each of k peers.")
+app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
+              "from two small symbols of each of k peers.")
 console = Console()
-Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck.",
-                                        file_okay=False)]
+Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck.")]
+CODED_OUTPUTS = ("commitment.rwck", "worker*.rwck")
 
 
-def _code(folder: Path):
+def _open(folder: Path):
+    """(code, commitment, found fragments, problems) of a folder, or a one-line UserError."""
+    from ..ckpt import Code2D, load_commitment, load_fragments
+
+    if not folder.is_dir():
+        raise UserError(f"{folder} is not a folder" if folder.exists() else f"{folder} does not exist")
     try:
         com = load_commitment(folder)
-    except (FileNotFoundError, ValueError) as e:
-        raise typer.BadParameter(str(e)) from e
-    return Code2D(com.n, com.t, hash=com.hash), com
+        code = Code2D(com.n, com.t, hash=com.hash)
+    except FileNotFoundError as e:
+        raise UserError(f"{e}; is this a folder written by `rankwise ckpt encode`?", 1) from e
+    except ValueError as e:
+        raise UserError(f"{folder}: {e}", 1) from e
+    found, problems = load_fragments(folder, com.n)
+    return code, com, found, problems
 
 
-@app.command("encode")
+def _check(code, com, found: dict, problems: dict) -> dict[int, str]:
+    """Every worker's status against the commitment: "ok" or what is wrong."""
+    status = {}
+    for i in range(com.n):
+        if i in found:
+            status[i] = "ok" if code.verify(found[i], com) else "does not match the commitment"
+        else:
+            status[i] = problems.get(i, "missing")
+    return status
+
+
+@app.command("encode", cls=Command)
 def encode_cmd(
-    file: Annotated[Path, typer.Argument(help="The checkpoint file to encode.", exists=True, dir_okay=False)],
-    n: Annotated[int, typer.Option("--n", help="Number of workers.")],
-    t: Annotated[int, typer.Option("--t", help="Workers that may be lost (3t < n).")],
-    out: Annotated[Path, typer.Option(help="Output folder.", file_okay=False)],
+    file: Annotated[Path, typer.Argument(help="The checkpoint file to encode.")],
+    n: Annotated[int, typer.Option("--n", help="Number of workers (3t < n <= 255).")],
+    t: Annotated[int, typer.Option("--t", help="Workers that may be lost (t >= 1, 3t < n).")],
+    out: Annotated[Path, typer.Option(help="Output folder (created if missing).")],
     hash: Annotated[str, typer.Option(help="Merkle hash: blake3 or sha256.")] = "blake3",
     backend: Annotated[str, typer.Option(help="auto, isal or numpy.")] = "auto",
+    force: Force = False,
 ) -> None:
     """Write one fragment file per worker and the commitment."""
-    try:
-        code = Code2D(n, t, hash=hash, backend=backend)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from e
+    if not file.is_file():
+        raise UserError(f"FILE {file} " + ("is not a file" if file.exists() else "does not exist"))
+    if t < 1 or not 3 * t < n <= 255:
+        raise UserError(f"--n and --t need 1 <= t and 3t < n <= 255; got n={n}, t={t} "
+                        f"(with t={max(t, 1)}, n must be at least {3 * max(t, 1) + 1})")
+    if hash not in ("blake3", "sha256"):
+        raise UserError(f"--hash must be blake3 or sha256; got {hash!r}")
+    if backend not in ("auto", "isal", "numpy"):
+        raise UserError(f"--backend must be auto, isal or numpy; got {backend!r}")
+    size = file.stat().st_size
+    if size == 0:
+        raise UserError(f"FILE {file} is empty; there is nothing to encode")
+    from ..ckpt import Code2D, fragment_path
+    from ..ckpt._store import COMMITMENT_FILE
+
+    code = Code2D(n, t, hash=hash, backend=backend)
+    # the old commitment goes first, so an interrupted --force leaves an incomplete folder
+    claim_output_dir(out, produced=CODED_OUTPUTS, force=force, what="coded checkpoint")
     data = file.read_bytes()
     t0 = time.perf_counter()
     with console.status(f"encoding {len(data):,} bytes"):
         disp = code.encode(data)
-    save_dispersal(out, disp, progress=lambda it: track(it, description="writing fragments",
-                                                        console=console, transient=True))
+    from rich.progress import track
+
+    for f in track(disp.fragments, description="writing fragments", console=console, transient=True):
+        f.save(fragment_path(out, f.index))
+    disp.commitment.save(out / COMMITMENT_FILE)  # last: a folder with a commitment is complete
     com = disp.commitment
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
-                  f"(stored {stored / max(len(data), 1):.2f}× the data; backend {code.backend}; "
+                  f"(stored {stored / len(data):.2f}× the data; backend {code.backend}; "
                   f"{time.perf_counter() - t0:.2f} s)")
 
 
-@app.command("verify")
+@app.command("verify", cls=Command)
 def verify_cmd(folder: Folder) -> None:
     """Check every fragment against the commitment; exit 1 if any is missing or bad."""
-    code, com = _code(folder)
-    found, problems = load_fragments(folder, com.n)
+    from rich.table import Table
+
+    code, com, found, problems = _open(folder)
+    status = _check(code, com, found, problems)
     table = Table("worker", "status")
-    for i in track(range(com.n), description="verifying", console=console, transient=True):
-        ok = i in found and code.verify(found[i], com)
-        table.add_row(str(i), "ok" if ok else problems.get(i, "does not match the commitment"))
-        if not ok:
-            problems.setdefault(i, "bad")
+    for i, s in status.items():
+        table.add_row(str(i), s)
     console.print(table)
-    if problems:
+    if any(s != "ok" for s in status.values()):
         raise typer.Exit(1)
 
 
-@app.command("repair")
+@app.command("repair", cls=Command)
 def repair_cmd(folder: Folder,
-               worker: Annotated[int, typer.Option(help="The worker to rebuild.")]) -> None:
+               worker: Annotated[int, typer.Option(help="The worker to rebuild (0 … n−1).")],
+               force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
+                                                   "if the present one is valid.")] = False) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    code, com = _code(folder)
-    found, _ = load_fragments(folder, com.n)
+    from ..ckpt import NotEnoughSymbols, fragment_path
+
+    code, com, found, _ = _open(folder)
+    if not 0 <= worker < com.n:
+        raise UserError(f"--worker must be in 0 … {com.n - 1} for this {com.n}-worker checkpoint; "
+                        f"got {worker}")
+    if worker in found and code.verify(found[worker], com) and not force:
+        console.print(f"worker {worker}'s fragment is present and matches the commitment; nothing to "
+                      "repair (--force rebuilds it anyway)")
+        return
     helpers = [f for i, f in sorted(found.items()) if i != worker and code.verify(f, com)]
-    syms = [code.helper_symbols(f, worker)
-            for f in track(helpers[:code.k], description="helper symbols", console=console, transient=True)]
+    syms = [code.helper_symbols(f, worker) for f in helpers[:code.k]]
     try:
         frag = code.repair(worker, syms, com)
     except NotEnoughSymbols as e:
-        console.print(f"[red]cannot repair worker {worker}: {e}[/red]")
-        raise typer.Exit(1) from e
+        raise UserError(f"cannot repair worker {worker}: {e}", 1) from e
     frag.save(fragment_path(folder, worker))
     payload, wire = sum(s.nbytes for s in syms), sum(s.wire_bytes for s in syms)
     console.print(f"rebuilt worker {worker} from {len(syms)} helpers: read {payload:,} payload bytes "
                   f"({wire:,} with Merkle paths); full retrieval reads {com.data_len:,}")
 
 
-@app.command("retrieve")
+@app.command("retrieve", cls=Command)
 def retrieve_cmd(folder: Folder,
-                 out: Annotated[Path, typer.Option(help="Where to write the data.", dir_okay=False)]) -> None:
+                 out: Annotated[Path, typer.Option(help="The file to write the data to.")],
+                 force: Force = False) -> None:
     """Decode the original file from any k valid fragments."""
-    code, com = _code(folder)
-    found, _ = load_fragments(folder, com.n)
+    from .. import _io
+    from ..ckpt import NotEnoughSymbols
+
+    check_new_file(out, force=force)
+    code, com, found, _ = _open(folder)
     try:
         data = code.retrieve(list(found.values()), com)
     except NotEnoughSymbols as e:
-        console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from e
+        raise UserError(f"cannot retrieve from {folder}: {e}", 1) from e
     _io.write_atomic(out, data)
     console.print(f"wrote {len(data):,} bytes to {out}")
 
 
-@app.command("inspect")
+@app.command("inspect", cls=Command)
 def inspect_cmd(folder: Folder) -> None:
-    """Show the commitment and which fragment files are present."""
-    _, com = _code(folder)
-    found, problems = load_fragments(folder, com.n)
+    """Show the commitment and whether each fragment matches it (exit 0 either way; `verify`
+    exits 1 on a problem)."""
+    code, com, found, problems = _open(folder)
+    status = _check(code, com, found, problems)
+    bad = {i: s for i, s in status.items() if s != "ok"}
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "
                   f"block {com.block_size:,} bytes, hash {com.hash}, codec {com.codec}, "
                   f"root {com.root.hex()[:16]}…")
-    console.print(f"fragments present: {sorted(found)}; problems: {problems or 'none'}")
+    console.print(f"fragments present: {sorted(found)}; matching the commitment: "
+                  f"{sorted(i for i, s in status.items() if s == 'ok')}")
+    console.print("problems: " + ("; ".join(f"worker {i}: {s}" for i, s in bad.items()) if bad else "none"))
+    if 0 < len(bad) <= com.t:
+        console.print(f"{len(bad)} of {com.n} workers need repair (up to t={com.t} can be rebuilt): "
+                      "`rankwise ckpt repair FOLDER --worker I`")
+    elif len(bad) > com.t:
+        console.print(f"[red]{len(bad)} of {com.n} workers are bad, more than t={com.t}: "
+                      "the data cannot be retrieved[/red]")
 
 
-@app.command("demo")
+@app.command("demo", cls=Command)
 def demo_cmd(
-    workdir: Annotated[Path, typer.Option(help="Scratch folder (wiped first).")]
+    workdir: Annotated[Path, typer.Option(help="Scratch folder; the demo writes reference/, faulty/ and "
+                                          "corrupt/ there (an earlier demo's are replaced only with "
+                                          "--force).")]
     = Path("runs/ddp_resilience"),
     nproc: Annotated[int, typer.Option(help="Workers (torchrun --nproc_per_node); t = 1 needs >= 4.")] = 4,
     steps: Annotated[int, typer.Option(help="Training steps.")] = 40,
     every: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 5,
     kill_step: Annotated[int, typer.Option(help="Step at which rank 2 is killed (not a checkpoint step).")]
     = 22,
+    force: Force = False,
 ) -> None:
     """DDP under torchrun (gloo, CPU): kill a worker with SIGKILL and wipe its store, let torchrun
     restart the group, repair the lost rank from its peers, finish training, and check the loss
     curve against an uninterrupted run bitwise; then restore once more while rank 1 serves
     corrupted symbols. About 1.5 min on 2 cores."""
-    from ..experiments.ddp_resilience import run_demo
+    if nproc < 4:
+        raise UserError(f"--nproc must be >= 4 (the demo loses t = 1 worker and the code needs n > 3t); "
+                        f"got {nproc}")
+    check_range("--every", every, 1)
+    check_range("--steps", steps, 1)
+    if not 0 <= kill_step < steps or kill_step % every == 0:
+        raise UserError(f"--kill-step must be in [0, {steps}) and not a multiple of --every={every} "
+                        f"(a checkpoint step: no work would be lost); got {kill_step}")
+    from ..experiments.ddp_resilience import DEMO_OUTPUTS, run_demo
 
-    console = Console()
+    claim_output_dir(workdir, produced=DEMO_OUTPUTS, force=force, option="--workdir", what="demo")
+    from rich.table import Table
+
     with console.status("running torchrun three times (reference, killed worker, lying rank)"):
         r = run_demo(workdir, nproc=nproc, steps=steps, every=every, kill_rank=2, kill_step=kill_step)
     t = Table(title=f"coded checkpoints under torchrun: {nproc} workers, k = {r['k']}", show_header=False)

@@ -3,23 +3,20 @@
 from __future__ import annotations
 
 import json
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from .._io import write_atomic
-from ..experiments._stats import mean_std
-from ..experiments.ode_seq import OdeRunConfig, plot_traces, run
+from ._common import Force, UserError, claim_output_dir
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_tape_mib", "peak tape MiB", "{:.2f}"),
             ("max_delta", "max δ", "{:.1e}"), ("grad_cosine", "grad cosine", "{:.5f}"),
             ("mean_replays", "replays/iter", "{:.2f}"), ("loss_var_2nd_half", "loss var", "{:.3f}"),
             ("loss_spikes", "loss spikes", "{:.1f}"), ("seconds", "s/run", "{:.0f}"))
+ODE_OUTPUTS = ("results.json", "traces.csv", "ode_traces.png")
 
 
 def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
@@ -28,56 +25,90 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
     for item in grid.split(","):
         parts = item.strip().split(":")
         if parts[0] not in ("fixed", "adaptive", "replay"):
-            raise typer.BadParameter(
-                f"controller must be 'fixed', 'adaptive' or 'replay'; got {parts[0]!r} in {item!r}")
+            raise UserError(
+                f"--grid: controller must be 'fixed', 'adaptive' or 'replay'; got {parts[0]!r} in {item!r}")
         try:
             c, _, cmax = (parts[1] if len(parts) > 1 else "8").partition("-")
             r = int(parts[2].lstrip("r")) if len(parts) > 2 else None
             out.append((parts[0], int(c), int(cmax) if cmax else None, r))
         except ValueError as e:
-            raise typer.BadParameter(
-                f"grid entries are controller:C[-CMAX][:rR], e.g. adaptive:8-16:r4; got {item!r}") from e
+            raise UserError(
+                f"--grid entries are controller:C[-CMAX][:rR], e.g. adaptive:8-16:r4; got {item!r}") from e
     return out
 
 
-def _run_one(cfg: OdeRunConfig) -> dict:
+def _run_one(cfg, report=None) -> dict:
     import torch
 
+    from ..experiments.ode_seq import run
+
     torch.set_num_threads(1)
-    return run(cfg)
+    if report is None:
+        return run(cfg)
+    return run(cfg, callback=lambda i, n, loss: report(i, n, f"loss {loss:.3f}"))
 
 
 def ode_cmd(
     data: Annotated[str, typer.Option(help="digits (permuted, 64 steps) or mnist1d (40 steps).")] = "digits",
     grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay")]
     = "fixed:8,adaptive:8",
-    rank: Annotated[int, typer.Option(help="Initial rank of every layer (adaptive may grow it).")] = 8,
-    max_rank: Annotated[int, typer.Option(help="Adaptive rank cap.")] = 32,
-    c_max: Annotated[int, typer.Option(help="Adaptive spacing cap, unless an entry gives -CMAX.")] = 32,
-    layers: Annotated[int, typer.Option(help="ODE layers (1 reads the sequence, the rest are depth).")] = 6,
-    depth_steps: Annotated[int, typer.Option(help="Steps of each depth block.")] = 8,
-    epochs: Annotated[int, typer.Option(help="Training epochs per run.")] = 1,
-    seeds: Annotated[int, typer.Option(help="Seeds per configuration.")] = 1,
-    jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).")] = 1,
-    out: Annotated[Path, typer.Option(help="Folder for results, traces and the plot.")] = Path("runs/ode"),
+    rank: Annotated[int, typer.Option(help="Initial rank of every layer (adaptive may grow it).", min=1)] = 8,
+    max_rank: Annotated[int, typer.Option(help="Adaptive rank cap.", min=1)] = 32,
+    c_max: Annotated[int, typer.Option(help="Adaptive spacing cap, unless an entry gives -CMAX.",
+                                       min=1)] = 32,
+    layers: Annotated[int, typer.Option(help="ODE layers (1 reads the sequence, the rest are depth).",
+                                        min=1)] = 6,
+    depth_steps: Annotated[int, typer.Option(help="Steps of each depth block.", min=1)] = 8,
+    epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 1,
+    seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 1,
+    jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1)] = 1,
+    out: Annotated[Path, typer.Option(help="Folder for results.json, traces.csv and ode_traces.png (an "
+                                      "earlier run's are replaced only with --force).")] = Path("runs/ode"),
+    force: Force = False,
 ) -> None:
-    """Train the reversible low-rank ODE classifier for each grid entry and seed, print one table
-    (mean ± std over seeds) and write results, per-iteration traces and a δ/rank plot to --out.
-    The default (2 runs on digits) takes about 1.5 min on 2 cores."""
+    """The reversible low-rank ODE experiment: fixed vs adaptive checkpoint/rank control.
+
+    Trains the matrix-memory ODE classifier for each grid entry and seed, prints one table
+    (mean ± std over seeds) and writes results, per-iteration traces and a δ/rank plot to
+    --out. The default (2 runs on digits) takes about 1.5 min on 2 cores."""
     entries = _parse_grid(grid)
     if data not in ("digits", "mnist1d"):
-        raise typer.BadParameter(f"data must be 'digits' or 'mnist1d'; got {data!r}")
-    cfgs = [OdeRunConfig(data=data, controller=k, c=c, c_max=cm or c_max, rank=r or rank,
-                         max_rank=max_rank, layers=layers, depth_steps=depth_steps, epochs=epochs, seed=s)
-            for k, c, cm, r in entries for s in range(seeds)]
+        raise UserError(f"--data must be 'digits' or 'mnist1d'; got {data!r}")
+    from ..experiments.ode_seq import OdeRunConfig
+
+    try:
+        cfgs = [OdeRunConfig(data=data, controller=k, c=c, c_max=cm or c_max, rank=r or rank,
+                             max_rank=max_rank, layers=layers, depth_steps=depth_steps, epochs=epochs,
+                             seed=s)
+                for k, c, cm, r in entries for s in range(seeds)]
+    except ValueError as e:  # name the options, not the dataclass fields
+        msg = str(e).replace("`c_max`", "--c-max (or -CMAX in --grid)").replace("`c`", "C in --grid")
+        for f in ("max_rank", "depth_steps", "rank", "layers", "epochs"):
+            msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
+        raise UserError(msg) from e
+    claim_output_dir(out, produced=ODE_OUTPUTS, force=force, what="ode experiment")
+
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from .._io import write_atomic
+    from ..experiments._pool import map_runs
+    from ..experiments._stats import mean_std
+    from ..experiments.ode_seq import plot_traces
+    from ._common import progress_columns
+
     console = Console()
-    with console.status(f"training {len(cfgs)} run(s)"):
-        if jobs > 1:
-            with ProcessPoolExecutor(jobs) as ex:
-                results = list(ex.map(_run_one, cfgs))
-        else:
-            results = [_run_one(c) for c in cfgs]
-    out.mkdir(parents=True, exist_ok=True)
+    with Progress(*progress_columns(), console=console) as prog:
+        bars = [prog.add_task(f"{c.name} s{c.seed}", total=None, info="waiting") for c in cfgs]
+
+        def on_progress(i: int, done: int, total: int, info: str) -> None:
+            prog.update(bars[i], completed=done, total=total, info=f"it {done}/{total} {info}")
+
+        def on_done(i: int, r: dict) -> None:
+            prog.update(bars[i], info=f"test acc {r['test_acc']:.3f}")
+
+        results = map_runs(_run_one, cfgs, jobs=jobs, processes=jobs > 1, on_progress=on_progress,
+                           on_done=on_done)
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
     rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,reloads"]
     rows += [f"{r['name']},{r['config']['seed']},{t['it']},{t['loss']:.6g},{t['rank']:.3g},"

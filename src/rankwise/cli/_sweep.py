@@ -7,77 +7,110 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from .._io import write_atomic
-from ..experiments.sweep import (
-    METHODS,
-    PAPER_TAUS,
-    TASK_LR,
-    TASKS,
-    RunSpec,
-    plot,
-    summary_markdown,
-    sweep,
-    write_csv,
-)
-from ..experiments.sweep_report import equal_compression_markdown
+from ..experiments._sweep_spec import FILE_TASKS, METHODS, PAPER_TAUS, TASK_LR, TASK_NAMES
+from ._common import UserError, check_range, require_dir
 
 
-def _split(text: str, allowed, what: str) -> list[str]:
+def _split(text: str, allowed, option: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
     if bad or not items:
-        raise typer.BadParameter(f"{what} must be from {sorted(allowed)}; got {bad or text!r}")
+        raise UserError(f"{option} must be a comma-separated list from {', '.join(allowed)}; "
+                        f"got {', '.join(bad) if bad else repr(text)}")
     return items
 
 
+def _taus(text: str) -> list[float]:
+    try:
+        taus = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise UserError(f"--taus must be comma-separated numbers, e.g. 0.1,0.2; got {text!r}") from e
+    if not taus:
+        raise UserError("--taus is empty; give at least one τ in [0, 1)")
+    for t in taus:
+        check_range("--taus: every τ", t, 0, 1)
+    return taus
+
+
 def sweep_cmd(
-    tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASKS)}.")]
+    tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASK_NAMES)} (the last "
+                                       "three read files from --data-dir).")]
     = "lenet-digits,mlp-mnist1d,vgg-digits16",
     methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
     = ",".join(METHODS),
-    taus: Annotated[str, typer.Option(help="Comma-separated τ values (the paper's grid by default).")]
+    taus: Annotated[str, typer.Option(help="Comma-separated τ values in [0, 1) (default: the paper's "
+                                      "grid).")]
     = ",".join(f"{t:g}" for t in PAPER_TAUS),
-    seeds: Annotated[int, typer.Option(help="Seeds per configuration.")] = 3,
-    epochs: Annotated[int, typer.Option(help="Training epochs per run.")] = 10,
-    rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 32,
+    seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 3,
+    epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 10,
+    rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.", min=1)] = 32,
     lr: Annotated[float | None, typer.Option(help="Learning rate (SGD, momentum 0.9); default 0.05, "
                                              "0.02 for the VGG tasks.")] = None,
-    omega: Annotated[float, typer.Option(help="SDLRT's feedback factor ω.")] = 0.8,
-    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).")] = 1,
+    omega: Annotated[float, typer.Option(help="SDLRT's feedback factor ω in (0, 1).")] = 0.8,
+    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1)] = 1,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with MNIST IDX / CIFAR batches.")] = None,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, runs.csv, summary.md, PNGs.")]
     = Path("runs/sweep"),
+    force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings "
+                                        "differ from this sweep's (default: refuse).")] = False,
 ) -> None:
-    """Run (or resume) a sweep and write runs.csv, summary.md (mean ± std over seeds),
+    """The compression study: dense / DLRT / SDLRT and ablations over τ and seeds (resumable).
+
+    Runs (or resumes) a sweep and writes runs.csv, summary.md (mean ± std over seeds),
     equal_compression.md (each method against DLRT at the same final compression) and the plots
-    acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png into --out."""
-    task_list = _split(tasks, TASKS, "tasks")
-    method_list = _split(methods, METHODS, "methods")
-    try:
-        tau_list = [float(t) for t in taus.split(",")]
-    except ValueError as e:
-        raise typer.BadParameter(f"taus must be numbers; got {taus!r}") from e
-    if seeds < 1 or epochs < 1 or jobs < 1:
-        raise typer.BadParameter("seeds, epochs and jobs must be >= 1")
-    specs = []
-    for task in task_list:
-        for method in method_list:
-            for tau in ([0.0] if method == "dense" else tau_list):
-                for seed in range(seeds):
-                    specs.append(RunSpec(task=task, method=method, tau=tau, seed=seed, epochs=epochs,
-                                         rank=rank, lr=lr or TASK_LR.get(task, 0.05), omega=omega,
-                                         data_dir=str(data_dir) if data_dir else None))
+    acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png into --out.
+
+    Resuming: a run whose record (runs/<key>.json) exists with the same settings is not rerun.
+    A record with the same key but other settings (e.g. other --epochs) makes the sweep stop
+    before it starts, unless --force. The summary files and plots are rewritten from all
+    records of this sweep every time."""
+    task_list = _split(tasks, TASK_NAMES, "--tasks")
+    method_list = _split(methods, tuple(METHODS), "--methods")
+    tau_list = _taus(taus)
+    if lr is not None:
+        check_range("--lr", lr, 0, None, lo_open=True)
+    check_range("--omega", omega, 0, 1, lo_open=True)
+    if data_dir is not None:
+        require_dir(data_dir, "--data-dir")
+    need = sorted({FILE_TASKS[t] for t in task_list if t in FILE_TASKS})
+    if need and data_dir is None:
+        raise UserError(f"tasks on {', '.join(need)} read files: give their folder with --data-dir")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a folder")
+    from ..experiments._sweep_spec import RunSpec
+
+    specs = [RunSpec(task=task, method=method, tau=tau, seed=seed, epochs=epochs, rank=rank,
+                     lr=lr or TASK_LR.get(task, 0.05), omega=omega,
+                     data_dir=str(data_dir) if data_dir else None)
+             for task in task_list for method in method_list
+             for tau in ([0.0] if method == "dense" else tau_list) for seed in range(seeds)]
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from .._io import write_atomic
+    from ..experiments.sweep import plot, summary_markdown, sweep, write_csv
+    from ..experiments.sweep_report import equal_compression_markdown
+    from ._common import progress_columns
+
     console = Console()
     count = [0]
+    with Progress(*progress_columns(), console=console) as prog:
+        bars: dict[str, int] = {}
 
-    def done(r: dict) -> None:
-        count[0] += 1
-        console.print(f"[{count[0]}] {r['key']}: test acc {r['test_acc']:.4f}, "
-                      f"compression {r['compression']:.3f}")
+        def on_progress(key: str, step: int, steps: int, info: str) -> None:
+            if key not in bars:
+                bars[key] = prog.add_task(key, total=steps, info="")
+            prog.update(bars[key], completed=step, total=steps, info=f"step {step}/{steps} {info}")
 
-    results = sweep(specs, out, jobs=jobs, on_done=done)
+        def done(r: dict) -> None:
+            count[0] += 1
+            if r["key"] in bars:
+                prog.remove_task(bars.pop(r["key"]))
+            prog.console.print(f"[{count[0]}] {r['key']}: test acc {r['test_acc']:.4f}, "
+                               f"compression {r['compression']:.3f}")
+
+        results = sweep(specs, out, jobs=jobs, overwrite=force, on_done=done, on_progress=on_progress)
     write_csv(results, out / "runs.csv")
     table = summary_markdown(results)
     write_atomic(out / "summary.md", table.encode())

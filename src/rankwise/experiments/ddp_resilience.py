@@ -136,13 +136,29 @@ def _curve(out: Path) -> dict[int, str]:
     return curve
 
 
+DEMO_OUTPUTS = ("reference", "faulty", "corrupt")
+
+
 def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int = 5, kill_rank: int = 2,
-             kill_step: int = 22, corrupt_scenario: bool = True, timeout: float = 300) -> dict:
-    """Run the three scenarios in ``workdir`` (wiped first) and return the measurements."""
-    if not 0 <= kill_step < steps or kill_step % every == 0:
-        raise ValueError("need 0 <= kill_step < steps, not on a checkpoint step (so work is lost)")
+             kill_step: int = 22, corrupt_scenario: bool = True, timeout: float = 300,
+             overwrite: bool = False) -> dict:
+    """Run the three scenarios in ``workdir`` and return the measurements. The demo writes the
+    subfolders ``reference``, ``faulty`` and ``corrupt``; if they exist it raises
+    ``FileExistsError`` unless `overwrite`, which deletes those three (nothing else)."""
+    if nproc < 4:
+        raise ValueError(f"`nproc` must be >= 4 (t = 1 needs n > 3t); got {nproc}")
+    if not 0 <= kill_rank < nproc:
+        raise ValueError(f"`kill_rank` must be in [0, {nproc}); got {kill_rank}")
+    if every < 1 or not 0 <= kill_step < steps or kill_step % every == 0:
+        raise ValueError("need every >= 1 and 0 <= kill_step < steps, not on a checkpoint step "
+                         f"(so work is lost); got every={every}, kill_step={kill_step}, steps={steps}")
     work = Path(workdir)
-    shutil.rmtree(work, ignore_errors=True)
+    old = [work / d for d in DEMO_OUTPUTS if (work / d).exists()]
+    if old and not overwrite:
+        raise FileExistsError(f"{work} holds an earlier demo ({', '.join(p.name for p in old)}); "
+                              "pass overwrite=True to replace it")
+    for p in old:
+        shutil.rmtree(p)
     ref, run = work / "reference", work / "faulty"
     t0 = time.perf_counter()
     _wait(_torchrun(nproc, ref, ref / "store", steps=steps, every=every), ref, timeout)
@@ -207,11 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     d = sub.add_parser("demo")
     d.add_argument("--workdir", default="runs/ddp_resilience")
     d.add_argument("--nproc", type=int, default=4)
+    d.add_argument("--force", action="store_true", help="replace an earlier demo in --workdir")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         _worker(a)
     else:
-        print(json.dumps(run_demo(a.workdir, nproc=a.nproc), indent=1))
+        print(json.dumps(run_demo(a.workdir, nproc=a.nproc, overwrite=a.force), indent=1))
 
 
 if __name__ == "__main__":

@@ -137,6 +137,24 @@ class OdeRunConfig:
     batch_size: int = 64
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if self.data not in ("digits", "mnist1d"):
+            raise ValueError(f"`data` must be 'digits' or 'mnist1d'; got {self.data!r}")
+        if self.controller not in ("fixed", "adaptive", "replay"):
+            raise ValueError(f"`controller` must be 'fixed', 'adaptive' or 'replay'; got {self.controller!r}")
+        for name in ("c", "rank", "layers", "depth_steps", "epochs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` must be >= 1; got {getattr(self, name)}")
+        if not 1 <= self.rank <= self.m:
+            raise ValueError(f"`rank` must be in [1, m={self.m}] (the memory is {self.m}×{self.m}); "
+                             f"got {self.rank}")
+        if self.controller != "fixed" and not self.rank <= self.max_rank <= self.m:
+            raise ValueError(f"`max_rank` must be in [rank={self.rank}, m={self.m}]; got {self.max_rank}")
+        if self.controller != "fixed" and self.c_max < self.c:
+            raise ValueError(f"`c_max` must be >= c={self.c}; got {self.c_max}")
+        if not self.lr > 0:
+            raise ValueError(f"`lr` must be > 0; got {self.lr}")
+
     @property
     def name(self) -> str:
         if self.controller == "fixed":
@@ -170,7 +188,10 @@ def _controller(cfg: OdeRunConfig) -> AbstractController:
 
 
 def run(cfg: OdeRunConfig, callback=None) -> dict:
-    """Train ``cfg`` and return its summary metrics plus a per-iteration ``trace``."""
+    """Train ``cfg`` and return its summary metrics plus a per-iteration ``trace``.
+
+    ``callback(it, total, loss)``, if given, is called after every iteration (1-based `it` of
+    `total` = epochs × batches per epoch)."""
     ctl = _controller(cfg)
     torch.manual_seed(cfg.seed)
     utr, ytr, ute, yte = load_sequences(cfg.data, cfg.seed)
@@ -178,6 +199,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                              depth_steps=cfg.depth_steps, seed=cfg.seed)
     opt = torch.optim.Adam(model.parameters(), cfg.lr)
     trace: list[dict] = []
+    total = cfg.epochs * -(-len(utr) // cfg.batch_size)
     t0 = time.perf_counter()
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(utr))
@@ -200,7 +222,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                 + max(s.get("replay_bytes", 0) for s in st),
                 reloads=sum(s.get("reloads", 0) for s in st)))
             if callback:
-                callback(epoch, k, float(loss))
+                callback(len(trace), total, float(loss))
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         for blk in model.blocks:

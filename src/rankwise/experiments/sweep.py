@@ -18,10 +18,8 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,15 +29,10 @@ from .._io import write_atomic
 from ..lowrank import DLRT, SDLRT, compression, stability_distance, to_low_rank
 from ..models import lenet, mlp, vgg
 from ._stats import mean_std
-
-METHODS: dict[str, dict[str, Any] | None] = {
-    "dense": None,
-    "dlrt": {},
-    "sdlrt": {"buffer": True, "feedback": True},
-    "sdlrt-buffer": {"buffer": True, "feedback": False},
-    "sdlrt-feedback": {"buffer": False, "feedback": True},
-}
-PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
+from ._sweep_spec import METHODS as METHODS
+from ._sweep_spec import PAPER_TAUS as PAPER_TAUS
+from ._sweep_spec import TASK_LR as TASK_LR
+from ._sweep_spec import TASK_NAMES, RunSpec
 
 
 def _digits(size: int, seed: int):
@@ -77,43 +70,7 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
     "vgg-cifar10": (lambda: vgg(3, 32, 32), lambda s, d: _files("cifar10", d)),
     "vgg-cifar100": (lambda: vgg(3, 32, 32, num_classes=100), lambda s, d: _files("cifar100", d)),
 }
-
-
-# learning rates where 0.05 fails: without batch norm the small VGG stayed at chance for one
-# seed in three at 0.05 (dense, 10 epochs); at 0.02 all three train (0.86–0.95)
-TASK_LR: dict[str, float] = {"vgg-digits16": 0.02, "vgg-cifar10": 0.02, "vgg-cifar100": 0.02}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run. ``rank``: initial rank of every low-rank layer (clamped per layer); all
-    low-rank methods start from the truncated SVD of the same dense initialisation."""
-
-    task: str = "lenet-digits"
-    method: str = "sdlrt"
-    tau: float = 0.2
-    seed: int = 0
-    epochs: int = 5
-    rank: int = 32
-    lr: float = 0.05
-    momentum: float = 0.9
-    batch_size: int = 64
-    omega: float = 0.8
-    dt_every: int = 5
-    data_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {sorted(TASKS)}; got {self.task!r}")
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {list(METHODS)}; got {self.method!r}")
-        if not 0 <= self.tau < 1:
-            raise ValueError(f"tau must be in [0, 1); got {self.tau}")
-
-    @property
-    def key(self) -> str:
-        tau = "" if self.method == "dense" else f"_tau{self.tau:g}"
-        return f"{self.task}_{self.method}{tau}_s{self.seed}"
+assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
 
 
 def _accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
@@ -132,8 +89,9 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return n
 
 
-def run_one(spec: RunSpec) -> dict:
-    """Train one :class:`RunSpec`; returns the metrics (JSON-ready)."""
+def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = None) -> dict:
+    """Train one :class:`RunSpec`; returns the metrics (JSON-ready). ``progress(step, steps,
+    info)`` is called after every step."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     factory, loader = TASKS[spec.task]
     x, y, xt, yt = loader(spec.seed, spec.data_dir)
@@ -182,6 +140,8 @@ def run_one(spec: RunSpec) -> dict:
                 closure(shadow, shadow_opt)
                 shadow_opt.step()
             step += 1
+            if progress is not None:
+                progress(step, spec.epochs * steps_per_epoch, f"loss {loss:.3f}")
             if low and (step % spec.dt_every == 0 or step == 1):
                 ranks = opt.ranks()
                 trace.append(dict(step=step, loss=loss, rank=sum(ranks.values()),
@@ -199,38 +159,75 @@ def run_one(spec: RunSpec) -> dict:
                 final_d_t=trace[-1]["d_t"] if trace else 0.0, diverged=diverged, trace=trace)
 
 
-def _run_and_store(spec: RunSpec, folder: str) -> dict:
+def _run_and_store(spec: RunSpec, folder: str, report: Callable[[int, int, str], None] | None = None) -> dict:
     torch.set_num_threads(1)
-    r = run_one(spec)
+    r = run_one(spec, progress=report)
     write_atomic(Path(folder) / f"{spec.key}.json", json.dumps(r).encode())
     return r
 
 
-def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1,
-          on_done: Callable[[dict], None] | None = None) -> list[dict]:
+def _job(args: tuple[RunSpec, str], report: Callable[[int, int, str], None] | None) -> dict:
+    return _run_and_store(*args, report)
+
+
+def stored_conflicts(specs: list[RunSpec], out: Path) -> dict[str, dict[str, tuple]]:
+    """{key: differences} for the stored records in ``out/runs/`` whose key one of `specs` has
+    but whose settings differ (see :meth:`RunSpec.differences`); unreadable records count as
+    conflicts too (``{"record": ("unreadable", ...)}``)."""
+    conflicts: dict[str, dict[str, tuple]] = {}
+    for s in specs:
+        p = out / "runs" / f"{s.key}.json"
+        if not p.exists():
+            continue
+        try:
+            stored = json.loads(p.read_text())["spec"]
+            diff = s.differences(stored)
+        except (ValueError, KeyError, TypeError) as e:
+            diff = {"record": ("unreadable", str(e))}
+        if diff:
+            conflicts[s.key] = diff
+    return conflicts
+
+
+def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = False,
+          on_done: Callable[[dict], None] | None = None,
+          on_progress: Callable[[str, int, int, str], None] | None = None) -> list[dict]:
     """Run every spec not already stored in ``out/runs/`` (resumable), in ``jobs`` processes
-    (a fresh one per run, so peak memory is per run), then return all results."""
+    (a fresh one per run, so peak memory is per run), then return all results.
+
+    A stored record with the same key but other settings (say another ``epochs`` or ``lr``) is
+    not silently replaced: ``FileExistsError`` names it and the differing settings, before any
+    run starts, unless `overwrite`, which reruns and replaces it. ``on_progress(key, step,
+    steps, info)`` reports within each run; ``on_done(result)`` after each."""
     folder = out / "runs"
+    conflicts = stored_conflicts(specs, out)
+    if conflicts and not overwrite:
+        key, diff = next(iter(conflicts.items()))
+        what = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
+        raise FileExistsError(f"{folder} holds run {key}{more} with other settings ({what}); pass "
+                              "--force (overwrite=True) to rerun and replace them, or choose another --out")
     folder.mkdir(parents=True, exist_ok=True)
     done: dict[str, dict] = {}
     for s in specs:
         p = folder / f"{s.key}.json"
-        if p.exists():
-            try:
-                r = json.loads(p.read_text())
-                if RunSpec(**r["spec"]) == s:
-                    done[s.key] = r
-            except (ValueError, KeyError, TypeError):
-                pass  # unreadable or from another configuration: rerun
+        if p.exists() and s.key not in conflicts:
+            done[s.key] = json.loads(p.read_text())
     todo = [s for s in specs if s.key not in done]
     if todo:
-        import multiprocessing as mp
+        from ._pool import map_runs
 
-        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as ex:
-            for r in ex.map(_run_and_store, todo, [str(folder)] * len(todo)):
-                done[r["key"]] = r
-                if on_done:
-                    on_done(r)
+        def progress(i: int, step: int, steps: int, info: str) -> None:
+            if on_progress:
+                on_progress(todo[i].key, step, steps, info)
+
+        def finished(i: int, r: dict) -> None:
+            done[r["key"]] = r
+            if on_done:
+                on_done(r)
+
+        map_runs(_job, [(s, str(folder)) for s in todo], jobs=jobs, processes=True, spawn=True,
+                 fresh_process=True, on_progress=progress if on_progress else None, on_done=finished)
     return [done[s.key] for s in specs]
 
 

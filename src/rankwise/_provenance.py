@@ -1,0 +1,20 @@
+"""Where a figure came from: the commit of the checkout that produced it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+
+def source_commit() -> str:
+    """The short commit of the rankwise checkout (``+dirty`` with uncommitted changes to
+    tracked files), or ``unknown`` outside a git checkout."""
+    here = Path(__file__).parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("+dirty" if dirty else "")

@@ -1,0 +1,161 @@
+"""What every ``rankwise`` command shares: the one-line user error, output-folder ownership
+(refuse, or ``--force``), progress bars, and typer classes that render ``--help`` cleanly.
+
+Nothing here imports torch: ``rankwise --help`` and argument errors must answer at once.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+
+class UserError(Exception):
+    """A mistake of the user's (a bad value, a missing file, an output that exists): the
+    command line prints ``rankwise <command>: error: <message>`` as one line and exits with
+    `exit_code` (2 for bad arguments, as click's usage errors; 1 for a refused action)."""
+
+    def __init__(self, message: str, exit_code: int = 2) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --------------------------------------------------------------------------- --help rendering
+class _FlagMetavar:
+    """typer ≥ 0.2x shows every flag, ``--help`` included, with a ``<bool>`` type although a
+    flag takes no value; an empty metavar shows nothing instead."""
+
+    def get_help_option(self, ctx):  # type: ignore[no-untyped-def]
+        opt = super().get_help_option(ctx)  # type: ignore[misc]
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+    def get_params(self, ctx):  # type: ignore[no-untyped-def]
+        params = super().get_params(ctx)  # type: ignore[misc]
+        for p in params:
+            if getattr(p, "is_flag", False) and getattr(p, "metavar", None) is None:
+                p.metavar = ""
+        return params
+
+
+class Command(_FlagMetavar, TyperCommand):
+    """A typer command whose flags show no ``<bool>`` type in ``--help``."""
+
+
+class Group(_FlagMetavar, TyperGroup):
+    """A typer group whose flags show no ``<bool>`` type in ``--help``; commands are listed in
+    the order they were added."""
+
+    def list_commands(self, ctx):  # type: ignore[no-untyped-def]
+        return list(self.commands)
+
+
+def new_app(help: str) -> typer.Typer:
+    """A typer app with rankwise's conventions (no completion, help on no arguments)."""
+    return typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, help=help,
+                       pretty_exceptions_enable=False)
+
+
+Force = Annotated[bool, typer.Option("--force", help="Replace what an earlier run left in the output "
+                                     "(only the files this command writes).")]
+
+
+# --------------------------------------------------------------------------- outputs
+def check_new_file(path: Path, *, force: bool, option: str = "--out") -> None:
+    """`path` may be written: its folder exists, it is not a folder, and it does not exist
+    unless `force`. Raises :class:`UserError` naming `option`."""
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a folder; give the path of a file to write")
+    if not path.parent.is_dir():
+        raise UserError(f"{option} {path}: the folder {path.parent} does not exist; create it first")
+    if path.exists() and not force:
+        raise UserError(f"{option} {path} exists; pass --force to overwrite it, or choose another path", 1)
+
+
+def earlier_outputs(folder: Path, produced: Sequence[str]) -> list[Path]:
+    """What a run writing the glob patterns `produced` into `folder` would replace."""
+    if not folder.is_dir():
+        return []
+    return sorted({p for pattern in produced for p in folder.glob(pattern)})
+
+
+def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
+                     what: str = "run") -> None:
+    """Make `folder` ready for a command that writes the files or folders matching the glob
+    patterns `produced`: create it if missing; if an earlier run left such outputs there,
+    refuse (exit 1) unless `force`, and with `force` delete exactly those (nothing else in the
+    folder is touched). Call it after every other argument check and before any work."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{option} {folder} is a file; give a folder")
+    old = earlier_outputs(folder, produced)
+    if old and not force:
+        names = ", ".join(p.name for p in old[:4]) + (" …" if len(old) > 4 else "")
+        raise UserError(f"{option} {folder} already holds an earlier {what} ({names}); pass --force to "
+                        f"replace it, or choose another {option}", 1)
+    for p in old:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{option} {folder}: cannot create it ({e.strerror})", 1) from e
+
+
+def require_dir(path: Path, option: str) -> None:
+    """`path` is an existing folder, else a :class:`UserError` naming `option`."""
+    if not path.exists():
+        raise UserError(f"{option} {path} does not exist")
+    if not path.is_dir():
+        raise UserError(f"{option} {path} is not a folder")
+
+
+def check_range(option: str, value: float, lo: float | None = None, hi: float | None = None, *,
+                lo_open: bool = False, hi_open: bool = True) -> None:
+    """``lo ≤ value < hi`` (bounds optional; open or closed as given), else a UserError."""
+    bad = ((lo is not None and (value <= lo if lo_open else value < lo))
+           or (hi is not None and (value >= hi if hi_open else value > hi))
+           or value != value)  # NaN
+    if bad:
+        left = "" if lo is None else ("(" if lo_open else "[") + f"{lo:g}"
+        right = "" if hi is None else f"{hi:g}" + (")" if hi_open else "]")
+        if lo is not None and hi is not None:
+            rng = f"in {left}, {right}"
+        elif lo is not None:
+            rng = f"{'>' if lo_open else '>='} {lo:g}"
+        else:
+            rng = f"{'<' if hi_open else '<='} {hi:g}"
+        raise UserError(f"{option} must be {rng}; got {value:g}")
+
+
+# --------------------------------------------------------------------------- running
+@contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run with ``torch.set_num_threads(n)``, restoring the previous count afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def progress_columns() -> tuple[Any, ...]:
+    from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+
+    return (TextColumn("{task.description}"), BarColumn(bar_width=16),
+            TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+
+
+def join_names(items: Iterable[object]) -> str:
+    return ", ".join(str(x) for x in items)

@@ -1,0 +1,111 @@
+"""Run independent experiment runs in worker processes and hear how each one is doing.
+
+:func:`map_runs` calls ``fn(item, report)`` for every item, in this process or in a pool;
+``report(done, total, info)`` reaches the caller's ``on_progress(index, done, total, info)``
+from inside a run (across processes through a manager queue, at most a few times a second),
+so a command line can show progress *within* runs, not only between them.
+"""
+
+from __future__ import annotations
+
+import queue as _queue
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from typing import Any
+
+Report = Callable[[int, int, str], None]
+OnProgress = Callable[[int, int, int, str], None]
+
+
+class _Throttled:
+    """``report`` for a run in a worker process: puts (index, done, total, info) on the queue,
+    at most every `interval` seconds (and always for the last step)."""
+
+    def __init__(self, q: Any, index: int, interval: float = 0.25) -> None:
+        self.q, self.index, self.interval, self.last = q, index, interval, 0.0
+
+    def __call__(self, done: int, total: int, info: str = "") -> None:
+        now = time.monotonic()
+        if done >= total or now - self.last >= self.interval:
+            self.last = now
+            self.q.put((self.index, done, total, info))
+
+
+def _call(fn: Callable[[Any, Report | None], Any], item: Any, index: int, q: Any) -> Any:
+    return fn(item, _Throttled(q, index) if q is not None else None)
+
+
+def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, jobs: int = 1,
+             processes: bool = False, spawn: bool = False, fresh_process: bool = False,
+             on_progress: OnProgress | None = None,
+             on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
+    """``[fn(item, report) for item in items]``, in order.
+
+    **Arguments:**
+    - `fn`: a module-level function (it is pickled for worker processes); `report` is
+      ``None`` when nobody listens.
+    - `jobs`: worker processes; with ``jobs == 1`` and not `processes` the runs happen here.
+    - `spawn`: start workers with "spawn" (a clean interpreter); `fresh_process`: one process
+      per run (``max_tasks_per_child=1``), e.g. so that peak memory is per run.
+    - `on_progress(index, done, total, info)`, `on_done(index, result)`: called in this
+      process, in the order events arrive.
+    """
+    if jobs < 1:
+        raise ValueError(f"`jobs` must be >= 1; got {jobs}")
+    results: list[Any] = [None] * len(items)
+    if jobs == 1 and not processes:
+        for i, item in enumerate(items):
+            report = None if on_progress is None else (lambda d, t, s="", i=i: on_progress(i, d, t, s))
+            results[i] = fn(item, report)
+            if on_done is not None:
+                on_done(i, results[i])
+        return results
+
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn") if spawn else None
+    kw: dict[str, Any] = {"mp_context": ctx}
+    if fresh_process:
+        kw["max_tasks_per_child"] = 1
+        kw["mp_context"] = ctx or mp.get_context("spawn")  # required by max_tasks_per_child
+    with (mp.Manager() if on_progress is not None else _NoManager()) as manager, \
+            ProcessPoolExecutor(jobs, **kw) as ex:
+        q = manager.Queue() if on_progress is not None else None
+        futures = {ex.submit(_call, fn, item, i, q): i for i, item in enumerate(items)}
+        pending = set(futures)
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(q, on_progress)
+                for f in done:
+                    i = futures[f]
+                    results[i] = f.result()  # a run's exception propagates, as its own type
+                    if on_done is not None:
+                        on_done(i, results[i])
+        except BaseException:
+            for f in pending:  # do not start the rest; the running ones finish
+                f.cancel()
+            raise
+        _drain(q, on_progress)
+    return results
+
+
+def _drain(q: Any, on_progress: OnProgress | None) -> None:
+    if q is None or on_progress is None:
+        return
+    while True:
+        try:
+            on_progress(*q.get_nowait())
+        except _queue.Empty:
+            return
+        except (EOFError, OSError):  # the manager is gone (shutdown)
+            return
+
+
+class _NoManager:
+    def __enter__(self) -> _NoManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,92 @@
+"""The configuration of one training run (:func:`rankwise.train.train`); torch-free, so the
+command line can build and check it before importing torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+Method = Literal["dense", "dlrt", "sdlrt"]
+METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run on the digits (1437 train / 360 test images, 10 classes).
+
+    **Arguments:**
+    - `method`: ``"dense"`` (``torch.optim.SGD``), ``"dlrt"`` (:class:`rankwise.DLRT`) or
+      ``"sdlrt"`` (:class:`rankwise.SDLRT`); default ``"dlrt"``.
+    - `model`: a name in :data:`rankwise.models.MODELS` (``"lenet"``, ``"mlp"``); default
+      ``"lenet"``.
+    - `tau`: relative truncation tolerance τ in [0, 1) of the low-rank methods; default 0.1.
+    - `rank`: initial rank of every low-rank layer (clamped per layer); ``None`` (default)
+      starts at full rank and lets the optimizer truncate.
+    - `tau_min`: SDLRT's floor for its τ feedback (τ ← ωτ whenever a layer's rank is below its
+      initial rank), in [0, tau]; default 0, the paper's rule. From a full-rank start the
+      feedback fires on every step and τ quickly reaches `tau_min`: start SDLRT from a
+      compressed `rank` (as the paper does) or set a floor.
+    - `exclude`: module names (or name suffixes) kept dense, e.g. ``("fc2",)``; default none.
+    - `epochs`: passes over the training set, ≥ 1; default 10.
+    - `lr`: learning rate > 0; default 0.05.
+    - `momentum`: SGD momentum in [0, 1); default 0.9 (all three methods).
+    - `batch_size`: minibatch size ≥ 1; default 32.
+    - `seed`: seeds the model initialisation, the shuffling and the train/test split.
+    - `out`: directory for the run records (created if missing); ``None`` writes nothing.
+    """
+
+    method: Method = "dlrt"
+    model: str = "lenet"
+    tau: float = 0.1
+    rank: int | None = None
+    tau_min: float = 0.0
+    exclude: tuple[str, ...] = ()
+    epochs: int = 10
+    lr: float = 0.05
+    momentum: float = 0.9
+    batch_size: int = 32
+    seed: int = 0
+    out: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"`method` must be one of {list(METHODS)}; got {self.method!r}")
+        from .models import MODELS  # the registry (users may add models): imports torch
+
+        if self.model not in MODELS:
+            raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
+        if not 0.0 <= self.tau < 1.0:
+            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+        if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
+            raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
+        if not 0.0 <= self.tau_min <= self.tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.tau_min}")
+        if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
+            raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
+        if not _is_int(self.epochs) or self.epochs < 1:
+            raise ValueError(f"`epochs` must be an int >= 1; got {self.epochs!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"`lr` must be a finite number > 0; got {self.lr}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"`momentum` must be in [0, 1); got {self.momentum}")
+        if not _is_int(self.batch_size) or self.batch_size < 1:
+            raise ValueError(f"`batch_size` must be an int >= 1; got {self.batch_size!r}")
+        if not _is_int(self.seed):
+            raise TypeError(f"`seed` must be an int; got {type(self.seed).__name__}")
+        if self.out is not None and not isinstance(self.out, Path):
+            raise TypeError(f"`out` must be a pathlib.Path or None; got {type(self.out).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as JSON-ready plain types (``out`` as a string)."""
+        d = dataclasses.asdict(self)
+        d["out"] = None if self.out is None else str(self.out)
+        d["exclude"] = list(self.exclude)
+        return d
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

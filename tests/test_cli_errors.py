@@ -1,0 +1,251 @@
+"""A user's first hour: every mistake ends in one line and a non-zero exit, nothing the user did
+not ask to replace is deleted or overwritten, and the small things (help, start-up time,
+permissions, progress) behave."""
+
+from __future__ import annotations
+
+import os
+import random
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import run_cli
+from rankwise import _io
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _one_line_error(r, command: str, code: int = 2) -> str:
+    """The call failed with `code`, printing exactly one line on stderr naming `command`."""
+    assert r.exit_code == code, r
+    assert r.stderr.endswith("\n") and r.stderr.count("\n") == 1, r
+    assert r.stderr.startswith(f"rankwise {command}: error: "), r
+    assert "Traceback" not in r.stdout + r.stderr
+    return r.stderr
+
+
+def _encoded(tmp_path: Path, n: int = 7, t: int = 2, size: int = 30_000) -> tuple[Path, bytes]:
+    data = random.Random(n).randbytes(size)
+    src = tmp_path / f"ck{n}.bin"
+    src.write_bytes(data)
+    folder = tmp_path / "frags"
+    r = run_cli("ckpt", "encode", src, "--n", n, "--t", t, "--out", folder, "--force")
+    assert r.exit_code == 0, r
+    return folder, data
+
+
+# --------------------------------------------------------------------------- the cases of the issue
+def test_ckpt_demo_checks_arguments_before_touching_the_workdir(tmp_path):
+    work = tmp_path / "mine"
+    work.mkdir()
+    (work / "precious.txt").write_text("keep me")
+    msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--nproc", 2), "ckpt demo")
+    assert "--nproc must be >= 4" in msg and "got 2" in msg
+    msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--kill-step", 10), "ckpt demo")
+    assert "--kill-step" in msg and "got 10" in msg
+    (work / "reference").mkdir()  # an earlier demo: refused, before any torchrun starts
+    msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work), "ckpt demo", code=1)
+    assert "--force" in msg
+    assert sorted(p.name for p in work.iterdir()) == ["precious.txt", "reference"]
+    assert (work / "precious.txt").read_text() == "keep me"
+
+
+def test_ckpt_user_errors_are_one_line(tmp_path):
+    folder, _ = _encoded(tmp_path)
+    msg = _one_line_error(run_cli("ckpt", "repair", folder, "--worker", 7), "ckpt repair")
+    assert "--worker must be in 0 … 6" in msg and "got 7" in msg
+    msg = _one_line_error(run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "missing/dir/x.bin"),
+                          "ckpt retrieve")
+    assert "does not exist; create it first" in msg
+    msg = _one_line_error(run_cli("ckpt", "verify", tmp_path / "nowhere"), "ckpt verify")
+    assert "does not exist" in msg
+    msg = _one_line_error(run_cli("ckpt", "inspect", tmp_path), "ckpt inspect", code=1)
+    assert "no commitment.rwck" in msg
+    (tmp_path / "empty.bin").write_bytes(b"")
+    msg = _one_line_error(run_cli("ckpt", "encode", tmp_path / "empty.bin", "--n", 4, "--t", 1,
+                                  "--out", tmp_path / "e"), "ckpt encode")
+    assert "is empty" in msg and not (tmp_path / "e").exists()
+    msg = _one_line_error(run_cli("ckpt", "encode", tmp_path / "empty.bin", "--n", 3, "--t", 1,
+                                  "--out", tmp_path / "e"), "ckpt encode")
+    assert "3t < n" in msg and "n=3" in msg
+
+
+def test_sweep_and_ode_user_errors_are_one_line(tmp_path):
+    msg = _one_line_error(run_cli("sweep", "--data-dir", tmp_path / "nonexistent"), "sweep")
+    assert "--data-dir" in msg and "does not exist" in msg
+    msg = _one_line_error(run_cli("sweep", "--taus", "-0.1"), "sweep")
+    assert "[0, 1)" in msg and "got -0.1" in msg
+    msg = _one_line_error(run_cli("sweep", "--tasks", "lenet-mnist"), "sweep")
+    assert "--data-dir" in msg
+    msg = _one_line_error(run_cli("ode", "--layers", 0), "ode")
+    assert "--layers" in msg and "got 0" in msg
+    msg = _one_line_error(run_cli("ode", "--rank", 0), "ode")
+    assert "--rank" in msg and "got 0" in msg
+    msg = _one_line_error(run_cli("ode", "--rank", 40), "ode")
+    assert "--rank must be in [1, m=32]" in msg and "got 40" in msg
+
+
+def test_bad_choice_is_one_line_with_the_value():
+    msg = _one_line_error(run_cli("train", "--method", "bogus"), "train")
+    assert "'--method'" in msg and "'bogus'" in msg and "dense" in msg
+
+
+# --------------------------------------------------------------------------- overwrites
+def test_encode_refuses_an_existing_checkpoint_and_force_leaves_no_stale_workers(tmp_path):
+    folder, _ = _encoded(tmp_path, n=7, t=2)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    src = tmp_path / "other.bin"
+    data = random.Random(1).randbytes(20_000)
+    src.write_bytes(data)
+    msg = _one_line_error(run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder),
+                          "ckpt encode", code=1)
+    assert "--force" in msg
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # untouched
+    (folder / "notes.txt").write_text("mine")
+    r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder, "--force")
+    assert r.exit_code == 0, r
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "commitment.rwck", "notes.txt", "worker0.rwck", "worker1.rwck", "worker2.rwck", "worker3.rwck"]
+    assert run_cli("ckpt", "verify", folder).exit_code == 0
+    out = tmp_path / "back.bin"
+    assert run_cli("ckpt", "retrieve", folder, "--out", out).exit_code == 0
+    assert out.read_bytes() == data
+
+
+def test_retrieve_refuses_to_overwrite_without_force(tmp_path):
+    folder, data = _encoded(tmp_path)
+    out = tmp_path / "x.bin"
+    out.write_bytes(b"old")
+    _one_line_error(run_cli("ckpt", "retrieve", folder, "--out", out), "ckpt retrieve", code=1)
+    assert out.read_bytes() == b"old"
+    assert run_cli("ckpt", "retrieve", folder, "--out", out, "--force").exit_code == 0
+    assert out.read_bytes() == data
+
+
+def test_repair_leaves_a_valid_fragment_alone(tmp_path):
+    folder, _ = _encoded(tmp_path)
+    f = folder / "worker3.rwck"
+    mtime = f.stat().st_mtime_ns
+    r = run_cli("ckpt", "repair", folder, "--worker", 3)
+    assert r.exit_code == 0 and "nothing to repair" in r.output
+    assert f.stat().st_mtime_ns == mtime
+
+
+def test_inspect_notices_a_commitment_of_another_encoding(tmp_path):
+    folder, _ = _encoded(tmp_path)
+    other = tmp_path / "o.bin"
+    other.write_bytes(random.Random(9).randbytes(30_000))
+    assert run_cli("ckpt", "encode", other, "--n", 7, "--t", 2, "--out", tmp_path / "o").exit_code == 0
+    (folder / "commitment.rwck").write_bytes((tmp_path / "o" / "commitment.rwck").read_bytes())
+    r = run_cli("ckpt", "inspect", folder)
+    assert r.exit_code == 0
+    assert "problems: none" not in r.output
+    assert "matching the commitment: []" in r.output and "does not match the commitment" in r.output
+    assert "cannot be retrieved" in r.output
+    assert run_cli("ckpt", "verify", folder).exit_code == 1  # verify agrees
+
+
+def test_train_refuses_to_mix_two_runs(tmp_path):
+    out = tmp_path / "run"
+    args = ("train", "--method", "sdlrt", "--model", "mlp", "--epochs", 1, "--rank", 4, "--out", out)
+    assert run_cli(*args).exit_code == 0
+    (out / "mine.txt").write_text("a user's file")
+    first = {p.name for p in out.iterdir()}
+    msg = _one_line_error(run_cli(*args), "train", code=1)
+    assert "--force" in msg and "final.json" in msg
+    assert {p.name for p in out.iterdir()} == first
+    assert run_cli(*args, "--force").exit_code == 0
+    events = list(out.glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].name not in first  # the old events are gone
+    assert (out / "mine.txt").read_text() == "a user's file"  # the rest is untouched
+
+
+def test_ode_refuses_an_earlier_experiment(tmp_path):
+    out = tmp_path / "ode"
+    out.mkdir()
+    (out / "results.json").write_text("[]")
+    msg = _one_line_error(run_cli("ode", "--out", out), "ode", code=1)
+    assert "results.json" in msg and "--force" in msg
+    assert (out / "results.json").read_text() == "[]"
+
+
+# --------------------------------------------------------------------------- bugs, debug
+def test_an_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch):
+    from rankwise.cli import _ckpt
+
+    def boom(folder):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(_ckpt, "_open", boom)
+    r = run_cli("ckpt", "verify", tmp_path)
+    assert r.exit_code == 1 and r.stderr.count("\n") == 1
+    assert "internal error: RuntimeError: simulated bug" in r.stderr and "--debug" in r.stderr
+    with pytest.raises(RuntimeError, match="simulated bug"):
+        run_cli("--debug", "ckpt", "verify", tmp_path)
+    monkeypatch.setenv("RANKWISE_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="simulated bug"):
+        run_cli("ckpt", "verify", tmp_path)
+
+
+# --------------------------------------------------------------------------- small things
+def test_help_is_fast_and_complete():
+    """The command line does not import torch to answer --help (it took ~3.5 s before)."""
+    code = ("import sys, contextlib, io\nfrom rankwise.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n    rc = main(['--help'])\n"
+            "print(rc, 'torch' in sys.modules, 'numpy' in sys.modules)\nprint(out.getvalue())")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200"})
+    first, _, help_text = proc.stdout.partition("\n")
+    assert first == "0 False False", proc.stderr
+    for command in ("train", "demo", "sweep", "ode", "ckpt"):
+        assert f" {command} " in help_text
+    assert "<bool>" not in help_text
+
+
+@pytest.mark.parametrize("command", [["train"], ["ckpt", "encode"], ["ckpt", "repair"], ["sweep"]])
+def test_flags_show_no_bool_type(command):
+    r = run_cli(*command, "--help")
+    assert r.exit_code == 0 and "--help" in r.output and "--force" in r.output
+    assert "<bool>" not in r.output
+
+
+def test_version():
+    from rankwise import __version__
+
+    r = run_cli("--version")
+    assert r.exit_code == 0 and r.stdout.strip() == f"rankwise {__version__}"
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        _io.write_atomic(tmp_path / "a.bin", b"x")
+        (tmp_path / "plain.bin").write_bytes(b"x")
+    finally:
+        os.umask(old)
+    mode = stat.S_IMODE((tmp_path / "a.bin").stat().st_mode)
+    assert mode == stat.S_IMODE((tmp_path / "plain.bin").stat().st_mode) == 0o640
+
+
+def _count(item: int, report):
+    for i in range(1, item + 1):
+        report(i, item, f"at {i}")
+    return item * 10
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_map_runs_reports_progress_within_runs(processes):
+    from rankwise.experiments._pool import map_runs
+
+    seen: list[tuple] = []
+    finished: list[int] = []
+    results = map_runs(_count, [3, 5], jobs=2 if processes else 1, processes=processes,
+                       on_progress=lambda *a: seen.append(a), on_done=lambda i, r: finished.append(i))
+    assert results == [30, 50] and sorted(finished) == [0, 1]
+    assert (0, 3, 3, "at 3") in seen and (1, 5, 5, "at 5") in seen  # the last step always arrives
+    if not processes:
+        assert [s for s in seen if s[0] == 1] == [(1, i, 5, f"at {i}") for i in range(1, 6)]
