@@ -69,10 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(FIGURES)}")
     from rankwise._io import write_atomic
 
-    for name in args.names or FIGURES:
+    for name in args.names or FIGURES:  # each written as soon as it is ready
         body = {"demo": demo, "inference": inference}[name]()
-        text = splice(args.readme.read_text(), name, body)
-        write_atomic(args.readme, text.encode())
+        write_atomic(args.readme, splice(args.readme.read_text(), name, body).encode())
         print(f"README.md: figure {name} regenerated")
 
 
