@@ -71,6 +71,10 @@ def test_train_writes_sane_records(tmp_path, method):
     assert scalars["accuracy/test"] == [pytest.approx(final["test_acc"])]
     assert {"loss/train", "accuracy/train", "compression/ratio"} <= set(scalars)
     assert {t for t in scalars if t.startswith("rank/")} == {f"rank/{n}" for n in final["ranks"]}
+    assert {t for t in scalars if t.startswith("tau/")} == {f"tau/{n}" for n in final["taus"]}
+    for n, tau in final["taus"].items():  # the last epoch's τ is the final one
+        assert scalars[f"tau/{n}"][-1] == pytest.approx(tau)
+        assert float(row[f"tau/{n}"]) == pytest.approx(tau)
     assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
 
 

@@ -1,5 +1,6 @@
 """The layered matrix-memory ODE experiment: its gradients audit clean, and it runs end to end."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -24,11 +25,21 @@ def test_reversal_gradients_on_rank_deficient_float32_states():
 
 
 def test_run_end_to_end_tiny():
+    calls = []
     r = run(OdeRunConfig(controller="adaptive", c=4, layers=2, depth_steps=4, m=8, rank=4,
-                         max_rank=8, batch_size=512, lr=3e-2))
+                         max_rank=8, batch_size=512, lr=3e-2), callback=lambda *a: calls.append(a))
+    assert [(i, n) for i, n, _ in calls] == [(1, 3), (2, 3), (3, 3)]  # progress inside the run
+    assert [loss for *_, loss in calls] == [t["loss"] for t in r["trace"]]
     assert 0.1 < r["test_acc"] <= 1 and r["grad_cosine"] > 0.98
     assert len(r["trace"]) == 3 and r["peak_tape_mib"] > 0
     assert r["trace"][-1]["checkpoints"] < r["trace"][0]["checkpoints"]  # carried C grew
+
+
+@pytest.mark.parametrize(("field", "value"), [("layers", 0), ("rank", 0), ("rank", 9), ("depth_steps", 0),
+                                              ("c", 0), ("epochs", 0)])
+def test_run_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=f"`{field}` must be"):
+        OdeRunConfig(m=8, max_rank=8, **{field: value})
 
 
 def test_ode_cli_rejects_unknown_controller():
