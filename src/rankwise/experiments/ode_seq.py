@@ -222,7 +222,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                 + max(s.get("replay_bytes", 0) for s in st),
                 reloads=sum(s.get("reloads", 0) for s in st)))
             if callback:
-                callback(len(trace), total, float(loss))
+                callback(len(trace), total, trace[-1]["loss"])
     seconds = time.perf_counter() - t0
     with torch.no_grad():
         for blk in model.blocks:
