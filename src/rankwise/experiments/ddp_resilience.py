@@ -228,7 +228,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "worker":
         _worker(a)
     else:
-        print(json.dumps(run_demo(a.workdir, nproc=a.nproc, overwrite=a.force), indent=1))
+        try:
+            result = run_demo(a.workdir, nproc=a.nproc, overwrite=a.force)
+        except (ValueError, FileExistsError) as e:  # a user's mistake: one line, exit status 2
+            ap.error(f"{e} (--force replaces an earlier demo)" if isinstance(e, FileExistsError) else str(e))
+        print(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
