@@ -44,7 +44,7 @@ def test_ckpt_demo_checks_arguments_before_touching_the_workdir(tmp_path):
     work.mkdir()
     (work / "precious.txt").write_text("keep me")
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--nproc", 2), "ckpt demo")
-    assert "--nproc must be >= 4" in msg and "got 2" in msg
+    assert "--nproc must be in [4, 255]" in msg and "got 2" in msg
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--kill-step", 10), "ckpt demo")
     assert "--kill-step" in msg and "got 10" in msg
     (work / "reference").mkdir()  # an earlier demo: refused, before any torchrun starts
@@ -86,7 +86,7 @@ def test_sweep_and_ode_user_errors_are_one_line(tmp_path):
     msg = _one_line_error(run_cli("ode", "--rank", 0), "ode")
     assert "--rank" in msg and "got 0" in msg
     msg = _one_line_error(run_cli("ode", "--rank", 40), "ode")
-    assert "--rank must be in [1, m=32]" in msg and "got 40" in msg
+    assert "--rank (or :rR in --grid) must be in [1, m=32]" in msg and "got 40" in msg
 
 
 def test_bad_choice_is_one_line_with_the_value():
@@ -249,3 +249,86 @@ def test_map_runs_reports_progress_within_runs(processes):
     assert (0, 3, 3, "at 3") in seen and (1, 5, 5, "at 5") in seen  # the last step always arrives
     if not processes:
         assert [s for s in seen if s[0] == 1] == [(1, i, 5, f"at {i}") for i in range(1, 6)]
+
+
+# --------------------------------------------------------------------------- found in review
+def test_encode_force_reads_its_input_before_replacing_the_folder(tmp_path):
+    folder, _ = _encoded(tmp_path)
+    src = folder / "worker0.rwck"  # the input is one of the files --force replaces
+    data = src.read_bytes()
+    r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder, "--force")
+    assert r.exit_code == 0, r
+    back = tmp_path / "back.bin"
+    assert run_cli("ckpt", "retrieve", folder, "--out", back).exit_code == 0
+    assert back.read_bytes() == data
+
+
+def test_demo_checks_every_output_before_deleting_any(tmp_path):
+    out = tmp_path / "d"
+    (out / "dense").mkdir(parents=True)
+    (out / "dense" / "final.json").write_text("{}")
+    (out / "dlrt").write_text("a file where a folder goes")
+    msg = _one_line_error(run_cli("demo", "--out", out, "--epochs", 1, "--force"), "demo")
+    assert "dlrt is a file" in msg
+    assert (out / "dense" / "final.json").read_text() == "{}" and not (out / "sdlrt").exists()
+    notes = tmp_path / "notes.md"
+    notes.write_text("mine")
+    (out / "dlrt").unlink()
+    msg = _one_line_error(run_cli("demo", "--out", out, "--epochs", 1, "--markdown", notes), "demo", code=1)
+    assert "--markdown" in msg and notes.read_text() == "mine"
+
+
+def test_retrieve_refuses_to_replace_something_that_is_not_a_file(tmp_path):
+    folder, _ = _encoded(tmp_path)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    msg = _one_line_error(run_cli("ckpt", "retrieve", folder, "--out", fifo, "--force"), "ckpt retrieve")
+    assert "not a regular file" in msg and stat.S_ISFIFO(fifo.stat().st_mode)
+
+
+def test_an_unreadable_fragment_counts_as_missing(tmp_path):
+    folder, data = _encoded(tmp_path)
+    (folder / "worker1.rwck").unlink()
+    (folder / "worker1.rwck").mkdir()  # not a file: that worker is bad, the rest still retrieve
+    r = run_cli("ckpt", "verify", folder)
+    assert r.exit_code == 1 and "cannot read worker1.rwck" in r.output
+    out = tmp_path / "x.bin"
+    assert run_cli("ckpt", "retrieve", folder, "--out", out).exit_code == 0
+    assert out.read_bytes() == data
+
+
+@pytest.mark.parametrize(("grid", "message"), [
+    ("fixed:8:r0", "rank R must be >= 1; got 0"), ("adaptive:8-0", "CMAX must be >= 1; got 0"),
+    ("fixed:8:r4:extra", "'fixed:8:r4:extra'"), ("fixed:8:4", "'fixed:8:4'"),
+    ("fixed:8-16", "a fixed controller has no CMAX"), ("fixed:8,,adaptive:8", "an empty entry"),
+    ("fixed:8:r100", "--rank (or :rR in --grid) must be in [1, m=32]"),
+])
+def test_ode_grid_entries_are_parsed_strictly(grid, message):
+    msg = _one_line_error(run_cli("ode", "--grid", grid, "--out", "unused-ode-out"), "ode")
+    assert message in msg
+    assert not Path("unused-ode-out").exists()
+
+
+def test_sweep_reports_a_damaged_record_before_running(tmp_path):
+    out = tmp_path / "sw"
+    (out / "runs").mkdir(parents=True)
+    (out / "runs" / "lenet-digits_dense_s0.json").write_text('{"spec": 5}')
+    msg = _one_line_error(run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense", "--seeds", 1,
+                                  "--epochs", 1, "--out", out), "sweep", code=1)
+    assert "unreadable record" in msg and "--force" in msg
+
+
+def test_sweep_checks_the_data_files_before_running(tmp_path):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    msg = _one_line_error(run_cli("sweep", "--tasks", "lenet-digits,vgg-cifar10", "--methods", "dense",
+                                  "--data-dir", empty, "--out", tmp_path / "sw"), "sweep")
+    assert "cannot read the cifar10 files" in msg and "data_batch_1" in msg
+    assert not (tmp_path / "sw").exists()
+
+
+def test_builtin_model_names_match_the_registry():
+    from rankwise.models import MODELS
+    from rankwise.train_config import BUILTIN_MODELS
+
+    assert set(BUILTIN_MODELS) <= set(MODELS)

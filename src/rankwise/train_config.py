@@ -12,6 +12,7 @@ from typing import Any, Literal
 Method = Literal["dense", "dlrt", "sdlrt"]
 METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
 FORMAT_VERSION = 1
+BUILTIN_MODELS: tuple[str, ...] = ("lenet", "mlp", "vgg")  # rankwise.models registers these
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,11 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"`method` must be one of {list(METHODS)}; got {self.method!r}")
-        from .models import MODELS  # the registry (users may add models): imports torch
+        if self.model not in BUILTIN_MODELS:  # a user-registered model? (imports torch)
+            from .models import MODELS
 
-        if self.model not in MODELS:
-            raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
+            if self.model not in MODELS:
+                raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
         if not 0.0 <= self.tau < 1.0:
             raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
         if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):

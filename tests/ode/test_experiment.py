@@ -46,4 +46,4 @@ def test_ode_cli_rejects_unknown_controller():
     from helpers import run_cli
 
     r = run_cli("ode", "--grid", "magic:8")
-    assert r.exit_code == 2 and "controller must be" in r.stderr
+    assert r.exit_code == 2 and "--grid entries are" in r.stderr and "'magic:8'" in r.stderr

@@ -49,6 +49,9 @@ def load_fragments(folder: str | Path, n: int) -> tuple[dict[int, Fragment], dic
         except ValueError as e:
             problems[i] = str(e)
             continue
+        except OSError as e:  # unreadable (a folder, no permission): this worker is missing
+            problems[i] = f"cannot read {path.name}: {e.strerror or e}"
+            continue
         if f.index != i:
             problems[i] = f"file holds worker {f.index}'s fragment"
             continue

@@ -16,7 +16,16 @@ from typing import Annotated, Any
 import typer
 
 from .. import __version__
-from ._common import Command, Force, UserError, claim_output_dir, new_app, num_threads
+from ._common import (
+    Command,
+    Force,
+    UserError,
+    check_new_file,
+    check_output_dir,
+    claim_output_dir,
+    new_app,
+    num_threads,
+)
 
 app = new_app(
     "rankwise: low-rank training that adapts its rank (DLRT / SDLRT), reversible low-rank ODE "
@@ -124,11 +133,10 @@ def demo_cmd(
                        epochs=epochs, seed=seed, out=out / m)
                for m in ("dense", "dlrt", "sdlrt")]
     if markdown is not None:
-        from ._common import check_new_file
-
-        check_new_file(markdown, force=True, option="--markdown")
-    for c in configs:
-        claim_output_dir(c.out, produced=RUN_OUTPUTS, force=force, what="demo run")
+        check_new_file(markdown, force=force, option="--markdown")
+    old = [check_output_dir(c.out, produced=RUN_OUTPUTS, force=force, what="demo run") for c in configs]
+    for c, checked in zip(configs, old, strict=True):  # all checked before any is touched
+        claim_output_dir(c.out, produced=RUN_OUTPUTS, force=force, checked=checked)
     from rich.console import Console
 
     from .._io import write_atomic

@@ -23,7 +23,8 @@ from ._common import Command, Force, UserError, check_new_file, check_range, cla
 app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
               "from two small symbols of each of k peers.")
 console = Console()
-Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck.")]
+Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck.",
+                                        metavar="FOLDER", show_default=False)]
 CODED_OUTPUTS = ("commitment.rwck", "worker*.rwck")
 
 
@@ -32,7 +33,7 @@ def _open(folder: Path):
     from ..ckpt import Code2D, load_commitment, load_fragments
 
     if not folder.is_dir():
-        raise UserError(f"{folder} is not a folder" if folder.exists() else f"{folder} does not exist")
+        raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     try:
         com = load_commitment(folder)
         code = Code2D(com.n, com.t, hash=com.hash)
@@ -57,7 +58,8 @@ def _check(code, com, found: dict, problems: dict) -> dict[int, str]:
 
 @app.command("encode", cls=Command)
 def encode_cmd(
-    file: Annotated[Path, typer.Argument(help="The checkpoint file to encode.")],
+    file: Annotated[Path, typer.Argument(help="The checkpoint file to encode.", metavar="FILE",
+                                         show_default=False)],
     n: Annotated[int, typer.Option("--n", help="Number of workers (3t < n <= 255).")],
     t: Annotated[int, typer.Option("--t", help="Workers that may be lost (t >= 1, 3t < n).")],
     out: Annotated[Path, typer.Option(help="Output folder (created if missing).")],
@@ -69,22 +71,22 @@ def encode_cmd(
     if not file.is_file():
         raise UserError(f"FILE {file} " + ("is not a file" if file.exists() else "does not exist"))
     if t < 1 or not 3 * t < n <= 255:
-        raise UserError(f"--n and --t need 1 <= t and 3t < n <= 255; got n={n}, t={t} "
-                        f"(with t={max(t, 1)}, n must be at least {3 * max(t, 1) + 1})")
+        hint = ("n must be at most 255" if n > 255 else
+                f"with t={max(t, 1)}, n must be at least {3 * max(t, 1) + 1}; or lower --t")
+        raise UserError(f"--n and --t need 1 <= t and 3t < n <= 255; got n={n}, t={t} ({hint})")
     if hash not in ("blake3", "sha256"):
         raise UserError(f"--hash must be blake3 or sha256; got {hash!r}")
     if backend not in ("auto", "isal", "numpy"):
         raise UserError(f"--backend must be auto, isal or numpy; got {backend!r}")
-    size = file.stat().st_size
-    if size == 0:
+    if file.stat().st_size == 0:
         raise UserError(f"FILE {file} is empty; there is nothing to encode")
     from ..ckpt import Code2D, fragment_path
     from ..ckpt._store import COMMITMENT_FILE
 
     code = Code2D(n, t, hash=hash, backend=backend)
+    data = file.read_bytes()  # before --force may delete it (FILE could be one of the outputs)
     # the old commitment goes first, so an interrupted --force leaves an incomplete folder
     claim_output_dir(out, produced=CODED_OUTPUTS, force=force, what="coded checkpoint")
-    data = file.read_bytes()
     t0 = time.perf_counter()
     with console.status(f"encoding {len(data):,} bytes"):
         disp = code.encode(data)
@@ -146,7 +148,8 @@ def repair_cmd(folder: Folder,
 @app.command("retrieve", cls=Command)
 def retrieve_cmd(folder: Folder,
                  out: Annotated[Path, typer.Option(help="The file to write the data to.")],
-                 force: Force = False) -> None:
+                 force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")]
+                 = False) -> None:
     """Decode the original file from any k valid fragments."""
     from .. import _io
     from ..ckpt import NotEnoughSymbols
@@ -199,9 +202,9 @@ def demo_cmd(
     restart the group, repair the lost rank from its peers, finish training, and check the loss
     curve against an uninterrupted run bitwise; then restore once more while rank 1 serves
     corrupted symbols. About 1.5 min on 2 cores."""
-    if nproc < 4:
-        raise UserError(f"--nproc must be >= 4 (the demo loses t = 1 worker and the code needs n > 3t); "
-                        f"got {nproc}")
+    if not 4 <= nproc <= 255:
+        raise UserError(f"--nproc must be in [4, 255] (the demo loses t = 1 worker, the code needs "
+                        f"3t < n <= 255); got {nproc}")
     check_range("--every", every, 1)
     check_range("--steps", steps, 1)
     if not 0 <= kill_step < steps or kill_step % every == 0:

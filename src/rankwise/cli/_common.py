@@ -60,7 +60,7 @@ class Group(_FlagMetavar, TyperGroup):
 def new_app(help: str) -> typer.Typer:
     """A typer app with rankwise's conventions (no completion, help on no arguments)."""
     return typer.Typer(cls=Group, add_completion=False, no_args_is_help=True, help=help,
-                       pretty_exceptions_enable=False)
+                       pretty_exceptions_enable=False, rich_markup_mode="markdown")
 
 
 Force = Annotated[bool, typer.Option("--force", help="Replace what an earlier run left in the output "
@@ -68,15 +68,44 @@ Force = Annotated[bool, typer.Option("--force", help="Replace what an earlier ru
 
 
 # --------------------------------------------------------------------------- outputs
+def _nearest_existing(path: Path) -> Path:
+    for p in (path, *path.parents):
+        if p.exists():
+            return p
+    return Path(".")
+
+
+def _check_writable(folder: Path, option: str) -> None:
+    """`folder` (or, if it does not exist yet, its nearest existing parent) accepts new files."""
+    import tempfile
+
+    target = _nearest_existing(folder)
+    if not target.is_dir():
+        raise UserError(f"{option} {folder}: {target} is a file, not a folder")
+    try:
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        raise UserError(f"{option} {folder}: cannot write in {target} ({e.strerror}); choose another "
+                        f"{option}", 1) from e
+
+
 def check_new_file(path: Path, *, force: bool, option: str = "--out") -> None:
-    """`path` may be written: its folder exists, it is not a folder, and it does not exist
-    unless `force`. Raises :class:`UserError` naming `option`."""
+    """`path` may be written: its folder exists and is writable, it is not a folder or a device,
+    and it does not exist unless `force`. Raises :class:`UserError` naming `option`."""
+    if str(path) in ("", "."):
+        raise UserError(f"{option} is empty; give the path of a file to write")
     if path.is_dir():
         raise UserError(f"{option} {path} is a folder; give the path of a file to write")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{option} {path} exists and is not a regular file (a device, a pipe?); "
+                        "give the path of a file to write")
     if not path.parent.is_dir():
-        raise UserError(f"{option} {path}: the folder {path.parent} does not exist; create it first")
+        what = "is not a folder" if path.parent.exists() else "does not exist; create it first"
+        raise UserError(f"{option} {path}: {path.parent} {what}")
     if path.exists() and not force:
         raise UserError(f"{option} {path} exists; pass --force to overwrite it, or choose another path", 1)
+    _check_writable(path.parent, option)
 
 
 def earlier_outputs(folder: Path, produced: Sequence[str]) -> list[Path]:
@@ -86,12 +115,13 @@ def earlier_outputs(folder: Path, produced: Sequence[str]) -> list[Path]:
     return sorted({p for pattern in produced for p in folder.glob(pattern)})
 
 
-def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
-                     what: str = "run") -> None:
-    """Make `folder` ready for a command that writes the files or folders matching the glob
-    patterns `produced`: create it if missing; if an earlier run left such outputs there,
-    refuse (exit 1) unless `force`, and with `force` delete exactly those (nothing else in the
-    folder is touched). Call it after every other argument check and before any work."""
+def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
+                     what: str = "run") -> list[Path]:
+    """Can `folder` take the outputs matching the glob patterns `produced`? It is (or can
+    become) a writable folder, and holds no earlier such outputs unless `force`. Returns those
+    earlier outputs (what :func:`claim_output_dir` deletes); changes nothing."""
+    if str(folder) in ("", "."):
+        raise UserError(f"{option} is empty; give a folder (use ./NAME for one in this folder)")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{option} {folder} is a file; give a folder")
     old = earlier_outputs(folder, produced)
@@ -99,6 +129,20 @@ def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
         names = ", ".join(p.name for p in old[:4]) + (" …" if len(old) > 4 else "")
         raise UserError(f"{option} {folder} already holds an earlier {what} ({names}); pass --force to "
                         f"replace it, or choose another {option}", 1)
+    _check_writable(folder, option)
+    return old
+
+
+def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
+                     what: str = "run", checked: list[Path] | None = None) -> None:
+    """Make `folder` ready for a command that writes the files or folders matching the glob
+    patterns `produced`: create it if missing; if an earlier run left such outputs there,
+    refuse (exit 1) unless `force`, and with `force` delete exactly those (nothing else in the
+    folder is touched). Call it after every other argument check and before any work; a
+    command with several output folders calls :func:`check_output_dir` on all of them first
+    and passes each result as `checked`."""
+    old = checked if checked is not None else check_output_dir(
+        folder, produced=produced, force=force, option=option, what=what)
     for p in old:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -112,6 +156,8 @@ def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
 
 def require_dir(path: Path, option: str) -> None:
     """`path` is an existing folder, else a :class:`UserError` naming `option`."""
+    if str(path) == "":
+        raise UserError(f"{option} is empty; give a folder")
     if not path.exists():
         raise UserError(f"{option} {path} does not exist")
     if not path.is_dir():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -19,21 +20,28 @@ _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2
 ODE_OUTPUTS = ("results.json", "traces.csv", "ode_traces.png")
 
 
+_ENTRY = re.compile(r"(fixed|adaptive|replay)(?::(\d+)(?:-(\d+))?)?(?::r(\d+))?")
+
+
 def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
-    """``controller:C[-CMAX][:rR]`` entries -> (controller, C, C_max or None, rank or None)."""
+    """``controller[:C[-CMAX]][:rR]`` entries -> (controller, C, C_max or None, rank or None);
+    C defaults to 8."""
     out = []
     for item in grid.split(","):
-        parts = item.strip().split(":")
-        if parts[0] not in ("fixed", "adaptive", "replay"):
-            raise UserError(
-                f"--grid: controller must be 'fixed', 'adaptive' or 'replay'; got {parts[0]!r} in {item!r}")
-        try:
-            c, _, cmax = (parts[1] if len(parts) > 1 else "8").partition("-")
-            r = int(parts[2].lstrip("r")) if len(parts) > 2 else None
-            out.append((parts[0], int(c), int(cmax) if cmax else None, r))
-        except ValueError as e:
-            raise UserError(
-                f"--grid entries are controller:C[-CMAX][:rR], e.g. adaptive:8-16:r4; got {item!r}") from e
+        entry = item.strip()
+        m = _ENTRY.fullmatch(entry)
+        if m is None:
+            what = "an empty entry" if not entry else repr(entry)
+            raise UserError(f"--grid entries are controller[:C[-CMAX]][:rR] with controller fixed, adaptive "
+                            f"or replay, e.g. fixed:8,adaptive:8-16:r4; got {what} in {grid!r}")
+        kind, c, cmax, r = m.groups()
+        if kind == "fixed" and cmax is not None:
+            raise UserError(f"--grid entry {entry!r}: a fixed controller has no CMAX (use fixed:{c})")
+        for value, name in ((c, "C"), (cmax, "CMAX"), (r, "rank R")):
+            if value is not None and int(value) < 1:
+                raise UserError(f"--grid entry {entry!r}: {name} must be >= 1; got {value}")
+        out.append((kind, int(c) if c else 8, None if cmax is None else int(cmax),
+                    None if r is None else int(r)))
     return out
 
 
@@ -77,13 +85,14 @@ def ode_cmd(
     from ..experiments.ode_seq import OdeRunConfig
 
     try:
-        cfgs = [OdeRunConfig(data=data, controller=k, c=c, c_max=cm or c_max, rank=r or rank,
-                             max_rank=max_rank, layers=layers, depth_steps=depth_steps, epochs=epochs,
-                             seed=s)
+        cfgs = [OdeRunConfig(data=data, controller=k, c=c, c_max=c_max if cm is None else cm,
+                             rank=rank if r is None else r, max_rank=max_rank, layers=layers,
+                             depth_steps=depth_steps, epochs=epochs, seed=s)
                 for k, c, cm, r in entries for s in range(seeds)]
     except ValueError as e:  # name the options, not the dataclass fields
         msg = str(e).replace("`c_max`", "--c-max (or -CMAX in --grid)").replace("`c`", "C in --grid")
-        for f in ("max_rank", "depth_steps", "rank", "layers", "epochs"):
+        msg = msg.replace("`rank`", "--rank (or :rR in --grid)")
+        for f in ("max_rank", "depth_steps", "layers", "epochs"):
             msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
         raise UserError(msg) from e
     claim_output_dir(out, produced=ODE_OUTPUTS, force=force, what="ode experiment")

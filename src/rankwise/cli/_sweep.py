@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._sweep_spec import FILE_TASKS, METHODS, PAPER_TAUS, TASK_LR, TASK_NAMES
-from ._common import UserError, check_range, require_dir
+from ._common import UserError, check_output_dir, check_range, require_dir
 
 
 def _split(text: str, allowed, option: str) -> list[str]:
@@ -31,6 +31,19 @@ def _taus(text: str) -> list[float]:
     for t in taus:
         check_range("--taus: every τ", t, 0, 1)
     return taus
+
+
+def _check_data(kinds: list[str], data_dir: Path) -> None:
+    """Load each dataset the tasks need once, before any run starts: a missing or unreadable
+    file is reported now, not after the other runs."""
+    from ..data import load_cifar, load_mnist
+
+    for kind in kinds:
+        try:
+            load_mnist(data_dir) if kind == "mnist" else load_cifar(data_dir, int(kind[5:]))
+        except Exception as e:
+            raise UserError(f"--data-dir {data_dir}: cannot read the {kind} files: {e}; put them there or "
+                            "choose other --tasks") from e
 
 
 def sweep_cmd(
@@ -61,7 +74,7 @@ def sweep_cmd(
     equal_compression.md (each method against DLRT at the same final compression) and the plots
     acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png into --out.
 
-    Resuming: a run whose record (runs/<key>.json) exists with the same settings is not rerun.
+    Resuming: a run whose record (runs/KEY.json) exists with the same settings is not rerun.
     A record with the same key but other settings (e.g. other --epochs) makes the sweep stop
     before it starts, unless --force. The summary files and plots are rewritten from all
     records of this sweep every time."""
@@ -76,8 +89,9 @@ def sweep_cmd(
     need = sorted({FILE_TASKS[t] for t in task_list if t in FILE_TASKS})
     if need and data_dir is None:
         raise UserError(f"tasks on {', '.join(need)} read files: give their folder with --data-dir")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a folder")
+    if need:
+        _check_data(need, data_dir)
+    check_output_dir(out, produced=(), force=False, what="sweep")  # a writable folder (resumable)
     from ..experiments._sweep_spec import RunSpec
 
     specs = [RunSpec(task=task, method=method, tau=tau, seed=seed, epochs=epochs, rank=rank,

@@ -180,10 +180,13 @@ def stored_conflicts(specs: list[RunSpec], out: Path) -> dict[str, dict[str, tup
         if not p.exists():
             continue
         try:
-            stored = json.loads(p.read_text())["spec"]
+            record = json.loads(p.read_text())
+            stored = record["spec"] if isinstance(record, dict) else None
+            if not isinstance(stored, dict):
+                raise ValueError("no run settings in it")
             diff = s.differences(stored)
-        except (ValueError, KeyError, TypeError) as e:
-            diff = {"record": ("unreadable", str(e))}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            diff = {"record": ("unreadable", f"{type(e).__name__}: {e}")}
         if diff:
             conflicts[s.key] = diff
     return conflicts
@@ -203,10 +206,14 @@ def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = F
     conflicts = stored_conflicts(specs, out)
     if conflicts and not overwrite:
         key, diff = next(iter(conflicts.items()))
-        what = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+        if "record" in diff:
+            what = f"an unreadable record: {diff['record'][1]}"
+        else:
+            changes = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+            what = f"other settings ({changes})"
         more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
-        raise FileExistsError(f"{folder} holds run {key}{more} with other settings ({what}); pass "
-                              "--force (overwrite=True) to rerun and replace them, or choose another --out")
+        raise FileExistsError(f"{folder} holds run {key}{more} with {what}; rerun with --force to "
+                              "replace them, or choose another --out")
     folder.mkdir(parents=True, exist_ok=True)
     done: dict[str, dict] = {}
     for s in specs:
@@ -273,6 +280,11 @@ def summary_markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:  # a dense-only sweep draws no labelled lines here
+        ax.legend(fontsize=7)
+
+
 def plot(results: list[dict], out: Path) -> list[Path]:
     """acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png (one panel per task)."""
     import matplotlib
@@ -304,7 +316,7 @@ def plot(results: list[dict], out: Path) -> list[Path]:
         ax.set_title(task, fontsize=9)
         ax.set_xlabel("compression (1 − stored/dense)")
         ax.set_ylabel("test accuracy")
-    axes[0][-1].legend(fontsize=7)
+    _legend(axes[0][-1])
     save(fig, "acc_vs_compression.png")
 
     for key, name, ylabel in (("rank", "rank_vs_step.png", "sum of layer ranks"),
@@ -321,6 +333,6 @@ def plot(results: list[dict], out: Path) -> list[Path]:
             ax.set_title(f"{task}, τ = {mid}", fontsize=9)
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
-        axes[0][-1].legend(fontsize=7)
+        _legend(axes[0][-1])
         save(fig, name)
     return paths
