@@ -225,6 +225,33 @@ def test_torch_save_and_torch_export_round_trip_without_rankwise(tmp_path, one_t
     torch.testing.assert_close(torch.load(tmp_path / "y_program.pt"), y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_onnx_export_runs_in_onnxruntime(tmp_path, name, one_thread):
+    """torch.onnx.export of the exported model; onnxruntime (an independent runtime) gives the
+    low-rank model's outputs, for a batch size other than the one exported with."""
+    import warnings
+
+    import numpy as np
+    import onnxruntime as ort
+
+    build, shape = MODELS[name]
+    model = build(torch.float32).eval()
+    out = export(model)
+    x = sample(shape, batch=3)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    with warnings.catch_warnings():  # the exporter's own deprecation chatter
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(out, (x,), dynamo=True, verbose=False,
+                                    dynamic_shapes=({0: batch},))
+    program.save(str(tmp_path / "m.onnx"))
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    x7 = sample(shape, batch=7)
+    (y,) = session.run(None, {session.get_inputs()[0].name: x7.numpy()})
+    with torch.no_grad():
+        expected = dense_reference(model, x7).numpy()
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- (e) merge
 def n_params(m: nn.Module) -> int:
     return sum(p.numel() for p in m.parameters())
