@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ..experiments._sweep_spec import FILE_TASKS, METHODS, PAPER_TAUS, TASK_LR, TASK_NAMES
+from ..experiments._sweep_spec import DEFAULT_METHODS, FILE_TASKS, METHODS, PAPER_TAUS, TASK_LR, TASK_NAMES
 from ._common import UserError, check_output_dir, check_range, require_dir
 
 
@@ -51,7 +51,7 @@ def sweep_cmd(
                                        "three read files from --data-dir).")]
     = "lenet-digits,mlp-mnist1d,vgg-digits16",
     methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
-    = ",".join(METHODS),
+    = ",".join(DEFAULT_METHODS),
     taus: Annotated[str, typer.Option(help="Comma-separated τ values in [0, 1) (default: the paper's "
                                       "grid).")]
     = ",".join(f"{t:g}" for t in PAPER_TAUS),

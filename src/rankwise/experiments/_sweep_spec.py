@@ -12,7 +12,10 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "sdlrt": {"buffer": True, "feedback": True},
     "sdlrt-buffer": {"buffer": True, "feedback": False},
     "sdlrt-feedback": {"buffer": False, "feedback": True},
+    "dlrt-2pass": {"single_pass": False},  # classic two-pass BUG (a second forward/backward)
 }
+# what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
+DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
 
 

@@ -101,8 +101,8 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     if low:
         model = copy.deepcopy(base)
         to_low_rank(model, rank=spec.rank)
-        cls = DLRT if spec.method == "dlrt" else SDLRT
-        extra = {} if spec.method == "dlrt" else dict(METHODS[spec.method], omega=spec.omega)
+        cls = DLRT if spec.method.startswith("dlrt") else SDLRT
+        extra = dict(METHODS[spec.method]) if cls is DLRT else dict(METHODS[spec.method], omega=spec.omega)
         opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
         shadow = copy.deepcopy(base)
         shadow_opt = torch.optim.SGD(shadow.parameters(), lr=spec.lr, momentum=spec.momentum)
