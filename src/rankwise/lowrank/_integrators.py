@@ -108,16 +108,18 @@ def projected_update(aug: Augmented, dK: Tensor, dS: Tensor, dL: Tensor) -> Tens
 
 
 def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: int | None = None,
-             min_rank: int = 1, max_rank: int | None = None, buffer: bool = False) -> Truncated:
+             min_rank: int = 1, max_rank: int | None = None, buffer: bool = False,
+             svd: tuple[Tensor, Tensor, Tensor] | None = None) -> Truncated:
     """Steps 3–4: SVD of the small core, truncation and, with ``buffer``, the new buffer.
 
-    With ``rank`` the rank is fixed (fixed-rank BUG), otherwise chosen by the tolerance
-    ϑ = τ‖S̄‖_F and capped at the numerical rank (σ > k·eps·σ_max); then clamped to
-    [min_rank, max_rank] and to the core size k. The discarded tail is ≤ max(ϑ, roundoff).
+    With ``rank`` the rank is fixed (fixed-rank BUG, or a rank chosen by a budget), otherwise
+    chosen by the tolerance ϑ = τ‖S̄‖_F and capped at the numerical rank
+    (σ > k·eps·σ_max); then clamped to [min_rank, max_rank] and to the core size k. The
+    discarded tail is ≤ max(ϑ, roundoff). ``svd``: S̄'s SVD (P, s, Q) if already computed.
     """
     if (tau is None) == (rank is None):
         raise ValueError("give exactly one of `tau` (adaptive) or `rank` (fixed)")
-    P, s, Q = _svd(S_bar)
+    P, s, Q = core_svd(S_bar) if svd is None else svd
     k = s.numel()
     if rank is not None:
         r1 = rank
@@ -134,7 +136,7 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
                      P=P[:, :r1], Q=Q[:, :r1])
 
 
-def _svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Thin SVD ``S = P diag(s) Qᵀ`` (returns P, s, Q). LAPACK's divide-and-conquer SVD
     occasionally fails to converge on finite matrices; retry once in float64."""
     if not bool(torch.isfinite(S).all()):

@@ -125,18 +125,59 @@ def _augmented_core_state(aug: bug.Augmented, st_S: State, st_K: State, st_L: St
     return out
 
 
+TAU_MAX = 0.5  # the two-sided rule never relaxes τ beyond max(initial τ, this)
+
+
+def feedback_tau(tau: float, rank: int, r_init: int, *, rule: str, omega: float, tau_min: float = 0.0,
+                 tau_max: float = TAU_MAX) -> float:
+    """SDLRT's tolerance feedback after a truncation to `rank`, for a layer that started at
+    rank `r_init`.
+
+    - ``"seed"`` (the paper): τ ← max(ωτ, τ_min) whenever rank < r_init. It only ever lowers
+      τ, so a layer whose rank settles below r_init drives τ to τ_min (0 by default) and its
+      rank then grows to r_init or beyond: no compression.
+    - ``"two-sided"``: the same, and τ ← min(τ/ω, τ_max) whenever rank > r_init. τ stops
+      moving once the rank sits at r_init, so the rule converges; it keeps the rank near
+      r_init instead of drifting upwards.
+    """
+    if rank < r_init:
+        return max(omega * tau, tau_min)
+    if rule == "two-sided" and rank > r_init:
+        return min(tau / omega, tau_max)
+    return tau
+
+
 class _AugmentedBUG(torch.optim.Optimizer):
     """Shared engine of :class:`DLRT` and :class:`SDLRT` (not public; build those)."""
 
-    def __init__(self, model: nn.Module, lr: float, *, tau: float, momentum: float,
+    def __init__(self, model: nn.Module, lr: float, *, tau: float | None, momentum: float,
                  optimizer: str, weight_decay: float, single_pass: bool, min_rank: int,
                  max_rank: int | None, adaptive: bool, update_every: int, buffer: bool,
-                 feedback: bool, omega: float, tau_min: float, betas: tuple[float, float],
-                 eps: float, on_nonfinite: Literal["raise", "skip"]) -> None:
+                 feedback: bool | str, omega: float, tau_min: float, betas: tuple[float, float],
+                 eps: float, on_nonfinite: Literal["raise", "skip"], target: float | None = None,
+                 ramp_steps: int = 200) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                optimizer=optimizer, betas=betas, eps=eps)
+        if tau is None and target is None:
+            raise ValueError("give `tau` (a relative truncation tolerance, e.g. tau=0.1) or `target` "
+                             "(the compression to reach, e.g. target=0.9)")
+        if tau is not None and target is not None:
+            raise ValueError(f"give `tau` or `target`, not both (got tau={tau}, target={target}): with a "
+                             "target the budget chooses every layer's rank")
+        if target is not None:
+            if not (isinstance(target, int | float) and 0 < target < 1):
+                raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9 for 10 % of the "
+                                 f"dense parameters; got {target!r}")
+            if not adaptive:
+                raise ValueError("`target` needs adaptive=True (the budget changes the ranks)")
+            if not (isinstance(ramp_steps, int) and ramp_steps >= 0):
+                raise ValueError(f"`ramp_steps` must be an int >= 0; got {ramp_steps!r}")
+            tau = 0.0
+        if feedback not in (True, False, "seed", "two-sided"):
+            raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "
+                             f"False; got {feedback!r}")
         if not 0 <= tau < 1:
             raise ValueError(f"`tau` must be in [0, 1); got {tau}")
         if not 0 < omega < 1:
@@ -161,10 +202,20 @@ class _AugmentedBUG(torch.optim.Optimizer):
         super().__init__(list(model.parameters()), defaults)
         self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
                         adaptive=adaptive, update_every=update_every, buffer=buffer,
-                        feedback=feedback, omega=omega, tau_min=tau_min, on_nonfinite=on_nonfinite)
+                        feedback="seed" if feedback is True else feedback, omega=omega,
+                        tau_min=tau_min, on_nonfinite=on_nonfinite, target=target,
+                        ramp_steps=ramp_steps)
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         for layer in self.layers.values():
             self.state[layer.S].update(tau=tau, r_init=layer.rank, K={}, L={}, S={})
+        if target is not None:
+            from ._metrics import compression
+
+            c = compression(model)
+            self._budget = {"dense": c["dense_params"], "start": c["stored_params"],
+                            "other": c["stored_params"] - sum(
+                                m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values()),
+                            "target": (1 - target) * c["dense_params"]}
         self._set_modes()
 
     # ----------------------------------------------------------------- public queries
@@ -175,6 +226,30 @@ class _AugmentedBUG(torch.optim.Optimizer):
     def taus(self) -> dict[str, float]:
         """{layer name: current truncation tolerance τ} (SDLRT's feedback lowers it)."""
         return {n: self.state[m.S]["tau"] for n, m in self.layers.items()}
+
+    def budget(self) -> dict[str, float] | None:
+        """With a `target`: the parameter budget now and at the end (``budget_params``,
+        ``target_params``; U, S, V of every low-rank layer plus all other parameters), the
+        parameters stored now (``stored_params``) and the compression they give
+        (``compression``, as :func:`rankwise.compression`'s ratio); ``None`` without a target."""
+        if self.cfg["target"] is None:
+            return None
+        b = self._budget
+        stored = b["other"] + sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
+        return {"target": self.cfg["target"], "budget_params": self._budget_now(),
+                "target_params": b["target"], "stored_params": stored,
+                "compression": 1 - stored / b["dense"]}
+
+    def _budget_now(self) -> float:
+        """The budget (stored parameters) at this augmentation: from the model's size when the
+        optimizer was built down to the target over `ramp_steps` augmentations, cubically."""
+        from ._budget import budget_schedule
+
+        b, ramp = self._budget, self.cfg["ramp_steps"]
+        t = self._hp()["global_step"] // self.cfg["update_every"]
+        if ramp == 0 or t >= ramp:
+            return b["target"]
+        return budget_schedule(t, ramp, b["start"], b["target"], warmup=0.0, final=0.0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -378,8 +453,13 @@ class _AugmentedBUG(torch.optim.Optimizer):
                 return False
             if not _all_finite([plan[1] for plan in plans.values()]):  # before any layer is written
                 return self._nonfinite("non-finite augmented core (overflow in the update)")
+            svds = ranks = {}
+            if self.cfg["target"] is not None:
+                svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
+                ranks = self._budget_ranks(plans, svds)
             for name, (aug, S_bar, states) in plans.items():
-                self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None)
+                self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None,
+                               rank=ranks.get(name), svd=svds.get(name))
             done = True
         finally:
             if not done:  # two-pass: the layers may hold the augmented factors; put W0 back
@@ -417,18 +497,42 @@ class _AugmentedBUG(torch.optim.Optimizer):
             plan[1] = S_bar + dS
         return True
 
-    def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool) -> None:
+    def _rank_cap(self, layer) -> int:
+        cfg = self.cfg
+        return layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
+
+    def _budget_ranks(self, plans, svds) -> dict[str, int]:
+        """Every planned layer's rank under the current budget, allocated model-wide
+        (:func:`._budget.allocate_ranks`); layers not in this step keep their rank and cost."""
+        from ._budget import allocate_ranks, factor_cost
+
+        fixed = self._budget["other"] + sum(factor_cost(m.out_features, m.in_features, m.rank)
+                                            for n, m in self.layers.items() if n not in plans)
+        spectra = {n: svd[1] for n, svd in svds.items()}
+        shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in plans}
+        caps = {n: self._rank_cap(self.layers[n]) for n in plans}
+        return allocate_ranks(spectra, shapes, self._budget_now() - fixed, min_rank=self.cfg["min_rank"],
+                              max_ranks=caps)
+
+    def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool, rank: int | None = None,
+                  svd=None) -> None:
         cfg, st = self.cfg, self.state[layer.S]
-        hi = layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
+        hi = self._rank_cap(layer)
         lo = min(cfg["min_rank"], hi)
-        if cfg["adaptive"]:
+        if rank is not None:  # chosen by the budget
+            out = bug.truncate(aug, S_bar, rank=max(1, rank), buffer=cfg["buffer"], svd=svd)
+            s = svd[1].double()
+            # the relative tail this rank discards: the τ that would have given it
+            st["tau"] = float(s[out.S.shape[0]:].norm() / s.norm()) if float(s.norm()) > 0 else 0.0
+        elif cfg["adaptive"]:
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
                                buffer=cfg["buffer"])
         else:
             out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg["buffer"])
         r1 = out.S.shape[0]
-        if cfg["feedback"] and r1 < st["r_init"]:
-            st["tau"] = max(cfg["omega"] * st["tau"], cfg["tau_min"])
+        if rank is None and cfg["feedback"]:
+            st["tau"] = feedback_tau(st["tau"], r1, st["r_init"], rule=cfg["feedback"], omega=cfg["omega"],
+                                     tau_min=cfg["tau_min"], tau_max=max(cfg["tau"], TAU_MAX))
         TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
         st["K"] = transport(states["K"], None, TV)
         st["L"] = transport(states["L"], None, TU)
@@ -452,7 +556,16 @@ _COMMON_DOC = """
       the same rule in the same ``step``.
     - `lr`: learning rate, finite and >= 0 (``param_groups[0]["lr"]``, so LR schedulers work).
     - `tau`: relative truncation tolerance τ in [0, 1): the discarded tail satisfies
-      ‖Σ_tail‖_F ≤ τ‖S̄‖_F.
+      ‖Σ_tail‖_F ≤ τ‖S̄‖_F. Give `tau` or `target`.
+    - `target`: instead of τ, the compression to reach (``rankwise.compression(model)["ratio"]``,
+      e.g. 0.9 keeps 10 % of the dense parameters, counting every parameter of the model).
+      At each augmentation the ranks are allocated model-wide: singular directions are kept in
+      decreasing order of their share of their layer's energy per parameter they cost, until
+      the budget is spent (``rankwise.lowrank._budget.allocate_ranks``). The budget falls
+      from the model's size at construction to the target over `ramp_steps` augmentations
+      (cubically, AdaLoRA's schedule: fast while the spectra still hold much small energy),
+      then stays there. ``taus()`` then reports each layer's relative discarded tail, and
+      ``budget()`` the budget and the compression reached. SDLRT's τ feedback does not apply.
     - `momentum`: SGD momentum μ in [0, 1) (``torch.optim.SGD`` accepts μ >= 1, but then the
       buffer m ← μm + g never decays and training diverges, so it is rejected here).
     - `weight_decay`: L2 weight decay >= 0 (on W for low-rank layers).
@@ -481,7 +594,8 @@ class DLRT(_AugmentedBUG):
     Example: ``opt = DLRT(model, 0.05, tau=0.1); loss = opt.step(closure)``.
     """
 
-    def __init__(self, model: nn.Module, lr: float, *, tau: float, momentum: float = 0.0,
+    def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
+                 target: float | None = None, ramp_steps: int = 200, momentum: float = 0.0,
                  optimizer: str = "sgd", weight_decay: float = 0.0, single_pass: bool = True,
                  min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
                  update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
@@ -490,7 +604,7 @@ class DLRT(_AugmentedBUG):
                          weight_decay=weight_decay, single_pass=single_pass, min_rank=min_rank,
                          max_rank=max_rank, adaptive=adaptive, update_every=update_every,
                          buffer=False, feedback=False, omega=0.5, tau_min=0.0, betas=betas,
-                         eps=eps, on_nonfinite=on_nonfinite)
+                         eps=eps, on_nonfinite=on_nonfinite, target=target, ramp_steps=ramp_steps)
 
 
 class SDLRT(_AugmentedBUG):
@@ -499,17 +613,20 @@ class SDLRT(_AugmentedBUG):
     - **buffer**: the augmented bases also span the previous step's buffer,
       ``Ū = orth[U0, ΔK, U_buf]``; after truncation to rank r1 the next ≤ r1 discarded
       singular directions (mapped through the augmented bases) become the new buffer.
-    - **feedback**: whenever the new rank is below the layer's initial rank, τ ← ωτ
-      (never below `tau_min`). The feedback fires on *every* such step, so τ decays
-      geometrically while the rank stays low: by design default SDLRT pushes each layer back
-      to (at least) its initial rank. Use `tau_min` as a floor.
+    - **feedback**: ``True`` / ``"seed"`` (the paper's rule): whenever the new rank is below
+      the layer's initial rank, τ ← ωτ (never below `tau_min`). The feedback fires on *every*
+      such step, so τ decays geometrically while the rank stays low: by design default SDLRT
+      pushes each layer back to (at least) its initial rank. Use `tau_min` as a floor.
+      ``"two-sided"`` also relaxes τ ← τ/ω (up to max(τ, 0.5)) whenever the rank is above the
+      initial rank, so τ settles once the rank sits there (:func:`feedback_tau`).
     """ + _COMMON_DOC + """
     - `omega`: feedback factor ω in (0, 1); `buffer`, `feedback`: switch each part off
       separately (with both off this is DLRT).
     """
 
-    def __init__(self, model: nn.Module, lr: float, *, tau: float, omega: float = 0.8,
-                 buffer: bool = True, feedback: bool = True, tau_min: float = 0.0,
+    def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
+                 target: float | None = None, ramp_steps: int = 200, omega: float = 0.8,
+                 buffer: bool = True, feedback: bool | str = True, tau_min: float = 0.0,
                  momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
                  single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
                  adaptive: bool = True, update_every: int = 1,
@@ -519,4 +636,5 @@ class SDLRT(_AugmentedBUG):
                          weight_decay=weight_decay, single_pass=single_pass, min_rank=min_rank,
                          max_rank=max_rank, adaptive=adaptive, update_every=update_every,
                          buffer=buffer, feedback=feedback, omega=omega, tau_min=tau_min,
-                         betas=betas, eps=eps, on_nonfinite=on_nonfinite)
+                         betas=betas, eps=eps, on_nonfinite=on_nonfinite, target=target,
+                         ramp_steps=ramp_steps)

@@ -1,0 +1,114 @@
+"""DLRT / SDLRT with a compression target (a global parameter budget) and SDLRT's two-sided
+feedback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rankwise
+from helpers import mse_closure, rank3_problem
+from rankwise.lowrank._optim import feedback_tau
+from rankwise.models import lenet, mlp
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _train_digits(model, opt, steps: int, batch: int = 64, seed: int = 0) -> None:
+    from rankwise.data import load_digits
+
+    x, y = load_digits(seed=seed).train.tensors
+    if isinstance(model[0], torch.nn.Linear | rankwise.LowRankLinear):
+        x = x.flatten(1)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        b = torch.randint(len(x), (batch,), generator=g)
+
+        def closure(b=b):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x[b]), y[b])
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+@pytest.mark.parametrize(("name", "target", "kw"), [
+    ("mlp", 0.9, {}),
+    ("mlp", 0.8, {"update_every": 3}),
+    ("lenet", 0.9, {}),                       # conv layers
+    ("lenet", 0.95, {"single_pass": False}),  # two-pass
+])
+@pytest.mark.parametrize("cls", [rankwise.DLRT, rankwise.SDLRT])
+def test_target_compression_is_reached(name, target, kw, cls):
+    torch.manual_seed(0)
+    model = mlp(64, 256, depth=3) if name == "mlp" else lenet()
+    rankwise.to_low_rank(model, rank=24)
+    opt = cls(model, 0.05, target=target, momentum=0.9, ramp_steps=12, **kw)
+    start = rankwise.compression(model)["ratio"]
+    _train_digits(model, opt, steps=45)
+    got = rankwise.compression(model)["ratio"]
+    assert abs(got - target) <= 0.01, (start, got, opt.ranks())
+    b = opt.budget()
+    assert b["compression"] == pytest.approx(got) and b["budget_params"] == pytest.approx(b["target_params"])
+    assert all(0 <= t < 1 for t in opt.taus().values())  # the implied relative tails
+
+
+def test_budget_is_reached_gradually_and_from_a_pretrained_model():
+    torch.manual_seed(0)
+    model = mlp(64, 256, depth=3)
+    opt_dense = torch.optim.SGD(model.parameters(), lr=0.05)
+    _train_digits(model, opt_dense, steps=30)  # "pretrained"
+    rankwise.to_low_rank(model, rank=64)
+    opt = rankwise.DLRT(model, 0.05, target=0.9, ramp_steps=20)
+    seen = []
+    for _ in range(25):
+        _train_digits(model, opt, steps=1)
+        seen.append(rankwise.compression(model)["ratio"])
+    assert seen[0] < 0.85 and abs(seen[-1] - 0.9) <= 0.01
+    assert seen[9] < seen[-1] - 0.005  # not all at once
+
+
+def test_tau_or_target_is_required_and_not_both():
+    model = rankwise.to_low_rank(mlp(64, 32, depth=2), rank=4)
+    with pytest.raises(ValueError, match="give `tau`"):
+        rankwise.DLRT(model, 0.1)
+    with pytest.raises(ValueError, match="not both"):
+        rankwise.SDLRT(model, 0.1, tau=0.1, target=0.9)
+    with pytest.raises(ValueError, match="`target` must be a compression in"):
+        rankwise.DLRT(model, 0.1, target=1.5)
+    with pytest.raises(ValueError, match="adaptive=True"):
+        rankwise.DLRT(model, 0.1, target=0.5, adaptive=False)
+    assert rankwise.DLRT(model, 0.1, tau=0.1).budget() is None
+
+
+def test_feedback_rules():
+    kw = dict(omega=0.5, tau_min=0.01, tau_max=0.4)
+    assert feedback_tau(0.2, 3, 5, rule="seed", **kw) == 0.1
+    assert feedback_tau(0.2, 7, 5, rule="seed", **kw) == 0.2        # the seed never relaxes
+    assert feedback_tau(0.2, 7, 5, rule="two-sided", **kw) == 0.4   # two-sided does
+    assert feedback_tau(0.3, 7, 5, rule="two-sided", **kw) == 0.4   # up to tau_max
+    assert feedback_tau(0.2, 5, 5, rule="two-sided", **kw) == 0.2   # at the target: still
+    assert feedback_tau(0.015, 3, 5, rule="two-sided", **kw) == 0.01
+
+
+def test_two_sided_feedback_settles():
+    """Noisy data from a rank-3 map, layers started at rank 3 with a small τ: early on the
+    rank goes above 3, the two-sided rule relaxes τ until it is back at 3, and from then on
+    neither moves (the paper's rule only ever lowers τ; here it never fires)."""
+    X, Y, _ = rank3_problem(m=30, n=20)
+    g = torch.Generator().manual_seed(5)
+    Y = Y + 0.05 * torch.randn(Y.shape, generator=g, dtype=Y.dtype)
+    torch.manual_seed(0)
+    layer = rankwise.LowRankLinear(20, 30, rank=3, bias=False).double()
+    model = torch.nn.Sequential(layer)
+    opt = rankwise.SDLRT(model, 0.05, tau=0.05, omega=0.8, feedback="two-sided", buffer=False)
+    closure = mse_closure(opt, model, X, Y)
+    history = []
+    for _ in range(200):
+        opt.step(closure)
+        history.append((opt.taus()["0"], layer.rank))
+    assert max(t for t, _ in history) > 0.05  # it relaxed τ at some point
+    tail = history[-150:]
+    assert {r for _, r in tail} == {3} and len({t for t, _ in tail}) == 1  # settled
