@@ -109,3 +109,16 @@ def test_equal_compression_interpolates_the_reference_curve():
     md = equal_compression_markdown(rs)
     assert "| t | sdlrt | 0.2 | 0.700 | 0.8000 ± 0.0000 | 0.7000 | +0.1000 |" in md
     assert "outside [0.500, 0.900]" in md
+
+
+def test_sweep_with_targets_lands_on_them(tmp_path):
+    out = tmp_path / "t"
+    r = run_cli("sweep", "--tasks", "mlp-mnist1d", "--methods", "dlrt,sdlrt", "--targets", "0.9",
+                "--seeds", "1", "--epochs", "1", "--out", out)
+    assert r.exit_code == 0, r
+    for method in ("dlrt", "sdlrt"):
+        rec = json.loads((out / "runs" / f"mlp-mnist1d_{method}_target0.9_s0.json").read_text())
+        assert abs(rec["compression"] - 0.9) <= 0.01 and rec["spec"]["target"] == 0.9
+    assert "| mlp-mnist1d | dlrt | 0.9 | 1 |" in (out / "summary.md").read_text()
+    r = run_cli("sweep", "--targets", "1.2")
+    assert r.exit_code == 2 and "--targets: every target must be in (0, 1); got 1.2" in r.stderr

@@ -33,6 +33,18 @@ def _taus(text: str) -> list[float]:
     return taus
 
 
+def _targets(text: str) -> list[float]:
+    try:
+        targets = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError as e:
+        raise UserError(f"--targets must be comma-separated numbers, e.g. 0.8,0.9; got {text!r}") from e
+    if not targets:
+        raise UserError("--targets is empty; give at least one compression in (0, 1)")
+    for t in targets:
+        check_range("--targets: every target", t, 0, 1, lo_open=True)
+    return targets
+
+
 def _check_data(kinds: list[str], data_dir: Path) -> None:
     """Load each dataset the tasks need once, before any run starts: a missing or unreadable
     file is reported now, not after the other runs."""
@@ -65,6 +77,9 @@ def sweep_cmd(
     data_dir: Annotated[Path | None, typer.Option(help="Folder with MNIST IDX / CIFAR batches.")] = None,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, runs.csv, summary.md, PNGs.")]
     = Path("runs/sweep"),
+    targets: Annotated[str | None, typer.Option(
+        help="Comma-separated compression targets in (0, 1), e.g. 0.8,0.9,0.95: the low-rank methods "
+             "then reach each by a global parameter budget instead of using --taus.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings "
                                         "differ from this sweep's (default: refuse).")] = False,
 ) -> None:
@@ -81,6 +96,7 @@ def sweep_cmd(
     task_list = _split(tasks, TASK_NAMES, "--tasks")
     method_list = _split(methods, tuple(METHODS), "--methods")
     tau_list = _taus(taus)
+    target_list = None if targets is None else _targets(targets)
     if lr is not None:
         check_range("--lr", lr, 0, None, lo_open=True)
     check_range("--omega", omega, 0, 1, lo_open=True)
@@ -94,11 +110,12 @@ def sweep_cmd(
     check_output_dir(out, produced=(), force=False, what="sweep")  # a writable folder (resumable)
     from ..experiments._sweep_spec import RunSpec
 
-    specs = [RunSpec(task=task, method=method, tau=tau, seed=seed, epochs=epochs, rank=rank,
+    levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
+    specs = [RunSpec(task=task, method=method, seed=seed, epochs=epochs, rank=rank,
                      lr=lr or TASK_LR.get(task, 0.05), omega=omega,
-                     data_dir=str(data_dir) if data_dir else None)
+                     data_dir=str(data_dir) if data_dir else None, **level)
              for task in task_list for method in method_list
-             for tau in ([0.0] if method == "dense" else tau_list) for seed in range(seeds)]
+             for level in ([{"tau": 0.0}] if method == "dense" else levels) for seed in range(seeds)]
     from rich.console import Console
     from rich.progress import Progress
 

@@ -13,6 +13,7 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "sdlrt-buffer": {"buffer": True, "feedback": False},
     "sdlrt-feedback": {"buffer": False, "feedback": True},
     "dlrt-2pass": {"single_pass": False},  # classic two-pass BUG (a second forward/backward)
+    "sdlrt-2sided": {"buffer": True, "feedback": "two-sided"},  # τ feedback that also relaxes
 }
 # what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
 DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
@@ -47,6 +48,8 @@ class RunSpec:
     omega: float = 0.8
     dt_every: int = 5
     data_dir: str | None = None
+    target: float | None = None  # a compression target (global budget) instead of τ
+    ramp: float = 0.6  # with a target: the share of the training steps over which it is reached
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -64,20 +67,27 @@ class RunSpec:
             raise ValueError(f"momentum must be in [0, 1); got {self.momentum}")
         if not 0 < self.omega < 1:
             raise ValueError(f"omega must be in (0, 1); got {self.omega}")
+        if self.target is not None and not 0 < self.target < 1:
+            raise ValueError(f"target must be in (0, 1); got {self.target}")
+        if not 0 <= self.ramp <= 1:
+            raise ValueError(f"ramp must be in [0, 1]; got {self.ramp}")
         if self.task in FILE_TASKS and not self.data_dir:
             raise ValueError(f"task {self.task} reads {FILE_TASKS[self.task]} files: give their folder "
                              "(data_dir / --data-dir)")
 
     def differences(self, other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """{field: (stored value, this value)} for the fields where the stored spec `other`
-        (a dict, as in a run record) differs from this one."""
+        (a dict, as in a run record) differs from this one; a field the record predates
+        counts as its default."""
         mine = asdict(self)
-        return {f.name: (other.get(f.name), mine[f.name]) for f in fields(self)
-                if other.get(f.name) != mine[f.name]}
+        return {f.name: (other.get(f.name, f.default), mine[f.name]) for f in fields(self)
+                if other.get(f.name, f.default) != mine[f.name]}
 
     @property
     def key(self) -> str:
-        tau = "" if self.method == "dense" else f"_tau{self.tau:g}"
-        return f"{self.task}_{self.method}{tau}_s{self.seed}"
+        if self.method == "dense":
+            return f"{self.task}_{self.method}_s{self.seed}"
+        level = f"_target{self.target:g}" if self.target is not None else f"_tau{self.tau:g}"
+        return f"{self.task}_{self.method}{level}_s{self.seed}"
 
 

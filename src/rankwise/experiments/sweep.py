@@ -103,7 +103,12 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
         to_low_rank(model, rank=spec.rank)
         cls = DLRT if spec.method.startswith("dlrt") else SDLRT
         extra = dict(METHODS[spec.method]) if cls is DLRT else dict(METHODS[spec.method], omega=spec.omega)
-        opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
+        if spec.target is not None:  # a global budget; SDLRT's τ feedback does not apply
+            extra.pop("feedback", None)
+            ramp = int(spec.ramp * spec.epochs * math.ceil(len(x) / spec.batch_size))
+            opt = cls(model, spec.lr, target=spec.target, ramp_steps=ramp, momentum=spec.momentum, **extra)
+        else:
+            opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
         shadow = copy.deepcopy(base)
         shadow_opt = torch.optim.SGD(shadow.parameters(), lr=spec.lr, momentum=spec.momentum)
     else:
@@ -239,7 +244,7 @@ def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = F
 
 
 # ------------------------------------------------------------------------- reporting
-_CSV = ("key", "task", "method", "tau", "seed", "test_acc", "train_acc", "compression",
+_CSV = ("key", "task", "method", "tau_or_target", "seed", "test_acc", "train_acc", "compression",
         "training_compression", "final_d_t", "seconds_per_epoch", "state_mib", "peak_rss_mib", "ranks")
 
 
@@ -249,24 +254,32 @@ def write_csv(results: list[dict], path: Path) -> None:
     w.writerow(_CSV)
     for r in results:
         s = r["spec"]
-        w.writerow([r["key"], s["task"], s["method"], s["tau"] if s["method"] != "dense" else "",
+        w.writerow([r["key"], s["task"], s["method"], _level(s) if s["method"] != "dense" else "",
                     s["seed"], *(f"{r[k]:.6g}" for k in _CSV[5:13]),
                     " ".join(f"{k}:{v}" for k, v in r["ranks"].items())])
     write_atomic(path, buf.getvalue().encode())
+
+
+def _level(spec: dict) -> float | None:
+    """What a run's compression was asked with: its target if it had one, else its τ."""
+    if spec["method"] == "dense":
+        return None
+    return spec["tau"] if spec.get("target") is None else spec["target"]
 
 
 def _groups(results: list[dict]) -> dict[tuple, list[dict]]:
     g: dict[tuple, list[dict]] = {}
     for r in results:
         s = r["spec"]
-        g.setdefault((s["task"], s["method"], s["tau"] if s["method"] != "dense" else None), []).append(r)
+        g.setdefault((s["task"], s["method"], _level(s)), []).append(r)
     return g
 
 
 def summary_markdown(results: list[dict]) -> str:
     """Mean ± std over seeds per (task, method, τ)."""
-    lines = ["| task | method | τ | seeds | diverged | test acc | compression | training compression "
-             "| final d_t | s/epoch | state MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | method | τ or target | seeds | diverged | test acc | compression "
+             "| training compression | final d_t | s/epoch | state MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for (task, method, tau), rs in sorted(_groups(results).items(), key=lambda kv: (kv[0][0], kv[0][1],
                                                                                       kv[0][2] or 0)):
         lines.append(f"| {task} | {method} | {'' if tau is None else tau} | {len(rs)} | "
@@ -321,16 +334,16 @@ def plot(results: list[dict], out: Path) -> list[Path]:
 
     for key, name, ylabel in (("rank", "rank_vs_step.png", "sum of layer ranks"),
                               ("d_t", "dt_vs_step.png", "d_t (seed 0)")):
-        taus = sorted({r["spec"]["tau"] for r in results if r["spec"]["method"] != "dense"})
+        taus = sorted({_level(r["spec"]) for r in results if r["spec"]["method"] != "dense"})
         mid = taus[len(taus) // 2] if taus else None
         fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
         for ax, task in zip(axes[0], tasks, strict=True):
             for r in results:
                 s = r["spec"]
-                if s["task"] == task and s["seed"] == 0 and s["method"] != "dense" and s["tau"] == mid:
+                if s["task"] == task and s["seed"] == 0 and s["method"] != "dense" and _level(s) == mid:
                     ax.plot([p["step"] for p in r["trace"]], [p[key] for p in r["trace"]],
                             label=s["method"], lw=1)
-            ax.set_title(f"{task}, τ = {mid}", fontsize=9)
+            ax.set_title(f"{task}, τ or target = {mid}", fontsize=9)
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
         _legend(axes[0][-1])

@@ -8,12 +8,13 @@ import numpy as np
 
 
 def _curve(results: list[dict], task: str, method: str) -> list[tuple[float, float, float, float]]:
-    """(τ, mean compression, mean test acc, std test acc) per τ, sorted by compression."""
+    """(τ or target, mean compression, mean test acc, std test acc) per τ (or per target, for
+    runs with one), sorted by compression."""
     by: dict[float, list[dict]] = {}
     for r in results:
         s = r["spec"]
         if s["task"] == task and s["method"] == method:
-            by.setdefault(s["tau"], []).append(r)
+            by.setdefault(s["tau"] if s.get("target") is None else s["target"], []).append(r)
     pts = []
     for tau, rs in by.items():
         accs = [r["test_acc"] for r in rs]
