@@ -112,3 +112,38 @@ def test_two_sided_feedback_settles():
     assert max(t for t, _ in history) > 0.05  # it relaxed τ at some point
     tail = history[-150:]
     assert {r for _, r in tail} == {3} and len({t for t, _ in tail}) == 1  # settled
+
+
+@pytest.mark.parametrize(("name", "target"), [("mlp", 0.9), ("lenet", 0.8), ("lenet", 0.95)])
+def test_to_low_rank_with_a_target(name, target):
+    torch.manual_seed(0)
+    model = mlp(64, 256, depth=3) if name == "mlp" else lenet()
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    rankwise.to_low_rank(model, target=target)
+    assert abs(rankwise.compression(model)["ratio"] - target) <= 0.01
+    for n, m in model.named_modules():  # each layer is the truncated SVD of its weight
+        if isinstance(m, rankwise.AbstractLowRankLayer):
+            W = dense[f"{n}.weight"].reshape(m.out_features, -1).double()
+            s = torch.linalg.svdvals(W)
+            err = torch.linalg.matrix_norm(m.weight_matrix().detach().double() - W)
+            assert float(err) == pytest.approx(float(s[m.rank:].norm()), rel=1e-4, abs=1e-5)
+
+
+def test_to_low_rank_target_gives_more_rank_to_the_slowly_decaying_layer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32, bias=False), torch.nn.Linear(32, 32, bias=False))
+    g = torch.Generator().manual_seed(0)
+    for lin, decay in ((model[0], 0.5), (model[1], 0.95)):
+        U, _ = torch.linalg.qr(torch.randn(32, 32, generator=g))
+        V, _ = torch.linalg.qr(torch.randn(32, 32, generator=g))
+        lin.weight.data = U @ torch.diag(decay ** torch.arange(32.0)) @ V.T
+    rankwise.to_low_rank(model, target=0.6)
+    assert model[1].rank > model[0].rank
+
+
+def test_to_low_rank_target_errors():
+    model = mlp(64, 32, depth=2)
+    with pytest.raises(ValueError, match="`target` alone"):
+        rankwise.to_low_rank(model, rank=4, target=0.5)
+    with pytest.raises(ValueError, match="cannot be reached"):
+        rankwise.to_low_rank(model, target=0.9999, include=["fc1"])

@@ -14,6 +14,10 @@ METHODS: dict[str, dict[str, Any] | None] = {
     "sdlrt-feedback": {"buffer": False, "feedback": True},
     "dlrt-2pass": {"single_pass": False},  # classic two-pass BUG (a second forward/backward)
     "sdlrt-2sided": {"buffer": True, "feedback": "two-sided"},  # τ feedback that also relaxes
+    # baselines a user might pick instead (need a target): a fixed factorisation U S Vᵀ at the
+    # target's ranks trained by plain SGD; dense training, SVD to the target, SGD fine-tuning
+    "fixed": {"baseline": "fixed"},
+    "dense-svd": {"baseline": "dense-svd"},
 }
 # what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
 DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
@@ -50,6 +54,7 @@ class RunSpec:
     data_dir: str | None = None
     target: float | None = None  # a compression target (global budget) instead of τ
     ramp: float = 0.6  # with a target: the share of the training steps over which it is reached
+    finetune_epochs: int = 2  # dense-svd: epochs of fine-tuning the factors after the SVD
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -71,6 +76,9 @@ class RunSpec:
             raise ValueError(f"target must be in (0, 1); got {self.target}")
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp must be in [0, 1]; got {self.ramp}")
+        if (METHODS[self.method] or {}).get("baseline") and self.target is None:
+            raise ValueError(f"method {self.method} is a baseline at a compression target: give a target "
+                             "(--targets)")
         if self.task in FILE_TASKS and not self.data_dir:
             raise ValueError(f"task {self.task} reads {FILE_TASKS[self.task]} files: give their folder "
                              "(data_dir / --data-dir)")

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._io import write_atomic
-from ..lowrank import DLRT, SDLRT, compression, stability_distance, to_low_rank
+from ..lowrank import DLRT, SDLRT, AbstractLowRankLayer, compression, stability_distance, to_low_rank
 from ..models import lenet, mlp, vgg
 from ._stats import mean_std
 from ._sweep_spec import METHODS as METHODS
@@ -97,8 +97,13 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     x, y, xt, yt = loader(spec.seed, spec.data_dir)
     torch.manual_seed(spec.seed)
     base = factory()
-    low = METHODS[spec.method] is not None
-    if low:
+    kind = (METHODS[spec.method] or {}).get("baseline")
+    low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT (with a dense shadow)
+    epochs = spec.epochs + (spec.finetune_epochs if kind == "dense-svd" else 0)
+    if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then plain SGD
+        model = to_low_rank(copy.deepcopy(base), target=spec.target)
+        opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
+    elif low:
         model = copy.deepcopy(base)
         to_low_rank(model, rank=spec.rank)
         cls = DLRT if spec.method.startswith("dlrt") else SDLRT
@@ -118,7 +123,10 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     trace: list[dict] = []
     epoch_times: list[float] = []
     step, diverged = 0, None
-    for _ in range(spec.epochs):
+    for epoch in range(epochs):
+        if kind == "dense-svd" and epoch == spec.epochs:  # trained dense: truncate, fine-tune
+            to_low_rank(model, target=spec.target)
+            opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
         order = torch.randperm(len(x), generator=gen)
         t_train = 0.0
         for k in range(steps_per_epoch):
@@ -146,7 +154,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
                 shadow_opt.step()
             step += 1
             if progress is not None:
-                progress(step, spec.epochs * steps_per_epoch, f"loss {loss:.3f}")
+                progress(step, epochs * steps_per_epoch, f"loss {loss:.3f}")
             if low and (step % spec.dt_every == 0 or step == 1):
                 ranks = opt.ranks()
                 trace.append(dict(step=step, loss=loss, rank=sum(ranks.values()),
@@ -154,11 +162,12 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
         epoch_times.append(t_train)
         if diverged:
             break
-    comp = compression(model) if low else dict(ratio=0.0, training_ratio=0.0)
+    factored = {n: m.rank for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
+    comp = compression(model) if factored else dict(ratio=0.0, training_ratio=0.0)
     return dict(spec=asdict(spec), key=spec.key, test_acc=_accuracy(model, xt, yt),
                 train_acc=_accuracy(model, x, y), compression=comp["ratio"],
                 training_compression=comp["training_ratio"],
-                ranks=opt.ranks() if low else {}, taus=opt.taus() if low else {},
+                ranks=factored, taus=opt.taus() if low else {},
                 seconds_per_epoch=statistics.mean(epoch_times), state_mib=_state_bytes(model, opt) / 2**20,
                 peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
                 final_d_t=trace[-1]["d_t"] if trace else 0.0, diverged=diverged, trace=trace)

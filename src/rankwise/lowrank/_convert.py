@@ -6,8 +6,10 @@ import re
 import warnings
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
+from ..linalg import work_dtype
 from ._base import AbstractLowRankLayer
 from ._conv import LowRankConv2d
 from ._linear import LowRankLinear
@@ -25,7 +27,7 @@ def _matches(name: str, pattern: Pattern) -> bool:
 
 def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None = None,
                 include: Pattern = None, exclude: Pattern = None,
-                max_rank: int | None = None) -> nn.Module:
+                max_rank: int | None = None, target: float | None = None) -> nn.Module:
     """Replace matching ``nn.Linear`` / ``nn.Conv2d`` modules by their truncated SVDs, in place.
 
     **Arguments:**
@@ -34,6 +36,11 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     - `tau`: or the smallest rank with discarded tail ≤ tau·‖W‖_F (both: the smaller rank).
     - `include`, `exclude`: module-name filters (regex string, or a list of names/suffixes).
     - `max_rank`: cap for later rank growth (default: min(out, in) per layer).
+    - `target`: instead of `rank` / `tau`, the compression to reach
+      (``rankwise.compression(model)["ratio"]`` after the call): the ranks are allocated
+      model-wide from the layers' singular values, as DLRT's budget does
+      (``rankwise.lowrank._budget.allocate_ranks``: directions by their share of their layer's
+      energy per parameter they cost), at least rank 1 per layer.
 
     A pretrained model keeps its function up to the truncation error. Conv layers that
     LowRankConv2d cannot express (groups ≠ 1, non-zero padding modes, 'same' padding with an
@@ -47,8 +54,13 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     raised and the model is not changed; ranks of low-rank layers change through the
     optimizer's truncation (``tau``, ``max_rank`` of DLRT/SDLRT), not through this function.
     """
-    if rank is None and tau is None:
-        raise ValueError("to_low_rank needs `rank` or `tau` (or both)")
+    if target is not None:
+        if rank is not None or tau is not None:
+            raise ValueError("give `target` alone, or `rank` / `tau`: the target sets every rank")
+        if not (isinstance(target, int | float) and 0 < target < 1):
+            raise ValueError(f"`target` must be a compression in (0, 1); got {target!r}")
+    elif rank is None and tau is None:
+        raise ValueError("to_low_rank needs `rank` or `tau` (or both), or a `target` compression")
     if rank is not None and rank < 1:
         raise ValueError(f"`rank` must be >= 1; got {rank}")
     # a one-shot iterator (e.g. a generator) would be used up by the first module name
@@ -69,13 +81,15 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
             low_rank.append((name, mod))
         elif isinstance(mod, nn.Linear | nn.Conv2d):
             subclassed.append((name, mod))
+    ranks = _target_ranks(model, targets, target) if target is not None and targets else {}
     converted, left_dense = 0, []
     for name, mod in targets:
+        r = ranks.get(name, rank)
         if isinstance(mod, nn.Linear):
-            new = LowRankLinear.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
+            new = LowRankLinear.from_dense(mod, rank=r, tau=tau, max_rank=max_rank)
         else:
             try:
-                new = LowRankConv2d.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
+                new = LowRankConv2d.from_dense(mod, rank=r, tau=tau, max_rank=max_rank)
             except ValueError as e:  # groups, padding modes or 'same' padding we cannot express
                 left_dense.append((name, e))
                 continue
@@ -88,6 +102,24 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     for name, e in left_dense:
         warnings.warn(f"to_low_rank: leaving {name!r} dense: {e}", stacklevel=2)
     return model
+
+
+@torch.no_grad()
+def _target_ranks(model: nn.Module, targets: list, target: float) -> dict[str, int]:
+    """Ranks of the dense `targets` that bring the model's compression to `target`."""
+    from ._budget import allocate_ranks
+    from ._metrics import compression
+
+    c = compression(model)
+    weights = {name: mod.weight.reshape(mod.weight.shape[0], -1) for name, mod in targets}
+    fixed = c["stored_params"] - sum(w.numel() for w in weights.values())  # biases, other layers
+    budget = (1 - target) * c["dense_params"] - fixed
+    if budget <= 0:
+        raise ValueError(f"`target`={target} cannot be reached: the parameters that stay as they are "
+                         f"(biases, other layers) alone are {fixed:,} of {c['dense_params']:,}")
+    spectra = {n: torch.linalg.svdvals(w.detach().to(work_dtype(w.dtype))) for n, w in weights.items()}
+    shapes = {n: tuple(w.shape) for n, w in weights.items()}
+    return allocate_ranks(spectra, shapes, budget, min_rank=1)
 
 
 def _nothing_converted(model: nn.Module, include: Pattern, exclude: Pattern, low_rank: list,
