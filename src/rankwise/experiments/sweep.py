@@ -89,6 +89,20 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return n
 
 
+@torch.no_grad()
+def _balanced(model: nn.Module) -> nn.Module:
+    """Every low-rank layer's factors as (U√Σ, I, V√Σ): the same weight, with the scale split
+    evenly between the two sides, as a factorised layer W = A Bᵀ trained by plain SGD is
+    usually initialised. (With U, V orthonormal and all of the scale in S, plain SGD scales
+    the steps of U and V by Σ and diverges at learning rates the other methods use.)"""
+    for m in model.modules():
+        if isinstance(m, AbstractLowRankLayer):
+            P, s, Q = torch.linalg.svd(m.S, full_matrices=False)  # S is diagonal after to_low_rank
+            root = s.sqrt()
+            m.set_factors((m.U @ P) * root, torch.eye(len(s), dtype=s.dtype), (m.V @ Q.mT) * root)
+    return model
+
+
 def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Train one :class:`RunSpec`; returns the metrics (JSON-ready). ``progress(step, steps,
     info)`` is called after every step."""
@@ -101,7 +115,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT (with a dense shadow)
     epochs = spec.epochs + (spec.finetune_epochs if kind == "dense-svd" else 0)
     if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then plain SGD
-        model = to_low_rank(copy.deepcopy(base), target=spec.target)
+        model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target))
         opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
     elif low:
         model = copy.deepcopy(base)
@@ -125,7 +139,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     step, diverged = 0, None
     for epoch in range(epochs):
         if kind == "dense-svd" and epoch == spec.epochs:  # trained dense: truncate, fine-tune
-            to_low_rank(model, target=spec.target)
+            _balanced(to_low_rank(model, target=spec.target))
             opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
         order = torch.randperm(len(x), generator=gen)
         t_train = 0.0
