@@ -170,3 +170,14 @@ def test_write_json_atomic_replaces_or_leaves_the_old_file(tmp_path):
         write_json_atomic(path, {"a": float("nan")})  # not valid JSON: refused
     assert json.loads(path.read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["final.json"]
+
+
+def test_train_with_a_compression_target(tmp_path):
+    out = tmp_path / "t"
+    r = _invoke("train", "--method", "sdlrt", "--model", "mlp", "--epochs", 2, "--rank", 64,
+                "--target", 0.9, "--out", out)
+    assert r.exit_code == 0, r
+    final = json.loads((out / "final.json").read_text())
+    assert abs(final["compression"]["ratio"] - 0.9) <= 0.01 and final["config"]["target"] == 0.9
+    bad = _invoke("train", "--method", "dense", "--target", 0.9)
+    assert bad.exit_code == 2 and "--target needs a low-rank method" in bad.stderr

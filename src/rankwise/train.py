@@ -99,7 +99,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         torch.manual_seed(config.seed)
         split = load_digits(seed=config.seed)
         t_start = time.perf_counter()  # wall time: model building, training, evaluation
-        model, opt = _build(config)
+        model, opt = _build(config, config.epochs * math.ceil(len(split.train) / config.batch_size))
         low_rank = isinstance(opt, DLRT | SDLRT)
         dtype = next(model.parameters()).dtype  # the data follow the model (e.g. float64)
         x_tr, y_tr = split.train.tensors
@@ -135,16 +135,19 @@ def _version() -> str:
     return __version__
 
 
-def _build(config: TrainConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(config: TrainConfig, total_steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = get_model(config.model)
     if config.method == "dense":
         return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     # rank=None: start at full rank (to_low_rank clamps the rank to min(out, in) per layer).
     rank = sys.maxsize if config.rank is None else config.rank
     to_low_rank(model, rank=rank, exclude=list(config.exclude) or None)
-    if config.method == "dlrt":
-        return model, DLRT(model, config.lr, tau=config.tau, momentum=config.momentum)
-    return model, SDLRT(model, config.lr, tau=config.tau, tau_min=config.tau_min, momentum=config.momentum)
+    if config.target is not None:  # the budget reaches the target over 60 % of the steps
+        level = {"target": config.target, "ramp_steps": int(0.6 * total_steps)}
+    else:
+        level = {"tau": config.tau} | ({"tau_min": config.tau_min} if config.method == "sdlrt" else {})
+    cls = DLRT if config.method == "dlrt" else SDLRT
+    return model, cls(model, config.lr, momentum=config.momentum, **level)
 
 
 def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,

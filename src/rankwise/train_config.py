@@ -27,6 +27,9 @@ class TrainConfig:
     - `tau`: relative truncation tolerance τ in [0, 1) of the low-rank methods; default 0.1.
     - `rank`: initial rank of every low-rank layer (clamped per layer); ``None`` (default)
       starts at full rank and lets the optimizer truncate.
+    - `target`: instead of `tau`, the compression to reach (``rankwise.compression``'s ratio),
+      by DLRT/SDLRT's global parameter budget over the first 60 % of the training steps;
+      default ``None`` (use `tau`).
     - `tau_min`: SDLRT's floor for its τ feedback (τ ← ωτ whenever a layer's rank is below its
       initial rank), in [0, tau]; default 0, the paper's rule. From a full-rank start the
       feedback fires on every step and τ quickly reaches `tau_min`: start SDLRT from a
@@ -43,6 +46,7 @@ class TrainConfig:
     method: Method = "dlrt"
     model: str = "lenet"
     tau: float = 0.1
+    target: float | None = None
     rank: int | None = None
     tau_min: float = 0.0
     exclude: tuple[str, ...] = ()
@@ -63,6 +67,11 @@ class TrainConfig:
                 raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
         if not 0.0 <= self.tau < 1.0:
             raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+        if self.target is not None:
+            if not (isinstance(self.target, int | float) and 0 < self.target < 1):
+                raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9; got {self.target!r}")
+            if self.method == "dense":
+                raise ValueError("`target` needs a low-rank method (dlrt or sdlrt); dense compresses nothing")
         if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
             raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
         if not 0.0 <= self.tau_min <= self.tau:

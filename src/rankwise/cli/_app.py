@@ -76,6 +76,9 @@ def train_cmd(
     method: Annotated[Method, typer.Option(help="Training method.")] = Method.dlrt,
     model: Annotated[ModelName, typer.Option(help="Reference model.")] = ModelName.lenet,
     tau: Annotated[float, typer.Option(help="Relative truncation tolerance τ in [0, 1).")] = 0.1,
+    target: Annotated[float | None, typer.Option(
+        help="Instead of --tau: the compression to reach (e.g. 0.9 keeps 10 % of the parameters), "
+             "by a global parameter budget.")] = None,
     tau_min: Annotated[float, typer.Option(
         help="SDLRT only: floor of the τ feedback (default 0: the paper's rule).")] = 0.0,
     rank: Annotated[int | None, typer.Option(
@@ -94,7 +97,8 @@ def train_cmd(
     """Train one model on the bundled 8×8 digits and print a summary."""
     from ..train_config import TrainConfig
 
-    config = _config(TrainConfig, method=method.value, model=model.value, tau=tau, tau_min=tau_min,
+    config = _config(TrainConfig, method=method.value, model=model.value, tau=tau, target=target,
+                     tau_min=tau_min,
                      rank=rank, epochs=epochs, lr=lr, momentum=momentum, batch_size=batch_size,
                      seed=seed, out=out)
     if out is not None:
