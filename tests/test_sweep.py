@@ -131,6 +131,6 @@ def test_baselines_at_a_target(tmp_path):
     assert r.exit_code == 0, r
     for method in ("fixed", "dense-svd"):
         rec = json.loads((out / "runs" / f"mlp-mnist1d_{method}_target0.9_s0.json").read_text())
-        assert abs(rec["compression"] - 0.9) <= 0.01 and rec["ranks"] and rec["test_acc"] > 0.2
+        assert abs(rec["compression"] - 0.9) <= 0.01 and rec["ranks"] and not rec["diverged"]
     r = run_cli("sweep", "--methods", "fixed", "--tasks", "lenet-digits")
     assert r.exit_code == 2 and "give a target" in r.stderr
