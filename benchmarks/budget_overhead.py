@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 import platform
 import statistics
 import time
@@ -28,21 +27,8 @@ import torch
 from torch import nn
 
 import rankwise
-
-
-def rank_for(m: int, n: int, c: float) -> int:
-    """Rank r with r(m+n) + r² ≈ (1−c)·m·n."""
-    s = m + n
-    return max(1, round((-s + math.sqrt(s * s + 4 * (1 - c) * m * n)) / 2))
-
-
-def mlp(width: int, depth: int) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i in range(depth):
-        layers.append(nn.Linear(width, width))
-        if i < depth - 1:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+from step_time import dense_mlp as mlp  # benchmarks/ is on sys.path when run as a script
+from step_time import rank_for
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,28 +21,17 @@ def _split(text: str, allowed, option: str) -> list[str]:
     return items
 
 
-def _taus(text: str) -> list[float]:
+def _numbers(text: str, option: str, what: str, example: str, *, lo_open: bool) -> list[float]:
+    """Comma-separated numbers in [0, 1) (or (0, 1) with `lo_open`), else a UserError."""
     try:
-        taus = [float(t) for t in text.split(",") if t.strip()]
+        values = [float(t) for t in text.split(",") if t.strip()]
     except ValueError as e:
-        raise UserError(f"--taus must be comma-separated numbers, e.g. 0.1,0.2; got {text!r}") from e
-    if not taus:
-        raise UserError("--taus is empty; give at least one τ in [0, 1)")
-    for t in taus:
-        check_range("--taus: every τ", t, 0, 1)
-    return taus
-
-
-def _targets(text: str) -> list[float]:
-    try:
-        targets = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError as e:
-        raise UserError(f"--targets must be comma-separated numbers, e.g. 0.8,0.9; got {text!r}") from e
-    if not targets:
-        raise UserError("--targets is empty; give at least one compression in (0, 1)")
-    for t in targets:
-        check_range("--targets: every target", t, 0, 1, lo_open=True)
-    return targets
+        raise UserError(f"{option} must be comma-separated numbers, e.g. {example}; got {text!r}") from e
+    if not values:
+        raise UserError(f"{option} is empty; give at least one {what}")
+    for v in values:
+        check_range(f"{option}: every {what}", v, 0, 1, lo_open=lo_open)
+    return values
 
 
 def _check_data(kinds: list[str], data_dir: Path) -> None:
@@ -95,8 +84,9 @@ def sweep_cmd(
     records of this sweep every time."""
     task_list = _split(tasks, TASK_NAMES, "--tasks")
     method_list = _split(methods, tuple(METHODS), "--methods")
-    tau_list = _taus(taus)
-    target_list = None if targets is None else _targets(targets)
+    tau_list = _numbers(taus, "--taus", "τ", "0.1,0.2", lo_open=False)
+    target_list = None if targets is None else _numbers(targets, "--targets", "target", "0.8,0.9",
+                                                         lo_open=True)
     if lr is not None:
         check_range("--lr", lr, 0, None, lo_open=True)
     check_range("--omega", omega, 0, 1, lo_open=True)
