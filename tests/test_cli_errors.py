@@ -332,3 +332,12 @@ def test_builtin_model_names_match_the_registry():
     from rankwise.train_config import BUILTIN_MODELS
 
     assert set(BUILTIN_MODELS) <= set(MODELS)
+
+
+@pytest.mark.parametrize("args", [["train", "--threads", 100_000], ["sweep", "--jobs", 100_000],
+                                  ["ode", "--jobs", 100_000]])
+def test_thread_and_process_counts_are_capped(args):
+    from rankwise.cli._common import MAX_WORKERS
+
+    msg = _one_line_error(run_cli(*args), args[0])
+    assert f"less than or equal to {MAX_WORKERS}" in msg and "got 100000" in msg

@@ -17,6 +17,7 @@ import typer
 
 from .. import __version__
 from ._common import (
+    MAX_WORKERS,
     Command,
     Force,
     UserError,
@@ -92,7 +93,7 @@ def train_cmd(
         help="Folder for metrics.csv, TensorBoard events and final.json (default: none). An earlier "
              "run's records there are replaced only with --force.")] = None,
     force: Force = False,
-    threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1)] = 1,
+    threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1, max=MAX_WORKERS)] = 1,
 ) -> None:
     """Train one model on the bundled 8×8 digits and print a summary."""
     from ..train_config import TrainConfig
@@ -123,7 +124,7 @@ def demo_cmd(
     rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed shared by the three runs.")] = 0,
     force: Force = False,
-    threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1)] = 1,
+    threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1, max=MAX_WORKERS)] = 1,
     markdown: Annotated[Path | None, typer.Option(
         help="Also write the table as Markdown to this file (used by `make docs-figures`).")] = None,
 ) -> None:

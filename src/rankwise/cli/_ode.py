@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import Force, UserError, claim_output_dir
+from ._common import MAX_WORKERS, Force, UserError, claim_output_dir
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_tape_mib", "peak tape MiB", "{:.2f}"),
@@ -69,7 +69,8 @@ def ode_cmd(
     depth_steps: Annotated[int, typer.Option(help="Steps of each depth block.", min=1)] = 8,
     epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 1,
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 1,
-    jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1)] = 1,
+    jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
+                                      max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Folder for results.json, traces.csv and ode_traces.png (an "
                                       "earlier run's are replaced only with --force).")] = Path("runs/ode"),
     force: Force = False,

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._sweep_spec import DEFAULT_METHODS, FILE_TASKS, METHODS, PAPER_TAUS, TASK_LR, TASK_NAMES
-from ._common import UserError, check_output_dir, check_range, require_dir
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, require_dir
 
 
 def _split(text: str, allowed, option: str) -> list[str]:
@@ -62,7 +62,8 @@ def sweep_cmd(
     lr: Annotated[float | None, typer.Option(help="Learning rate (SGD, momentum 0.9); default 0.05, "
                                              "0.02 for the VGG tasks.")] = None,
     omega: Annotated[float, typer.Option(help="SDLRT's feedback factor ω in (0, 1).")] = 0.8,
-    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1)] = 1,
+    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
+                                      max=MAX_WORKERS)] = 1,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with MNIST IDX / CIFAR batches.")] = None,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, runs.csv, summary.md, PNGs.")]
     = Path("runs/sweep"),
