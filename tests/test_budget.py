@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from rankwise.lowrank._budget import allocate_ranks, budget_schedule, factor_cost, spectrum_energy_kept
+from rankwise.lowrank._budget import allocate_ranks, budget_schedule, factor_cost
 
 F64 = torch.float64
 
@@ -69,8 +69,6 @@ def test_scale_of_a_layer_does_not_change_its_share():
     ranks = allocate_ranks(spectra, shapes, 400)
     scaled = allocate_ranks({"a": 100 * spectra["a"], "b": spectra["b"]}, shapes, 400)
     assert ranks == scaled
-    kept = spectrum_energy_kept(spectra, ranks)
-    assert all(0 < v <= 1 for v in kept.values())
 
 
 def test_bad_arguments():

@@ -112,25 +112,18 @@ def test_equal_compression_interpolates_the_reference_curve():
 
 
 def test_sweep_with_targets_lands_on_them(tmp_path):
+    """DLRT / SDLRT with a budget and the two baselines, all at one target."""
     out = tmp_path / "t"
-    r = run_cli("sweep", "--tasks", "mlp-mnist1d", "--methods", "dlrt,sdlrt", "--targets", "0.9",
+    methods = ("dlrt", "sdlrt", "fixed", "dense-svd")
+    r = run_cli("sweep", "--tasks", "mlp-mnist1d", "--methods", ",".join(methods), "--targets", "0.9",
                 "--seeds", "1", "--epochs", "1", "--out", out)
     assert r.exit_code == 0, r
-    for method in ("dlrt", "sdlrt"):
+    for method in methods:
         rec = json.loads((out / "runs" / f"mlp-mnist1d_{method}_target0.9_s0.json").read_text())
         assert abs(rec["compression"] - 0.9) <= 0.01 and rec["spec"]["target"] == 0.9
+        assert rec["ranks"] and not rec["diverged"]
     assert "| mlp-mnist1d | dlrt | 0.9 | 1 |" in (out / "summary.md").read_text()
     r = run_cli("sweep", "--targets", "1.2")
     assert r.exit_code == 2 and "--targets: every target must be in (0, 1); got 1.2" in r.stderr
-
-
-def test_baselines_at_a_target(tmp_path):
-    out = tmp_path / "b"
-    r = run_cli("sweep", "--tasks", "mlp-mnist1d", "--methods", "fixed,dense-svd", "--targets", "0.9",
-                "--seeds", "1", "--epochs", "1", "--out", out)
-    assert r.exit_code == 0, r
-    for method in ("fixed", "dense-svd"):
-        rec = json.loads((out / "runs" / f"mlp-mnist1d_{method}_target0.9_s0.json").read_text())
-        assert abs(rec["compression"] - 0.9) <= 0.01 and rec["ranks"] and not rec["diverged"]
     r = run_cli("sweep", "--methods", "fixed", "--tasks", "lenet-digits")
     assert r.exit_code == 2 and "give a target" in r.stderr

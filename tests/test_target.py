@@ -147,3 +147,20 @@ def test_to_low_rank_target_errors():
         rankwise.to_low_rank(model, rank=4, target=0.5)
     with pytest.raises(ValueError, match="cannot be reached"):
         rankwise.to_low_rank(model, target=0.9999, include=["fc1"])
+
+
+def test_a_resumed_optimizer_keeps_its_budget_schedule():
+    """The schedule starts from the model's size when training began; a run resumed from a
+    checkpoint (model and optimizer state_dicts) continues the same schedule."""
+    torch.manual_seed(0)
+    model = rankwise.to_low_rank(mlp(64, 256, depth=3), rank=24)
+    opt = rankwise.DLRT(model, 0.05, target=0.9, ramp_steps=20, momentum=0.9)
+    _train_digits(model, opt, steps=8)
+    expected = opt.budget()["budget_params"]
+    torch.manual_seed(1)  # a fresh model at the initial rank, then the checkpoint
+    fresh = rankwise.to_low_rank(mlp(64, 256, depth=3), rank=24)
+    fresh.load_state_dict(model.state_dict())
+    resumed = rankwise.DLRT(fresh, 0.05, target=0.9, ramp_steps=20, momentum=0.9)
+    assert resumed.budget()["budget_params"] != pytest.approx(expected)  # its own start, before loading
+    resumed.load_state_dict(opt.state_dict())
+    assert resumed.budget()["budget_params"] == pytest.approx(expected)

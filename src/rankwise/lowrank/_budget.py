@@ -98,13 +98,3 @@ def budget_schedule(step: int, total_steps: int, start: float, target: float, *,
         return float(target)
     progress = (step - t_i) / (t_f - t_i)
     return float(target + (start - target) * (1 - progress) ** 3)
-
-
-def spectrum_energy_kept(spectra: Mapping[str, Tensor], ranks: Mapping[str, int]) -> dict[str, float]:
-    """Share of each layer's energy kept at `ranks`: ``‖σ[:r]‖² / ‖σ‖²`` (1.0 for a zero layer)."""
-    out = {}
-    for name, s in spectra.items():
-        e = s.detach().double().square()
-        total = float(e.sum())
-        out[name] = 1.0 if total == 0 else float(e[:ranks[name]].sum()) / total
-    return out

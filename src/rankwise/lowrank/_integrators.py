@@ -33,20 +33,11 @@ from ..linalg import orth_complement, orthonormalize, tail_rank
 
 class Augmented(NamedTuple):
     """Augmented bases Ū = [U0, U_buf, E_U] (m, ku) and V̄ = [V0, V_buf, E_V] (n, kv); their
-    first ``r0`` columns are the old bases, so the old-to-augmented coordinate maps are
-    ``A = ŪᵀU0 = I[:, :r0]`` and ``B = V0ᵀV̄ = I[:r0, :]``."""
+    first ``r0`` columns are the old bases (so ŪᵀU0 = I[:, :r0] and V0ᵀV̄ = I[:r0, :])."""
 
     U: Tensor
     V: Tensor
     r0: int
-
-    @property
-    def A(self) -> Tensor:
-        return torch.eye(self.U.shape[1], self.r0, dtype=self.U.dtype, device=self.U.device)
-
-    @property
-    def B(self) -> Tensor:
-        return torch.eye(self.r0, self.V.shape[1], dtype=self.V.dtype, device=self.V.device)
 
 
 class Truncated(NamedTuple):

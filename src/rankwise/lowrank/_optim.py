@@ -199,6 +199,16 @@ class _AugmentedBUG(torch.optim.Optimizer):
                           "(use rankwise.to_low_rank first)", stacklevel=3)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas,
                         eps=eps, global_step=0)
+        if target is not None:
+            from ._metrics import compression
+
+            c = compression(model)
+            factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
+            self._dense_params = c["dense_params"]
+            self._other_params = c["stored_params"] - factors  # biases, dense layers: fixed
+            # where the schedule starts is history, not derivable from a later model: it lives
+            # in the param group, so it is saved and restored with the optimizer's state_dict
+            defaults["budget_start"] = c["stored_params"]
         super().__init__(list(model.parameters()), defaults)
         self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
                         adaptive=adaptive, update_every=update_every, buffer=buffer,
@@ -208,14 +218,6 @@ class _AugmentedBUG(torch.optim.Optimizer):
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         for layer in self.layers.values():
             self.state[layer.S].update(tau=tau, r_init=layer.rank, K={}, L={}, S={})
-        if target is not None:
-            from ._metrics import compression
-
-            c = compression(model)
-            self._budget = {"dense": c["dense_params"], "start": c["stored_params"],
-                            "other": c["stored_params"] - sum(
-                                m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values()),
-                            "target": (1 - target) * c["dense_params"]}
         self._set_modes()
 
     # ----------------------------------------------------------------- public queries
@@ -234,22 +236,26 @@ class _AugmentedBUG(torch.optim.Optimizer):
         (``compression``, as :func:`rankwise.compression`'s ratio); ``None`` without a target."""
         if self.cfg["target"] is None:
             return None
-        b = self._budget
-        stored = b["other"] + sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
+        stored = self._other_params + sum(m.U.numel() + m.S.numel() + m.V.numel()
+                                          for m in self.layers.values())
         return {"target": self.cfg["target"], "budget_params": self._budget_now(),
-                "target_params": b["target"], "stored_params": stored,
-                "compression": 1 - stored / b["dense"]}
+                "target_params": self._target_params(), "stored_params": stored,
+                "compression": 1 - stored / self._dense_params}
+
+    def _target_params(self) -> float:
+        return (1 - self.cfg["target"]) * self._dense_params
 
     def _budget_now(self) -> float:
         """The budget (stored parameters) at this augmentation: from the model's size when the
         optimizer was built down to the target over `ramp_steps` augmentations, cubically."""
         from ._budget import budget_schedule
 
-        b, ramp = self._budget, self.cfg["ramp_steps"]
+        ramp = self.cfg["ramp_steps"]
         t = self._hp()["global_step"] // self.cfg["update_every"]
         if ramp == 0 or t >= ramp:
-            return b["target"]
-        return budget_schedule(t, ramp, b["start"], b["target"], warmup=0.0, final=0.0)
+            return self._target_params()
+        return budget_schedule(t, ramp, self._hp()["budget_start"], self._target_params(),
+                               warmup=0.0, final=0.0)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -506,7 +512,7 @@ class _AugmentedBUG(torch.optim.Optimizer):
         (:func:`._budget.allocate_ranks`); layers not in this step keep their rank and cost."""
         from ._budget import allocate_ranks, factor_cost
 
-        fixed = self._budget["other"] + sum(factor_cost(m.out_features, m.in_features, m.rank)
+        fixed = self._other_params + sum(factor_cost(m.out_features, m.in_features, m.rank)
                                             for n, m in self.layers.items() if n not in plans)
         spectra = {n: svd[1] for n, svd in svds.items()}
         shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in plans}
