@@ -164,3 +164,16 @@ def test_a_resumed_optimizer_keeps_its_budget_schedule():
     assert resumed.budget()["budget_params"] != pytest.approx(expected)  # its own start, before loading
     resumed.load_state_dict(opt.state_dict())
     assert resumed.budget()["budget_params"] == pytest.approx(expected)
+
+
+def test_target_with_tau_min_and_older_checkpoints_and_unreachable_targets():
+    model = rankwise.to_low_rank(mlp(64, 32, depth=2), rank=4)
+    rankwise.SDLRT(model, 0.1, target=0.5, tau_min=0.01)  # τ settings do not apply: accepted
+    plain = rankwise.DLRT(model, 0.1, tau=0.1)
+    targeted = rankwise.DLRT(model, 0.1, target=0.5)
+    start = targeted.budget()["budget_params"]
+    targeted.load_state_dict(plain.state_dict())  # a checkpoint from a run without a target
+    assert targeted.budget()["budget_params"] == pytest.approx(start)
+    big_bias = torch.nn.Sequential(rankwise.LowRankLinear(4, 2000, rank=2))  # the bias is 2000 of 10000
+    with pytest.raises(ValueError, match="cannot be reached"):
+        rankwise.DLRT(big_bias, 0.1, target=0.9)

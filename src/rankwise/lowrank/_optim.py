@@ -182,7 +182,7 @@ class _AugmentedBUG(torch.optim.Optimizer):
             raise ValueError(f"`tau` must be in [0, 1); got {tau}")
         if not 0 < omega < 1:
             raise ValueError(f"`omega` must be in (0, 1); got {omega}")
-        if not 0 <= tau_min <= tau:
+        if target is None and not 0 <= tau_min <= tau:  # (with a target τ and its feedback do not apply)
             raise ValueError(f"`tau_min` must be in [0, tau={tau}]; got {tau_min}")
         if update_every < 1:
             raise ValueError(f"`update_every` must be >= 1; got {update_every}")
@@ -206,6 +206,10 @@ class _AugmentedBUG(torch.optim.Optimizer):
             factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
             self._dense_params = c["dense_params"]
             self._other_params = c["stored_params"] - factors  # biases, dense layers: fixed
+            if (1 - target) * self._dense_params <= self._other_params:
+                raise ValueError(f"`target`={target} cannot be reached: the parameters outside the low-rank "
+                                 f"factors (biases, dense layers) alone are {self._other_params:,} of "
+                                 f"{self._dense_params:,}")
             # where the schedule starts is history, not derivable from a later model: it lives
             # in the param group, so it is saved and restored with the optimizer's state_dict
             defaults["budget_start"] = c["stored_params"]
@@ -343,7 +347,10 @@ class _AugmentedBUG(torch.optim.Optimizer):
         """As ``torch.optim.Optimizer.load_state_dict``, then the K/L/S moments go back to the
         integrator's working precision (torch casts them to the dtype of ``S``) and the
         layers' gradient modes are re-synchronised with the loaded step count."""
+        start = self._hp().get("budget_start")
         super().load_state_dict(state_dict)
+        if start is not None:  # a state saved without a target: the schedule starts here
+            self._hp().setdefault("budget_start", start)
         for layer in self.layers.values():
             st, dt = self.state[layer.S], work_dtype(layer.S.dtype)
             for key in ("K", "L", "S"):
@@ -526,10 +533,10 @@ class _AugmentedBUG(torch.optim.Optimizer):
         hi = self._rank_cap(layer)
         lo = min(cfg["min_rank"], hi)
         if rank is not None:  # chosen by the budget
-            out = bug.truncate(aug, S_bar, rank=max(1, rank), buffer=cfg["buffer"], svd=svd)
-            s = svd[1].double()
-            # the relative tail this rank discards: the τ that would have given it
-            st["tau"] = float(s[out.S.shape[0]:].norm() / s.norm()) if float(s.norm()) > 0 else 0.0
+            out = bug.truncate(aug, S_bar, rank=rank, buffer=cfg["buffer"], svd=svd)
+            s = svd[1].double()  # the relative tail this rank discards: the τ that would give it
+            total = float(s.norm())
+            st["tau"] = float(s[rank:].norm()) / total if total > 0 else 0.0
         elif cfg["adaptive"]:
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
                                buffer=cfg["buffer"])
