@@ -177,3 +177,13 @@ def test_target_with_tau_min_and_older_checkpoints_and_unreachable_targets():
     big_bias = torch.nn.Sequential(rankwise.LowRankLinear(4, 2000, rank=2))  # the bias is 2000 of 10000
     with pytest.raises(ValueError, match="cannot be reached"):
         rankwise.DLRT(big_bias, 0.1, target=0.9)
+
+
+def test_to_low_rank_target_leaves_inexpressible_convs_out_of_the_budget():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, groups=2), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 4 * 4, 64), torch.nn.Linear(64, 64))
+    with pytest.warns(UserWarning, match="leaving '0' dense"):
+        rankwise.to_low_rank(model, target=0.5)
+    assert isinstance(model[0], torch.nn.Conv2d)  # grouped: stays dense, and was not budgeted
+    assert abs(rankwise.compression(model)["ratio"] - 0.5) <= 0.01

@@ -56,17 +56,28 @@ class LowRankConv2d(AbstractLowRankLayer):
         """(out_channels, in_channels, kh, kw), as ``nn.Conv2d.weight``."""
         return self.weight_matrix().reshape(self.out_channels, self.in_channels, *self.kernel_size)
 
+    @staticmethod
+    def unsupported(conv: nn.Conv2d) -> str | None:
+        """Why `conv` has no LowRankConv2d equivalent (groups, padding modes, 'same' padding
+        with an even kernel), or ``None`` if it has one."""
+        if conv.groups != 1 or conv.padding_mode != "zeros":
+            return ("LowRankConv2d supports groups=1 and padding_mode='zeros'; got "
+                    f"groups={conv.groups}, padding_mode={conv.padding_mode!r}")
+        try:
+            _explicit_padding(conv.padding, _pair(conv.kernel_size), _pair(conv.dilation))
+        except ValueError as e:
+            return str(e)
+        return None
+
     @classmethod
     @torch.no_grad()
     def from_dense(cls, conv: nn.Conv2d, *, rank: int | None = None, tau: float | None = None,
                    max_rank: int | None = None) -> LowRankConv2d:
         """Truncated SVD of ``conv.weight`` viewed as (out, in·kh·kw); see
         :meth:`LowRankLinear.from_dense`. Needs ``groups=1`` and ``padding_mode='zeros'``."""
-        if conv.groups != 1 or conv.padding_mode != "zeros":
-            raise ValueError(
-                "LowRankConv2d supports groups=1 and padding_mode='zeros'; got "
-                f"groups={conv.groups}, padding_mode={conv.padding_mode!r}"
-            )
+        reason = cls.unsupported(conv)
+        if reason is not None:
+            raise ValueError(reason)
         W = conv.weight
         return from_dense_weight(
             lambda r, hi: cls(conv.in_channels, conv.out_channels, conv.kernel_size, r,

@@ -81,7 +81,12 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
             low_rank.append((name, mod))
         elif isinstance(mod, nn.Linear | nn.Conv2d):
             subclassed.append((name, mod))
-    ranks = _target_ranks(model, targets, target) if target is not None and targets else {}
+    if target is not None:  # convs LowRankConv2d cannot express stay dense: not in the budget
+        convertible = [(n, m) for n, m in targets
+                       if not isinstance(m, nn.Conv2d) or LowRankConv2d.unsupported(m) is None]
+        ranks = _target_ranks(model, convertible, target) if convertible else {}
+    else:
+        ranks = {}
     converted, left_dense = 0, []
     for name, mod in targets:
         r = ranks.get(name, rank)
@@ -106,7 +111,8 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
 
 @torch.no_grad()
 def _target_ranks(model: nn.Module, targets: list, target: float) -> dict[str, int]:
-    """Ranks of the dense `targets` that bring the model's compression to `target`."""
+    """Ranks of the dense `targets` that bring the model's compression to `target` (``max_rank``
+    of :func:`to_low_rank` caps later growth, not these ranks)."""
     from ._budget import allocate_ranks
     from ._metrics import compression
 
