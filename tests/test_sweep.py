@@ -7,6 +7,7 @@ import gzip
 import json
 import pickle
 import struct
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -127,3 +128,16 @@ def test_sweep_with_targets_lands_on_them(tmp_path):
     assert r.exit_code == 2 and "--targets: every target must be in (0, 1); got 1.2" in r.stderr
     r = run_cli("sweep", "--methods", "fixed", "--tasks", "lenet-digits")
     assert r.exit_code == 2 and "give a target" in r.stderr
+
+
+def test_stored_runs_conflict_only_on_settings_their_method_uses():
+    from rankwise.experiments._sweep_spec import RunSpec
+
+    dense = RunSpec(task="lenet-digits", method="dense", tau=0.0, rank=32)
+    assert dense.differences({**asdict(dense), "rank": 16, "omega": 0.5}) == {}  # dense reads neither
+    assert dense.differences({**asdict(dense), "epochs": 3}) == {"epochs": (3, 5)}
+    dlrt = RunSpec(method="dlrt", target=0.9)
+    assert dlrt.differences({**asdict(dlrt), "tau": 0.4, "omega": 0.5}) == {}
+    assert dlrt.differences({**asdict(dlrt), "ramp": 0.3}) == {"ramp": (0.3, 0.6)}
+    with pytest.raises(ValueError, match="only in its τ feedback"):
+        RunSpec(method="sdlrt-2sided", target=0.9)

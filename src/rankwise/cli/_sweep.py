@@ -8,7 +8,15 @@ from typing import Annotated
 
 import typer
 
-from ..experiments._sweep_spec import DEFAULT_METHODS, FILE_TASKS, METHODS, PAPER_TAUS, TASK_LR, TASK_NAMES
+from ..experiments._sweep_spec import (
+    DEFAULT_METHODS,
+    FILE_TASKS,
+    METHODS,
+    PAPER_TAUS,
+    TARGET_DEFAULT,
+    TASK_LR,
+    TASK_NAMES,
+)
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, require_dir
 
 
@@ -51,8 +59,9 @@ def sweep_cmd(
     tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASK_NAMES)} (the last "
                                        "three read files from --data-dir).")]
     = "lenet-digits,mlp-mnist1d,vgg-digits16",
-    methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
-    = ",".join(DEFAULT_METHODS),
+    methods: Annotated[str | None, typer.Option(
+        help=f"Comma-separated, from: {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}; with "
+             f"--targets: {','.join(TARGET_DEFAULT)}).")] = None,
     taus: Annotated[str, typer.Option(help="Comma-separated τ values in [0, 1) (default: the paper's "
                                       "grid).")]
     = ",".join(f"{t:g}" for t in PAPER_TAUS),
@@ -84,7 +93,8 @@ def sweep_cmd(
     before it starts, unless --force. The summary files and plots are rewritten from all
     records of this sweep every time."""
     task_list = _split(tasks, TASK_NAMES, "--tasks")
-    method_list = _split(methods, tuple(METHODS), "--methods")
+    default = DEFAULT_METHODS if targets is None else TARGET_DEFAULT
+    method_list = _split(",".join(default) if methods is None else methods, tuple(METHODS), "--methods")
     tau_list = _numbers(taus, "--taus", "τ", "0.1,0.2", lo_open=False)
     target_list = None if targets is None else _numbers(targets, "--targets", "target", "0.8,0.9",
                                                          lo_open=True)

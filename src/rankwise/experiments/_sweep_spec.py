@@ -21,6 +21,10 @@ METHODS: dict[str, dict[str, Any] | None] = {
 }
 # what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
 DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
+# the methods that stay distinct with a compression target (a target replaces SDLRT's τ
+# feedback, so sdlrt-buffer and sdlrt-2sided would repeat sdlrt, sdlrt-feedback dlrt)
+TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd")
+TARGET_DEFAULT: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "fixed", "dense-svd")  # --targets' study
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
 
 
@@ -76,6 +80,9 @@ class RunSpec:
             raise ValueError(f"target must be in (0, 1); got {self.target}")
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp must be in [0, 1]; got {self.ramp}")
+        if self.target is not None and self.method not in TARGET_METHODS:
+            raise ValueError(f"method {self.method} differs from another only in its τ feedback, which a "
+                             f"target replaces; with targets use {', '.join(TARGET_METHODS)}")
         if (METHODS[self.method] or {}).get("baseline") and self.target is None:
             raise ValueError(f"method {self.method} is a baseline at a compression target: give a target "
                              "(--targets)")
@@ -83,13 +90,31 @@ class RunSpec:
             raise ValueError(f"task {self.task} reads {FILE_TASKS[self.task]} files: give their folder "
                              "(data_dir / --data-dir)")
 
+    def unused(self) -> set[str]:
+        """The fields this run's method does not read (changing them changes nothing)."""
+        baseline = (METHODS[self.method] or {}).get("baseline")
+        out = set()
+        if self.method == "dense" or baseline:
+            out |= {"tau", "rank", "omega", "ramp", "dt_every"}
+        if self.method != "dense-svd":
+            out.add("finetune_epochs")
+        if self.method == "dense":
+            out.add("target")
+        elif self.target is not None:
+            out.add("tau")
+        else:
+            out.add("ramp")
+        if not self.method.startswith("sdlrt"):
+            out.add("omega")
+        return out
+
     def differences(self, other: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-        """{field: (stored value, this value)} for the fields where the stored spec `other`
-        (a dict, as in a run record) differs from this one; a field the record predates
-        counts as its default."""
-        mine = asdict(self)
+        """{field: (stored value, this value)} for the fields this run uses where the stored
+        spec `other` (a dict, as in a run record) differs from this one; a field the record
+        predates counts as its default."""
+        mine, unused = asdict(self), self.unused()
         return {f.name: (other.get(f.name, f.default), mine[f.name]) for f in fields(self)
-                if other.get(f.name, f.default) != mine[f.name]}
+                if f.name not in unused and other.get(f.name, f.default) != mine[f.name]}
 
     @property
     def key(self) -> str:
@@ -99,3 +124,9 @@ class RunSpec:
         return f"{self.task}_{self.method}{level}_s{self.seed}"
 
 
+def level(spec: dict[str, Any]) -> float | None:
+    """What a run's compression was asked with (a run record's spec): its target if it had one,
+    else its τ; ``None`` for dense."""
+    if spec["method"] == "dense":
+        return None
+    return spec["tau"] if spec.get("target") is None else spec["target"]

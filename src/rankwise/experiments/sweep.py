@@ -32,7 +32,7 @@ from ._stats import mean_std
 from ._sweep_spec import METHODS as METHODS
 from ._sweep_spec import PAPER_TAUS as PAPER_TAUS
 from ._sweep_spec import TASK_LR as TASK_LR
-from ._sweep_spec import TASK_NAMES, RunSpec
+from ._sweep_spec import TASK_NAMES, RunSpec, level
 
 
 def _digits(size: int, seed: int):
@@ -97,9 +97,8 @@ def _balanced(model: nn.Module) -> nn.Module:
     the steps of U and V by Σ and diverges at learning rates the other methods use.)"""
     for m in model.modules():
         if isinstance(m, AbstractLowRankLayer):
-            P, s, Q = torch.linalg.svd(m.S, full_matrices=False)  # S is diagonal after to_low_rank
-            root = s.sqrt()
-            m.set_factors((m.U @ P) * root, torch.eye(len(s), dtype=s.dtype), (m.V @ Q.mT) * root)
+            root = m.S.diagonal().sqrt()  # S = diag(σ) after to_low_rank
+            m.set_factors(m.U * root, torch.eye(len(root), dtype=root.dtype), m.V * root)
     return model
 
 
@@ -122,8 +121,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
         to_low_rank(model, rank=spec.rank)
         cls = DLRT if spec.method.startswith("dlrt") else SDLRT
         extra = dict(METHODS[spec.method]) if cls is DLRT else dict(METHODS[spec.method], omega=spec.omega)
-        if spec.target is not None:  # a global budget; SDLRT's τ feedback does not apply
-            extra.pop("feedback", None)
+        if spec.target is not None:  # a global budget (SDLRT's τ feedback does not apply)
             ramp = int(spec.ramp * spec.epochs * math.ceil(len(x) / spec.batch_size))
             opt = cls(model, spec.lr, target=spec.target, ramp_steps=ramp, momentum=spec.momentum, **extra)
         else:
@@ -261,8 +259,8 @@ def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = F
             if on_done:
                 on_done(r)
 
-        map_runs(_job, [(s, str(folder)) for s in todo], jobs=jobs, processes=True, spawn=True,
-                 fresh_process=True, on_progress=progress if on_progress else None, on_done=finished)
+        map_runs(_job, [(s, str(folder)) for s in todo], jobs=jobs, processes=True, fresh_process=True,
+                 on_progress=progress if on_progress else None, on_done=finished)
     return [done[s.key] for s in specs]
 
 
@@ -277,24 +275,17 @@ def write_csv(results: list[dict], path: Path) -> None:
     w.writerow(_CSV)
     for r in results:
         s = r["spec"]
-        w.writerow([r["key"], s["task"], s["method"], _level(s) if s["method"] != "dense" else "",
+        w.writerow([r["key"], s["task"], s["method"], level(s) if s["method"] != "dense" else "",
                     s["seed"], *(f"{r[k]:.6g}" for k in _CSV[5:13]),
                     " ".join(f"{k}:{v}" for k, v in r["ranks"].items())])
     write_atomic(path, buf.getvalue().encode())
-
-
-def _level(spec: dict) -> float | None:
-    """What a run's compression was asked with: its target if it had one, else its τ."""
-    if spec["method"] == "dense":
-        return None
-    return spec["tau"] if spec.get("target") is None else spec["target"]
 
 
 def _groups(results: list[dict]) -> dict[tuple, list[dict]]:
     g: dict[tuple, list[dict]] = {}
     for r in results:
         s = r["spec"]
-        g.setdefault((s["task"], s["method"], _level(s)), []).append(r)
+        g.setdefault((s["task"], s["method"], level(s)), []).append(r)
     return g
 
 
@@ -357,13 +348,13 @@ def plot(results: list[dict], out: Path) -> list[Path]:
 
     for key, name, ylabel in (("rank", "rank_vs_step.png", "sum of layer ranks"),
                               ("d_t", "dt_vs_step.png", "d_t (seed 0)")):
-        taus = sorted({_level(r["spec"]) for r in results if r["spec"]["method"] != "dense"})
+        taus = sorted({level(r["spec"]) for r in results if r["spec"]["method"] != "dense"})
         mid = taus[len(taus) // 2] if taus else None
         fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
         for ax, task in zip(axes[0], tasks, strict=True):
             for r in results:
                 s = r["spec"]
-                if s["task"] == task and s["seed"] == 0 and s["method"] != "dense" and _level(s) == mid:
+                if s["task"] == task and s["seed"] == 0 and s["method"] != "dense" and level(s) == mid:
                     ax.plot([p["step"] for p in r["trace"]], [p[key] for p in r["trace"]],
                             label=s["method"], lw=1)
             ax.set_title(f"{task}, τ or target = {mid}", fontsize=9)

@@ -6,6 +6,8 @@ import statistics
 
 import numpy as np
 
+from ._sweep_spec import level
+
 
 def _curve(results: list[dict], task: str, method: str) -> list[tuple[float, float, float, float]]:
     """(τ or target, mean compression, mean test acc, std test acc) per τ (or per target, for
@@ -14,7 +16,7 @@ def _curve(results: list[dict], task: str, method: str) -> list[tuple[float, flo
     for r in results:
         s = r["spec"]
         if s["task"] == task and s["method"] == method:
-            by.setdefault(s["tau"] if s.get("target") is None else s["target"], []).append(r)
+            by.setdefault(level(s), []).append(r)
     pts = []
     for tau, rs in by.items():
         accs = [r["test_acc"] for r in rs]
