@@ -3,34 +3,25 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 from pathlib import Path
-
-
-def _umask() -> int:
-    """The process's file-creation mask (read without changing it where /proc allows)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # elsewhere: swap and restore
-    os.umask(mask)
-    return mask
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically: a temporary file in the same directory is written,
     flushed and fsynced, then renamed over ``path``, and the directory is fsynced. A crash
-    leaves either the old file or the new one, never a partial file. The file gets the
-    permissions an ordinary ``open(path, "w")`` would give it (0666 less the umask), not the
-    0600 of the temporary file."""
+    leaves either the old file or the new one, never a partial file. The temporary file is
+    created as ``open(path, "w")`` would create a file (mode 0666 less the umask), so the result
+    has the permissions the user expects (``tempfile.mkstemp`` would give 0600)."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    while True:  # a fresh name, created exclusively (as mkstemp does)
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

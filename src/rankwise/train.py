@@ -25,6 +25,7 @@ from .lowrank import DLRT, SDLRT, compression, to_low_rank
 from .models import get_model
 from .train_config import FORMAT_VERSION as FORMAT_VERSION
 from .train_config import METHODS as METHODS
+from .train_config import RAMP_SHARE
 from .train_config import TrainConfig as TrainConfig
 
 
@@ -142,8 +143,8 @@ def _build(config: TrainConfig, total_steps: int) -> tuple[nn.Module, torch.opti
     # rank=None: start at full rank (to_low_rank clamps the rank to min(out, in) per layer).
     rank = sys.maxsize if config.rank is None else config.rank
     to_low_rank(model, rank=rank, exclude=list(config.exclude) or None)
-    if config.target is not None:  # the budget reaches the target over 60 % of the steps
-        level = {"target": config.target, "ramp_steps": int(0.6 * total_steps)}
+    if config.target is not None:
+        level = {"target": config.target, "ramp_steps": int(RAMP_SHARE * total_steps)}
     else:
         level = {"tau": config.tau} | ({"tau_min": config.tau_min} if config.method == "sdlrt" else {})
     cls = DLRT if config.method == "dlrt" else SDLRT

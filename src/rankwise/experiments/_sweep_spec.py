@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ..train_config import RAMP_SHARE
+
 METHODS: dict[str, dict[str, Any] | None] = {
     "dense": None,
     "dlrt": {},
@@ -57,7 +59,7 @@ class RunSpec:
     dt_every: int = 5
     data_dir: str | None = None
     target: float | None = None  # a compression target (global budget) instead of τ
-    ramp: float = 0.6  # with a target: the share of the training steps over which it is reached
+    ramp: float = RAMP_SHARE  # with a target: the share of the training steps over which it is reached
     finetune_epochs: int = 2  # dense-svd: epochs of fine-tuning the factors after the SVD
 
     def __post_init__(self) -> None:
