@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import stat
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def test_ckpt_demo_checks_arguments_before_touching_the_workdir(tmp_path):
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--kill-step", 10), "ckpt demo")
     assert "--kill-step" in msg and "got 10" in msg
     (work / "reference").mkdir()  # an earlier demo: refused, before any torchrun starts
+    (work / "reference" / "torchrun.log").write_text("")
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work), "ckpt demo", code=1)
     assert "--force" in msg
     assert sorted(p.name for p in work.iterdir()) == ["precious.txt", "reference"]
@@ -201,8 +203,8 @@ def test_help_is_fast_and_complete():
                           env={**os.environ, "COLUMNS": "200"})
     first, _, help_text = proc.stdout.partition("\n")
     assert first == "0 False False", proc.stderr
-    for command in ("train", "demo", "sweep", "ode", "ckpt"):
-        assert f" {command} " in help_text
+    for command in ("train", "demo", "sweep", "ode", "ckpt"):  # rows of the commands table
+        assert re.search(rf"│ {command} +\S", help_text), command
     assert "<bool>" not in help_text
 
 
@@ -303,10 +305,10 @@ def test_an_unreadable_fragment_counts_as_missing(tmp_path):
     ("fixed:8-16", "a fixed controller has no CMAX"), ("fixed:8,,adaptive:8", "an empty entry"),
     ("fixed:8:r100", "--rank (or :rR in --grid) must be in [1, m=32]"),
 ])
-def test_ode_grid_entries_are_parsed_strictly(grid, message):
-    msg = _one_line_error(run_cli("ode", "--grid", grid, "--out", "unused-ode-out"), "ode")
+def test_ode_grid_entries_are_parsed_strictly(grid, message, tmp_path):
+    msg = _one_line_error(run_cli("ode", "--grid", grid, "--out", tmp_path / "ode"), "ode")
     assert message in msg
-    assert not Path("unused-ode-out").exists()
+    assert not (tmp_path / "ode").exists()
 
 
 def test_sweep_reports_a_damaged_record_before_running(tmp_path):
@@ -341,3 +343,39 @@ def test_thread_and_process_counts_are_capped(args):
 
     msg = _one_line_error(run_cli(*args), args[0])
     assert f"less than or equal to {MAX_WORKERS}" in msg and "got 100000" in msg
+
+
+def test_force_deletes_only_what_the_command_writes(tmp_path):
+    # ckpt encode: a user's worker_notes.rwck is not a fragment
+    folder, _ = _encoded(tmp_path)
+    (folder / "worker_notes.rwck").write_text("mine")
+    src = tmp_path / "y.bin"
+    src.write_bytes(random.Random(2).randbytes(5000))
+    assert run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder, "--force").exit_code == 0
+    assert (folder / "worker_notes.rwck").read_text() == "mine"
+    # train: a user's file named like a TensorBoard log is not one
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "events.out.tfevents.mine").write_text("mine")
+    args = ("train", "--method", "dense", "--model", "mlp", "--epochs", 1, "--out", out)
+    assert run_cli(*args).exit_code == 0
+    assert run_cli(*args, "--force").exit_code == 0
+    assert (out / "events.out.tfevents.mine").read_text() == "mine"
+    # ckpt demo: a user's folder called reference/ is not a demo scenario, even with --force
+    work = tmp_path / "w"
+    (work / "reference").mkdir(parents=True)
+    (work / "reference" / "data.txt").write_text("mine")
+    msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--force"), "ckpt demo", code=1)
+    assert "did not write" in msg and (work / "reference" / "data.txt").read_text() == "mine"
+
+
+def test_sweep_does_not_overwrite_a_users_summary(tmp_path):
+    out = tmp_path / "sw"
+    out.mkdir()
+    (out / "summary.md").write_text("mine")
+    args = ("sweep", "--tasks", "lenet-digits", "--methods", "dense", "--seeds", 1, "--epochs", 1,
+            "--out", out)
+    msg = _one_line_error(run_cli(*args), "sweep", code=1)
+    assert "summary.md" in msg and (out / "summary.md").read_text() == "mine"
+    assert run_cli(*args, "--force").exit_code == 0 and (out / "summary.md").read_text() != "mine"
+    assert run_cli(*args).exit_code == 0  # a sweep folder (it has runs/) is resumed without --force

@@ -33,6 +33,6 @@ def test_clear_errors(tmp_path):
     (tmp_path / "x").write_bytes(b"abc")
     r = run_cli(*["ckpt", "encode", str(tmp_path / "x"), "--n", "3", "--t", "1",
                             "--out", str(tmp_path)])
-    assert r.exit_code != 0 and "3t < n" in r.output
+    assert r.exit_code == 2 and "3t < n" in r.output
     r = run_cli(*["ckpt", "verify", str(tmp_path)])
-    assert r.exit_code != 0 and "no commitment.rwck" in r.output
+    assert r.exit_code == 1 and "no commitment.rwck" in r.output

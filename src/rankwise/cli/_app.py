@@ -69,7 +69,7 @@ class ModelName(str, enum.Enum):
 _THREADS_HELP = ("CPU threads for torch. The models are tiny, so one thread is about as fast as "
                  "several and is not slowed down by other busy processes.")
 # what `train` writes into --out (claim_output_dir refuses to mix two runs)
-RUN_OUTPUTS = ("metrics.csv", "final.json", "events.out.tfevents.*")
+RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+")  # regexes
 
 
 @app.command("train", cls=Command)
@@ -137,8 +137,11 @@ def demo_cmd(
     configs = [_config(TrainConfig, method=m, model="lenet", tau=tau, rank=None if m == "dense" else rank,
                        epochs=epochs, seed=seed, out=out / m)
                for m in ("dense", "dlrt", "sdlrt")]
-    if markdown is not None:
-        check_new_file(markdown, force=force, option="--markdown")
+    if markdown is not None:  # replaced only if it is a table this command wrote (--force is for runs)
+        if markdown.is_file() and not _is_demo_table(markdown):
+            raise UserError(f"--markdown {markdown} exists and is not a table `rankwise demo` wrote; choose "
+                            "another path", 1)
+        check_new_file(markdown, force=True, option="--markdown")
     old = [check_output_dir(c.out, produced=RUN_OUTPUTS, force=force, what="demo run") for c in configs]
     for c, checked in zip(configs, old, strict=True):  # all checked before any is touched
         claim_output_dir(c.out, produced=RUN_OUTPUTS, force=force, checked=checked)
@@ -157,6 +160,13 @@ def demo_cmd(
     console.print(f"Run records (metrics.csv, final.json, TensorBoard): {out}/{{dense,dlrt,sdlrt}}")
     if markdown is not None:
         write_atomic(markdown, comparison_markdown(summaries).encode())
+
+
+def _is_demo_table(path: Path) -> bool:
+    from ._train_view import TABLE_HEADER
+
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readline().rstrip("\n") == TABLE_HEADER
 
 
 def _register() -> None:
@@ -235,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
         if _debug(args):
             raise
         _error(f"{_command_path(args)}: internal error: {type(e).__name__}: {_one_line(e)} "
-               "(rerun with --debug or RANKWISE_DEBUG=1 for the traceback, and please report it)")
+               "(rerun as `rankwise --debug …` or with RANKWISE_DEBUG=1 for the traceback, and please "
+               "report it)")
         return 1
 
 

@@ -25,7 +25,7 @@ app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worke
 console = Console()
 Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck.",
                                         metavar="FOLDER", show_default=False)]
-CODED_OUTPUTS = ("commitment.rwck", "worker*.rwck")
+CODED_OUTPUTS = (r"commitment\.rwck", r"worker\d+\.rwck")  # regexes
 
 
 def _open(folder: Path):
@@ -212,7 +212,8 @@ def demo_cmd(
                         f"(a checkpoint step: no work would be lost); got {kill_step}")
     from ..experiments.ddp_resilience import DEMO_OUTPUTS, run_demo
 
-    claim_output_dir(workdir, produced=DEMO_OUTPUTS, force=force, option="--workdir", what="demo")
+    claim_output_dir(workdir, produced=DEMO_OUTPUTS, force=force, option="--workdir", what="demo",
+                     ours=lambda p: (p / "torchrun.log").is_file())  # each scenario's folder has one
     from rich.table import Table
 
     with console.status("running torchrun three times (reference, killed worker, lying rank)"):

@@ -7,8 +7,9 @@ Nothing here imports torch: ``rankwise --help`` and argument errors must answer 
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
@@ -99,7 +100,7 @@ def check_new_file(path: Path, *, force: bool, option: str = "--out") -> None:
     """`path` may be written: its folder exists and is writable, it is not a folder or a device,
     and it does not exist unless `force`. Raises :class:`UserError` naming `option`."""
     if str(path) in ("", "."):
-        raise UserError(f"{option} is empty; give the path of a file to write")
+        raise UserError(f"{option} is '.' or empty; give the path of a file to write")
     if path.is_dir():
         raise UserError(f"{option} {path} is a folder; give the path of a file to write")
     if path.exists() and not path.is_file():
@@ -114,22 +115,30 @@ def check_new_file(path: Path, *, force: bool, option: str = "--out") -> None:
 
 
 def earlier_outputs(folder: Path, produced: Sequence[str]) -> list[Path]:
-    """What a run writing the glob patterns `produced` into `folder` would replace."""
+    """The entries of `folder` whose names fully match one of the regular expressions
+    `produced` (what a run of the command writes there, and so would replace)."""
     if not folder.is_dir():
         return []
-    return sorted({p for pattern in produced for p in folder.glob(pattern)})
+    patterns = [re.compile(p) for p in produced]
+    return sorted(p for p in folder.iterdir() if any(rx.fullmatch(p.name) for rx in patterns))
 
 
 def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
-                     what: str = "run") -> list[Path]:
-    """Can `folder` take the outputs matching the glob patterns `produced`? It is (or can
-    become) a writable folder, and holds no earlier such outputs unless `force`. Returns those
-    earlier outputs (what :func:`claim_output_dir` deletes); changes nothing."""
+                     what: str = "run", ours: Callable[[Path], bool] | None = None) -> list[Path]:
+    """Can `folder` take the outputs whose names match the regular expressions `produced`? It
+    is (or can become) a writable folder, and holds no earlier such outputs unless `force`;
+    an entry with such a name that `ours` says this command did not write is refused even with
+    `force`. Returns the earlier outputs (what :func:`claim_output_dir` deletes); changes
+    nothing."""
     if str(folder) in ("", "."):
-        raise UserError(f"{option} is empty; give a folder (use ./NAME for one in this folder)")
+        raise UserError(f"{option} is '.' or empty; give a named folder, e.g. ./out")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{option} {folder} is a file; give a folder")
     old = earlier_outputs(folder, produced)
+    foreign = [p for p in old if ours is not None and not ours(p)]
+    if foreign:
+        raise UserError(f"{option} {folder} holds {foreign[0].name}, which this command did not write; "
+                        f"choose another {option}", 1)
     if old and not force:
         names = ", ".join(p.name for p in old[:4]) + (" …" if len(old) > 4 else "")
         raise UserError(f"{option} {folder} already holds an earlier {what} ({names}); pass --force to "
@@ -139,15 +148,16 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
 
 
 def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
-                     what: str = "run", checked: list[Path] | None = None) -> None:
-    """Make `folder` ready for a command that writes the files or folders matching the glob
-    patterns `produced`: create it if missing; if an earlier run left such outputs there,
+                     what: str = "run", checked: list[Path] | None = None,
+                     ours: Callable[[Path], bool] | None = None) -> None:
+    """Make `folder` ready for a command that writes the files or folders whose names match the
+    regular expressions `produced`: create it if missing; if an earlier run left such outputs there,
     refuse (exit 1) unless `force`, and with `force` delete exactly those (nothing else in the
     folder is touched). Call it after every other argument check and before any work; a
     command with several output folders calls :func:`check_output_dir` on all of them first
     and passes each result as `checked`."""
     old = checked if checked is not None else check_output_dir(
-        folder, produced=produced, force=force, option=option, what=what)
+        folder, produced=produced, force=force, option=option, what=what, ours=ours)
     for p in old:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -206,7 +216,3 @@ def progress_columns() -> tuple[Any, ...]:
 
     return (TextColumn("{task.description}"), BarColumn(bar_width=16),
             TextColumn("{task.fields[info]}"), TimeElapsedColumn())
-
-
-def join_names(items: Iterable[object]) -> str:
-    return ", ".join(str(x) for x in items)

@@ -17,7 +17,7 @@ _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2
             ("max_delta", "max δ", "{:.1e}"), ("grad_cosine", "grad cosine", "{:.5f}"),
             ("mean_replays", "replays/iter", "{:.2f}"), ("loss_var_2nd_half", "loss var", "{:.3f}"),
             ("loss_spikes", "loss spikes", "{:.1f}"), ("seconds", "s/run", "{:.0f}"))
-ODE_OUTPUTS = ("results.json", "traces.csv", "ode_traces.png")
+ODE_OUTPUTS = (r"results\.json", r"traces\.csv", r"ode_traces\.png")  # regexes
 
 
 _ENTRY = re.compile(r"(fixed|adaptive|replay)(?::(\d+)(?:-(\d+))?)?(?::r(\d+))?")

@@ -29,6 +29,10 @@ def _split(text: str, allowed, option: str) -> list[str]:
     return items
 
 
+SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"equal_compression\.md", r"acc_vs_compression\.png",
+                   r"rank_vs_step\.png", r"dt_vs_step\.png")
+
+
 def _numbers(text: str, option: str, what: str, example: str, *, lo_open: bool) -> list[float]:
     """Comma-separated numbers in [0, 1) (or (0, 1) with `lo_open`), else a UserError."""
     try:
@@ -108,7 +112,9 @@ def sweep_cmd(
         raise UserError(f"tasks on {', '.join(need)} read files: give their folder with --data-dir")
     if need:
         _check_data(need, data_dir)
-    check_output_dir(out, produced=(), force=False, what="sweep")  # a writable folder (resumable)
+    # a sweep folder is resumed (its summaries rewritten from its records); summary-named files
+    # in a folder without records are someone else's: replaced only with --force
+    check_output_dir(out, produced=SWEEP_SUMMARIES, force=force or (out / "runs").is_dir(), what="sweep")
     from ..experiments._sweep_spec import RunSpec
 
     levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
@@ -150,4 +156,5 @@ def sweep_cmd(
         write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
     plot(results, out)
     console.print(table)
-    console.print(f"{len(results)} runs ({count[0]} new); wrote {out}/runs.csv, summary.md and 3 PNGs")
+    console.print(f"{len(results)} runs ({count[0]} new); wrote {out}/runs.csv, summary.md"
+                  + (", equal_compression.md" if "dlrt" in method_list else "") + " and 3 PNGs")

@@ -78,6 +78,7 @@ def _row(s: dict[str, Any], layers: list[str]) -> list[str]:
 
 
 _HEADERS = ("method", "test acc", "train acc (eval)", "compression", "final ranks", "wall time")
+TABLE_HEADER = "| " + " | ".join(_HEADERS) + " |"  # the first line of comparison_markdown
 
 
 def comparison_table(summaries: list[dict[str, Any]], *, tau: float, epochs: int, rank: int) -> Table:
@@ -101,7 +102,7 @@ def comparison_markdown(summaries: list[dict[str, Any]]) -> str:
     layers = _layers(summaries)
     cfg = summaries[0]["config"]
     rank = next((s["config"]["rank"] for s in summaries if s["config"]["rank"] is not None), None)
-    lines = ["| " + " | ".join(_HEADERS) + " |", "|" + "---|" * len(_HEADERS)]
+    lines = [TABLE_HEADER, "|" + "---|" * len(_HEADERS)]
     lines += ["| " + " | ".join(_row(s, layers)) + " |" for s in summaries]
     note = (f"*Produced by `rankwise demo --epochs {cfg['epochs']} --tau {cfg['tau']} --rank {rank} "
             f"--seed {cfg['seed']}` (`make docs-figures`) at commit {source_commit()}; final ranks of "
