@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import rankwise
 from helpers import mse_closure, rank3_problem
-from rankwise.lowrank._optim import feedback_tau
 from rankwise.models import lenet, mlp
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -84,13 +84,52 @@ def test_tau_or_target_is_required_and_not_both():
 
 
 def test_feedback_rules():
-    kw = dict(omega=0.5, tau_min=0.01, tau_max=0.4)
-    assert feedback_tau(0.2, 3, 5, rule="seed", **kw) == 0.1
-    assert feedback_tau(0.2, 7, 5, rule="seed", **kw) == 0.2        # the seed never relaxes
-    assert feedback_tau(0.2, 7, 5, rule="two-sided", **kw) == 0.4   # two-sided does
-    assert feedback_tau(0.3, 7, 5, rule="two-sided", **kw) == 0.4   # up to tau_max
-    assert feedback_tau(0.2, 5, 5, rule="two-sided", **kw) == 0.2   # at the target: still
-    assert feedback_tau(0.015, 3, 5, rule="two-sided", **kw) == 0.01
+    seed = rankwise.SeedFeedback(omega=0.5, tau_min=0.01)
+    two = rankwise.TwoSidedFeedback(omega=0.5, tau_min=0.01, tau_max=0.4)
+    tau0 = 0.2
+    assert seed(0.2, 3, 5, tau0) == 0.1
+    assert seed(0.2, 7, 5, tau0) == 0.2        # the seed never relaxes
+    assert two(0.2, 7, 5, tau0) == 0.4         # two-sided does
+    assert two(0.3, 7, 5, tau0) == 0.4         # up to tau_max
+    assert two(0.3, 7, 5, 0.45) == 0.45        # or the initial τ, if larger
+    assert two(0.2, 5, 5, tau0) == 0.2         # at the target: still
+    assert two(0.015, 3, 5, tau0) == 0.01
+    with pytest.raises(ValueError, match="omega"):
+        rankwise.SeedFeedback(omega=1.0)
+
+
+def test_policies_and_presets_agree():
+    """AugmentedBUG with explicit policies is what the presets build: same steps, same ranks."""
+    X, Y, _ = rank3_problem(m=30, n=20)
+    runs = {}
+    for name, make in {
+        "dlrt": lambda m: rankwise.DLRT(m, 0.05, tau=0.1, momentum=0.9),
+        "bug-tol": lambda m: rankwise.AugmentedBUG(m, 0.05, truncation=rankwise.Tolerance(0.1), momentum=0.9),
+        "sdlrt": lambda m: rankwise.SDLRT(m, 0.05, tau=0.1, feedback="two-sided", omega=0.7),
+        "bug-fb": lambda m: rankwise.AugmentedBUG(m, 0.05, truncation=rankwise.Tolerance(0.1), buffer=True,
+                                                  feedback=rankwise.TwoSidedFeedback(omega=0.7)),
+        "dlrt-target": lambda m: rankwise.DLRT(m, 0.05, target=0.5, ramp_steps=5),
+        "bug-budget": lambda m: rankwise.AugmentedBUG(m, 0.05, truncation=rankwise.Budget(0.5, ramp_steps=5)),
+    }.items():
+        torch.manual_seed(0)
+        model = rankwise.to_low_rank(nn.Sequential(nn.Linear(20, 30)).double(), rank=6)
+        opt = make(model)
+        for _ in range(12):
+            def closure(model=model, opt=opt):
+                opt.zero_grad()
+                loss = (model(X) - Y).square().mean()
+                loss.backward()
+                return loss
+            opt.step(closure)
+        runs[name] = (opt.ranks(), model[0].weight_matrix().detach().clone())
+    for a, b in (("dlrt", "bug-tol"), ("sdlrt", "bug-fb"), ("dlrt-target", "bug-budget")):
+        assert runs[a][0] == runs[b][0]
+        assert torch.equal(runs[a][1], runs[b][1])
+    with pytest.raises(ValueError, match="Budget has none"):
+        rankwise.AugmentedBUG(nn.Sequential(), 0.1, truncation=rankwise.Budget(0.5),
+                              feedback=rankwise.SeedFeedback())
+    with pytest.raises(TypeError, match="truncation"):
+        rankwise.AugmentedBUG(nn.Sequential(), 0.1, truncation=0.1)
 
 
 def test_two_sided_feedback_settles():

@@ -18,6 +18,12 @@ __version__ = "0.1.0"
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
     "DLRT": "rankwise.lowrank",
+    "AugmentedBUG": "rankwise.lowrank",
+    "Budget": "rankwise.lowrank",
+    "Feedback": "rankwise.lowrank",
+    "SeedFeedback": "rankwise.lowrank",
+    "Tolerance": "rankwise.lowrank",
+    "TwoSidedFeedback": "rankwise.lowrank",
     "SDLRT": "rankwise.lowrank",
     "AbstractLowRankLayer": "rankwise.lowrank",
     "LowRankConv2d": "rankwise.lowrank",
@@ -37,8 +43,14 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import DLRT as DLRT
     from .lowrank import SDLRT as SDLRT
     from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
+    from .lowrank import AugmentedBUG as AugmentedBUG
+    from .lowrank import Budget as Budget
+    from .lowrank import Feedback as Feedback
     from .lowrank import LowRankConv2d as LowRankConv2d
     from .lowrank import LowRankLinear as LowRankLinear
+    from .lowrank import SeedFeedback as SeedFeedback
+    from .lowrank import Tolerance as Tolerance
+    from .lowrank import TwoSidedFeedback as TwoSidedFeedback
     from .lowrank import compression as compression
     from .lowrank import export as export
     from .lowrank import stability_distance as stability_distance

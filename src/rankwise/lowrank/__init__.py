@@ -9,3 +9,9 @@ from ._metrics import compression as compression
 from ._metrics import stability_distance as stability_distance
 from ._optim import DLRT as DLRT
 from ._optim import SDLRT as SDLRT
+from ._optim import AugmentedBUG as AugmentedBUG
+from ._policies import Budget as Budget
+from ._policies import Feedback as Feedback
+from ._policies import SeedFeedback as SeedFeedback
+from ._policies import Tolerance as Tolerance
+from ._policies import TwoSidedFeedback as TwoSidedFeedback

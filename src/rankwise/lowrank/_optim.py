@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from ..linalg import work_dtype
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
+from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback
 from ._rules import RULES, State, apply_rule, get_rule, transport
 
 
@@ -125,71 +126,61 @@ def _augmented_core_state(aug: bug.Augmented, st_S: State, st_K: State, st_L: St
     return out
 
 
-TAU_MAX = 0.5  # the two-sided rule never relaxes τ beyond max(initial τ, this)
+_FEEDBACK = {True: SeedFeedback, "seed": SeedFeedback, "two-sided": TwoSidedFeedback}
 
 
-def feedback_tau(tau: float, rank: int, r_init: int, *, rule: str, omega: float, tau_min: float = 0.0,
-                 tau_max: float = TAU_MAX) -> float:
-    """SDLRT's tolerance feedback after a truncation to `rank`, for a layer that started at
-    rank `r_init`.
+class AugmentedBUG(torch.optim.Optimizer):
+    r"""The rank-adaptive augmented basis-update & Galerkin integrator as an optimizer, with its
+    choices passed as policies (:mod:`._policies`); :class:`DLRT` and :class:`SDLRT` are presets.
 
-    - ``"seed"`` (the paper): τ ← max(ωτ, τ_min) whenever rank < r_init. It only ever lowers
-      τ, so a layer whose rank settles below r_init drives τ to τ_min (0 by default) and its
-      rank then grows to r_init or beyond: no compression.
-    - ``"two-sided"``: the same, and τ ← min(τ/ω, τ_max) whenever rank > r_init. τ stops
-      moving once the rank sits at r_init, so the rule converges; it keeps the rank near
-      r_init instead of drifting upwards.
+    Per low-rank layer and augmentation step: K- and L-updates from the gradients of K = US and
+    L = VSᵀ, ``Ū = orth[U0, ΔK(, U_buf)]``, ``V̄ = orth[V0, ΔL(, V_buf)]``, the Galerkin core
+    ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, its SVD and a truncation chosen by `truncation`.
+
+    **Arguments** (besides those documented under :class:`DLRT`):
+    - `truncation`: :class:`Tolerance` (τ per layer) or :class:`Budget` (a compression target,
+      ranks allocated model-wide).
+    - `feedback`: ``None``, :class:`SeedFeedback` or :class:`TwoSidedFeedback` (or your own
+      :class:`Feedback`): adjusts each layer's τ after every truncation; only with a
+      :class:`Tolerance` (a budget sets the ranks itself).
+    - `buffer`: SDLRT's compensation buffer of recently discarded directions.
+
+    Example: ``AugmentedBUG(model, 0.05, truncation=Budget(0.9, ramp_steps=300), buffer=True,
+    momentum=0.9)``.
     """
-    if rank < r_init:
-        return max(omega * tau, tau_min)
-    if rule == "two-sided" and rank > r_init:
-        return min(tau / omega, tau_max)
-    return tau
 
-
-class _AugmentedBUG(torch.optim.Optimizer):
-    """Shared engine of :class:`DLRT` and :class:`SDLRT` (not public; build those)."""
-
-    def __init__(self, model: nn.Module, lr: float, *, tau: float | None, momentum: float,
-                 optimizer: str, weight_decay: float, single_pass: bool, min_rank: int,
-                 max_rank: int | None, adaptive: bool, update_every: int, buffer: bool,
-                 feedback: bool | str, omega: float, tau_min: float, betas: tuple[float, float],
-                 eps: float, on_nonfinite: Literal["raise", "skip"], target: float | None = None,
-                 ramp_steps: int = 200) -> None:
+    def __init__(self, model: nn.Module, lr: float, *, truncation: Tolerance | Budget,
+                 feedback: Feedback | None = None, buffer: bool = False, momentum: float = 0.0,
+                 optimizer: str = "sgd", weight_decay: float = 0.0, single_pass: bool = True,
+                 min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
+                 update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                optimizer=optimizer, betas=betas, eps=eps)
-        if tau is None and target is None:
-            raise ValueError("give `tau` (a relative truncation tolerance, e.g. tau=0.1) or `target` "
-                             "(the compression to reach, e.g. target=0.9)")
-        if tau is not None and target is not None:
-            raise ValueError(f"give `tau` or `target`, not both (got tau={tau}, target={target}): with a "
-                             "target the budget chooses every layer's rank")
-        if target is not None:
-            if not (isinstance(target, int | float) and 0 < target < 1):
-                raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9 for 10 % of the "
-                                 f"dense parameters; got {target!r}")
-            if not adaptive:
-                raise ValueError("`target` needs adaptive=True (the budget changes the ranks)")
-            if not (isinstance(ramp_steps, int) and ramp_steps >= 0):
-                raise ValueError(f"`ramp_steps` must be an int >= 0; got {ramp_steps!r}")
-            tau = 0.0
-        if feedback not in (True, False, "seed", "two-sided"):
-            raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "
-                             f"False; got {feedback!r}")
-        if not 0 <= tau < 1:
-            raise ValueError(f"`tau` must be in [0, 1); got {tau}")
-        if not 0 < omega < 1:
-            raise ValueError(f"`omega` must be in (0, 1); got {omega}")
-        if target is None and not 0 <= tau_min <= tau:  # (with a target τ and its feedback do not apply)
-            raise ValueError(f"`tau_min` must be in [0, tau={tau}]; got {tau_min}")
+        if not isinstance(truncation, Tolerance | Budget):
+            raise TypeError(f"`truncation` must be rankwise.Tolerance(tau) or rankwise.Budget(target); "
+                            f"got {truncation!r}")
+        if feedback is not None and not isinstance(feedback, Feedback):
+            raise TypeError(f"`feedback` must be None, rankwise.SeedFeedback(...) or "
+                            f"rankwise.TwoSidedFeedback(...); got {feedback!r}")
+        budget = isinstance(truncation, Budget)
+        if budget and feedback is not None:
+            raise ValueError("a feedback adjusts τ, and a Budget has none: it sets every rank itself; "
+                             "pass feedback=None with a Budget")
+        if budget and not adaptive:
+            raise ValueError("`target` needs adaptive=True (the budget changes the ranks)")
+        tau = 0.0 if budget else truncation.tau
+        if feedback is not None and not feedback.tau_min <= tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={tau}]; got {feedback.tau_min}")
         if update_every < 1:
             raise ValueError(f"`update_every` must be >= 1; got {update_every}")
         if min_rank < 1 or (max_rank is not None and max_rank < min_rank):
             raise ValueError(f"need 1 <= min_rank <= max_rank; got {min_rank}, {max_rank}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {on_nonfinite!r}")
+        self.truncation, self.feedback = truncation, feedback
         self.rule = get_rule(optimizer)
         self.layers: dict[str, AbstractLowRankLayer] = {
             n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
@@ -199,26 +190,24 @@ class _AugmentedBUG(torch.optim.Optimizer):
                           "(use rankwise.to_low_rank first)", stacklevel=3)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas,
                         eps=eps, global_step=0)
-        if target is not None:
+        if budget:
             from ._metrics import compression
 
             c = compression(model)
             factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
             self._dense_params = c["dense_params"]
             self._other_params = c["stored_params"] - factors  # biases, dense layers: fixed
-            if (1 - target) * self._dense_params <= self._other_params:
-                raise ValueError(f"`target`={target} cannot be reached: the parameters outside the low-rank "
-                                 f"factors (biases, dense layers) alone are {self._other_params:,} of "
-                                 f"{self._dense_params:,}")
+            if (1 - truncation.target) * self._dense_params <= self._other_params:
+                raise ValueError(f"`target`={truncation.target} cannot be reached: the parameters outside "
+                                 f"the low-rank factors (biases, dense layers) alone are "
+                                 f"{self._other_params:,} of {self._dense_params:,}")
             # where the schedule starts is history, not derivable from a later model: it lives
             # in the param group, so it is saved and restored with the optimizer's state_dict
             defaults["budget_start"] = c["stored_params"]
         super().__init__(list(model.parameters()), defaults)
         self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
                         adaptive=adaptive, update_every=update_every, buffer=buffer,
-                        feedback="seed" if feedback is True else feedback, omega=omega,
-                        tau_min=tau_min, on_nonfinite=on_nonfinite, target=target,
-                        ramp_steps=ramp_steps)
+                        on_nonfinite=on_nonfinite, target=truncation.target if budget else None)
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         for layer in self.layers.values():
             self.state[layer.S].update(tau=tau, r_init=layer.rank, K={}, L={}, S={})
@@ -250,16 +239,9 @@ class _AugmentedBUG(torch.optim.Optimizer):
         return (1 - self.cfg["target"]) * self._dense_params
 
     def _budget_now(self) -> float:
-        """The budget (stored parameters) at this augmentation: from the model's size when the
-        optimizer was built down to the target over `ramp_steps` augmentations, cubically."""
-        from ._budget import budget_schedule
-
-        ramp = self.cfg["ramp_steps"]
+        """The budget (stored parameters) at this augmentation (:meth:`Budget.params_at`)."""
         t = self._hp()["global_step"] // self.cfg["update_every"]
-        if ramp == 0 or t >= ramp:
-            return self._target_params()
-        return budget_schedule(t, ramp, self._hp()["budget_start"], self._target_params(),
-                               warmup=0.0, final=0.0)
+        return self.truncation.params_at(t, self._hp()["budget_start"], self._dense_params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -543,9 +525,8 @@ class _AugmentedBUG(torch.optim.Optimizer):
         else:
             out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg["buffer"])
         r1 = out.S.shape[0]
-        if rank is None and cfg["feedback"]:
-            st["tau"] = feedback_tau(st["tau"], r1, st["r_init"], rule=cfg["feedback"], omega=cfg["omega"],
-                                     tau_min=cfg["tau_min"], tau_max=max(cfg["tau"], TAU_MAX))
+        if rank is None and self.feedback is not None:
+            st["tau"] = self.feedback(st["tau"], r1, st["r_init"], cfg["tau"])
         TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
         st["K"] = transport(states["K"], None, TV)
         st["L"] = transport(states["L"], None, TU)
@@ -596,9 +577,21 @@ _COMMON_DOC = """
 """
 
 
-class DLRT(_AugmentedBUG):
+def _truncation(tau: float | None, target: float | None, ramp_steps: int) -> Tolerance | Budget:
+    """The presets' `tau` / `target` as a truncation policy."""
+    if tau is None and target is None:
+        raise ValueError("give `tau` (a relative truncation tolerance, e.g. tau=0.1) or `target` "
+                         "(the compression to reach, e.g. target=0.9)")
+    if tau is not None and target is not None:
+        raise ValueError(f"give `tau` or `target`, not both (got tau={tau}, target={target}): with a "
+                         "target the budget chooses every layer's rank")
+    return Tolerance(tau) if target is None else Budget(target, ramp_steps)
+
+
+class DLRT(AugmentedBUG):
     r"""Rank-adaptive dynamical low-rank training: the augmented basis-update & Galerkin
-    integrator as an optimizer.
+    integrator as an optimizer (:class:`AugmentedBUG` with a :class:`Tolerance` or a
+    :class:`Budget`, no buffer, no feedback).
 
     Per low-rank layer and augmentation step: K- and L-updates from the gradients of
     K = US and L = VSᵀ, ``Ū = orth[U0, ΔK]``, ``V̄ = orth[V0, ΔL]``, Galerkin core
@@ -613,15 +606,18 @@ class DLRT(_AugmentedBUG):
                  min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
                  update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
-        super().__init__(model, lr, tau=tau, momentum=momentum, optimizer=optimizer,
-                         weight_decay=weight_decay, single_pass=single_pass, min_rank=min_rank,
-                         max_rank=max_rank, adaptive=adaptive, update_every=update_every,
-                         buffer=False, feedback=False, omega=0.5, tau_min=0.0, betas=betas,
-                         eps=eps, on_nonfinite=on_nonfinite, target=target, ramp_steps=ramp_steps)
+        _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                               optimizer=optimizer, betas=betas, eps=eps)
+        super().__init__(model, lr, truncation=_truncation(tau, target, ramp_steps), momentum=momentum,
+                         optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
+                         min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
+                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite)
 
 
-class SDLRT(_AugmentedBUG):
-    r"""Stabilised DLRT: DLRT plus the compensation buffer and the tolerance feedback.
+class SDLRT(AugmentedBUG):
+    r"""Stabilised DLRT: DLRT plus the compensation buffer and the tolerance feedback
+    (:class:`AugmentedBUG` with ``buffer=True`` and a :class:`SeedFeedback` or
+    :class:`TwoSidedFeedback`).
 
     - **buffer**: the augmented bases also span the previous step's buffer,
       ``Ū = orth[U0, ΔK, U_buf]``; after truncation to rank r1 the next ≤ r1 discarded
@@ -631,7 +627,8 @@ class SDLRT(_AugmentedBUG):
       such step, so τ decays geometrically while the rank stays low: by design default SDLRT
       pushes each layer back to (at least) its initial rank. Use `tau_min` as a floor.
       ``"two-sided"`` also relaxes τ ← τ/ω (up to max(τ, 0.5)) whenever the rank is above the
-      initial rank, so τ settles once the rank sits there (:func:`feedback_tau`).
+      initial rank, so τ settles once the rank sits there (:class:`TwoSidedFeedback`).
+      With a `target` there is no τ to adjust and the feedback is not used.
     """ + _COMMON_DOC + """
     - `omega`: feedback factor ω in (0, 1); `buffer`, `feedback`: switch each part off
       separately (with both off this is DLRT).
@@ -645,9 +642,18 @@ class SDLRT(_AugmentedBUG):
                  adaptive: bool = True, update_every: int = 1,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
-        super().__init__(model, lr, tau=tau, momentum=momentum, optimizer=optimizer,
-                         weight_decay=weight_decay, single_pass=single_pass, min_rank=min_rank,
-                         max_rank=max_rank, adaptive=adaptive, update_every=update_every,
-                         buffer=buffer, feedback=feedback, omega=omega, tau_min=tau_min,
-                         betas=betas, eps=eps, on_nonfinite=on_nonfinite, target=target,
-                         ramp_steps=ramp_steps)
+        _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                               optimizer=optimizer, betas=betas, eps=eps)
+        truncation = _truncation(tau, target, ramp_steps)
+        if feedback not in (True, False, "seed", "two-sided"):
+            raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "
+                             f"False; got {feedback!r}")
+        fb = None
+        if feedback and isinstance(truncation, Tolerance):  # a budget has no τ to adjust
+            fb = _FEEDBACK[feedback](omega=omega, tau_min=tau_min)
+        elif not 0 < omega < 1:
+            raise ValueError(f"`omega` must be in (0, 1); got {omega}")
+        super().__init__(model, lr, truncation=truncation, feedback=fb, buffer=buffer, momentum=momentum,
+                         optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
+                         min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
+                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite)

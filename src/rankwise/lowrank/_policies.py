@@ -1,0 +1,131 @@
+r"""The integrator's choices as small policy objects (optax's transforms, diffrax's controllers).
+
+An :class:`~rankwise.AugmentedBUG` optimizer takes one *truncation* policy and, optionally, one
+*feedback* policy:
+
+- :class:`Tolerance` (τ): every layer keeps the smallest rank whose discarded tail is at most
+  τ‖S̄‖_F — a per-layer, relative rule; the ranks follow the spectra.
+- :class:`Budget` (a compression target): the ranks are allocated model-wide so that the
+  stored parameters equal a budget that falls from the model's size to the target
+  (:func:`._budget.allocate_ranks`, :func:`._budget.budget_schedule`).
+- :class:`SeedFeedback` (SDLRT as written: τ ← ωτ while a layer's rank is below its initial
+  rank) and :class:`TwoSidedFeedback` (also τ ← τ/ω while it is above) adjust a
+  :class:`Tolerance`'s τ per layer after each truncation.
+
+The policies are frozen dataclasses: they hold settings, not state (the optimizer's
+``param_groups`` / ``state`` hold that, so it is saved with ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TypeError(f"`{name}` must be a finite real number; got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Truncate every layer at the relative tolerance `tau` in [0, 1): the discarded singular
+    values satisfy ‖σ_tail‖ ≤ τ‖σ‖ (DLRT's rule, per layer)."""
+
+    tau: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= _real("tau", self.tau) < 1:
+            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Reach the compression `target` in (0, 1) (``rankwise.compression(model)["ratio"]``,
+    e.g. 0.9 stores 10 % of the dense parameters), with ranks allocated model-wide.
+
+    The budget falls from the parameters stored when the optimizer is built to the target over
+    `ramp_steps` augmentations, cubically (AdaLoRA's schedule without its warm-up and final
+    phases: the run before and after the ramp plays their part), then stays at the target."""
+
+    target: float
+    ramp_steps: int = 200
+
+    def __post_init__(self) -> None:
+        if not 0 < _real("target", self.target) < 1:
+            raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9 for 10 % of the "
+                             f"dense parameters; got {self.target!r}")
+        if isinstance(self.ramp_steps, bool) or not isinstance(self.ramp_steps, int) or self.ramp_steps < 0:
+            raise ValueError(f"`ramp_steps` must be an int >= 0; got {self.ramp_steps!r}")
+
+    def params_at(self, augmentation: int, start: float, dense: float) -> float:
+        """Parameters the model may store at `augmentation` (0, 1, …), falling from `start`
+        to (1 − target)·`dense`."""
+        from ._budget import budget_schedule
+
+        end = (1 - self.target) * dense
+        if self.ramp_steps == 0 or augmentation >= self.ramp_steps:
+            return end
+        return budget_schedule(augmentation, self.ramp_steps, start, end, warmup=0.0, final=0.0)
+
+
+class Feedback(ABC):
+    """Adjusts a layer's tolerance τ after each truncation (SDLRT). Subclass and implement
+    :meth:`__call__` for a rule of your own."""
+
+    omega: float
+    tau_min: float
+
+    @abstractmethod
+    def __call__(self, tau: float, rank: int, r_init: int, tau0: float) -> float:
+        """The layer's next τ, given its τ now, its new `rank`, its rank when the optimizer
+        was built (`r_init`) and the initial tolerance `tau0`."""
+
+    def _check(self) -> None:
+        if not 0 < _real("omega", self.omega) < 1:
+            raise ValueError(f"`omega` must be in (0, 1); got {self.omega}")
+        if not 0 <= _real("tau_min", self.tau_min) < 1:
+            raise ValueError(f"`tau_min` must be in [0, 1); got {self.tau_min}")
+
+
+@dataclass(frozen=True)
+class SeedFeedback(Feedback):
+    """The paper's rule: τ ← max(ωτ, τ_min) whenever the rank is below the initial rank. It
+    only ever lowers τ: a layer whose rank settles below its start drives τ down to τ_min and
+    then grows back to (at least) its initial rank, so it does not converge to a compression."""
+
+    omega: float = 0.8
+    tau_min: float = 0.0
+
+    def __post_init__(self) -> None:
+        self._check()
+
+    def __call__(self, tau: float, rank: int, r_init: int, tau0: float) -> float:
+        return max(self.omega * tau, self.tau_min) if rank < r_init else tau
+
+
+TAU_MAX = 0.5  # the two-sided rule never relaxes τ beyond max(initial τ, this)
+
+
+@dataclass(frozen=True)
+class TwoSidedFeedback(Feedback):
+    """The seed's rule, plus τ ← min(τ/ω, max(τ0, τ_max)) whenever the rank is above the initial
+    rank: τ stops moving once the rank sits at its start, so the rule converges."""
+
+    omega: float = 0.8
+    tau_min: float = 0.0
+    tau_max: float = TAU_MAX
+
+    def __post_init__(self) -> None:
+        self._check()
+        if not 0 < _real("tau_max", self.tau_max) < 1:
+            raise ValueError(f"`tau_max` must be in (0, 1); got {self.tau_max}")
+
+    def __call__(self, tau: float, rank: int, r_init: int, tau0: float) -> float:
+        if rank < r_init:
+            return max(self.omega * tau, self.tau_min)
+        if rank > r_init:
+            return min(tau / self.omega, max(tau0, self.tau_max))
+        return tau
