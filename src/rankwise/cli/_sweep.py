@@ -16,6 +16,7 @@ from ..experiments._sweep_spec import (
     TARGET_DEFAULT,
     TASK_LR,
     TASK_NAMES,
+    TASK_RANK,
 )
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, require_dir
 
@@ -60,8 +61,8 @@ def _check_data(kinds: list[str], data_dir: Path) -> None:
 
 
 def sweep_cmd(
-    tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASK_NAMES)} (the last "
-                                       "three read files from --data-dir).")]
+    tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASK_NAMES)} "
+                                       f"({', '.join(FILE_TASKS)} read files from --data-dir).")]
     = "lenet-digits,mlp-mnist1d,vgg-digits16",
     methods: Annotated[str | None, typer.Option(
         help=f"Comma-separated, from: {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}; with "
@@ -71,9 +72,11 @@ def sweep_cmd(
     = ",".join(f"{t:g}" for t in PAPER_TAUS),
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 3,
     epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 10,
-    rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.", min=1)] = 32,
+    rank: Annotated[int | None, typer.Option(
+        help="Initial rank of every low-rank layer (clamped per layer); default 32, full rank for "
+             "cnn-digits-pretrained.", min=1)] = None,
     lr: Annotated[float | None, typer.Option(help="Learning rate (SGD, momentum 0.9); default 0.05, "
-                                             "0.02 for the VGG tasks.")] = None,
+                                             "0.01 for cnn-digits-pretrained (fine-tuning).")] = None,
     omega: Annotated[float, typer.Option(help="SDLRT's feedback factor ω in (0, 1).")] = 0.8,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
@@ -118,7 +121,8 @@ def sweep_cmd(
     from ..experiments._sweep_spec import RunSpec
 
     levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
-    specs = [RunSpec(task=task, method=method, seed=seed, epochs=epochs, rank=rank,
+    specs = [RunSpec(task=task, method=method, seed=seed, epochs=epochs,
+                     rank=rank if rank is not None else TASK_RANK.get(task, 32),
                      lr=lr or TASK_LR.get(task, 0.05), omega=omega,
                      data_dir=str(data_dir) if data_dir else None, **level)
              for task in task_list for method in method_list

