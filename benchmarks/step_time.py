@@ -19,7 +19,10 @@ What is measured
       rank from the layer after the second pass has set it to the augmented size), so their
       rank grows every augmentation and the timing is meaningless;
     - one adaptive run: single-pass SDLRT, ``update_every=1``, at the highest compression,
-      ``tau=0.1`` and ``max_rank`` = 2r (so its cost stays bounded); its final ranks are shown.
+      ``tau=0.1`` and ``max_rank`` = 2r (so its cost stays bounded); its final ranks are shown;
+    - one budget run: single-pass DLRT, ``update_every=1``, at the highest compression, with
+      ``target`` = that compression and ``ramp_steps=0``: the same ranks, but every augmentation
+      also allocates them model-wide (``budget`` row; compared with the pinned DLRT row).
 
     Timing is interleaved: after a warm-up, every repeat runs one timed block per
     configuration, in a freshly shuffled order, so that machine noise hits all of them alike;
@@ -106,6 +109,7 @@ class Config:
     single_pass: bool = True
     update_every: int = 1
     adaptive: bool = False
+    budget: bool = False
     rank: int | None = None
     model: nn.Module | None = None
     opt: torch.optim.Optimizer | None = None
@@ -115,14 +119,15 @@ class Config:
 
     @property
     def key(self) -> tuple:
-        return (self.method, self.compression, self.single_pass, self.update_every, self.adaptive)
+        return (self.method, self.compression, self.single_pass, self.update_every, self.adaptive,
+                self.budget)
 
     @property
     def label(self) -> str:
         if self.method == "dense":
             return "dense SGD"
         passes = "1-pass" if self.single_pass else "2-pass"
-        extra = " adaptive" if self.adaptive else ""
+        extra = " adaptive" if self.adaptive else " budget" if self.budget else ""
         return f"{self.method} {passes} ue={self.update_every}{extra}"
 
     def median_ms(self) -> float:
@@ -168,6 +173,11 @@ def build_configs(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) ->
             cfg = Config("SDLRT", c, True, 1, adaptive=True, rank=r, model=copy.deepcopy(base))
             cfg.opt = rankwise.SDLRT(cfg.model, LR, tau=ADAPTIVE_TAU, momentum=MOMENTUM,
                                      max_rank=2 * r)
+            configs.append(cfg)
+        if args.budget and c == max(args.compressions):
+            cfg = Config("DLRT", c, True, 1, budget=True, rank=r, model=copy.deepcopy(base))
+            target = rankwise.compression(cfg.model)["ratio"]  # exactly the pinned ranks' compression
+            cfg.opt = rankwise.DLRT(cfg.model, LR, target=target, ramp_steps=0, momentum=MOMENTUM)
             configs.append(cfg)
     for cfg in configs:
         cfg.closure = make_closure(cfg.opt, cfg.model, x, y)
@@ -220,16 +230,16 @@ def _fmt(v: float | None) -> str:
 
 def table_rows(configs: list[Config]) -> tuple[list[str], list[list[str]]]:
     by_key = {cfg.key: cfg for cfg in configs}
-    dense_ms = by_key[("dense", None, True, 1, False)].median_ms()
+    dense_ms = by_key[("dense", None, True, 1, False, False)].median_ms()
 
     def ratio(cfg: Config, **change) -> float | None:
-        k = dict(zip(("method", "compression", "single_pass", "update_every", "adaptive"),
+        k = dict(zip(("method", "compression", "single_pass", "update_every", "adaptive", "budget"),
                      cfg.key, strict=True))
         other = by_key.get(tuple({**k, **change}.values()))
         return None if other is None or other is cfg else cfg.median_ms() / other.median_ms()
 
     head = ["config", "compr.", "rank", "ratio", "ms/step", "min..max", "×dense", "SDLRT/DLRT",
-            "1-pass/2-pass", "ue10/ue1"]
+            "1-pass/2-pass", "ue10/ue1", "budget/τ"]
     rows = []
     for cfg in configs:
         ms = [1e3 * t for t in cfg.times]
@@ -244,8 +254,10 @@ def table_rows(configs: list[Config]) -> tuple[list[str], list[list[str]]]:
             f"{cfg.median_ms():.1f}", f"{min(ms):.0f}..{max(ms):.0f}",
             _fmt(cfg.median_ms() / dense_ms),
             _fmt(ratio(cfg, method="DLRT")) if cfg.method == "SDLRT" and not cfg.adaptive else "",
-            _fmt(ratio(cfg, single_pass=False)) if lr and cfg.single_pass and not cfg.adaptive else "",
+            _fmt(ratio(cfg, single_pass=False)) if lr and cfg.single_pass and not (cfg.adaptive or cfg.budget)
+            else "",
             _fmt(ratio(cfg, update_every=1)) if cfg.update_every == 10 else "",
+            _fmt(ratio(cfg, budget=False)) if cfg.budget else "",
         ])
     return head, rows
 
@@ -265,10 +277,10 @@ def render(head: list[str], rows: list[list[str]], markdown: bool) -> str:
 def target_checks(configs: list[Config]) -> list[str]:
     """The spec's step-time targets as PASS/FAIL lines (update_every=1, fixed rank)."""
     by_key = {cfg.key: cfg for cfg in configs}
-    dense_ms = by_key[("dense", None, True, 1, False)].median_ms()
+    dense_ms = by_key[("dense", None, True, 1, False, False)].median_ms()
 
-    def ms(method, c, single_pass=True):
-        cfg = by_key.get((method, c, single_pass, 1, False))
+    def ms(method, c, single_pass=True, budget=False):
+        cfg = by_key.get((method, c, single_pass, 1, False, budget))
         return None if cfg is None else cfg.median_ms()
 
     def line(ok: bool, text: str) -> str:
@@ -294,6 +306,10 @@ def target_checks(configs: list[Config]) -> list[str]:
         for method in ("DLRT", "SDLRT"):
             r = ms(method, c) / ms(method, c, False)
             out.append(line(r <= 0.6, f"1-pass/2-pass ≤ 0.6 ({method}, {round(100 * c)}%): {r:.2f}"))
+    for c in comps:
+        if (b := ms("DLRT", c, budget=True)) is not None:
+            r = b / ms("DLRT", c)
+            out.append(line(r <= 1.05, f"budget/τ ≤ 1.05 (1-pass DLRT, {round(100 * c)}%): {r:.2f}"))
     return out
 
 
@@ -364,6 +380,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "adaptive with min_rank = max_rank = r (same arithmetic; see the docstring)")
     p.add_argument("--no-adaptive", dest="adaptive", action="store_false",
                    help="skip the adaptive SDLRT run")
+    p.add_argument("--no-budget", dest="budget", action="store_false",
+                   help="skip the budget (target=) DLRT run")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
@@ -403,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
     checks = target_checks(configs)
     note = (f"median of {args.repeats} interleaved blocks; ×dense = ms / dense ms; fixed rank "
             f"(--pin {args.pin}) except the 'adaptive' row (tau={ADAPTIVE_TAU}, max_rank=2r, "
-            "rank shown as start→final); ratio = rankwise.compression()['ratio'].")
+            "rank shown as start→final) and the 'budget' row (target = the pinned ranks' compression, "
+            "ramp_steps=0); ratio = rankwise.compression()['ratio'].")
     print("\n" + setup + "\n" + note + "\n")
     print(render(head, rows, markdown=False))
     print("\nTargets (update_every=1, fixed rank):")
