@@ -138,6 +138,13 @@ def test_stored_runs_conflict_only_on_settings_their_method_uses():
     assert dense.differences({**asdict(dense), "epochs": 3}) == {"epochs": (3, 5)}
     dlrt = RunSpec(method="dlrt", target=0.9)
     assert dlrt.differences({**asdict(dlrt), "tau": 0.4, "omega": 0.5}) == {}
-    assert dlrt.differences({**asdict(dlrt), "ramp": 0.3}) == {"ramp": (0.3, 0.6)}
+    assert dlrt.differences({**asdict(dlrt), "ramp": 0.3}) == {"ramp": (0.3, 0.9)}
+    assert dlrt.differences({**asdict(dlrt), "alloc": "energy"}) == {"alloc": ("energy", "error-sqrt")}
+    sdlrt = RunSpec(method="sdlrt", target=0.9)
+    assert sdlrt.differences({**asdict(sdlrt), "omega": 0.5}) == {}  # a budget has no τ feedback
+    assert RunSpec(method="sdlrt", tau=0.2).differences({**asdict(sdlrt), "target": None, "omega": 0.5,
+                                                        "tau": 0.2}) == {"omega": (0.5, 0.8)}
     with pytest.raises(ValueError, match="only in its τ feedback"):
-        RunSpec(method="sdlrt-2sided", target=0.9)
+        RunSpec(method="sdlrt-seed", target=0.9)
+    with pytest.raises(ValueError, match="alloc"):
+        RunSpec(method="dlrt", target=0.9, alloc="sqrt")

@@ -14,7 +14,7 @@ METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
 FORMAT_VERSION = 1
 # with a compression target: the share of the training steps over which the budget falls to it
 # (the rest trains at the final ranks)
-RAMP_SHARE = 0.6
+RAMP_SHARE = 0.9
 BUILTIN_MODELS: tuple[str, ...] = ("lenet", "mlp", "vgg")  # rankwise.models registers these
 
 
@@ -31,7 +31,7 @@ class TrainConfig:
     - `rank`: initial rank of every low-rank layer (clamped per layer); ``None`` (default)
       starts at full rank and lets the optimizer truncate.
     - `target`: instead of `tau`, the compression to reach (``rankwise.compression``'s ratio),
-      by DLRT/SDLRT's global parameter budget over the first ``RAMP_SHARE`` (60 %) of the steps;
+      by DLRT/SDLRT's global parameter budget over the first ``RAMP_SHARE`` (90 %) of the steps;
       default ``None`` (use `tau`).
     - `tau_min`: SDLRT's floor for its τ feedback (τ ← ωτ whenever a layer's rank is below its
       initial rank), in [0, tau]; default 0, the paper's rule. From a full-rank start the

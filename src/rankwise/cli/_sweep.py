@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._sweep_spec import (
+    ALLOCATIONS,
     DEFAULT_METHODS,
     FILE_TASKS,
     METHODS,
@@ -18,6 +19,7 @@ from ..experiments._sweep_spec import (
     TASK_NAMES,
     TASK_RANK,
 )
+from ..train_config import RAMP_SHARE
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, require_dir
 
 
@@ -86,6 +88,11 @@ def sweep_cmd(
     targets: Annotated[str | None, typer.Option(
         help="Comma-separated compression targets in (0, 1), e.g. 0.8,0.9,0.95: the low-rank methods "
              "then reach each by a global parameter budget instead of using --taus.")] = None,
+    ramp: Annotated[float, typer.Option(help="With --targets: the share of the training steps over which "
+                                        "the budget falls to the target.")] = RAMP_SHARE,
+    alloc: Annotated[str, typer.Option(help=f"With --targets: how the budget ranks singular directions, "
+                                       f"one of {', '.join(ALLOCATIONS)} (rankwise.Budget).")]
+    = ALLOCATIONS[0],
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings "
                                         "differ from this sweep's (default: refuse).")] = False,
 ) -> None:
@@ -108,6 +115,9 @@ def sweep_cmd(
     if lr is not None:
         check_range("--lr", lr, 0, None, lo_open=True)
     check_range("--omega", omega, 0, 1, lo_open=True)
+    check_range("--ramp", ramp, 0, 1, hi_open=False)
+    if alloc not in ALLOCATIONS:
+        raise UserError(f"--alloc must be one of {', '.join(ALLOCATIONS)}; got {alloc!r}")
     if data_dir is not None:
         require_dir(data_dir, "--data-dir")
     need = sorted({FILE_TASKS[t] for t in task_list if t in FILE_TASKS})
@@ -123,7 +133,7 @@ def sweep_cmd(
     levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
     specs = [RunSpec(task=task, method=method, seed=seed, epochs=epochs,
                      rank=rank if rank is not None else TASK_RANK.get(task, 32),
-                     lr=lr or TASK_LR.get(task, 0.05), omega=omega,
+                     lr=lr or TASK_LR.get(task, 0.05), omega=omega, ramp=ramp, alloc=alloc,
                      data_dir=str(data_dir) if data_dir else None, **level)
              for task in task_list for method in method_list
              for level in ([{"tau": 0.0}] if method == "dense" else levels) for seed in range(seeds)]

@@ -11,23 +11,24 @@ from ..train_config import RAMP_SHARE
 METHODS: dict[str, dict[str, Any] | None] = {
     "dense": None,
     "dlrt": {},
-    "sdlrt": {"buffer": True, "feedback": True},
+    "sdlrt": {"buffer": True, "feedback": "two-sided"},  # the τ feedback that converges
+    "sdlrt-seed": {"buffer": True, "feedback": "seed"},  # the paper's τ ← ωτ
     "sdlrt-buffer": {"buffer": True, "feedback": False},
     "sdlrt-feedback": {"buffer": False, "feedback": True},
     "dlrt-2pass": {"single_pass": False},  # classic two-pass BUG (a second forward/backward)
-    "sdlrt-2sided": {"buffer": True, "feedback": "two-sided"},  # τ feedback that also relaxes
     # baselines a user might pick instead (need a target): a fixed factorisation U S Vᵀ at the
     # target's ranks trained by plain SGD; dense training, SVD to the target, SGD fine-tuning
     "fixed": {"baseline": "fixed"},
     "dense-svd": {"baseline": "dense-svd"},
 }
 # what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
-DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
+DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt-seed", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
 # the methods that stay distinct with a compression target (a target replaces SDLRT's τ
-# feedback, so sdlrt-buffer and sdlrt-2sided would repeat sdlrt, sdlrt-feedback dlrt)
+# feedback, so sdlrt-seed and sdlrt-buffer would repeat sdlrt, sdlrt-feedback dlrt)
 TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd")
 TARGET_DEFAULT: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "fixed", "dense-svd")  # --targets' study
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
+ALLOCATIONS = ("error-sqrt", "error", "energy")  # rankwise.lowrank._budget.RULES (torch-free copy)
 
 
 # the tasks of rankwise.experiments.sweep.TASKS (same order); those on files need --data-dir
@@ -67,6 +68,7 @@ class RunSpec:
     data_dir: str | None = None
     target: float | None = None  # a compression target (global budget) instead of τ
     ramp: float = RAMP_SHARE  # with a target: the share of the training steps over which it is reached
+    alloc: str = "error-sqrt"  # with a target: the budget's allocation rule (rankwise.Budget.allocation)
     finetune_epochs: int = 2  # dense-svd: epochs of fine-tuning the factors after the SVD
 
     def __post_init__(self) -> None:
@@ -89,6 +91,8 @@ class RunSpec:
             raise ValueError(f"target must be in (0, 1); got {self.target}")
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp must be in [0, 1]; got {self.ramp}")
+        if self.alloc not in ALLOCATIONS:
+            raise ValueError(f"alloc must be one of {', '.join(ALLOCATIONS)}; got {self.alloc!r}")
         if self.target is not None and self.method not in TARGET_METHODS:
             raise ValueError(f"method {self.method} differs from another only in its τ feedback, which a "
                              f"target replaces; with targets use {', '.join(TARGET_METHODS)}")
@@ -104,7 +108,7 @@ class RunSpec:
         baseline = (METHODS[self.method] or {}).get("baseline")
         out = set()
         if self.method == "dense" or baseline:
-            out |= {"tau", "rank", "omega", "ramp", "dt_every"}
+            out |= {"tau", "rank", "omega", "ramp", "alloc", "dt_every"}
         if self.method != "dense-svd":
             out.add("finetune_epochs")
         if self.method == "dense":
@@ -112,8 +116,8 @@ class RunSpec:
         elif self.target is not None:
             out.add("tau")
         else:
-            out.add("ramp")
-        if not self.method.startswith("sdlrt"):
+            out |= {"ramp", "alloc"}
+        if not self.method.startswith("sdlrt") or self.target is not None:  # (a budget has no feedback)
             out.add("omega")
         return out
 

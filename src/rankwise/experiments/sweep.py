@@ -26,7 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._io import write_atomic
-from ..lowrank import DLRT, SDLRT, AbstractLowRankLayer, compression, stability_distance, to_low_rank
+from ..lowrank import (
+    DLRT,
+    SDLRT,
+    AbstractLowRankLayer,
+    AugmentedBUG,
+    Budget,
+    compression,
+    stability_distance,
+    to_low_rank,
+)
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
 from ._stats import mean_std
 from ._sweep_spec import METHODS as METHODS
@@ -136,7 +145,9 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
         extra = dict(METHODS[spec.method]) if cls is DLRT else dict(METHODS[spec.method], omega=spec.omega)
         if spec.target is not None:  # a global budget (SDLRT's τ feedback does not apply)
             ramp = int(spec.ramp * spec.epochs * math.ceil(len(x) / spec.batch_size))
-            opt = cls(model, spec.lr, target=spec.target, ramp_steps=ramp, momentum=spec.momentum, **extra)
+            opt = AugmentedBUG(model, spec.lr, truncation=Budget(spec.target, ramp, spec.alloc),
+                               buffer=cls is SDLRT, momentum=spec.momentum,
+                               single_pass=extra.get("single_pass", True))
         else:
             opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
         shadow = copy.deepcopy(base)

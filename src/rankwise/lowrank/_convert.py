@@ -39,7 +39,7 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     - `target`: instead of `rank` / `tau`, the compression to reach
       (``rankwise.compression(model)["ratio"]`` after the call): the ranks are allocated
       model-wide from the layers' singular values, as DLRT's budget does
-      (``rankwise.lowrank._budget.allocate_ranks``: directions by their share of their layer's
+      (``rankwise.lowrank._budget.allocate_ranks``: directions by the relative error they remove
       energy per parameter they cost), at least rank 1 per layer.
 
     A pretrained model keeps its function up to the truncation error. Conv layers that

@@ -507,7 +507,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in plans}
         caps = {n: self._rank_cap(self.layers[n]) for n in plans}
         return allocate_ranks(spectra, shapes, self._budget_now() - fixed, min_rank=self.cfg["min_rank"],
-                              max_ranks=caps)
+                              max_ranks=caps, rule=self.truncation.allocation)
 
     def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool, rank: int | None = None,
                   svd=None) -> None:
@@ -553,9 +553,10 @@ _COMMON_DOC = """
       ‖Σ_tail‖_F ≤ τ‖S̄‖_F. Give `tau` or `target`.
     - `target`: instead of τ, the compression to reach (``rankwise.compression(model)["ratio"]``,
       e.g. 0.9 keeps 10 % of the dense parameters, counting every parameter of the model).
-      At each augmentation the ranks are allocated model-wide: singular directions are kept in
-      decreasing order of their share of their layer's energy per parameter they cost, until
-      the budget is spent (``rankwise.lowrank._budget.allocate_ranks``). The budget falls
+      At each augmentation the ranks are allocated model-wide: greedily, the singular
+      direction that removes the most relative error of its layer per √(parameters it costs),
+      until the budget is spent (``rankwise.lowrank._budget.allocate_ranks``; other rules
+      through ``AugmentedBUG(truncation=Budget(target, allocation=...))``). The budget falls
       from the model's size at construction to the target over `ramp_steps` augmentations
       (cubically, AdaLoRA's schedule: fast while the spectra still hold much small energy),
       then stays there. ``taus()`` then reports each layer's relative discarded tail, and

@@ -48,10 +48,13 @@ class Budget:
 
     The budget falls from the parameters stored when the optimizer is built to the target over
     `ramp_steps` augmentations, cubically (AdaLoRA's schedule without its warm-up and final
-    phases: the run before and after the ramp plays their part), then stays at the target."""
+    phases: the run before and after the ramp plays their part), then stays at the target.
+    `allocation`: what a singular direction is worth per parameter it costs,
+    ``"error-sqrt"`` (default), ``"error"`` or ``"energy"`` (:mod:`rankwise.lowrank._budget`)."""
 
     target: float
     ramp_steps: int = 200
+    allocation: str = "error-sqrt"
 
     def __post_init__(self) -> None:
         if not 0 < _real("target", self.target) < 1:
@@ -59,6 +62,10 @@ class Budget:
                              f"dense parameters; got {self.target!r}")
         if isinstance(self.ramp_steps, bool) or not isinstance(self.ramp_steps, int) or self.ramp_steps < 0:
             raise ValueError(f"`ramp_steps` must be an int >= 0; got {self.ramp_steps!r}")
+        from ._budget import RULES
+
+        if self.allocation not in RULES:
+            raise ValueError(f"`allocation` must be one of {RULES}; got {self.allocation!r}")
 
     def params_at(self, augmentation: int, start: float, dense: float) -> float:
         """Parameters the model may store at `augmentation` (0, 1, …), falling from `start`
