@@ -125,7 +125,12 @@ def test_demo_prints_one_comparison_table(tmp_path):
     for method in ("dense", "dlrt", "sdlrt"):
         final = json.loads((tmp_path / method / "final.json").read_text())
         assert final["config"]["model"] == "lenet"
-        assert (final["compression"]["ratio"] > 0) == (method != "dense")
+        if method != "dense":  # the demo's default: both low-rank methods at 90 % compression
+            assert abs(final["compression"]["ratio"] - 0.9) <= 0.01
+    r = run_cli("demo", "--epochs", 1, "--out", tmp_path / "tau", "--tau", 0.2)
+    assert r.exit_code == 0 and "τ = 0.2" in r.stdout
+    r = run_cli("demo", "--tau", 0.2, "--target", 0.9, "--out", tmp_path / "both")
+    assert r.exit_code == 2 and "--target or --tau" in r.stderr and not (tmp_path / "both").exists()
 
 
 # --------------------------------------------------------------------------- library loop

@@ -120,22 +120,29 @@ def demo_cmd(
     out: Annotated[Path, typer.Option(help="Folder for the three runs' records (dense/, dlrt/, sdlrt/).")]
     = Path("runs/demo"),
     epochs: Annotated[int, typer.Option(help="Epochs per method.")] = 20,
-    tau: Annotated[float, typer.Option(help="Truncation tolerance τ of DLRT and SDLRT.")] = 0.2,
-    rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 8,
+    target: Annotated[float | None, typer.Option(
+        help="Compression both low-rank methods reach (a global parameter budget); default 0.9.")] = None,
+    tau: Annotated[float | None, typer.Option(
+        help="Instead of --target: the truncation tolerance τ of DLRT and SDLRT.")] = None,
+    rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed shared by the three runs.")] = 0,
     force: Force = False,
     threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1, max=MAX_WORKERS)] = 1,
     markdown: Annotated[Path | None, typer.Option(
         help="Also write the table as Markdown to this file (used by `make docs-figures`).")] = None,
 ) -> None:
-    """Dense SGD vs DLRT vs SDLRT: LeNet-5 on the digits, one comparison table.
+    """Dense SGD vs DLRT vs SDLRT: LeNet-5 on the digits at 90 % compression, one comparison table.
 
     Both low-rank methods start from the same compressed initialisation (every layer at
-    `rank`, as in the SDLRT paper) and truncate at the same τ."""
+    `rank`, as in the SDLRT paper) and reach the same compression --target (or truncate at the
+    same --tau)."""
     from ..train_config import TrainConfig
 
-    configs = [_config(TrainConfig, method=m, model="lenet", tau=tau, rank=None if m == "dense" else rank,
-                       epochs=epochs, seed=seed, out=out / m)
+    if tau is not None and target is not None:
+        raise UserError(f"give --target or --tau, not both (got --target {target:g}, --tau {tau:g})")
+    level = {"tau": tau} if tau is not None else {"target": 0.9 if target is None else target}
+    configs = [_config(TrainConfig, method=m, model="lenet", rank=None if m == "dense" else rank,
+                       epochs=epochs, seed=seed, out=out / m, **({} if m == "dense" else level))
                for m in ("dense", "dlrt", "sdlrt")]
     if markdown is not None:  # replaced only if it is a table this command wrote (--force is for runs)
         if markdown.is_file() and not _is_demo_table(markdown):
@@ -156,7 +163,7 @@ def demo_cmd(
     with num_threads(threads), progress(console) as bar:
         for config in configs:
             summaries.append(train(config, callback=bar(config.method)))
-    console.print(comparison_table(summaries, tau=tau, epochs=epochs, rank=rank))
+    console.print(comparison_table(summaries, epochs=epochs, rank=rank, **level))
     console.print(f"Run records (metrics.csv, final.json, TensorBoard): {out}/{{dense,dlrt,sdlrt}}")
     if markdown is not None:
         write_atomic(markdown, comparison_markdown(summaries).encode())

@@ -81,14 +81,19 @@ _HEADERS = ("method", "test acc", "train acc (eval)", "compression", "final rank
 TABLE_HEADER = "| " + " | ".join(_HEADERS) + " |"  # the first line of comparison_markdown
 
 
-def comparison_table(summaries: list[dict[str, Any]], *, tau: float, epochs: int, rank: int) -> Table:
+def _level(tau: float | None, target: float | None) -> str:
+    return f"τ = {tau:g}" if target is None else f"{100 * target:g} % compression"
+
+
+def comparison_table(summaries: list[dict[str, Any]], *, epochs: int, rank: int, tau: float | None = None,
+                     target: float | None = None) -> Table:
     layers = _layers(summaries)
     caption = [f"final ranks of {'/'.join(layers)} (all start at rank ≤ {rank})" if layers else "",
                "compression = 1 − stored / dense parameters (inference)",
                "train acc: the final model on the whole training split, in eval mode"]
     caption += ["SDLRT: final τ " + "/".join(f"{t:.2g}" for t in s["taus"].values())
-                for s in summaries if s["config"]["method"] == "sdlrt"]
-    table = Table(title=f"LeNet-5 on digits: {epochs} epochs, τ = {tau}",
+                for s in summaries if s["config"]["method"] == "sdlrt" and s["config"].get("target") is None]
+    table = Table(title=f"LeNet-5 on digits: {epochs} epochs, {_level(tau, target)}",
                   caption="\n".join(c for c in caption if c))
     for name in _HEADERS:
         table.add_column(name, justify="left" if name in ("method", "final ranks") else "right")
@@ -101,10 +106,12 @@ def comparison_markdown(summaries: list[dict[str, Any]]) -> str:
     """The comparison as a Markdown table with the command and commit that produced it."""
     layers = _layers(summaries)
     cfg = summaries[0]["config"]
-    rank = next((s["config"]["rank"] for s in summaries if s["config"]["rank"] is not None), None)
+    low = next((s["config"] for s in summaries if s["config"]["rank"] is not None), cfg)
+    rank = low["rank"]
+    level = f"--tau {low['tau']}" if low.get("target") is None else f"--target {low['target']:g}"
     lines = [TABLE_HEADER, "|" + "---|" * len(_HEADERS)]
     lines += ["| " + " | ".join(_row(s, layers)) + " |" for s in summaries]
-    note = (f"*Produced by `rankwise demo --epochs {cfg['epochs']} --tau {cfg['tau']} --rank {rank} "
+    note = (f"*Produced by `rankwise demo --epochs {cfg['epochs']} {level} --rank {rank} "
             f"--seed {cfg['seed']}` (`make docs-figures`) at commit {source_commit()}; final ranks of "
             f"{'/'.join(layers)}; train acc is the final model on the whole training split in eval "
             "mode. Accuracies, compressions and ranks are identical from run to run; wall times "
