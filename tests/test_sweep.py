@@ -124,6 +124,8 @@ def test_sweep_with_targets_lands_on_them(tmp_path):
         assert abs(rec["compression"] - 0.9) <= 0.01 and rec["spec"]["target"] == 0.9
         assert rec["ranks"] and not rec["diverged"]
     assert "| mlp-mnist1d | dlrt | 0.9 | 1 |" in (out / "summary.md").read_text()
+    for png in ("acc_vs_target.png", "ranks_per_layer.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = run_cli("sweep", "--targets", "1.2")
     assert r.exit_code == 2 and "--targets: every target must be in (0, 1); got 1.2" in r.stderr
     r = run_cli("sweep", "--methods", "fixed", "--tasks", "lenet-digits")

@@ -33,7 +33,7 @@ def _split(text: str, allowed, option: str) -> list[str]:
 
 
 SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"equal_compression\.md", r"acc_vs_compression\.png",
-                   r"rank_vs_step\.png", r"dt_vs_step\.png")
+                   r"rank_vs_step\.png", r"dt_vs_step\.png", r"acc_vs_target\.png", r"ranks_per_layer\.png")
 
 
 def _numbers(text: str, option: str, what: str, example: str, *, lo_open: bool) -> list[float]:
@@ -100,7 +100,8 @@ def sweep_cmd(
 
     Runs (or resumes) a sweep and writes runs.csv, summary.md (mean ± std over seeds),
     equal_compression.md (each method against DLRT at the same final compression) and the plots
-    acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png into --out.
+    acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png (with --targets also
+    acc_vs_target.png and ranks_per_layer.png) into --out.
 
     Resuming: a run whose record (runs/KEY.json) exists with the same settings is not rerun.
     A record with the same key but other settings (e.g. other --epochs) makes the sweep stop

@@ -386,4 +386,52 @@ def plot(results: list[dict], out: Path) -> list[Path]:
             ax.set_ylabel(ylabel)
         _legend(axes[0][-1])
         save(fig, name)
+    if any(r["spec"].get("target") is not None for r in results):
+        _target_plots(results, tasks, methods, save)
     return paths
+
+
+def _target_plots(results: list[dict], tasks: list[str], methods: list[str], save) -> None:
+    """With compression targets: acc_vs_target.png (mean ± std over seeds, dense as a band) and
+    ranks_per_layer.png (each method's final rank per layer, seed mean, at the middle target)."""
+    import matplotlib.pyplot as plt
+
+    targets = sorted({r["spec"]["target"] for r in results if r["spec"].get("target") is not None})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        dense = [r["test_acc"] for r in results
+                 if r["spec"]["task"] == task and r["spec"]["method"] == "dense"]
+        if dense:
+            mu, sd = statistics.mean(dense), statistics.pstdev(dense)
+            ax.axhspan(mu - sd, mu + sd, color="0.85")
+            ax.axhline(mu, color="k", lw=1, label="dense")
+        for i, m in enumerate(x for x in methods if x != "dense"):
+            pts = [(t, [r["test_acc"] for r in results if r["spec"]["task"] == task
+                        and r["spec"]["method"] == m and r["spec"].get("target") == t]) for t in targets]
+            pts = [(t, a) for t, a in pts if a]
+            if pts:
+                ax.errorbar([100 * t + 0.15 * (i - 2) for t, _ in pts], [statistics.mean(a) for _, a in pts],
+                            yerr=[statistics.pstdev(a) for _, a in pts], fmt="o-", ms=4, capsize=2, label=m)
+        ax.set_title(task, fontsize=9)
+        ax.set_xlabel("compression target (%)")
+        ax.set_ylabel("test accuracy")
+    _legend(axes[0][-1])
+    save(fig, "acc_vs_target.png")
+
+    mid = targets[len(targets) // 2]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        runs = [r for r in results
+                if r["spec"]["task"] == task and r["spec"].get("target") == mid and r["ranks"]]
+        shown = [m for m in methods if any(r["spec"]["method"] == m for r in runs)]
+        layers = list(runs[0]["ranks"]) if runs else []
+        width = 0.8 / max(len(shown), 1)
+        for i, m in enumerate(shown):
+            rs = [r["ranks"] for r in runs if r["spec"]["method"] == m]
+            ax.bar([j + (i - (len(shown) - 1) / 2) * width for j in range(len(layers))],
+                   [statistics.mean(x[name] for x in rs) for name in layers], width, label=m)
+        ax.set_xticks(range(len(layers)), layers, fontsize=7)
+        ax.set_title(f"{task}, target {mid:g}", fontsize=9)
+        ax.set_ylabel("final rank (seed mean)")
+    _legend(axes[0][-1])
+    save(fig, "ranks_per_layer.png")
