@@ -9,6 +9,8 @@ import torch
 
 from rankwise.lowrank._budget import RULES, allocate_ranks, budget_schedule, factor_cost
 
+SPECTRAL = [r for r in RULES if r != "uniform"]  # the rules that read the spectra
+
 F64 = torch.float64
 
 
@@ -16,7 +18,7 @@ def _cost(shapes, ranks) -> int:
     return sum(factor_cost(*shapes[n], r) for n, r in ranks.items())
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", SPECTRAL)
 def test_slowly_decaying_spectrum_gets_more_rank(rule):
     fast = 0.5 ** torch.arange(32, dtype=F64)               # energy in the first few directions
     slow = 1.0 / torch.arange(1, 33, dtype=F64).sqrt()       # energy spread out
@@ -42,7 +44,7 @@ def test_budget_is_respected_and_no_direction_that_fits_is_left(budget):
             assert _cost(shapes, {**ranks, name: r + 1}) > budget
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", SPECTRAL)
 def test_within_five_percent_of_brute_force_on_small_problems(rule):
     """Greedy selection against an exhaustive search over every rank combination that fits
     (the optimum of the same objective, written out independently: the sum over layers of
@@ -68,7 +70,7 @@ def test_within_five_percent_of_brute_force_on_small_problems(rule):
         assert got >= best[0] - 0.05 * best[0]  # greedy knapsack: within 5 % of the optimum here
 
 
-@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("rule", SPECTRAL)
 def test_scale_of_a_layer_does_not_change_its_share(rule):
     g = torch.Generator().manual_seed(1)
     shapes = {"a": (16, 16), "b": (16, 16)}
@@ -94,3 +96,16 @@ def test_schedule_warmup_cubic_decrease_and_final_phase():
     assert all(a >= b for a, b in itertools.pairwise(values))  # never increases
     mid = budget_schedule(45, T, start, target, warmup=0.1, final=0.2)  # progress 0.5
     assert mid == pytest.approx(target + (start - target) * 0.125)
+
+
+def test_uniform_gives_every_layer_one_rank_until_it_is_capped():
+    """The "uniform" rule ignores the spectra: equal ranks (the cheapest of equals first), a
+    capped layer drops out and the others go on; compared with a hand count."""
+    g = torch.Generator().manual_seed(2)
+    shapes = {"a": (30, 30), "b": (60, 20), "small": (4, 6)}
+    spectra = {n: torch.rand(min(s), generator=g, dtype=F64).sort(descending=True).values
+               for n, s in shapes.items()}
+    ranks = allocate_ranks(spectra, shapes, 10 * 60 + 10 * 80 + 4 * 10 + 10 ** 2 * 2 + 16, rule="uniform")
+    assert ranks == {"a": 10, "b": 10, "small": 4}  # small is capped at 4; a, b share the rest equally
+    assert allocate_ranks({n: 1e3 * s for n, s in spectra.items()}, shapes, 2_000, rule="uniform") == \
+        allocate_ranks(spectra, shapes, 2_000, rule="uniform")

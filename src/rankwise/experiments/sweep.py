@@ -114,9 +114,9 @@ def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 @torch.no_grad()
 def _balanced(model: nn.Module) -> nn.Module:
     """Every low-rank layer's factors as (U√Σ, I, V√Σ): the same weight, with the scale split
-    evenly between the two sides, as a factorised layer W = A Bᵀ trained by plain SGD is
-    usually initialised. (With U, V orthonormal and all of the scale in S, plain SGD scales
-    the steps of U and V by Σ and diverges at learning rates the other methods use.)"""
+    evenly between the two sides, as a factorised layer W = A Bᵀ is usually initialised. (With
+    U, V orthonormal and all of the scale in S, SGD scales the steps of U and V by Σ and
+    diverges at learning rates the other methods use.)"""
     for m in model.modules():
         if isinstance(m, AbstractLowRankLayer):
             root = m.S.diagonal().sqrt()  # S = diag(σ) after to_low_rank
@@ -136,8 +136,8 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT (with a dense shadow)
     epochs = spec.epochs + (spec.finetune_epochs if kind == "dense-svd" else 0)
     if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then plain SGD
-        model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target))
-        opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
+        model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target, allocation=spec.alloc))
+        opt = torch.optim.Adam(model.parameters(), lr=spec.factor_lr)
     elif low:
         model = copy.deepcopy(base)
         to_low_rank(model, rank=spec.rank)
@@ -161,8 +161,8 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     step, diverged = 0, None
     for epoch in range(epochs):
         if kind == "dense-svd" and epoch == spec.epochs:  # trained dense: truncate, fine-tune
-            _balanced(to_low_rank(model, target=spec.target))
-            opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum)
+            _balanced(to_low_rank(model, target=spec.target, allocation=spec.alloc))
+            opt = torch.optim.Adam(model.parameters(), lr=spec.factor_lr)
         order = torch.randperm(len(x), generator=gen)
         t_train = 0.0
         for k in range(steps_per_epoch):

@@ -15,7 +15,10 @@ directions (‖W − W_r‖_F / ‖W‖_F),
 - ``"error-sqrt"`` (default): ``(e_r − e_{r+1}) / √(m + n)``;
 - ``"error"``: ``(e_r − e_{r+1}) / (m + n)``: the greedy step for the smallest sum of the layers'
   relative errors (a first-order bound on the network's relative output error) per parameter;
-- ``"energy"``: ``σ_r² / (‖σ‖² (m + n))``, the share of the layer's squared norm per parameter.
+- ``"energy"``: ``σ_r² / (‖σ‖² (m + n))``, the share of the layer's squared norm per parameter;
+- ``"uniform"``: no spectrum: one rank for every layer (the lowest grows first, the cheapest
+  of equals first; a layer whose rank is capped drops out), what a user who factorises every
+  layer at one rank r does.
 
 On LeNet/digits (3 seeds, docs/sdlrt.md) "energy" and "error" starve the large layers: a
 direction of a 500-wide layer costs 10× one of the 20×25 first conv, so the first conv kept
@@ -39,11 +42,13 @@ def factor_cost(m: int, n: int, r: int) -> int:
     return r * (m + n) + r * r
 
 
-RULES = ("error-sqrt", "error", "energy")
+RULES = ("error-sqrt", "error", "energy", "uniform")
 
 
 def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
     """Score of adding direction r (r = 0 … k−1) to a layer with singular values `s`."""
+    if rule == "uniform":  # the spectrum only caps the rank: the lowest rank grows first, cheapest first
+        return [-(i + (m + n) * 1e-9) for i in range(s.numel())]
     energy = s.detach().double().square()
     total = float(energy.sum())
     if rule == "energy":
@@ -52,6 +57,13 @@ def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
     err = (tails / total).sqrt()
     gain = err - torch.cat([err[1:], err.new_zeros(1)])  # e_r − e_{r+1}
     return (gain / ((m + n) ** 0.5 if rule == "error-sqrt" else (m + n))).tolist()
+
+
+def _affordable(m: int, n: int, budget: float) -> int:
+    """The largest rank r with ``factor_cost(m, n, r) <= budget``."""
+    if budget < factor_cost(m, n, 1):
+        return 0
+    return int((-(m + n) + ((m + n) ** 2 + 4 * budget) ** 0.5) / 2)
 
 
 def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, int]], budget: float,
@@ -65,8 +77,8 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
     - `budget`: parameters available to these layers' factors (U, S, V).
     - `min_rank`: every layer keeps at least this many directions (if its spectrum has them),
       whatever the budget; `max_ranks`: per-layer caps (default: the spectrum length).
-    - `rule`: what a direction buys (module docstring): ``"error-sqrt"``, ``"error"`` or
-      ``"energy"``.
+    - `rule`: what a direction buys (module docstring): ``"error-sqrt"``, ``"error"``,
+      ``"energy"`` or ``"uniform"``.
 
     **Returns:** layer name -> rank. Repeatedly, of every layer's *next* direction the one with
     the highest score is added if it fits; one that does not fit closes its layer, and the
@@ -85,9 +97,12 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
         caps = {name: min(c, max(int(max_ranks.get(name, c)), 0)) for name, c in caps.items()}
     ranks = {name: min(min_rank, caps[name]) for name in spectra}
     spent = sum(factor_cost(*shapes[name], r) for name, r in ranks.items())
-    scores = {name: _scores(s, *shapes[name], rule) for name, s in spectra.items()
-              if float(s.detach().double().square().sum()) > 0}
-    heap = [(-scores[name][ranks[name]], name) for name in scores if ranks[name] < caps[name]]
+    # a direction the layer could not afford even with the whole budget to itself can never be
+    # kept: only the affordable leading part of each spectrum counts (see the module docstring)
+    scores = {name: _scores(s[:max(_affordable(*shapes[name], budget), 1)], *shapes[name], rule)
+              for name, s in spectra.items() if float(s.detach().double().square().sum()) > 0}
+    heap = [(-scores[name][ranks[name]], name) for name in scores
+            if ranks[name] < min(caps[name], len(scores[name]))]
     heapq.heapify(heap)
     while heap:
         _, name = heapq.heappop(heap)
@@ -97,7 +112,7 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
         if spent + extra > budget:
             continue  # closed: larger ranks of this layer cost more still
         ranks[name], spent = r + 1, spent + extra
-        if r + 1 < caps[name]:
+        if r + 1 < min(caps[name], len(scores[name])):
             heapq.heappush(heap, (-scores[name][r + 1], name))
     return ranks
 

@@ -27,7 +27,8 @@ def _matches(name: str, pattern: Pattern) -> bool:
 
 def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None = None,
                 include: Pattern = None, exclude: Pattern = None,
-                max_rank: int | None = None, target: float | None = None) -> nn.Module:
+                max_rank: int | None = None, target: float | None = None,
+                allocation: str = "error-sqrt") -> nn.Module:
     """Replace matching ``nn.Linear`` / ``nn.Conv2d`` modules by their truncated SVDs, in place.
 
     **Arguments:**
@@ -39,8 +40,9 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     - `target`: instead of `rank` / `tau`, the compression to reach
       (``rankwise.compression(model)["ratio"]`` after the call): the ranks are allocated
       model-wide from the layers' singular values, as DLRT's budget does
-      (``rankwise.lowrank._budget.allocate_ranks``: directions by the relative error they remove
-      energy per parameter they cost), at least rank 1 per layer.
+      (``rankwise.lowrank._budget.allocate_ranks``), at least rank 1 per layer;
+    - `allocation`: with a `target`, how (``"error-sqrt"``: directions by the relative error they
+      remove per √(parameters); ``"error"``, ``"energy"``; ``"uniform"``: one rank for all).
 
     A pretrained model keeps its function up to the truncation error. Conv layers that
     LowRankConv2d cannot express (groups ≠ 1, non-zero padding modes, 'same' padding with an
@@ -59,6 +61,10 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
             raise ValueError("give `target` alone, or `rank` / `tau`: the target sets every rank")
         if not (isinstance(target, int | float) and 0 < target < 1):
             raise ValueError(f"`target` must be a compression in (0, 1); got {target!r}")
+        from ._budget import RULES
+
+        if allocation not in RULES:
+            raise ValueError(f"`allocation` must be one of {RULES}; got {allocation!r}")
     elif rank is None and tau is None:
         raise ValueError("to_low_rank needs `rank` or `tau` (or both), or a `target` compression")
     if rank is not None and rank < 1:
@@ -84,7 +90,7 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     if target is not None:  # convs LowRankConv2d cannot express stay dense: not in the budget
         convertible = [(n, m) for n, m in targets
                        if not isinstance(m, nn.Conv2d) or LowRankConv2d.unsupported(m) is None]
-        ranks = _target_ranks(model, convertible, target) if convertible else {}
+        ranks = _target_ranks(model, convertible, target, allocation) if convertible else {}
     else:
         ranks = {}
     converted, left_dense = 0, []
@@ -110,7 +116,7 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
 
 
 @torch.no_grad()
-def _target_ranks(model: nn.Module, targets: list, target: float) -> dict[str, int]:
+def _target_ranks(model: nn.Module, targets: list, target: float, allocation: str) -> dict[str, int]:
     """Ranks of the dense `targets` that bring the model's compression to `target` (``max_rank``
     of :func:`to_low_rank` caps later growth, not these ranks)."""
     from ._budget import allocate_ranks
@@ -125,7 +131,7 @@ def _target_ranks(model: nn.Module, targets: list, target: float) -> dict[str, i
                          f"(biases, other layers) alone are {fixed:,} of {c['dense_params']:,}")
     spectra = {n: torch.linalg.svdvals(w.detach().to(work_dtype(w.dtype))) for n, w in weights.items()}
     shapes = {n: tuple(w.shape) for n, w in weights.items()}
-    return allocate_ranks(spectra, shapes, budget, min_rank=1)
+    return allocate_ranks(spectra, shapes, budget, min_rank=1, rule=allocation)
 
 
 def _nothing_converted(model: nn.Module, include: Pattern, exclude: Pattern, low_rank: list,
