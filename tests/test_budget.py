@@ -53,6 +53,11 @@ def test_within_five_percent_of_brute_force_on_small_problems(rule):
     g = torch.Generator().manual_seed(3)
     shapes = {"a": (6, 4), "b": (5, 5), "c": (3, 7)}
     spectra = {n: torch.rand(4, generator=g, dtype=F64).sort(descending=True).values for n in shapes}
+    # and layers of unequal widths and spectrum lengths (a wide one with a long flat spectrum)
+    wide = {"w": (40, 120), "m": (8, 12), "s": (6, 15)}
+    wide_spectra = {"w": 1 + 0.1 * torch.rand(8, generator=g, dtype=F64).sort(descending=True).values,
+                    "m": torch.rand(8, generator=g, dtype=F64).sort(descending=True).values,
+                    "s": 0.5 ** torch.arange(6, dtype=F64)}
 
     def score(name, r):
         s, cost = spectra[name].square(), sum(shapes[name])
@@ -61,10 +66,12 @@ def test_within_five_percent_of_brute_force_on_small_problems(rule):
         err = float(s[r:].sum() / s.sum()) ** 0.5  # relative error at rank r; 1 at r = 0
         return (1 - err) / (cost ** 0.5 if rule == "error-sqrt" else cost)
 
-    for budget in (25, 60, 100, 150):
+    cases = [(shapes, spectra, b) for b in (25, 60, 100, 150)]
+    cases += [(wide, wide_spectra, b) for b in (400, 900, 1500)]
+    for shapes, spectra, budget in cases:  # (score reads the current shapes, spectra)
         ranks = allocate_ranks(spectra, shapes, budget, min_rank=0, rule=rule)
         best = max((sum(score(n, r) for n, r in zip(shapes, rs, strict=True)), rs)
-                   for rs in itertools.product(range(5), repeat=3)
+                   for rs in itertools.product(*(range(len(spectra[n]) + 1) for n in shapes))
                    if _cost(shapes, dict(zip(shapes, rs, strict=True))) <= budget)
         got = sum(score(n, r) for n, r in ranks.items())
         assert got >= best[0] - 0.05 * best[0]  # greedy knapsack: within 5 % of the optimum here
@@ -109,3 +116,8 @@ def test_uniform_gives_every_layer_one_rank_until_it_is_capped():
     assert ranks == {"a": 10, "b": 10, "small": 4}  # small is capped at 4; a, b share the rest equally
     assert allocate_ranks({n: 1e3 * s for n, s in spectra.items()}, shapes, 2_000, rule="uniform") == \
         allocate_ranks(spectra, shapes, 2_000, rule="uniform")
+    zero = {n: torch.zeros_like(s) for n, s in spectra.items()}  # e.g. zero-initialised layers
+    assert allocate_ranks(zero, shapes, 2_000, rule="uniform") == allocate_ranks(spectra, shapes, 2_000,
+                                                                                rule="uniform")
+    with pytest.raises(ValueError, match="NaN"):
+        allocate_ranks(spectra, shapes, float("nan"))

@@ -87,6 +87,8 @@ def test_sweep_and_ode_user_errors_are_one_line(tmp_path):
     assert "--alloc" in msg and "error-sqrt" in msg
     msg = _one_line_error(run_cli("sweep", "--targets", "0.9", "--ramp", "1.5"), "sweep")
     assert "--ramp" in msg and "1.5" in msg
+    msg = _one_line_error(run_cli("sweep", "--alloc", "uniform"), "sweep")
+    assert "--alloc applies to compression targets" in msg
     msg = _one_line_error(run_cli("ode", "--layers", 0), "ode")
     assert "--layers" in msg and "got 0" in msg
     msg = _one_line_error(run_cli("ode", "--rank", 0), "ode")

@@ -3,6 +3,8 @@ feedback."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,7 +213,8 @@ def test_target_with_tau_min_and_older_checkpoints_and_unreachable_targets():
     plain = rankwise.DLRT(model, 0.1, tau=0.1)
     targeted = rankwise.DLRT(model, 0.1, target=0.5)
     start = targeted.budget()["budget_params"]
-    targeted.load_state_dict(plain.state_dict())  # a checkpoint from a run without a target
+    with pytest.warns(UserWarning, match="other policies"):  # a checkpoint from a run without a target
+        targeted.load_state_dict(plain.state_dict())
     assert targeted.budget()["budget_params"] == pytest.approx(start)
     big_bias = torch.nn.Sequential(rankwise.LowRankLinear(4, 2000, rank=2))  # the bias is 2000 of 10000
     with pytest.raises(ValueError, match="cannot be reached"):
@@ -226,3 +229,45 @@ def test_to_low_rank_target_leaves_inexpressible_convs_out_of_the_budget():
         rankwise.to_low_rank(model, target=0.5)
     assert isinstance(model[0], torch.nn.Conv2d)  # grouped: stays dense, and was not budgeted
     assert abs(rankwise.compression(model)["ratio"] - 0.5) <= 0.01
+
+
+def test_policy_arguments_state_dict_and_custom_feedback():
+    import numpy as np
+
+    def fresh():
+        torch.manual_seed(0)
+        return rankwise.to_low_rank(nn.Sequential(nn.Linear(20, 30)).double(), rank=6)
+
+    X, Y, _ = rank3_problem(m=30, n=20)
+    model = fresh()
+    opt = rankwise.AugmentedBUG(model, 0.05, truncation=rankwise.Budget(0.5, ramp_steps=3))
+    for _ in range(4):
+        opt.step(mse_closure(opt, model, X, Y))
+    assert all(0 <= t < 1 for t in opt.taus().values())  # the budget's relative tails
+    state = opt.state_dict()
+    tol = rankwise.AugmentedBUG(fresh(), 0.05, truncation=rankwise.Tolerance(0.1))
+    with pytest.warns(UserWarning, match="other policies"):  # a budget's state under a tolerance
+        tol.load_state_dict(state)
+    assert set(tol.taus().values()) == {0.1}  # the budget's tails did not become τ
+    other = rankwise.AugmentedBUG(fresh(), 0.05, truncation=rankwise.Budget(0.6, ramp_steps=3))
+    with pytest.warns(UserWarning, match="other policies"):
+        other.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same policies: silent
+        same = rankwise.AugmentedBUG(fresh(), 0.05, truncation=rankwise.Budget(0.5, ramp_steps=3))
+        same.load_state_dict(state)
+
+    class Halve(rankwise.Feedback):  # a rule of one's own: only __call__
+        def __call__(self, tau, rank, r_init, tau0):
+            return tau / 2
+
+    model = fresh()
+    opt = rankwise.AugmentedBUG(model, 0.05, truncation=rankwise.Tolerance(0.2), feedback=Halve())
+    opt.step(mse_closure(opt, model, X, Y))
+    assert list(opt.taus().values()) == [0.1]
+    # NumPy and 0-d tensor numbers are numbers; tau_min is checked even without the feedback
+    rankwise.SDLRT(fresh(), 0.05, tau=np.float32(0.2), omega=torch.tensor(0.5))
+    with pytest.raises(ValueError, match="tau_min"):
+        rankwise.SDLRT(fresh(), 0.05, tau=0.2, feedback=False, tau_min=5)
+    with pytest.raises(ValueError, match="needs a `target`"):
+        rankwise.to_low_rank(nn.Sequential(nn.Linear(20, 30)), rank=4, allocation="energy")

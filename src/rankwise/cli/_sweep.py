@@ -88,11 +88,12 @@ def sweep_cmd(
     targets: Annotated[str | None, typer.Option(
         help="Comma-separated compression targets in (0, 1), e.g. 0.8,0.9,0.95: the low-rank methods "
              "then reach each by a global parameter budget instead of using --taus.")] = None,
-    ramp: Annotated[float, typer.Option(help="With --targets: the share of the training steps over which "
-                                        "the budget falls to the target.")] = RAMP_SHARE,
-    alloc: Annotated[str, typer.Option(help=f"With --targets: how the budget ranks singular directions, "
-                                       f"one of {', '.join(ALLOCATIONS)} (rankwise.Budget).")]
-    = ALLOCATIONS[0],
+    ramp: Annotated[float | None, typer.Option(
+        help=f"With --targets: the share of the training steps over which the budget falls to the "
+             f"target; default {RAMP_SHARE:g}.")] = None,
+    alloc: Annotated[str | None, typer.Option(
+        help=f"With --targets: how the budget ranks singular directions, one of {', '.join(ALLOCATIONS)} "
+             f"(rankwise.Budget); default {ALLOCATIONS[0]}.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings "
                                         "differ from this sweep's (default: refuse).")] = False,
 ) -> None:
@@ -116,6 +117,12 @@ def sweep_cmd(
     if lr is not None:
         check_range("--lr", lr, 0, None, lo_open=True)
     check_range("--omega", omega, 0, 1, lo_open=True)
+    for option, value in (("--ramp", ramp), ("--alloc", alloc)):
+        if value is not None and target_list is None:
+            raise UserError(f"{option} applies to compression targets: give --targets too "
+                            f"(or leave {option} out)")
+    ramp = RAMP_SHARE if ramp is None else ramp
+    alloc = ALLOCATIONS[0] if alloc is None else alloc
     check_range("--ramp", ramp, 0, 1, hi_open=False)
     if alloc not in ALLOCATIONS:
         raise UserError(f"--alloc must be one of {', '.join(ALLOCATIONS)}; got {alloc!r}")

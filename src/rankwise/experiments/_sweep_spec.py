@@ -31,6 +31,9 @@ DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt-seed", "sdlrt", "sdl
 TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd")
 TARGET_DEFAULT: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "fixed", "dense-svd")  # --targets' study
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
+# 2 (2026-11-30): sdlrt = two-sided feedback (was the seed's), the VGG has batch norm, the
+# budget's allocation rule and ramp, baselines trained with Adam
+SPEC_VERSION = 2
 ALLOCATIONS = ("error-sqrt", "error", "energy", "uniform")  # rankwise.lowrank._budget.RULES (torch-free copy)
 
 
@@ -72,7 +75,10 @@ class RunSpec:
     target: float | None = None  # a compression target (global budget) instead of τ
     ramp: float = RAMP_SHARE  # with a target: the share of the training steps over which it is reached
     alloc: str = "error-sqrt"  # with a target: the budget's allocation rule (rankwise.Budget.allocation)
-    factor_lr: float = 3e-3  # fixed, dense-svd: Adam's learning rate for the factors (see FACTOR_OPTIMIZER)
+    factor_lr: float = 3e-3  # fixed, dense-svd: Adam's learning rate for the factors
+    # what the settings mean: bumped when a method, task or default changes what it computes, so
+    # that a record made before is not resumed as if it were this run (records without one: 1)
+    version: int = SPEC_VERSION
     finetune_epochs: int = 2  # dense-svd: epochs of fine-tuning the factors after the SVD
 
     def __post_init__(self) -> None:
@@ -119,6 +125,8 @@ class RunSpec:
             out.add("finetune_epochs")
         if not baseline:
             out.add("factor_lr")
+        if self.method == "fixed":  # trains the factors with Adam at factor_lr only
+            out |= {"lr", "momentum"}
         if self.method == "dense":
             out |= {"target", "alloc"}
         elif self.target is not None:
@@ -134,8 +142,9 @@ class RunSpec:
         spec `other` (a dict, as in a run record) differs from this one; a field the record
         predates counts as its default."""
         mine, unused = asdict(self), self.unused()
-        return {f.name: (other.get(f.name, f.default), mine[f.name]) for f in fields(self)
-                if f.name not in unused and other.get(f.name, f.default) != mine[f.name]}
+        theirs = {f.name: other.get(f.name, 1 if f.name == "version" else f.default) for f in fields(self)}
+        return {f.name: (theirs[f.name], mine[f.name]) for f in fields(self)
+                if f.name not in unused and theirs[f.name] != mine[f.name]}
 
     @property
     def key(self) -> str:

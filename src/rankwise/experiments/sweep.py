@@ -135,7 +135,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     kind = (METHODS[spec.method] or {}).get("baseline")
     low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT (with a dense shadow)
     epochs = spec.epochs + (spec.finetune_epochs if kind == "dense-svd" else 0)
-    if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then plain SGD
+    if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then Adam
         model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target, allocation=spec.alloc))
         opt = torch.optim.Adam(model.parameters(), lr=spec.factor_lr)
     elif low:

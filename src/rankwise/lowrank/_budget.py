@@ -20,12 +20,15 @@ directions (‖W − W_r‖_F / ‖W‖_F),
   of equals first; a layer whose rank is capped drops out), what a user who factorises every
   layer at one rank r does.
 
-On LeNet/digits (3 seeds, docs/sdlrt.md) "energy" and "error" starve the large layers: a
-direction of a 500-wide layer costs 10× one of the 20×25 first conv, so the first conv kept
-17–20 of its 20 directions while fc1 fell to rank 3–7, a bottleneck. Dividing by √(m + n)
-instead of m + n still charges wide layers more, but less than in proportion; it gave the best
-accuracy of the three at 90 % (0.952 against 0.940 and 0.889) and was within noise elsewhere.
-It is a measured choice, not a derived one.
+Dividing by √(m + n) instead of m + n still charges wide layers more, but less than in
+proportion: "energy" and "error" starve the large layers of LeNet (a direction of its 500-wide
+fc1 costs 15× one of the 20×25 first conv). The default is a measured choice, not a derived
+one; the comparison is in docs/sdlrt.md ("Compression you can ask for").
+
+All three spectral rules see each layer's whole spectrum, so a long flat spectrum (a random
+initialisation's) makes each of its directions worth little: converting a random 500×200
+layer in one shot (`to_low_rank(target=...)`) gives it a tiny rank. During DLRT training the
+spectra are those of the augmented cores (at most 2r long), where this matters less.
 """
 
 from __future__ import annotations
@@ -59,13 +62,6 @@ def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
     return (gain / ((m + n) ** 0.5 if rule == "error-sqrt" else (m + n))).tolist()
 
 
-def _affordable(m: int, n: int, budget: float) -> int:
-    """The largest rank r with ``factor_cost(m, n, r) <= budget``."""
-    if budget < factor_cost(m, n, 1):
-        return 0
-    return int((-(m + n) + ((m + n) ** 2 + 4 * budget) ** 0.5) / 2)
-
-
 def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, int]], budget: float,
                    *, min_rank: int = 1, max_ranks: Mapping[str, int] | None = None,
                    rule: str = "error-sqrt") -> dict[str, int]:
@@ -92,17 +88,16 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
         raise ValueError(f"`min_rank` must be >= 0; got {min_rank}")
     if rule not in RULES:
         raise ValueError(f"`rule` must be one of {RULES}; got {rule!r}")
+    if budget != budget:  # NaN
+        raise ValueError("`budget` is NaN")
     caps = {name: s.numel() for name, s in spectra.items()}
     if max_ranks is not None:
         caps = {name: min(c, max(int(max_ranks.get(name, c)), 0)) for name, c in caps.items()}
     ranks = {name: min(min_rank, caps[name]) for name in spectra}
     spent = sum(factor_cost(*shapes[name], r) for name, r in ranks.items())
-    # a direction the layer could not afford even with the whole budget to itself can never be
-    # kept: only the affordable leading part of each spectrum counts (see the module docstring)
-    scores = {name: _scores(s[:max(_affordable(*shapes[name], budget), 1)], *shapes[name], rule)
-              for name, s in spectra.items() if float(s.detach().double().square().sum()) > 0}
-    heap = [(-scores[name][ranks[name]], name) for name in scores
-            if ranks[name] < min(caps[name], len(scores[name]))]
+    scores = {name: _scores(s, *shapes[name], rule) for name, s in spectra.items()
+              if rule == "uniform" or float(s.detach().double().square().sum()) > 0}
+    heap = [(-scores[name][ranks[name]], name) for name in scores if ranks[name] < caps[name]]
     heapq.heapify(heap)
     while heap:
         _, name = heapq.heappop(heap)
@@ -112,7 +107,7 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
         if spent + extra > budget:
             continue  # closed: larger ranks of this layer cost more still
         ranks[name], spent = r + 1, spent + extra
-        if r + 1 < min(caps[name], len(scores[name])):
+        if r + 1 < caps[name]:
             heapq.heappush(heap, (-scores[name][r + 1], name))
     return ranks
 

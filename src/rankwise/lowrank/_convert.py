@@ -61,12 +61,15 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
             raise ValueError("give `target` alone, or `rank` / `tau`: the target sets every rank")
         if not (isinstance(target, int | float) and 0 < target < 1):
             raise ValueError(f"`target` must be a compression in (0, 1); got {target!r}")
-        from ._budget import RULES
-
-        if allocation not in RULES:
-            raise ValueError(f"`allocation` must be one of {RULES}; got {allocation!r}")
     elif rank is None and tau is None:
         raise ValueError("to_low_rank needs `rank` or `tau` (or both), or a `target` compression")
+    from ._budget import RULES
+
+    if allocation not in RULES:
+        raise ValueError(f"`allocation` must be one of {RULES}; got {allocation!r}")
+    if target is None and allocation != RULES[0]:
+        raise ValueError(f"`allocation`={allocation!r} needs a `target` (it decides how the target's "
+                         "parameters are shared out)")
     if rank is not None and rank < 1:
         raise ValueError(f"`rank` must be >= 1; got {rank}")
     # a one-shot iterator (e.g. a generator) would be used up by the first module name

@@ -170,7 +170,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             raise ValueError("a feedback adjusts τ, and a Budget has none: it sets every rank itself; "
                              "pass feedback=None with a Budget")
         if budget and not adaptive:
-            raise ValueError("`target` needs adaptive=True (the budget changes the ranks)")
+            raise ValueError("a compression target (Budget) needs adaptive=True: the budget sets the ranks")
         tau = 0.0 if budget else truncation.tau
         if feedback is not None and not feedback.tau_min <= tau:
             raise ValueError(f"`tau_min` must be in [0, tau={tau}]; got {feedback.tau_min}")
@@ -188,8 +188,10 @@ class AugmentedBUG(torch.optim.Optimizer):
         if not self.layers:
             warnings.warn("no low-rank layers in `model`; every parameter is updated densely "
                           "(use rankwise.to_low_rank first)", stacklevel=3)
+        # the policies, as text: load_state_dict refuses a state saved under other policies
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas,
-                        eps=eps, global_step=0)
+                        eps=eps, global_step=0, policies=f"{truncation!r}, feedback={feedback!r}, "
+                                                         f"buffer={bool(buffer)}")
         if budget:
             from ._metrics import compression
 
@@ -210,7 +212,9 @@ class AugmentedBUG(torch.optim.Optimizer):
                         on_nonfinite=on_nonfinite, target=truncation.target if budget else None)
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         for layer in self.layers.values():
-            self.state[layer.S].update(tau=tau, r_init=layer.rank, K={}, L={}, S={})
+            self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
+            if not budget:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
+                self.state[layer.S]["tau"] = tau
         self._set_modes()
 
     # ----------------------------------------------------------------- public queries
@@ -219,8 +223,11 @@ class AugmentedBUG(torch.optim.Optimizer):
         return {n: m.rank for n, m in self.layers.items()}
 
     def taus(self) -> dict[str, float]:
-        """{layer name: current truncation tolerance τ} (SDLRT's feedback lowers it)."""
-        return {n: self.state[m.S]["tau"] for n, m in self.layers.items()}
+        """{layer name: current truncation tolerance τ} (SDLRT's feedback lowers it); with a
+        :class:`Budget`, the relative tail ‖σ_discarded‖/‖σ‖ of each layer's last truncation
+        (the τ that would have given its rank; 0 before the first)."""
+        key = "tail" if isinstance(self.truncation, Budget) else "tau"
+        return {n: self.state[m.S].get(key, 0.0) for n, m in self.layers.items()}
 
     def budget(self) -> dict[str, float] | None:
         """With a `target`: the parameter budget now and at the end (``budget_params``,
@@ -330,11 +337,21 @@ class AugmentedBUG(torch.optim.Optimizer):
         integrator's working precision (torch casts them to the dtype of ``S``) and the
         layers' gradient modes are re-synchronised with the loaded step count."""
         start = self._hp().get("budget_start")
+        saved = next((g.get("policies") for g in state_dict.get("param_groups", [])), None)
+        if saved is not None and saved != self._hp()["policies"]:  # allowed (e.g. τ first, then a
+            # budget), but more often a mistake: say so
+            warnings.warn(f"loading an optimizer state saved under other policies ({saved}) into one "
+                          f"with {self._hp()['policies']}; the step count, moments and each layer's τ "
+                          "carry over, the policies are this optimizer's", UserWarning, stacklevel=2)
+        policies = self._hp()["policies"]
         super().load_state_dict(state_dict)
+        self._hp().setdefault("policies", policies)  # a state saved before they were recorded
         if start is not None:  # a state saved without a target: the schedule starts here
             self._hp().setdefault("budget_start", start)
         for layer in self.layers.values():
             st, dt = self.state[layer.S], work_dtype(layer.S.dtype)
+            if not isinstance(self.truncation, Budget):
+                st.setdefault("tau", self.cfg["tau"])  # a state saved under a budget has none
             for key in ("K", "L", "S"):
                 st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in st.get(key, {}).items()}
@@ -518,7 +535,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             out = bug.truncate(aug, S_bar, rank=rank, buffer=cfg["buffer"], svd=svd)
             s = svd[1].double()  # the relative tail this rank discards: the τ that would give it
             total = float(s.norm())
-            st["tau"] = float(s[rank:].norm()) / total if total > 0 else 0.0
+            st["tail"] = float(s[rank:].norm()) / total if total > 0 else 0.0
         elif cfg["adaptive"]:
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
                                buffer=cfg["buffer"])
@@ -649,6 +666,8 @@ class SDLRT(AugmentedBUG):
         if feedback not in (True, False, "seed", "two-sided"):
             raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "
                              f"False; got {feedback!r}")
+        if isinstance(truncation, Tolerance) and not 0 <= tau_min <= truncation.tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={truncation.tau}]; got {tau_min}")
         fb = None
         if feedback and isinstance(truncation, Tolerance):  # a budget has no τ to adjust
             fb = _FEEDBACK[feedback](omega=omega, tau_min=tau_min)

@@ -24,9 +24,17 @@ from dataclasses import dataclass
 
 
 def _real(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise TypeError(f"`{name}` must be a finite real number; got {value!r}")
-    return float(value)
+    """`value` as a float: a finite real number (Python, NumPy or a one-element tensor), not a
+    bool or a string."""
+    if isinstance(value, bool | str | bytes):
+        raise TypeError(f"`{name}` must be a real number; got {value!r}")
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"`{name}` must be a real number; got {value!r}") from None
+    if not math.isfinite(x):
+        raise ValueError(f"`{name}` must be finite; got {value!r}")
+    return x
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class Budget:
         from ._budget import budget_schedule
 
         end = (1 - self.target) * dense
+        if abs(end - round(end)) <= 1e-9 * max(1.0, end):  # a whole count, up to roundoff
+            end = float(round(end))
         if self.ramp_steps == 0 or augmentation >= self.ramp_steps:
             return end
         return budget_schedule(augmentation, self.ramp_steps, start, end, warmup=0.0, final=0.0)
@@ -82,8 +92,7 @@ class Feedback(ABC):
     """Adjusts a layer's tolerance τ after each truncation (SDLRT). Subclass and implement
     :meth:`__call__` for a rule of your own."""
 
-    omega: float
-    tau_min: float
+    tau_min: float = 0.0  # the optimizer checks 0 <= tau_min <= τ; a rule of your own may keep 0
 
     @abstractmethod
     def __call__(self, tau: float, rank: int, r_init: int, tau0: float) -> float:
@@ -119,7 +128,8 @@ TAU_MAX = 0.5  # the two-sided rule never relaxes τ beyond max(initial τ, this
 @dataclass(frozen=True)
 class TwoSidedFeedback(Feedback):
     """The seed's rule, plus τ ← min(τ/ω, max(τ0, τ_max)) whenever the rank is above the initial
-    rank: τ stops moving once the rank sits at its start, so the rule converges."""
+    rank: τ stops moving once the rank sits at its start, so the rule converges (for an initial
+    τ > 0: from τ = 0, τ/ω stays 0)."""
 
     omega: float = 0.8
     tau_min: float = 0.0
