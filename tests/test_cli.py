@@ -184,5 +184,8 @@ def test_train_with_a_compression_target(tmp_path):
     assert r.exit_code == 0, r
     final = json.loads((out / "final.json").read_text())
     assert abs(final["compression"]["ratio"] - 0.9) <= 0.01 and final["config"]["target"] == 0.9
+    rows = list(csv.DictReader((out / "metrics.csv").open()))
+    stored = (1 - final["compression"]["ratio"]) * final["compression"]["dense_params"]
+    assert float(rows[-1]["budget_params"]) >= stored - 1e-6  # the budget is logged, and kept
     bad = _invoke("train", "--method", "dense", "--target", 0.9)
     assert bad.exit_code == 2 and "--target needs a low-rank method" in bad.stderr

@@ -35,8 +35,10 @@ class EpochRecord(NamedTuple):
     `train_loss` is the mean minibatch loss during the epoch; `train_acc` and `test_acc` are
     accuracies in [0, 1] of the model at the end of the epoch (evaluated in eval mode on the
     whole split); `ranks` maps each low-rank layer to its rank and `taus` to its truncation
-    tolerance τ (both empty for dense); `compression` is ``compression(model)["ratio"]``;
-    `epoch_time` is in seconds (training only, not evaluation).
+    tolerance τ (both empty for dense; with a target, each layer's relative discarded tail);
+    `compression` is ``compression(model)["ratio"]``; `epoch_time` is in seconds (training
+    only, not evaluation); `budget` the parameter budget at the end of the epoch (with a
+    target, else ``None``).
     """
 
     epoch: int
@@ -47,6 +49,7 @@ class EpochRecord(NamedTuple):
     compression: float
     epoch_time: float
     taus: dict[str, float] = {}  # noqa: RUF012 (NamedTuple default, never mutated)
+    budget: float | None = None
 
 
 class Progress(NamedTuple):
@@ -78,7 +81,8 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     With ``config.out`` set, writes into that directory: ``metrics.csv`` (a row per epoch:
     epoch, train_loss, train_acc, test_acc, compression, epoch_time, then ``rank/<layer>``
     columns, then ``tau/<layer>``), TensorBoard events (``loss/train``, ``accuracy/train``,
-    ``accuracy/test``, ``compression/ratio``, ``rank/<layer>``, ``tau/<layer>``) and, last,
+    ``accuracy/test``, ``compression/ratio``, ``rank/<layer>``, ``tau/<layer>``, with a target
+    ``budget/params``; metrics.csv's ``budget_params``) and, last,
     ``final.json`` (atomically). Files of an earlier run in ``config.out`` are overwritten
     (the command line refuses that without ``--force``).
     The caller's global RNG state is left untouched.
@@ -185,7 +189,8 @@ def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer
             record = EpochRecord(epoch, loss_sum / seen, _accuracy(model, x_tr, y_tr),
                                  _accuracy(model, x_te, y_te), ranks,
                                  float(compression(model)["ratio"]), elapsed,
-                                 opt.taus() if low_rank else {})
+                                 opt.taus() if low_rank else {},
+                                 (opt.budget() or {}).get("budget_params") if low_rank else None)
             model.train()
         if callback is not None:
             callback(Progress(epoch, config.epochs, step, steps, loss_sum / seen, correct / seen,
@@ -234,6 +239,8 @@ class _Recorder:
                "test_acc": r.test_acc, "compression": r.compression, "epoch_time": r.epoch_time}
         row.update({f"rank/{name}": rank for name, rank in r.ranks.items()})
         row.update({f"tau/{name}": tau for name, tau in r.taus.items()})
+        if r.budget is not None:
+            row["budget_params"] = r.budget
         if self.csv is None:
             self.csv = csv.DictWriter(self.csv_file, fieldnames=list(row))
             self.csv.writeheader()
@@ -248,6 +255,8 @@ class _Recorder:
             w.add_scalar(f"rank/{name}", rank, r.epoch)
         for name, tau in r.taus.items():
             w.add_scalar(f"tau/{name}", tau, r.epoch)
+        if r.budget is not None:
+            w.add_scalar("budget/params", r.budget, r.epoch)
         w.flush()
 
     def final(self, summary: dict[str, Any]) -> None:
