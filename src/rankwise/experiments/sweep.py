@@ -392,7 +392,7 @@ def plot(results: list[dict], out: Path) -> list[Path]:
 
 
 def _target_plots(results: list[dict], tasks: list[str], methods: list[str], save) -> None:
-    """With compression targets: acc_vs_target.png (mean ± std over seeds, dense as a band) and
+    """With compression targets: acc_vs_target.png (mean ± sample std over seeds, dense as a band) and
     ranks_per_layer.png (each method's final rank per layer, seed mean, at the middle target)."""
     import matplotlib.pyplot as plt
 
@@ -402,7 +402,7 @@ def _target_plots(results: list[dict], tasks: list[str], methods: list[str], sav
         dense = [r["test_acc"] for r in results
                  if r["spec"]["task"] == task and r["spec"]["method"] == "dense"]
         if dense:
-            mu, sd = statistics.mean(dense), statistics.pstdev(dense)
+            mu, sd = statistics.mean(dense), statistics.stdev(dense) if len(dense) > 1 else 0.0
             ax.axhspan(mu - sd, mu + sd, color="0.85")
             ax.axhline(mu, color="k", lw=1, label="dense")
         for i, m in enumerate(x for x in methods if x != "dense"):
@@ -411,7 +411,8 @@ def _target_plots(results: list[dict], tasks: list[str], methods: list[str], sav
             pts = [(t, a) for t, a in pts if a]
             if pts:
                 ax.errorbar([100 * t + 0.15 * (i - 2) for t, _ in pts], [statistics.mean(a) for _, a in pts],
-                            yerr=[statistics.pstdev(a) for _, a in pts], fmt="o-", ms=4, capsize=2, label=m)
+                            yerr=[statistics.stdev(a) if len(a) > 1 else 0.0 for _, a in pts], fmt="o-",
+                            ms=4, capsize=2, label=m)
         ax.set_title(task, fontsize=9)
         ax.set_xlabel("compression target (%)")
         ax.set_ylabel("test accuracy")
