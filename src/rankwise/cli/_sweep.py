@@ -176,7 +176,8 @@ def sweep_cmd(
     write_atomic(out / "summary.md", table.encode())
     if "dlrt" in method_list:
         write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
-    plot(results, out)
+    pngs = plot(results, out)
     console.print(table)
     console.print(f"{len(results)} runs ({count[0]} new); wrote {out}/runs.csv, summary.md"
-                  + (", equal_compression.md" if "dlrt" in method_list else "") + " and 3 PNGs")
+                  + (", equal_compression.md" if "dlrt" in method_list else "")
+                  + f" and {', '.join(p.name for p in pngs)}")
