@@ -271,3 +271,37 @@ def test_policy_arguments_state_dict_and_custom_feedback():
         rankwise.SDLRT(fresh(), 0.05, tau=0.2, feedback=False, tau_min=5)
     with pytest.raises(ValueError, match="needs a `target`"):
         rankwise.to_low_rank(nn.Sequential(nn.Linear(20, 30)), rank=4, allocation="energy")
+
+
+@pytest.mark.parametrize(("name", "rank", "weight_norm", "loss"), [
+    ("dlrt", 6, 3.1970588899634667, 5.420494409695161),
+    ("dlrt-2pass-adam", 6, 2.6372350573583363, 6.526609536345986),
+    ("sdlrt", 6, 3.1970588899634564, 5.4204944096951655),
+    ("sdlrt-2sided", 6, 2.5425017328925126, 7.204616770678703),
+    ("dlrt-target", 5, 3.071964185794966, 5.590926169439011),
+])
+def test_presets_reproduce_the_results_from_before_the_policies(name, rank, weight_norm, loss):
+    """Golden values: 15 float64 steps of each preset, recorded with the code before the
+    policies refactor (commit 290abe0); the refactor was checked bit-identical against it."""
+    make = {
+        "dlrt": lambda m: rankwise.DLRT(m, 0.05, tau=0.1, momentum=0.9),
+        "dlrt-2pass-adam": lambda m: rankwise.DLRT(m, 0.01, tau=0.1, optimizer="adam", single_pass=False),
+        "sdlrt": lambda m: rankwise.SDLRT(m, 0.05, tau=0.1, momentum=0.9),
+        "sdlrt-2sided": lambda m: rankwise.SDLRT(m, 0.05, tau=0.1, feedback="two-sided", omega=0.7),
+        "dlrt-target": lambda m: rankwise.DLRT(m, 0.05, target=0.5, ramp_steps=5, momentum=0.9),
+    }[name]
+    X, Y, _ = rank3_problem(m=30, n=20)
+    torch.manual_seed(0)
+    model = rankwise.to_low_rank(nn.Sequential(nn.Linear(20, 30)).double(), rank=6)
+    opt = make(model)
+    for _ in range(15):
+        def closure():
+            opt.zero_grad()
+            out = (model(X) - Y).square().mean()
+            out.backward()
+            return out
+        opt.step(closure)
+    with torch.no_grad():
+        assert opt.ranks()["0"] == rank
+        assert float(model[0].weight_matrix().norm()) == pytest.approx(weight_norm, rel=1e-9)
+        assert float((model(X) - Y).square().mean()) == pytest.approx(loss, rel=1e-9)
