@@ -34,7 +34,7 @@ _LAZY: dict[str, str] = {
     "to_low_rank": "rankwise.lowrank",
 }
 
-_SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "models", "data", "train", "train_config", "dist",
+_SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "peft", "models", "data", "train", "train_config", "dist",
                          "linalg", "experiments", "cli"})
 
 __all__ = sorted(_LAZY)

@@ -1,0 +1,26 @@
+"""Rank-adaptive adapters (DLRT/SDLRT) for pretrained models, in the conventions of HF PEFT.
+
+``get_adapter_model(model, AdapterConfig(["query", "key", "value"], r=10))`` wraps Linear layers
+as frozen W0 plus a trainable U S Vᵀ adapter; ``adapter_optimizer(model, lr)`` (or
+``rankwise.SDLRT`` / ``rankwise.DLRT`` directly) trains them; ``save_adapter`` /
+``load_adapter`` / ``merge_and_unload`` / ``export_peft_lora`` take them elsewhere. Needs the
+``rankwise[peft]`` extra only for ``export_peft_lora`` (PEFT) and safetensors.
+"""
+
+from ._config import AdapterConfig as AdapterConfig
+from ._layer import AdapterLinear as AdapterLinear
+from ._model import adapter_optimizer as adapter_optimizer
+from ._model import adapters as adapters
+from ._model import export_peft_lora as export_peft_lora
+from ._model import get_adapter_model as get_adapter_model
+from ._model import load_adapter as load_adapter
+from ._model import merge_and_unload as merge_and_unload
+from ._model import save_adapter as save_adapter
+
+
+def __getattr__(name: str):
+    if name == "RankwiseTrainer":  # imports transformers: only when asked for
+        from ._trainer import RankwiseTrainer
+
+        return RankwiseTrainer
+    raise AttributeError(f"module 'rankwise.peft' has no attribute {name!r}")

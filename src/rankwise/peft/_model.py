@@ -1,0 +1,187 @@
+"""Wrapping a model's Linear layers with adapters, and saving, loading, merging, exporting them."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._io import write_atomic
+from ._config import AdapterConfig
+from ._layer import AdapterLinear
+
+CONFIG_FILE = "adapter_config.json"  # AdapterConfig + the per-module ranks
+WEIGHTS_FILE = "adapter_model.safetensors"  # U, S, V of every adapter and the modules_to_save
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def adapters(model: nn.Module) -> Iterator[tuple[str, AdapterLinear]]:
+    """(name, layer) of every :class:`AdapterLinear` in `model`."""
+    return ((n, m) for n, m in model.named_modules() if isinstance(m, AdapterLinear))
+
+
+def get_adapter_model(model: nn.Module, config: AdapterConfig) -> nn.Module:
+    """Wrap every ``nn.Linear`` of `model` that `config.target_modules` names as frozen W0 plus a
+    trainable U S Vᵀ adapter (:class:`AdapterLinear`), in place; freeze everything else except
+    `config.modules_to_save`. Returns `model`, whose output is unchanged (the adapters start at
+    a zero product). ``model.adapter_config`` holds `config`.
+
+    Raises ``ValueError`` naming the model's Linear layers when no target matches, and when the
+    model already has adapters."""
+    if not isinstance(config, AdapterConfig):
+        raise TypeError(f"`config` must be a rankwise.peft.AdapterConfig; got {type(config).__name__}")
+    if any(True for _ in adapters(model)):
+        raise ValueError("`model` already has rankwise adapters; wrap the original model")
+    linear = [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    targets = [n for n in linear if config.matches(n)]
+    if not targets:
+        shown = ", ".join(linear[:12]) + (f", … ({len(linear)} in all)" if len(linear) > 12 else "")
+        raise ValueError(f"target_modules {config.target_modules!r} matches no nn.Linear of the model; "
+                         f"its Linear layers are: {shown or 'none'}")
+    saved = [n for n, _ in model.named_modules() if n and config.saves(n)]
+    if config.modules_to_save and not saved:
+        raise ValueError(f"modules_to_save {list(config.modules_to_save)} matches no module of the model")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for name in targets:
+        layer = AdapterLinear(model.get_submodule(name), config.r, max_rank=config.max_rank,
+                              alpha=config.alpha, dropout=config.dropout)
+        _set_submodule(model, name, layer)
+    for name in saved:
+        for p in model.get_submodule(name).parameters():
+            p.requires_grad_(True)
+    model.adapter_config = config
+    return model
+
+
+def _config_of(model: nn.Module) -> AdapterConfig:
+    config = getattr(model, "adapter_config", None)
+    if not isinstance(config, AdapterConfig) or not any(True for _ in adapters(model)):
+        raise ValueError("`model` has no rankwise adapters: wrap it with "
+                         "rankwise.peft.get_adapter_model first")
+    return config
+
+
+def adapter_optimizer(model: nn.Module, lr: float, **kwargs) -> torch.optim.Optimizer:
+    """The integrator the model's :class:`AdapterConfig` asks for: ``rankwise.SDLRT`` (τ, ω) or
+    ``rankwise.DLRT`` (τ); `kwargs` go to it (``momentum``, ``optimizer="adam"``,
+    ``update_every``, ``tau_min``, …)."""
+    from ..lowrank import DLRT, SDLRT
+
+    config = _config_of(model)
+    if config.method == "sdlrt":
+        return SDLRT(model, lr, tau=config.tau, omega=config.omega, **kwargs)
+    return DLRT(model, lr, tau=config.tau, **kwargs)
+
+
+def _saved_state(model: nn.Module, config: AdapterConfig) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for name, layer in adapters(model):
+        for key in ("U", "S", "V"):
+            state[f"{name}.{key}"] = getattr(layer, key).detach()
+    for name, module in model.named_modules():
+        if name and config.saves(name):
+            for key, t in module.state_dict().items():
+                state[f"{name}.{key}"] = t.detach()
+    return {k: v.contiguous().cpu() for k, v in state.items()}
+
+
+def save_adapter(model: nn.Module, directory: str | Path) -> Path:
+    """Write the adapters (U, S, V of every adapted layer, at their current ranks) and the
+    `modules_to_save` to ``directory/adapter_model.safetensors``, and the config with the
+    per-module ranks to ``directory/adapter_config.json`` (both atomically). Returns the folder."""
+    from safetensors.torch import save
+
+    config = _config_of(model)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    ranks = {name: layer.rank for name, layer in adapters(model)}
+    write_atomic(directory / WEIGHTS_FILE, save(_saved_state(model, config)))
+    meta = {"format": "rankwise-adapter", "version": 1, "config": config.to_dict(), "ranks": ranks}
+    write_atomic(directory / CONFIG_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+    return directory
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
+    """Load what :func:`save_adapter` wrote into `model`, a model wrapped by
+    :func:`get_adapter_model` with the same targets; each adapter takes the saved rank (which
+    may differ from the wrapped one). Raises ``ValueError`` naming the mismatched modules."""
+    from safetensors.torch import load_file
+
+    _config_of(model)
+    directory = Path(directory)
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / f).is_file():
+            raise FileNotFoundError(f"{directory} has no {f}: not a folder written by save_adapter")
+    meta = json.loads((directory / CONFIG_FILE).read_text())
+    if meta.get("format") != "rankwise-adapter":
+        raise ValueError(f"{directory / CONFIG_FILE} is not a rankwise adapter config")
+    state = load_file(str(directory / WEIGHTS_FILE))
+    layers = dict(adapters(model))
+    missing = sorted(set(meta["ranks"]) ^ set(layers))
+    if missing:
+        raise ValueError(f"the saved adapters and the model's differ in {missing}: wrap the model with "
+                         "the saved AdapterConfig")
+    with torch.no_grad():
+        for name, layer in layers.items():
+            layer.set_factors(state.pop(f"{name}.U"), state.pop(f"{name}.S"), state.pop(f"{name}.V"),
+                              layer.U_buf[:, :0], layer.V_buf[:, :0])
+        saved = {}
+        for key, t in state.items():
+            module, _, tensor = key.rpartition(".")
+            saved.setdefault(module, {})[tensor] = t
+        for module, sd in saved.items():
+            model.get_submodule(module).load_state_dict(sd)
+    return model
+
+
+def merge_and_unload(model: nn.Module) -> nn.Module:
+    """Replace every adapter by a plain ``nn.Linear`` with weight W0 + alpha · U S Vᵀ (and W0's
+    bias), in place; returns `model`, which then has no rankwise classes."""
+    _config_of(model)
+    with torch.no_grad():
+        for name, layer in list(adapters(model)):
+            base = layer.base
+            base.weight.copy_(layer.dense_weight())
+            _set_submodule(model, name, base)
+    del model.adapter_config
+    return model
+
+
+def export_peft_lora(model: nn.Module, directory: str | Path) -> Path:
+    """Write the adapters as a stock PEFT LoRA adapter that ``peft.PeftModel.from_pretrained(base,
+    directory)`` loads: ``lora_B = U S``, ``lora_A = Vᵀ`` per module, each module's rank in
+    ``rank_pattern`` and ``lora_alpha = alpha · r`` in ``alpha_pattern`` (so PEFT's scaling
+    alpha / r is exactly this adapter's alpha), and the trained `modules_to_save`. `base` is the
+    model before :func:`get_adapter_model` (e.g. loaded again from its checkpoint)."""
+    import peft
+
+    config = _config_of(model)
+    layers = dict(adapters(model))
+    base = copy.deepcopy(model)
+    for name in layers:
+        _set_submodule(base, name, base.get_submodule(name).base)
+    del base.adapter_config
+    ranks = {name: layer.rank for name, layer in layers.items()}
+    top = max(ranks.values())
+    lora = peft.LoraConfig(r=top, lora_alpha=config.alpha * top, target_modules=sorted(ranks),
+                           lora_dropout=0.0, bias="none",
+                           modules_to_save=list(config.modules_to_save) if config.modules_to_save else None,
+                           rank_pattern=dict(ranks),  # full module names, as PEFT writes them
+                           alpha_pattern={n: config.alpha * r for n, r in ranks.items()})
+    wrapped = peft.get_peft_model(base, lora)
+    with torch.no_grad():
+        for name, layer in layers.items():
+            target = wrapped.base_model.model.get_submodule(name)
+            target.lora_A["default"].weight.copy_(layer.V.mT)
+            target.lora_B["default"].weight.copy_(layer.U @ layer.S)
+    wrapped.save_pretrained(str(directory))
+    return Path(directory)
