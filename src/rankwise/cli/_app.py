@@ -179,10 +179,12 @@ def _is_demo_table(path: Path) -> bool:
 def _register() -> None:
     from ._ckpt import app as ckpt_app
     from ._ode import ode_cmd
+    from ._peft import peft_cmd
     from ._sweep import sweep_cmd
 
     app.command("sweep", cls=Command)(sweep_cmd)
     app.command("ode", cls=Command)(ode_cmd)
+    app.command("peft", cls=Command)(peft_cmd)
     app.add_typer(ckpt_app, name="ckpt")
 
 

