@@ -97,8 +97,11 @@ def _data(max_len: int, cache_dir: Path | None = None):
 def _build(spec: PeftRunSpec, total_steps: int):
     """(model, optimizer, per-step hook) for `spec.method`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers
     from transformers import AutoModelForSequenceClassification
 
+    transformers.logging.set_verbosity_error()  # (the new head's "MISSING" report, every run)
+    transformers.logging.disable_progress_bar()
     torch.manual_seed(spec.seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_path()), num_labels=5)
     hook = None
@@ -156,7 +159,8 @@ def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], in
         ranks = {}
         for name, m in model.named_modules():
             if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
-                r = m.lora_A["default"].weight.shape[0]
+                a = m.lora_A["default"]  # an nn.Linear (LoRA) or a Parameter (AdaLoRA)
+                r = (a.weight if hasattr(a, "weight") else a).shape[0]
                 if method == "adalora":  # AdaLoRA masks ranks through lora_E
                     r = int((m.lora_E["default"] != 0).sum())
                 ranks[name.split("model.", 2)[-1]] = r
