@@ -10,7 +10,7 @@ import typer
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, progress_columns
 from ._sweep import _numbers, _split
 
-METHODS = ("lora", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")  # peft_compare.METHODS
+METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")  # peft_compare.METHODS
 SETTINGS = ("full", "100", "25")
 PEFT_OUTPUTS = (r"summary\.md", r"runs\.json", r"bbc_tokens_\d+\.pt")
 

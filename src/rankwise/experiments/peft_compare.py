@@ -22,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-METHODS = ("lora", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")
+# lora-2r: LoRA at twice the rank, the rank the DLRT/SDLRT adapters may grow to (max_rank)
+METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")
 SETTINGS = {"full": None, "100": 100, "25": 25}  # training articles (None: the whole training split)
 TARGETS = ["query", "key", "value"]
 
@@ -105,17 +106,17 @@ def _build(spec: PeftRunSpec, total_steps: int):
     torch.manual_seed(spec.seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_path()), num_labels=5)
     hook = None
-    if spec.method in ("lora", "loraplus", "adalora"):
+    if spec.method in ("lora", "lora-2r", "loraplus", "adalora"):
         import peft
 
+        r = 2 * spec.rank if spec.method == "lora-2r" else spec.rank
         if spec.method == "adalora":
             cfg = peft.AdaLoraConfig(init_r=spec.rank, target_r=max(spec.rank // 2, 1),
                                      total_step=total_steps, tinit=total_steps // 10,
                                      tfinal=total_steps // 5, deltaT=5,
                                      target_modules=TARGETS, modules_to_save=["classifier"])
         else:
-            cfg = peft.LoraConfig(r=spec.rank, lora_alpha=spec.rank, target_modules=TARGETS,
-                                  modules_to_save=["classifier"])
+            cfg = peft.LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS, modules_to_save=["classifier"])
         model = peft.get_peft_model(model, cfg)
         if spec.method == "loraplus":
             from peft.optimizers import create_loraplus_optimizer
@@ -155,7 +156,7 @@ def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], in
     from ..peft import adapters
 
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if method in ("lora", "loraplus", "adalora"):
+    if method in ("lora", "lora-2r", "loraplus", "adalora"):
         ranks = {}
         for name, m in model.named_modules():
             if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
