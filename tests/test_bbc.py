@@ -34,3 +34,20 @@ def test_peft_command_checks_its_arguments():
     assert r.exit_code == 2 and "--methods" in r.stderr and "qlora" in r.stderr
     r = run_cli("peft", "--settings", "1000")
     assert r.exit_code == 2 and "--settings" in r.stderr
+
+
+def test_peft_summary_picks_each_methods_learning_rate_on_validation():
+    from rankwise.experiments.peft_compare import PeftRunSpec, summary_markdown
+
+    def rec(method, lr, seed, val, test, t):
+        spec = PeftRunSpec(method=method, setting="100", seed=seed, lr=lr)
+        return {"spec": dict(spec.__dict__), "val_acc": val, "test_acc": test, "step_seconds": t,
+                "trainable_params": 100, "ranks": {"q": 10}}
+
+    rs = [rec("lora", 1e-3, s, 0.8, 0.70, 1.0) for s in (0, 1)]
+    rs += [rec("lora", 3e-3, s, 0.9, 0.60, 1.0) for s in (0, 1)]
+    rs += [rec("dlrt", 1e-3, s, 0.95, 0.9 + 0.02 * s, 1.5) for s in (0, 1)]
+    md = summary_markdown(rs)
+    assert "| 100 | lora | 0.003 | 2 | 0.900 ± 0.000 | 0.600 ± 0.000 |" in md  # chosen on val, not test
+    assert "| 100 | dlrt | 0.001 | 2 | 0.950 ± 0.000 | 0.910 ± 0.014 |" in md
+    assert md.rstrip().endswith("1.50 |")  # step time against LoRA's
