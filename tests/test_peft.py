@@ -127,10 +127,11 @@ def test_export_loads_in_stock_peft_with_the_same_outputs(tmp_path):
     model, _, _ = trained(AdapterConfig(QKV, r=4, tau=0.05, alpha=2.0, modules_to_save=["classifier"]))
     ids, _ = batch(2)
     want = logits(model, ids)
+    ranks = {n: m.rank for n, m in adapters(model)}
     export_peft_lora(model, tmp_path / "lora")
     loaded = peft.PeftModel.from_pretrained(tiny_bert(), str(tmp_path / "lora")).eval()
     assert torch.allclose(logits(loaded, ids), want, atol=1e-5)
-    assert {n: m.rank for n, m in adapters(model)}  # (the export did not change the model)
+    assert {n: m.rank for n, m in adapters(model)} == ranks  # the export did not change the model
     assert torch.equal(logits(model, ids), want)
 
 

@@ -14,7 +14,7 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -23,34 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 # lora-2r: LoRA at twice the rank, the rank the DLRT/SDLRT adapters may grow to (max_rank)
-METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")
-SETTINGS = {"full": None, "100": 100, "25": 25}  # training articles (None: the whole training split)
+from ._peft_spec import METHODS as METHODS
+from ._peft_spec import SETTINGS as SETTINGS
+from ._peft_spec import PeftRunSpec as PeftRunSpec
+
 TARGETS = ["query", "key", "value"]
-
-
-@dataclass(frozen=True)
-class PeftRunSpec:
-    method: str = "sdlrt"
-    setting: str = "100"
-    seed: int = 0
-    lr: float = 1e-3
-    steps: int = 100
-    batch_size: int = 16
-    max_len: int = 64
-    rank: int = 10
-    tau: float = 0.02
-    max_rank: int = 20  # DLRT/SDLRT adapters: a cap (from a zero start with τ = 0.02 the ranks
-    # double at every step, 10 → 320 in five steps, and a step then costs 5× LoRA's)
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}; got {self.method!r}")
-        if self.setting not in SETTINGS:
-            raise ValueError(f"setting must be one of {list(SETTINGS)}; got {self.setting!r}")
-
-    @property
-    def key(self) -> str:
-        return f"{self.method}_{self.setting}_lr{self.lr:g}_s{self.seed}"
 
 
 def model_path() -> Path:

@@ -11,16 +11,12 @@ import torch
 from torch import nn
 
 from .._io import write_atomic
+from ..lowrank._convert import _set_submodule
 from ._config import AdapterConfig
 from ._layer import AdapterLinear
 
 CONFIG_FILE = "adapter_config.json"  # AdapterConfig + the per-module ranks
 WEIGHTS_FILE = "adapter_model.safetensors"  # U, S, V of every adapter and the modules_to_save
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
 def adapters(model: nn.Module) -> Iterator[tuple[str, AdapterLinear]]:
