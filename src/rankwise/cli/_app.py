@@ -76,7 +76,8 @@ RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+
 def train_cmd(
     method: Annotated[Method, typer.Option(help="Training method.")] = Method.dlrt,
     model: Annotated[ModelName, typer.Option(help="Reference model.")] = ModelName.lenet,
-    tau: Annotated[float, typer.Option(help="Relative truncation tolerance τ in [0, 1).")] = 0.1,
+    tau: Annotated[float | None, typer.Option(
+        help="Relative truncation tolerance τ in [0, 1); default 0.1.")] = None,
     target: Annotated[float | None, typer.Option(
         help="Instead of --tau: the compression to reach (e.g. 0.9 keeps 10 % of the parameters), "
              "by a global parameter budget.")] = None,
@@ -98,10 +99,14 @@ def train_cmd(
     """Train one model on the bundled 8×8 digits and print a summary."""
     from ..train_config import TrainConfig
 
-    config = _config(TrainConfig, method=method.value, model=model.value, tau=tau, target=target,
-                     tau_min=tau_min,
-                     rank=rank, epochs=epochs, lr=lr, momentum=momentum, batch_size=batch_size,
-                     seed=seed, out=out)
+    if target is not None and tau is not None:
+        raise UserError(f"give --target or --tau, not both (got --target {target:g}, --tau {tau:g})")
+    if target is not None and tau_min:
+        raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; with --target there is no τ (got "
+                        f"--tau-min {tau_min:g})")
+    config = _config(TrainConfig, method=method.value, model=model.value, tau=0.1 if tau is None else tau,
+                     target=target, tau_min=tau_min, rank=rank, epochs=epochs, lr=lr, momentum=momentum,
+                     batch_size=batch_size, seed=seed, out=out)
     if out is not None:
         claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
     from rich.console import Console

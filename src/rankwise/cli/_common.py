@@ -123,6 +123,22 @@ def earlier_outputs(folder: Path, produced: Sequence[str]) -> list[Path]:
     return sorted(p for p in folder.iterdir() if any(rx.fullmatch(p.name) for rx in patterns))
 
 
+def holds_records(folder: Path, field: str) -> bool:
+    """Does ``folder/runs/`` hold a run record (``*.json`` whose ``spec`` has `field`) of the
+    kind ``rankwise sweep`` / ``rankwise peft`` write? Such a folder is theirs to resume; a
+    ``runs/`` folder of anything else does not make its summaries theirs."""
+    import json
+
+    for p in sorted((folder / "runs").glob("*.json")) if (folder / "runs").is_dir() else []:
+        try:
+            record = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and isinstance(record.get("spec"), dict) and field in record["spec"]:
+            return True
+    return False
+
+
 def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
                      what: str = "run", ours: Callable[[Path], bool] | None = None) -> list[Path]:
     """Can `folder` take the outputs whose names match the regular expressions `produced`? It

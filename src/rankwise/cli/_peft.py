@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._peft_spec import METHODS, SETTINGS
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, progress_columns
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, progress_columns
 from ._sweep import _numbers, _split
 
 PEFT_OUTPUTS = (r"summary\.md", r"bbc_tokens_\d+\.pt")  # what it writes besides runs/
@@ -35,7 +35,7 @@ def peft_cmd(
     setting_list = _split(settings, SETTINGS, "--settings")
     lr_list = _numbers(lrs, "--lrs", "learning rate", "0.001,0.003", lo_open=True)
     check_range("--steps", steps, 1)
-    check_output_dir(out, produced=PEFT_OUTPUTS, force=(out / "runs").is_dir(), what="peft comparison")
+    check_output_dir(out, produced=PEFT_OUTPUTS, force=holds_records(out, "setting"), what="peft comparison")
     try:  # everything it needs, before anything runs
         import peft  # noqa: F401
         import transformers  # noqa: F401

@@ -20,7 +20,7 @@ from ..experiments._sweep_spec import (
     TASK_RANK,
 )
 from ..train_config import RAMP_SHARE
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, require_dir
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, require_dir
 
 
 def _split(text: str, allowed, option: str) -> list[str]:
@@ -133,9 +133,16 @@ def sweep_cmd(
         raise UserError(f"tasks on {', '.join(need)} read files: give their folder with --data-dir")
     if need:
         _check_data(need, data_dir)
+    if "cnn-digits-pretrained" in task_list:
+        from .._wheels import digit_cnn_weights_path
+
+        try:
+            digit_cnn_weights_path()
+        except ImportError as e:
+            raise UserError(f"task cnn-digits-pretrained: {e}") from None
     # a sweep folder is resumed (its summaries rewritten from its records); summary-named files
     # in a folder without records are someone else's: replaced only with --force
-    check_output_dir(out, produced=SWEEP_SUMMARIES, force=force or (out / "runs").is_dir(), what="sweep")
+    check_output_dir(out, produced=SWEEP_SUMMARIES, force=force or holds_records(out, "task"), what="sweep")
     from ..experiments._sweep_spec import RunSpec
 
     levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
