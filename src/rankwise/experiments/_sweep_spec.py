@@ -74,7 +74,7 @@ class RunSpec:
     data_dir: str | None = None
     target: float | None = None  # a compression target (global budget) instead of τ
     ramp: float = RAMP_SHARE  # with a target: the share of the training steps over which it is reached
-    alloc: str = "error-sqrt"  # with a target: the budget's allocation rule (rankwise.Budget.allocation)
+    alloc: str = ALLOCATIONS[0]  # with a target: the budget's allocation rule (rankwise.Budget.allocation)
     factor_lr: float = 3e-3  # fixed, dense-svd: Adam's learning rate for the factors
     # what the settings mean: bumped when a method, task or default changes what it computes, so
     # that a record made before is not resumed as if it were this run (records without one: 1)

@@ -30,18 +30,17 @@ from ..lowrank import (
     DLRT,
     SDLRT,
     AbstractLowRankLayer,
-    AugmentedBUG,
-    Budget,
     compression,
     stability_distance,
     to_low_rank,
 )
+from ..lowrank._budget import RULES
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
 from ._stats import mean_std
+from ._sweep_spec import ALLOCATIONS, TASK_NAMES, RunSpec, level
 from ._sweep_spec import METHODS as METHODS
 from ._sweep_spec import PAPER_TAUS as PAPER_TAUS
 from ._sweep_spec import TASK_LR as TASK_LR
-from ._sweep_spec import TASK_NAMES, RunSpec, level
 from ._sweep_spec import TASK_RANK as TASK_RANK
 
 
@@ -93,6 +92,7 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
     "cnn-digits-pretrained": (lambda: digit_cnn(pretrained=True), lambda s, d: _digits_mnist_like(s)),
 }
 assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
+assert ALLOCATIONS == RULES, "keep _sweep_spec.ALLOCATIONS in step with lowrank._budget.RULES"
 
 
 def _accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
@@ -145,9 +145,8 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
         extra = dict(METHODS[spec.method]) if cls is DLRT else dict(METHODS[spec.method], omega=spec.omega)
         if spec.target is not None:  # a global budget (SDLRT's τ feedback does not apply)
             ramp = int(spec.ramp * spec.epochs * math.ceil(len(x) / spec.batch_size))
-            opt = AugmentedBUG(model, spec.lr, truncation=Budget(spec.target, ramp, spec.alloc),
-                               buffer=cls is SDLRT, momentum=spec.momentum,
-                               single_pass=extra.get("single_pass", True))
+            opt = cls(model, spec.lr, target=spec.target, ramp_steps=ramp, allocation=spec.alloc,
+                      momentum=spec.momentum, **extra)
         else:
             opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
         shadow = copy.deepcopy(base)

@@ -49,11 +49,14 @@ RULES = ("error-sqrt", "error", "energy", "uniform")
 
 
 def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
-    """Score of adding direction r (r = 0 … k−1) to a layer with singular values `s`."""
+    """Score of adding direction r (r = 0 … k−1) to a layer with singular values `s`; none
+    (an empty list: nothing to gain) for a zero spectrum under the spectral rules."""
     if rule == "uniform":  # the spectrum only caps the rank: the lowest rank grows first, cheapest first
         return [-(i + (m + n) * 1e-9) for i in range(s.numel())]
     energy = s.detach().double().square()
     total = float(energy.sum())
+    if total <= 0.0:
+        return []
     if rule == "energy":
         return (energy / (total * (m + n))).tolist()
     tails = energy.flip(0).cumsum(0).flip(0)  # ‖σ_{r:}‖², r = 0 … k−1
@@ -95,9 +98,9 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
         caps = {name: min(c, max(int(max_ranks.get(name, c)), 0)) for name, c in caps.items()}
     ranks = {name: min(min_rank, caps[name]) for name in spectra}
     spent = sum(factor_cost(*shapes[name], r) for name, r in ranks.items())
-    scores = {name: _scores(s, *shapes[name], rule) for name, s in spectra.items()
-              if rule == "uniform" or float(s.detach().double().square().sum()) > 0}
-    heap = [(-scores[name][ranks[name]], name) for name in scores if ranks[name] < caps[name]]
+    scores = {name: _scores(s, *shapes[name], rule) for name, s in spectra.items()}
+    heap = [(-scores[name][ranks[name]], name) for name in scores
+            if ranks[name] < min(caps[name], len(scores[name]))]
     heapq.heapify(heap)
     while heap:
         _, name = heapq.heappop(heap)

@@ -181,6 +181,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {on_nonfinite!r}")
         self.truncation, self.feedback = truncation, feedback
+        self._budgeted = budget
         self.rule = get_rule(optimizer)
         self.layers: dict[str, AbstractLowRankLayer] = {
             n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
@@ -209,7 +210,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         super().__init__(list(model.parameters()), defaults)
         self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
                         adaptive=adaptive, update_every=update_every, buffer=buffer,
-                        on_nonfinite=on_nonfinite, target=truncation.target if budget else None)
+                        on_nonfinite=on_nonfinite)
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         for layer in self.layers.values():
             self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
@@ -226,7 +227,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         """{layer name: current truncation tolerance τ} (SDLRT's feedback lowers it); with a
         :class:`Budget`, the relative tail ‖σ_discarded‖/‖σ‖ of each layer's last truncation
         (the τ that would have given its rank; 0 before the first)."""
-        key = "tail" if isinstance(self.truncation, Budget) else "tau"
+        key = "tail" if self._budgeted else "tau"
         return {n: self.state[m.S].get(key, 0.0) for n, m in self.layers.items()}
 
     def budget(self) -> dict[str, float] | None:
@@ -234,16 +235,13 @@ class AugmentedBUG(torch.optim.Optimizer):
         ``target_params``; U, S, V of every low-rank layer plus all other parameters), the
         parameters stored now (``stored_params``) and the compression they give
         (``compression``, as :func:`rankwise.compression`'s ratio); ``None`` without a target."""
-        if self.cfg["target"] is None:
+        if not self._budgeted:
             return None
         stored = self._other_params + sum(m.U.numel() + m.S.numel() + m.V.numel()
                                           for m in self.layers.values())
-        return {"target": self.cfg["target"], "budget_params": self._budget_now(),
-                "target_params": self._target_params(), "stored_params": stored,
+        return {"target": self.truncation.target, "budget_params": self._budget_now(),
+                "target_params": self.truncation.end_params(self._dense_params), "stored_params": stored,
                 "compression": 1 - stored / self._dense_params}
-
-    def _target_params(self) -> float:
-        return (1 - self.cfg["target"]) * self._dense_params
 
     def _budget_now(self) -> float:
         """The budget (stored parameters) at this augmentation (:meth:`Budget.params_at`)."""
@@ -350,7 +348,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._hp().setdefault("budget_start", start)
         for layer in self.layers.values():
             st, dt = self.state[layer.S], work_dtype(layer.S.dtype)
-            if not isinstance(self.truncation, Budget):
+            if not self._budgeted:
                 st.setdefault("tau", self.cfg["tau"])  # a state saved under a budget has none
             for key in ("K", "L", "S"):
                 st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
@@ -466,7 +464,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not _all_finite([plan[1] for plan in plans.values()]):  # before any layer is written
                 return self._nonfinite("non-finite augmented core (overflow in the update)")
             svds = ranks = {}
-            if self.cfg["target"] is not None:
+            if self._budgeted:
                 svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
                 ranks = self._budget_ranks(plans, svds)
             for name, (aug, S_bar, states) in plans.items():
@@ -572,8 +570,8 @@ _COMMON_DOC = """
       e.g. 0.9 keeps 10 % of the dense parameters, counting every parameter of the model).
       At each augmentation the ranks are allocated model-wide: greedily, the singular
       direction that removes the most relative error of its layer per √(parameters it costs),
-      until the budget is spent (``rankwise.lowrank._budget.allocate_ranks``; other rules
-      through ``AugmentedBUG(truncation=Budget(target, allocation=...))``). The budget falls
+      until the budget is spent (``rankwise.lowrank._budget.allocate_ranks``; `allocation`
+      chooses another rule: ``"error"``, ``"energy"``, ``"uniform"``). The budget falls
       from the model's size at construction to the target over `ramp_steps` augmentations
       (cubically, AdaLoRA's schedule: fast while the spectra still hold much small energy),
       then stays there. ``taus()`` then reports each layer's relative discarded tail, and
@@ -595,7 +593,8 @@ _COMMON_DOC = """
 """
 
 
-def _truncation(tau: float | None, target: float | None, ramp_steps: int) -> Tolerance | Budget:
+def _truncation(tau: float | None, target: float | None, ramp_steps: int,
+                allocation: str) -> Tolerance | Budget:
     """The presets' `tau` / `target` as a truncation policy."""
     if tau is None and target is None:
         raise ValueError("give `tau` (a relative truncation tolerance, e.g. tau=0.1) or `target` "
@@ -603,7 +602,7 @@ def _truncation(tau: float | None, target: float | None, ramp_steps: int) -> Tol
     if tau is not None and target is not None:
         raise ValueError(f"give `tau` or `target`, not both (got tau={tau}, target={target}): with a "
                          "target the budget chooses every layer's rank")
-    return Tolerance(tau) if target is None else Budget(target, ramp_steps)
+    return Tolerance(tau) if target is None else Budget(target, ramp_steps, allocation)
 
 
 class DLRT(AugmentedBUG):
@@ -619,14 +618,15 @@ class DLRT(AugmentedBUG):
     """
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
-                 target: float | None = None, ramp_steps: int = 200, momentum: float = 0.0,
-                 optimizer: str = "sgd", weight_decay: float = 0.0, single_pass: bool = True,
-                 min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
-                 update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
+                 target: float | None = None, ramp_steps: int = 200, allocation: str = "error-sqrt",
+                 momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
+                 single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
+                 adaptive: bool = True, update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                optimizer=optimizer, betas=betas, eps=eps)
-        super().__init__(model, lr, truncation=_truncation(tau, target, ramp_steps), momentum=momentum,
+        super().__init__(model, lr, truncation=_truncation(tau, target, ramp_steps, allocation),
+                         momentum=momentum,
                          optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
                          min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
                          update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite)
@@ -653,7 +653,8 @@ class SDLRT(AugmentedBUG):
     """
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
-                 target: float | None = None, ramp_steps: int = 200, omega: float = 0.8,
+                 target: float | None = None, ramp_steps: int = 200, allocation: str = "error-sqrt",
+                 omega: float = 0.8,
                  buffer: bool = True, feedback: bool | str = True, tau_min: float = 0.0,
                  momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
                  single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
@@ -662,7 +663,7 @@ class SDLRT(AugmentedBUG):
                  on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                optimizer=optimizer, betas=betas, eps=eps)
-        truncation = _truncation(tau, target, ramp_steps)
+        truncation = _truncation(tau, target, ramp_steps, allocation)
         if feedback not in (True, False, "seed", "two-sided"):
             raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "
                              f"False; got {feedback!r}")

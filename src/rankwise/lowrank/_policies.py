@@ -75,14 +75,18 @@ class Budget:
         if self.allocation not in RULES:
             raise ValueError(f"`allocation` must be one of {RULES}; got {self.allocation!r}")
 
+    def end_params(self, dense: float) -> float:
+        """Parameters the model may store at the end: (1 − target)·`dense`, a whole count when
+        it is one up to roundoff."""
+        end = (1 - self.target) * dense
+        return float(round(end)) if abs(end - round(end)) <= 1e-9 * max(1.0, end) else end
+
     def params_at(self, augmentation: int, start: float, dense: float) -> float:
         """Parameters the model may store at `augmentation` (0, 1, …), falling from `start`
         to (1 − target)·`dense`."""
         from ._budget import budget_schedule
 
-        end = (1 - self.target) * dense
-        if abs(end - round(end)) <= 1e-9 * max(1.0, end):  # a whole count, up to roundoff
-            end = float(round(end))
+        end = self.end_params(dense)
         if self.ramp_steps == 0 or augmentation >= self.ramp_steps:
             return end
         return budget_schedule(augmentation, self.ramp_steps, start, end, warmup=0.0, final=0.0)
