@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from ..linalg import work_dtype
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
-from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback
+from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._rules import RULES, State, apply_rule, get_rule, transport
 
 
@@ -30,24 +30,10 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     return all(bool(torch.stack(flags).all()) for flags in by_device.values())
 
 
-def _is_real(x: object) -> bool:
-    """A real number (Python, NumPy or one-element tensor), not a bool or a string."""
-    if isinstance(x, bool | str | bytes) or (torch.is_tensor(x) and (x.numel() != 1 or x.is_complex())):
-        return False
-    try:
-        float(x)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
 def _check_hyperparameters(*, lr, momentum, weight_decay, optimizer, betas, eps) -> None:
     """Reject values of the rule's hyperparameters that cannot train, naming the argument."""
     def real(name: str, value) -> float:
-        if not _is_real(value):
-            raise TypeError(f"`{name}` must be a real number; got {value!r} "
-                            f"({type(value).__name__})")
-        return float(value)
+        return _real(name, value, finite=False)  # (each check below says what "finite" means)
 
     if not isinstance(optimizer, str):
         raise TypeError(f"`optimizer` must be the name of an update rule, one of {sorted(RULES)}; "

@@ -23,16 +23,19 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 
-def _real(name: str, value: object) -> float:
-    """`value` as a float: a finite real number (Python, NumPy or a one-element tensor), not a
-    bool or a string."""
-    if isinstance(value, bool | str | bytes):
-        raise TypeError(f"`{name}` must be a real number; got {value!r}")
+def _real(name: str, value: object, *, finite: bool = True) -> float:
+    """`value` as a float: a real number (Python, NumPy or a one-element real tensor), not a
+    bool or a string; finite unless `finite` is False. Shared by every argument check of the
+    optimizers."""
+    bad = isinstance(value, bool | str | bytes) or (
+        hasattr(value, "numel") and (value.numel() != 1 or value.is_complex()))  # type: ignore[union-attr]
     try:
         x = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"`{name}` must be a real number; got {value!r}") from None
-    if not math.isfinite(x):
+        bad = True
+    if bad:
+        raise TypeError(f"`{name}` must be a real number; got {value!r} ({type(value).__name__})")
+    if finite and not math.isfinite(x):
         raise ValueError(f"`{name}` must be finite; got {value!r}")
     return x
 
