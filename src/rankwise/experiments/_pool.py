@@ -37,7 +37,7 @@ def _call(fn: Callable[[Any, Report | None], Any], item: Any, index: int, q: Any
 
 
 def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, jobs: int = 1,
-             processes: bool = False, spawn: bool = False, fresh_process: bool = False,
+             processes: bool = False, fresh_process: bool = False,
              on_progress: OnProgress | None = None,
              on_done: Callable[[int, Any], None] | None = None) -> list[Any]:
     """``[fn(item, report) for item in items]``, in order.
@@ -46,8 +46,8 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
     - `fn`: a module-level function (it is pickled for worker processes); `report` is
       ``None`` when nobody listens.
     - `jobs`: worker processes; with ``jobs == 1`` and not `processes` the runs happen here.
-    - `spawn`: start workers with "spawn" (a clean interpreter); `fresh_process`: one process
-      per run (``max_tasks_per_child=1``), e.g. so that peak memory is per run.
+    - `fresh_process`: one process per run, started with "spawn" (a clean interpreter;
+      ``max_tasks_per_child=1``), e.g. so that peak memory is per run.
     - `on_progress(index, done, total, info)`, `on_done(index, result)`: called in this
       process, in the order events arrive.
     """
@@ -64,11 +64,9 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
 
     import multiprocessing as mp
 
-    ctx = mp.get_context("spawn") if spawn else None
-    kw: dict[str, Any] = {"mp_context": ctx}
-    if fresh_process:
-        kw["max_tasks_per_child"] = 1
-        kw["mp_context"] = ctx or mp.get_context("spawn")  # required by max_tasks_per_child
+    kw: dict[str, Any] = {}
+    if fresh_process:  # max_tasks_per_child needs the "spawn" start method
+        kw = {"max_tasks_per_child": 1, "mp_context": mp.get_context("spawn")}
     with (mp.Manager() if on_progress is not None else _NoManager()) as manager, \
             ProcessPoolExecutor(jobs, **kw) as ex:
         q = manager.Queue() if on_progress is not None else None

@@ -5,6 +5,11 @@ from __future__ import annotations
 import statistics
 
 
+def mean_sd(vals: list[float]) -> tuple[float, float]:
+    """(mean, sample standard deviation); the deviation is 0 for one value."""
+    return statistics.mean(vals), statistics.stdev(vals) if len(vals) > 1 else 0.0
+
+
 def mean_std(vals: list[float], fmt: str) -> str:
     """``"mean ± std"`` with ``fmt`` (e.g. ``"{:.3f}"``) for each; just the mean for one value."""
     m = statistics.mean(vals)

@@ -36,7 +36,7 @@ from ..lowrank import (
 )
 from ..lowrank._budget import RULES
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
-from ._stats import mean_std
+from ._stats import mean_sd, mean_std
 from ._sweep_spec import ALLOCATIONS, TASK_NAMES, RunSpec, level
 from ._sweep_spec import METHODS as METHODS
 from ._sweep_spec import PAPER_TAUS as PAPER_TAUS
@@ -401,7 +401,7 @@ def _target_plots(results: list[dict], tasks: list[str], methods: list[str], sav
         dense = [r["test_acc"] for r in results
                  if r["spec"]["task"] == task and r["spec"]["method"] == "dense"]
         if dense:
-            mu, sd = statistics.mean(dense), statistics.stdev(dense) if len(dense) > 1 else 0.0
+            mu, sd = mean_sd(dense)
             ax.axhspan(mu - sd, mu + sd, color="0.85")
             ax.axhline(mu, color="k", lw=1, label="dense")
         for i, m in enumerate(x for x in methods if x != "dense"):
@@ -410,7 +410,7 @@ def _target_plots(results: list[dict], tasks: list[str], methods: list[str], sav
             pts = [(t, a) for t, a in pts if a]
             if pts:
                 ax.errorbar([100 * t + 0.15 * (i - 2) for t, _ in pts], [statistics.mean(a) for _, a in pts],
-                            yerr=[statistics.stdev(a) if len(a) > 1 else 0.0 for _, a in pts], fmt="o-",
+                            yerr=[mean_sd(a)[1] for _, a in pts], fmt="o-",
                             ms=4, capsize=2, label=m)
         ax.set_title(task, fontsize=9)
         ax.set_xlabel("compression target (%)")
