@@ -42,7 +42,8 @@ def test_peft_summary_picks_each_methods_learning_rate_on_validation():
     def rec(method, lr, seed, val, test, t):
         spec = PeftRunSpec(method=method, setting="100", seed=seed, lr=lr)
         return {"spec": dict(spec.__dict__), "val_acc": val, "test_acc": test, "step_seconds": t,
-                "trainable_params": 100, "ranks": {"q": 10}}
+                "trainable_params": 100, "ranks": {"q": 10}, "peak_rss_mib": 300.0 + 100 * t,
+                "train_articles": 100}
 
     rs = [rec("lora", 1e-3, s, 0.8, 0.70, 1.0) for s in (0, 1)]
     rs += [rec("lora", 3e-3, s, 0.9, 0.60, 1.0) for s in (0, 1)]
@@ -50,4 +51,25 @@ def test_peft_summary_picks_each_methods_learning_rate_on_validation():
     md = summary_markdown(rs)
     assert "| 100 | lora | 0.003 | 2 | 0.900 ± 0.000 | 0.600 ± 0.000 |" in md  # chosen on val, not test
     assert "| 100 | dlrt | 0.001 | 2 | 0.950 ± 0.000 | 0.910 ± 0.014 |" in md
-    assert md.rstrip().endswith("1.50 |")  # step time against LoRA's
+    assert md.rstrip().endswith("1.50 | 450 |")  # step time against LoRA's, then peak memory
+
+
+def test_peft_study_collects_earlier_commands_runs_and_plots(tmp_path):
+    import json
+
+    from rankwise.experiments.peft_compare import PeftRunSpec, plot, study_records
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    specs = [PeftRunSpec(method="lora", setting="full", seed=0),
+             PeftRunSpec(method="dlrt", setting="25", seed=4),
+             PeftRunSpec(method="dlrt", setting="25", seed=0, steps=50)]  # another study: other steps
+    for i, spec in enumerate(specs):
+        rec = {"spec": dict(spec.__dict__), "key": spec.key, "val_acc": 0.9, "test_acc": 0.8 + 0.01 * i,
+               "step_seconds": 1.0, "trainable_params": 10, "ranks": {"q": 10}, "peak_rss_mib": 1.0,
+               "train_articles": 25}
+        (runs / f"{spec.key}_{i}.json").write_text(json.dumps(rec))
+    got = study_records(tmp_path, PeftRunSpec(method="sdlrt", setting="100", seed=2, lr=0.1))
+    assert sorted(r["spec"]["setting"] for r in got) == ["25", "full"]  # not the 50-step run
+    png = plot(got, tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ from ..experiments._peft_spec import METHODS, SETTINGS
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, progress_columns
 from ._sweep import _numbers, _split
 
-PEFT_OUTPUTS = (r"summary\.md", r"bbc_tokens_\d+\.pt")  # what it writes besides runs/
+PEFT_OUTPUTS = (r"summary\.md", r"peft_acc\.png", r"bbc_tokens_\d+\.pt")  # what it writes besides runs/
 
 
 def peft_cmd(
@@ -27,7 +27,8 @@ def peft_cmd(
     max_len: Annotated[int, typer.Option(help="Tokens per article (truncated).", min=8, max=512)] = 64,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
-    out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md.")] = Path("runs/peft"),
+    out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, peft_acc.png.")]
+    = Path("runs/peft"),
 ) -> None:
     """Fine-tune MiniLM-L6 on BBC News with rank-adaptive adapters and with PEFT's LoRA, AdaLoRA and
     LoRA+ (query/key/value, rank 10, classifier head trained); resumable; writes summary.md."""
@@ -42,7 +43,7 @@ def peft_cmd(
 
         from ..data._bbc import bbc_news_dir
         from ..experiments._peft_spec import PeftRunSpec
-        from ..experiments.peft_compare import compare, model_path, summary_markdown
+        from ..experiments.peft_compare import compare, model_path, plot, study_records, summary_markdown
 
         model_path()
         bbc_news_dir()
@@ -73,7 +74,9 @@ def peft_cmd(
                                f"{r['step_seconds']:.2f} s/step")
 
         results = compare(specs, out, jobs=jobs, on_done=done, on_progress=on_progress)
-    table = summary_markdown(results)
+    records = study_records(out, specs[0])  # with the study's runs from earlier commands
+    table = summary_markdown(records)
     write_atomic(out / "summary.md", table.encode())
+    png = plot(records, out)
     console.print(table)
-    console.print(f"{len(results)} runs; wrote {out}/summary.md")
+    console.print(f"{len(results)} runs now, {len(records)} in the study; wrote {out}/summary.md and {png}")

@@ -14,7 +14,8 @@ import math
 import os
 import resource
 import time
-from dataclasses import asdict
+import warnings
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,8 @@ def _build(spec: PeftRunSpec, total_steps: int):
     from transformers import AutoModelForSequenceClassification
 
     transformers.logging.set_verbosity_error()  # (the new head's "MISSING" report, every run)
+    # peft asks is_gradient_checkpointing, which this transformers deprecates: not the user's business
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     transformers.logging.disable_progress_bar()
     torch.manual_seed(spec.seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_path()), num_labels=5)
@@ -238,11 +241,25 @@ def compare(specs: list[PeftRunSpec], out: Path, *, jobs: int = 1, on_done=None,
     return [done[s.key] for s in specs]
 
 
-def summary_markdown(results: list[dict]) -> str:
-    """Per (setting, method): the learning rate with the best mean validation accuracy, and
-    its test accuracy, trainable parameters, ranks and step time relative to LoRA."""
-    from ._stats import mean_std
+_PER_RUN = ("method", "setting", "seed", "lr")  # what varies within one study
 
+
+def study_records(out: Path, like: PeftRunSpec) -> list[dict]:
+    """Every record in ``out/runs/`` of the study `like` belongs to: same steps, batch, sequence
+    length, rank, τ and cap, any method, setting, seed and learning rate (so that a study run
+    by several commands, e.g. other seed counts per setting, has one table)."""
+    shared = {f.name: getattr(like, f.name) for f in fields(PeftRunSpec) if f.name not in _PER_RUN}
+    records = []
+    for p in sorted((out / "runs").glob("*.json")):
+        rec = json.loads(p.read_text())
+        if all(rec["spec"].get(k) == v for k, v in shared.items()):
+            records.append(rec)
+    return records
+
+
+def best_by_validation(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """Per (setting, method): the runs at the learning rate with the best mean validation
+    accuracy."""
     groups: dict[tuple, list[dict]] = {}
     for r in results:
         s = r["spec"]
@@ -252,20 +269,72 @@ def summary_markdown(results: list[dict]) -> str:
         v = float(np.mean([r["val_acc"] for r in rs]))
         if (setting, method) not in best or v > best[(setting, method)][0]:
             best[(setting, method)] = (v, rs)
-    lines = ["| setting | method | lr (best val) | seeds | val acc | test acc | trainable params | "
-             "ranks (min–max) | step / LoRA step |", "|---|---|---|---|---|---|---|---|---|"]
+    return {k: rs for k, (_, rs) in best.items()}
+
+
+def _ordered(best: dict[tuple[str, str], list[dict]]):
     for setting in SETTINGS:
-        lora = best.get((setting, "lora"))
-        lora_t = float(np.mean([r["step_seconds"] for r in lora[1]])) if lora else math.nan
         for method in METHODS:
-            if (setting, method) not in best:
-                continue
-            _, rs = best[(setting, method)]
-            ranks = [v for r in rs for v in r["ranks"].values()]
-            t = float(np.mean([r["step_seconds"] for r in rs]))
-            lines.append(f"| {setting} | {method} | {rs[0]['spec']['lr']:g} | {len(rs)} | "
-                         f"{mean_std([r['val_acc'] for r in rs], '{:.3f}')} | "
-                         f"{mean_std([r['test_acc'] for r in rs], '{:.3f}')} | "
-                         f"{int(np.mean([r['trainable_params'] for r in rs])):,} | "
-                         f"{min(ranks) if ranks else ''}–{max(ranks) if ranks else ''} | {t / lora_t:.2f} |")
+            if (setting, method) in best:
+                yield setting, method, best[(setting, method)]
+
+
+def summary_markdown(results: list[dict]) -> str:
+    """Per (setting, method), at the learning rate with the best mean validation accuracy: test
+    accuracy, trainable parameters, ranks, step time relative to LoRA and peak memory."""
+    from ._stats import mean_std
+
+    best = best_by_validation(results)
+    lines = ["| setting | method | lr (best val) | seeds | val acc | test acc | trainable params | "
+             "ranks (min–max) | step / LoRA step | peak RSS growth (MiB) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, method, rs in _ordered(best):
+        lora = best.get((setting, "lora"))
+        lora_t = float(np.mean([r["step_seconds"] for r in lora])) if lora else math.nan
+        ranks = [v for r in rs for v in r["ranks"].values()]
+        t = float(np.mean([r["step_seconds"] for r in rs]))
+        lines.append(f"| {setting} | {method} | {rs[0]['spec']['lr']:g} | {len(rs)} | "
+                     f"{mean_std([r['val_acc'] for r in rs], '{:.3f}')} | "
+                     f"{mean_std([r['test_acc'] for r in rs], '{:.3f}')} | "
+                     f"{int(np.mean([r['trainable_params'] for r in rs])):,} | "
+                     f"{min(ranks) if ranks else ''}–{max(ranks) if ranks else ''} | {t / lora_t:.2f} | "
+                     f"{np.mean([r['peak_rss_mib'] for r in rs]):.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], out: Path) -> Path:
+    """``peft_acc.png``: test accuracy (mean ± std over seeds, each run a dot) per method at its
+    best validation learning rate, one panel per setting."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .._io import write_atomic
+    from .._provenance import source_commit
+    from ._stats import mean_sd
+
+    best = best_by_validation(results)
+    settings = [s for s in SETTINGS if any(k[0] == s for k in best)]
+    fig, axes = plt.subplots(1, len(settings), figsize=(3.6 * len(settings), 3.4), squeeze=False)
+    for ax, setting in zip(axes[0], settings, strict=True):
+        rows = [(m, rs) for s, m, rs in _ordered(best) if s == setting]
+        for x, (method, rs) in enumerate(rows):
+            accs = [r["test_acc"] for r in rs]
+            m, sd = mean_sd(accs)
+            color = "C1" if method in ("dlrt", "sdlrt", "sdlrt-taumin") else "C0"
+            ax.errorbar([x], [m], yerr=[sd], fmt="o", color=color, capsize=3)
+            ax.plot([x] * len(accs), accs, ".", color="0.6", ms=3)
+        ax.set_xticks(range(len(rows)), [m for m, _ in rows], rotation=45, ha="right", fontsize=8)
+        n = rows[0][1][0]["train_articles"] if rows and setting != "full" else None
+        ax.set_title(f"{setting} training articles" if n else "full training split", fontsize=9)
+        ax.set_ylabel("test accuracy")
+    fig.text(0.01, 0.01, f"rankwise peft, {out.name}, commit {source_commit()}", fontsize=6, color="0.4")
+    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    write_atomic(out / "peft_acc.png", buf.getvalue())
+    return out / "peft_acc.png"
