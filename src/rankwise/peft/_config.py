@@ -21,7 +21,9 @@ class AdapterConfig:
     - `r`: the adapters' initial rank (clamped to min(out, in) per layer); default 10.
     - `tau`, `omega`: the integrator's truncation tolerance and SDLRT's feedback factor.
     - `method`: ``"sdlrt"`` (buffer + τ feedback) or ``"dlrt"``.
-    - `max_rank`: cap for rank growth (default: none beyond min(out, in)).
+    - `max_rank`: cap for rank growth (default: none beyond min(out, in)). Set one: from the
+      zero start a small relative τ keeps nearly every direction of the first flat spectra,
+      so the ranks double at each step (docs/peft.md); ``rankwise peft`` uses 2·r.
     - `alpha`: the adapter's output scale: y = W0 x + alpha · U S Vᵀ x (a fixed number, not
       LoRA's alpha / r: the rank changes, the scale must not).
     - `dropout`: dropout on the adapter's input.
