@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg import work_dtype
+from . import _dp
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
@@ -140,7 +141,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                  optimizer: str = "sgd", weight_decay: float = 0.0, single_pass: bool = True,
                  min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
                  update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
+                 on_nonfinite: Literal["raise", "skip"] = "raise", process_group=None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -166,6 +167,10 @@ class AugmentedBUG(torch.optim.Optimizer):
             raise ValueError(f"need 1 <= min_rank <= max_rank; got {min_rank}, {max_rank}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {on_nonfinite!r}")
+        if process_group is not None and not torch.distributed.is_initialized():
+            raise ValueError("`process_group` given but torch.distributed is not initialised: call "
+                             "rankwise.dist.init_process_group() (under torchrun) first")
+        self.process_group = process_group
         self.truncation, self.feedback = truncation, feedback
         self._budgeted = budget
         self.rule = get_rule(optimizer)
@@ -203,6 +208,10 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not budget:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
                 self.state[layer.S]["tau"] = tau
         self._set_modes()
+        if process_group is not None:  # as DDP does: every replica starts from rank 0's model
+            named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+            _dp.check_shapes(named, process_group)
+            _dp.broadcast_from_first(list(named.values()), process_group)
 
     # ----------------------------------------------------------------- public queries
     def ranks(self) -> dict[str, int]:
@@ -279,7 +288,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                 raise RuntimeError(self._no_grad_message(closure))
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
-            ok = self._finite(loss)
+            ok = self._finite(self._average_gradients(loss))
             if ok and augment:
                 ok = self._augmented_step(closure if two_pass else None)
             elif ok:
@@ -288,6 +297,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             if ok:
                 self._dense_step()
                 self._hp()["global_step"] += 1
+                if augment and self.process_group is not None:
+                    self._check_replicas()
         finally:
             for layer in self.layers.values():
                 layer.reset_factor_grads()
@@ -303,6 +314,9 @@ class AugmentedBUG(torch.optim.Optimizer):
         """Unscale all gradients if called by a GradScaler; False if the step must be skipped."""
         if not hasattr(self, "found_inf"):
             return True
+        if self.process_group is not None:
+            raise ValueError("torch.amp.GradScaler with a data-parallel DLRT/SDLRT (`process_group`) is "
+                             "not supported: each rank would decide on its own whether to skip the step")
         scale = getattr(self, "grad_scale", None)
         if scale is None:
             raise ValueError("with DLRT/SDLRT call scaler.step(opt) without scaler.unscale_(opt) first: "
@@ -384,6 +398,42 @@ class AugmentedBUG(torch.optim.Optimizer):
         if _all_finite(tensors):
             return True
         return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
+
+    def _average_gradients(self, loss, layers: list[AbstractLowRankLayer] | None = None, *,
+                           dense: bool = True):
+        """Data-parallel (`process_group`): average every gradient this step reads (``.grad``
+        of every trainable parameter if `dense`, else only the `layers`' S; the layers' G_K and
+        G_L in factor mode) over the ranks. Returns the loss to check for finiteness: NaN if
+        any rank's loss was not finite, so that every rank skips (or raises) together."""
+        if self.process_group is None:
+            return loss
+        slots = []
+        if dense:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.requires_grad:
+                        slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype,
+                                              lambda v, p=p: setattr(p, "grad", v)))
+        else:
+            for layer in layers or []:
+                slots.append(_dp.Slot(layer.S.grad, tuple(layer.S.shape), layer.S.dtype,
+                                      lambda v, s=layer.S: setattr(s, "grad", v)))
+        for layer in self.layers.values() if dense else []:
+            if layer.sink.enabled:
+                dt, r, sink = work_dtype(layer.U.dtype), layer.rank, layer.sink  # factor mode
+                slots.append(_dp.Slot(sink.K, (len(layer.U), r), dt, lambda v, s=sink: setattr(s, "K", v)))
+                slots.append(_dp.Slot(sink.L, (len(layer.V), r), dt, lambda v, s=sink: setattr(s, "L", v)))
+        local_bad = loss is not None and not _all_finite([torch.as_tensor(loss)])
+        if _dp.average(slots, self.process_group, flag=local_bad) and not local_bad:
+            return torch.tensor(float("nan"))  # another rank's loss
+        return loss
+
+    def _check_replicas(self) -> None:
+        """After a truncation: every rank must hold the same ranks, factors, buffers and τ."""
+        named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
+                     torch.tensor(self.state[m.S].get("tau", 0.0), dtype=torch.float64))
+                 for n, m in self.layers.items()}
+        _dp.check_replicas(named, self.process_group, when=f"at step {self._hp()['global_step']}")
 
     def _nonfinite(self, what: str) -> bool:
         """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
@@ -472,6 +522,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             self.layers[name].set_grad_mode("core")
         with torch.enable_grad():
             loss2 = closure()
+        if self.process_group is not None and loss2 is not None:
+            loss2 = self._average_gradients(loss2, [self.layers[n] for n in plans], dense=False)
         # before the first pass's dense gradients go back; core mode: no G_K, G_L expected
         got_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
         for p, g in saved.items():
@@ -576,6 +628,14 @@ _COMMON_DOC = """
       dense parameters take plain steps (much cheaper backward).
     - `on_nonfinite`: ``"raise"`` a ``FloatingPointError`` on a NaN/inf loss or gradient, or
       ``"skip"`` the step with a warning; weights are never overwritten with NaN.
+    - `process_group`: data-parallel training (e.g. ``torch.distributed.group.WORLD`` after
+      :func:`rankwise.dist.init_process_group`, each rank on its own shard of every batch; do
+      not also wrap the model in DDP). At construction every parameter and buffer is
+      broadcast from the group's first rank; at every step the gradients the integrator reads
+      (``.grad``, the factor gradients G_K, G_L) are averaged in a few bucketed all-reduces,
+      the integrator runs on every rank on the same inputs, and after every truncation a hash
+      of each layer's factors, buffers and τ is compared across ranks: a rank that drifted
+      raises ``RuntimeError`` naming it. A non-finite loss on any rank skips (or raises) on all.
 """
 
 
@@ -608,14 +668,16 @@ class DLRT(AugmentedBUG):
                  momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
                  single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
                  adaptive: bool = True, update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
+                 eps: float = 1e-8, on_nonfinite: Literal["raise", "skip"] = "raise",
+                 process_group=None) -> None:
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                optimizer=optimizer, betas=betas, eps=eps)
         super().__init__(model, lr, truncation=_truncation(tau, target, ramp_steps, allocation),
                          momentum=momentum,
                          optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
                          min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
-                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite)
+                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite,
+                         process_group=process_group)
 
 
 class SDLRT(AugmentedBUG):
@@ -646,7 +708,7 @@ class SDLRT(AugmentedBUG):
                  single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
                  adaptive: bool = True, update_every: int = 1,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 on_nonfinite: Literal["raise", "skip"] = "raise") -> None:
+                 on_nonfinite: Literal["raise", "skip"] = "raise", process_group=None) -> None:
         _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                optimizer=optimizer, betas=betas, eps=eps)
         truncation = _truncation(tau, target, ramp_steps, allocation)
@@ -663,4 +725,5 @@ class SDLRT(AugmentedBUG):
         super().__init__(model, lr, truncation=truncation, feedback=fb, buffer=buffer, momentum=momentum,
                          optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
                          min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
-                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite)
+                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite,
+                         process_group=process_group)

@@ -1,0 +1,152 @@
+"""Data parallelism for the low-rank optimizers: what DDP cannot do for them.
+
+DDP sees only ``.grad`` and fixes its buckets at construction; the integrator also reads the
+factor gradients G_K (out, r), G_L (in, r) from each layer's sink, and the ranks, hence every
+shape, change during training. Here every gradient the optimizer reads is averaged in a
+layout rebuilt at each step (the same on every rank, since the ranks are), and after each
+truncation the replicas' factors are compared by a hash of their bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket_cap_mb
+
+
+@dataclass
+class Slot:
+    """One gradient to average: its current value (None: this rank has none), its shape and
+    dtype (to send zeros in its place), and where the average goes."""
+
+    value: Tensor | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    put: Callable[[Tensor | None], None]
+
+
+def world_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def average(slots: Sequence[Slot], group, *, flag: bool = False) -> bool:
+    """Average every slot over the ranks of `group` (a slot missing on a rank counts as zero, as
+    in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype,
+    split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's presence and
+    `flag`. Returns whether any rank raised `flag` (e.g. "my loss is not finite")."""
+    n = world_size(group)
+    meta = torch.tensor([float(s.value is not None) for s in slots] + [float(flag)], dtype=torch.float64)
+    works = [dist.all_reduce(meta, group=group, async_op=True)]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, s in enumerate(slots):
+        by_dtype.setdefault(s.dtype, []).append(i)
+    buckets: list[tuple[Tensor, list[int]]] = []
+    for dtype, idx in by_dtype.items():
+        start, size, limit = 0, 0, max(1, BUCKET_BYTES // torch.empty(0, dtype=dtype).element_size())
+        for k, i in enumerate(idx):
+            size += _numel(slots[i].shape)
+            if size >= limit or k == len(idx) - 1:
+                part = idx[start:k + 1]
+                flat = torch.cat([_flat(slots[i]) for i in part])
+                works.append(dist.all_reduce(flat, group=group, async_op=True))
+                buckets.append((flat, part))
+                start, size = k + 1, 0
+    for w in works:
+        w.wait()
+    for flat, part in buckets:
+        flat.div_(n)
+        offset = 0
+        for i in part:
+            s = slots[i]
+            k = _numel(s.shape)
+            s.put(flat[offset:offset + k].view(s.shape).clone() if meta[i] > 0 else None)
+            offset += k
+    return bool(meta[-1] > 0)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _flat(s: Slot) -> Tensor:
+    if s.value is None:
+        return torch.zeros(_numel(s.shape), dtype=s.dtype)
+    return s.value.detach().reshape(-1).to(s.dtype)
+
+
+def fingerprint(tensors: Sequence[Tensor]) -> int:
+    """A hash of the tensors' shapes and bits (position-weighted sum of their bytes, mod 2⁶¹−1):
+    equal tensors give equal fingerprints; a flipped bit almost surely does not."""
+    p = (1 << 61) - 1
+    h = 0
+    for t in tensors:
+        h = (h * 1_000_003 + hash(tuple(t.shape))) % p
+        b = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).to(torch.int64)
+        if b.numel():
+            w = torch.arange(1, b.numel() + 1, dtype=torch.int64) % 65_521 + 1
+            h = (h * 1_000_003 + int((b * w).sum()) + b.numel()) % p
+    return h
+
+
+def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> None:
+    """Raise ``RuntimeError`` naming the first rank (and layer) whose tensors differ from the
+    group's rank 0; one all-gather of one int64 per entry."""
+    names = list(named)
+    mine = torch.tensor([fingerprint(named[k]) for k in names], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs.shape != everyone[0].shape:
+            raise RuntimeError(f"data-parallel replicas diverged {when}: rank {_global(group, r)} has "
+                               f"other low-rank layers than rank {_global(group, 0)}")
+        diff = (theirs != everyone[0]).nonzero()
+        if diff.numel():
+            raise RuntimeError(
+                f"data-parallel replicas diverged {when}: rank {_global(group, r)} holds other factors than "
+                f"rank {_global(group, 0)} in layer {names[int(diff[0])]!r} (ranks, bases or τ differ). "
+                "Every rank must start from the same model and see the same averaged gradients; across "
+                "machines whose floating-point results differ, the integrator's results can drift apart")
+
+
+def broadcast_from_first(tensors: Sequence[Tensor], group) -> None:
+    """Copy the group's rank-0 values into `tensors` on every rank (one broadcast per dtype);
+    the shapes must agree (checked first by :func:`check_shapes`)."""
+    src = _global(group, 0)
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for ts in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in ts:
+            with torch.no_grad():
+                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+
+def check_shapes(named: dict[str, Tensor], group) -> None:
+    """Every rank must hold the same tensor names and shapes (e.g. the same ranks) before a
+    broadcast: else a clear error naming the first rank that differs."""
+    sig = [(k, tuple(t.shape), str(t.dtype)) for k, t in named.items()]
+    everyone: list = [None] * world_size(group)
+    dist.all_gather_object(everyone, sig, group=group)
+    for r, theirs in enumerate(everyone[1:], start=1):
+        if theirs != everyone[0]:
+            bad = next(((a, b) for a, b in zip(everyone[0], theirs, strict=False) if a != b), None)
+            what = (f"{bad[1]} where rank {_global(group, 0)} has {bad[0]}" if bad
+                    else "another number of tensors")
+            raise RuntimeError(f"data-parallel replicas differ at construction: rank {_global(group, r)} "
+                               f"has {what}; build the same model (same ranks) on every rank")
+
+
+def _global(group, r: int) -> int:
+    return dist.get_global_rank(group, r) if group is not None and group != dist.group.WORLD else r

@@ -1,0 +1,150 @@
+"""Data-parallel DLRT/SDLRT (``process_group=``): 2 gloo ranks on half batches follow the
+trajectory of 1 process on the full batch (float64), with rank changes; a diverged replica
+is named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import rankwise
+from distributed import run_world
+
+STEPS = 8
+CASES = {  # name: (preset, lr, kwargs); each sees its ranks change within STEPS
+    "dlrt": ("DLRT", 2.0, dict(tau=0.02)),
+    "sdlrt": ("SDLRT", 2.0, dict(tau=0.02, omega=0.8)),
+    "sdlrt-two-pass": ("SDLRT", 2.0, dict(tau=0.02, single_pass=False)),
+    "sdlrt-every-2": ("SDLRT", 2.0, dict(tau=0.01, update_every=2, momentum=0.5)),
+    "sdlrt-adam": ("SDLRT", 0.05, dict(tau=0.02, optimizer="adam")),
+    "sdlrt-two-pass-adam": ("SDLRT", 0.02, dict(tau=0.05, single_pass=False, optimizer="adam")),
+}
+# Summing half-batch gradients rounds differently from the full batch (~1e-16). SGD's trajectory
+# is smooth in it; Adam's less so: it divides each coordinate by its own running |g|, in bases
+# the truncation may rotate within nearly equal singular values. The Adam cases' settings were
+# chosen where one process on the full batch and on two half-batch losses (no distribution)
+# agree to 1e-9 in loss and 3e-7 in weights (two-pass Adam at lr 0.05, ranks at their cap of
+# 12, differs there by 0.09 in the weights), and are checked to about that precision.
+TOL = {"sgd": dict(rel=1e-9, rtol=1e-8, atol=1e-10), "adam": dict(rel=1e-8, rtol=1e-5, atol=1e-6)}
+
+
+def _model() -> nn.Module:
+    """Low-rank and dense layers mixed (the last layer stays dense), float64."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    return rankwise.to_low_rank(m, rank=3, exclude=["4"], max_rank=12)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, 32, 12, generator=g, dtype=torch.float64), torch.randint(0, 3, (STEPS, 32),
+                                                                                       generator=g)
+
+
+def _train(case: str, rank: int = 0, world: int = 1, group=None) -> dict:
+    preset, lr, kw = CASES[case]
+    model = _model()
+    if group is not None and rank == 1:  # a different initialisation: the broadcast must fix it
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = getattr(rankwise, preset)(model, lr, process_group=group, **kw)
+    X, Y = _data()
+    half = 32 // world
+    losses, ranks = [], []
+    for t in range(STEPS):
+        x, y = X[t, rank * half:(rank + 1) * half], Y[t, rank * half:(rank + 1) * half]
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        losses.append(float(opt.step(closure).detach()))
+        ranks.append(tuple(opt.ranks().values()))
+    weights = [m.dense_weight().detach() for m in model if isinstance(m, rankwise.LowRankLinear)]
+    return dict(losses=losses, ranks=ranks, weights=weights, last=model[4].weight.detach(),
+                taus=list(opt.taus().values()))
+
+
+def _dp_worker(rank: int, case: str) -> dict:
+    import torch.distributed as dist
+
+    out = _train(case, rank, dist.get_world_size(), dist.group.WORLD)
+    # plain arrays: tensors would travel as shared memory, which dies with this process
+    out["weights"] = [w.numpy().copy() for w in out["weights"]]
+    out["last"] = out["last"].numpy().copy()
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_on_half_batches_follow_one_process_on_the_full_batch(case, tmp_path):
+    ref = _train(case)
+    assert len(set(ref["ranks"])) > 1, "the test must see rank changes"
+    out = run_world(_dp_worker, 2, tmp_path, case)
+    for r in out:
+        r["weights"], r["last"] = [torch.from_numpy(w) for w in r["weights"]], torch.from_numpy(r["last"])
+    for r in out:  # identical replicas
+        assert r["ranks"] == out[0]["ranks"] and r["taus"] == out[0]["taus"]
+        for a, b in zip(r["weights"] + [r["last"]], out[0]["weights"] + [out[0]["last"]], strict=True):
+            assert torch.equal(a, b)
+    assert out[0]["ranks"] == ref["ranks"]
+    tol = TOL[CASES[case][2].get("optimizer", "sgd")]
+    mean_loss = [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"], strict=True)]
+    assert mean_loss == pytest.approx(ref["losses"], rel=tol["rel"], abs=1e-12)
+    for a, b in zip(out[0]["weights"] + [out[0]["last"]], ref["weights"] + [ref["last"]], strict=True):
+        torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"])
+
+
+def _diverge_worker(rank: int) -> None:
+    import torch.distributed as dist
+
+    model = _model()
+    opt = rankwise.DLRT(model, 0.1, tau=0.05, process_group=dist.group.WORLD)
+    if rank == 1:  # after the broadcast: this replica drifts
+        with torch.no_grad():
+            model[2].S.mul_(1 + 1e-12)
+    x, y = _data()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x[0]), y[0]).backward()
+    opt.step()
+
+
+def test_a_diverged_replica_is_named(tmp_path):
+    with pytest.raises(AssertionError) as e:
+        run_world(_diverge_worker, 2, tmp_path)
+    msg = str(e.value)
+    assert "replicas diverged" in msg and "rank 1" in msg and "'2'" in msg
+
+
+def _shape_worker(rank: int) -> None:
+    import torch.distributed as dist
+
+    m = nn.Sequential(nn.Linear(8, 8)).double()
+    rankwise.to_low_rank(m, rank=2 + rank)
+    rankwise.DLRT(m, 0.1, tau=0.1, process_group=dist.group.WORLD)
+
+
+def test_replicas_with_other_ranks_are_refused_at_construction(tmp_path):
+    with pytest.raises(AssertionError) as e:
+        run_world(_shape_worker, 2, tmp_path)
+    assert "differ at construction: rank 1" in str(e.value)
+
+
+def test_process_group_needs_torch_distributed():
+    m = rankwise.to_low_rank(nn.Sequential(nn.Linear(8, 8)), rank=2)
+    with pytest.raises(ValueError, match="init_process_group"):
+        rankwise.DLRT(m, 0.1, tau=0.1, process_group=object())
+
+
+def test_fingerprint_sees_one_bit():
+    from rankwise.lowrank._dp import fingerprint
+
+    a = torch.randn(5, 7)
+    b = a.clone()
+    b.view(-1).view(torch.int32)[17] ^= 1
+    assert fingerprint([a]) == fingerprint([a.clone()])
+    assert fingerprint([a]) != fingerprint([b])
+    assert fingerprint([a]) != fingerprint([a.reshape(7, 5)])
