@@ -196,12 +196,14 @@ def demo_cmd(
     every: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 5,
     kill_step: Annotated[int, typer.Option(help="Step at which rank 2 is killed (not a checkpoint step).")]
     = 22,
+    method: Annotated[str, typer.Option(help="dense (DDP + Adam) or sdlrt / dlrt (low-rank hidden layers, the "
+                                        "optimizer data-parallel with process_group=).")] = "dense",
     force: Force = False,
 ) -> None:
-    """DDP under torchrun (gloo, CPU): kill a worker with SIGKILL and wipe its store, let torchrun
-    restart the group, repair the lost rank from its peers, finish training, and check the loss
-    curve against an uninterrupted run bitwise; then restore once more while rank 1 serves
-    corrupted symbols. About 1.5 min on 2 cores."""
+    """Data-parallel training under torchrun (gloo, CPU): kill a worker with SIGKILL and wipe its
+    store, let torchrun restart the group, repair the lost rank from its peers, finish training,
+    and check the loss curve (and, low-rank, the ranks) against an uninterrupted run bitwise;
+    then restore once more while rank 1 serves corrupted symbols. About 1.5 min on 2 cores."""
     if not 4 <= nproc <= 255:
         raise UserError(f"--nproc must be in [4, 255] (the demo loses t = 1 worker, the code needs "
                         f"3t < n <= 255); got {nproc}")
@@ -210,14 +212,18 @@ def demo_cmd(
     if not 0 <= kill_step < steps or kill_step % every == 0:
         raise UserError(f"--kill-step must be in [0, {steps}) and not a multiple of --every={every} "
                         f"(a checkpoint step: no work would be lost); got {kill_step}")
-    from ..experiments.ddp_resilience import DEMO_OUTPUTS, run_demo
+    from ..experiments.ddp_resilience import DEMO_OUTPUTS, METHODS, run_demo
+
+    if method not in METHODS:
+        raise UserError(f"--method must be one of {', '.join(METHODS)}; got {method!r}")
 
     claim_output_dir(workdir, produced=DEMO_OUTPUTS, force=force, option="--workdir", what="demo",
                      ours=lambda p: (p / "torchrun.log").is_file())  # each scenario's folder has one
     from rich.table import Table
 
     with console.status("running torchrun three times (reference, killed worker, lying rank)"):
-        r = run_demo(workdir, nproc=nproc, steps=steps, every=every, kill_rank=2, kill_step=kill_step)
+        r = run_demo(workdir, nproc=nproc, steps=steps, every=every, kill_rank=2, kill_step=kill_step,
+                     method=method)
     t = Table(title=f"coded checkpoints under torchrun: {nproc} workers, k = {r['k']}", show_header=False)
     t.add_row("killed", f"rank {r['kill_rank']} at step {r['kill_step']} (SIGKILL, store wiped)")
     t.add_row("restored from step", str(r["restored_step"]))
@@ -229,6 +235,8 @@ def demo_cmd(
               f"{r['repair_payload_measured']:,} vs {r['repair_payload_formula']:,.0f} B")
     t.add_row("repair time vs full retrieval",
               f"{r['repair_seconds'] * 1e3:.1f} ms vs {r['retrieve_seconds'] * 1e3:.1f} ms")
+    if method != "dense":
+        t.add_row("ranks (first step → last)", f"{r['ranks_first']} → {r['ranks_final']}")
     t.add_row("loss curve equals uninterrupted run", "bitwise: yes" if r["bitwise_equal"] else "NO")
     cs = r["corrupt_scenario"]
     named = sorted(int(k) for k, v in cs["bad_helpers_seen"].items() if v == [1])

@@ -1,9 +1,13 @@
-"""Survive losing a worker under torchrun: DDP training with a coded checkpoint every few steps.
+"""Survive losing a worker under torchrun: data-parallel training with a coded checkpoint every
+few steps.
 
 ``worker`` runs under ``torchrun --nproc_per_node=N --max-restarts=1``: it restores from the
 newest coded checkpoint (repairing a lost rank from its peers), trains an MLP on scikit-learn's
-digits with DDP (gloo), checkpoints every ``every`` steps and logs each step's loss exactly
-(``float.hex``). On the first attempt, rank ``kill_rank`` stops at ``kill_step`` and waits to
+digits data-parallel (gloo) — dense with DDP and Adam (``--method dense``), or low-rank with
+``rankwise.SDLRT`` / ``rankwise.DLRT`` and ``process_group`` (``--method sdlrt``/``dlrt``:
+the hidden layers from rank 16, τ = 0.2, Adam at 0.01: the ranks change as it trains) —
+checkpoints every ``every`` steps and logs each step's loss, a digest of the parameters and the
+ranks exactly (``float.hex``). On the first attempt, rank ``kill_rank`` stops at ``kill_step`` and waits to
 be killed.
 
 ``run_demo`` is the harness: an uninterrupted reference run; a run in which it SIGKILLs that
@@ -38,6 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from .. import lowrank
     from ..ckpt import CodedCheckpointer
     from ..data import load_digits
     from ..dist import init_process_group, ordered_allreduce_hook
@@ -48,9 +53,14 @@ def _worker(args: argparse.Namespace) -> None:
     out = Path(args.out)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
-    ddp = DDP(model)
-    ddp.register_comm_hook(None, ordered_allreduce_hook)  # bitwise-reproducible across restarts
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if args.method == "dense":
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, ordered_allreduce_hook)  # bitwise-reproducible across restarts
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    else:  # DDP cannot see the factor gradients: the optimizer averages them (same layout on restart)
+        ddp = lowrank.to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
+        preset = lowrank.SDLRT if args.method == "sdlrt" else lowrank.DLRT
+        opt = preset(model, 1e-2, tau=0.2, optimizer="adam", process_group=dist.group.WORLD)
     train, _ = load_digits(seed=0)
     X, y = train.tensors[0].flatten(1), train.tensors[1]
     ck = CodedCheckpointer(t=1, store_dir=args.store,
@@ -78,7 +88,8 @@ def _worker(args: argparse.Namespace) -> None:
         opt.step()
         if log is not None:  # rank 0's loss and a digest of the parameters, both exact
             digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-            log.write(f"{step},{loss.item().hex()},{digest.hexdigest()[:16]}\n")
+            ranks = "/".join(str(m.rank) for m in model if isinstance(m, lowrank.LowRankLinear))
+            log.write(f"{step},{loss.item().hex()},{digest.hexdigest()[:16]},{ranks}\n")
             log.flush()
         if step % args.every == 0:
             ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step,
@@ -103,14 +114,15 @@ def _free_port() -> int:
 
 
 def _torchrun(nproc: int, out: Path, store: Path, *, steps: int, every: int, kill_rank: int = -1,
-              kill_step: int = -1, fault_rank: int = -1, max_restarts: int = 0) -> subprocess.Popen:
+              kill_step: int = -1, fault_rank: int = -1, max_restarts: int = 0,
+              method: str = "dense") -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
            f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
            "-m", "rankwise.experiments.ddp_resilience", "worker", "--out", str(out), "--store", str(store),
            "--steps", str(steps), "--every", str(every), "--kill-rank", str(kill_rank),
-           "--kill-step", str(kill_step), "--fault-rank", str(fault_rank)]
+           "--kill-step", str(kill_step), "--fault-rank", str(fault_rank), "--method", method]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     return subprocess.Popen(cmd, env=env, stdout=open(out / "torchrun.log", "w"), stderr=subprocess.STDOUT)
 
@@ -137,14 +149,17 @@ def _curve(out: Path) -> dict[int, str]:
 
 
 DEMO_OUTPUTS = ("reference", "faulty", "corrupt")
+METHODS = ("dense", "sdlrt", "dlrt")
 
 
 def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int = 5, kill_rank: int = 2,
              kill_step: int = 22, corrupt_scenario: bool = True, timeout: float = 300,
-             overwrite: bool = False) -> dict:
+             overwrite: bool = False, method: str = "dense") -> dict:
     """Run the three scenarios in ``workdir`` and return the measurements. The demo writes the
     subfolders ``reference``, ``faulty`` and ``corrupt``; if they exist it raises
     ``FileExistsError`` unless `overwrite`, which deletes those three (nothing else)."""
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}; got {method!r}")
     if nproc < 4:
         raise ValueError(f"`nproc` must be >= 4 (t = 1 needs n > 3t); got {nproc}")
     if not 0 <= kill_rank < nproc:
@@ -161,11 +176,11 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
         shutil.rmtree(p)
     ref, run = work / "reference", work / "faulty"
     t0 = time.perf_counter()
-    _wait(_torchrun(nproc, ref, ref / "store", steps=steps, every=every), ref, timeout)
+    _wait(_torchrun(nproc, ref, ref / "store", steps=steps, every=every, method=method), ref, timeout)
     t_ref = time.perf_counter() - t0
 
     p = _torchrun(nproc, run, run / "store", steps=steps, every=every, kill_rank=kill_rank,
-                  kill_step=kill_step, max_restarts=1)
+                  kill_step=kill_step, max_restarts=1, method=method)
     killed: dict = {}
 
     def killer() -> None:
@@ -200,11 +215,13 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
         repair_seconds=victim["repair_seconds"], retrieve_seconds=victim["retrieve_seconds"],
         retrieve_bytes_received=victim["retrieve_bytes_received"],
         bitwise_equal=ref_curve == got_curve and len(ref_curve) == steps,
+        method=method, ranks_first=ref_curve[0].split(",")[2], ranks_final=got_curve[steps - 1].split(",")[2],
         reference_seconds=t_ref)
     if corrupt_scenario:  # restore the finished run while rank 1 serves corrupted symbols
         bad = work / "corrupt"
         bad.mkdir()
-        _wait(_torchrun(nproc, bad, run / "store", steps=steps, every=every, fault_rank=1), bad, timeout)
+        _wait(_torchrun(nproc, bad, run / "store", steps=steps, every=every, fault_rank=1, method=method),
+              bad, timeout)
         cs = [json.loads((bad / f"restore_attempt0_rank{r}.json").read_text()) for r in range(nproc)]
         result["corrupt_scenario"] = dict(fault_rank=1, bad_helpers_seen={r: s["bad_helpers"] for r, s in
                                                                           enumerate(cs)},
@@ -218,18 +235,19 @@ def main(argv: list[str] | None = None) -> None:
     w = sub.add_parser("worker")
     for name, typ, default in (("out", str, None), ("store", str, None), ("steps", int, 40),
                                ("every", int, 5), ("kill-rank", int, -1), ("kill-step", int, -1),
-                               ("fault-rank", int, -1), ("batch", int, 64)):
+                               ("fault-rank", int, -1), ("batch", int, 64), ("method", str, "dense")):
         w.add_argument(f"--{name}", type=typ, default=default, required=default is None)
     d = sub.add_parser("demo")
     d.add_argument("--workdir", default="runs/ddp_resilience")
     d.add_argument("--nproc", type=int, default=4)
+    d.add_argument("--method", choices=METHODS, default="dense")
     d.add_argument("--force", action="store_true", help="replace an earlier demo in --workdir")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         _worker(a)
     else:
         try:
-            result = run_demo(a.workdir, nproc=a.nproc, overwrite=a.force)
+            result = run_demo(a.workdir, nproc=a.nproc, overwrite=a.force, method=a.method)
         except (ValueError, FileExistsError) as e:  # a user's mistake: one line, exit status 2
             ap.error(f"{e} (--force replaces an earlier demo)" if isinstance(e, FileExistsError) else str(e))
         print(json.dumps(result, indent=1))
