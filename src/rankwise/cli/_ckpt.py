@@ -196,8 +196,8 @@ def demo_cmd(
     every: Annotated[int, typer.Option(help="Checkpoint every this many steps.")] = 5,
     kill_step: Annotated[int, typer.Option(help="Step at which rank 2 is killed (not a checkpoint step).")]
     = 22,
-    method: Annotated[str, typer.Option(help="dense (DDP + Adam) or sdlrt / dlrt (low-rank hidden layers, the "
-                                        "optimizer data-parallel with process_group=).")] = "dense",
+    method: Annotated[str, typer.Option(help="dense (DDP + Adam) or sdlrt / dlrt (low-rank hidden layers, "
+                                        "the optimizer data-parallel with process_group=).")] = "dense",
     force: Force = False,
 ) -> None:
     """Data-parallel training under torchrun (gloo, CPU): kill a worker with SIGKILL and wipe its
