@@ -48,6 +48,8 @@ def test_ckpt_demo_checks_arguments_before_touching_the_workdir(tmp_path):
     assert "--nproc must be in [4, 255]" in msg and "got 2" in msg
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--kill-step", 10), "ckpt demo")
     assert "--kill-step" in msg and "got 10" in msg
+    msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work, "--method", "qlora"), "ckpt demo")
+    assert "--method must be one of dense, sdlrt, dlrt" in msg
     (work / "reference").mkdir()  # an earlier demo: refused, before any torchrun starts
     (work / "reference" / "torchrun.log").write_text("")
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", work), "ckpt demo", code=1)
