@@ -52,8 +52,13 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None) -> dict:
     opt = getattr(rankwise, preset)(model, lr, process_group=group, **kw)
     X, Y = _data()
     half = 32 // world
-    losses, ranks = [], []
+    losses, ranks, sent, formula = [], [], [], []
     for t in range(STEPS):
+        lr_layers = [m for m in model if isinstance(m, rankwise.LowRankLinear)]
+        grads = sum((m.out_features + m.in_features) * m.rank + m.rank**2 + m.out_features for m in lr_layers)
+        grads += model[4].weight.numel() + model[4].bias.numel()
+        slots = 4 * len(lr_layers) + 2  # S, bias, G_K, G_L per low-rank layer; dense W, b
+        formula.append(8 * (grads + slots + 1))  # float64, + the presence/flag vector
         x, y = X[t, rank * half:(rank + 1) * half], Y[t, rank * half:(rank + 1) * half]
 
         def closure(x=x, y=y):
@@ -64,9 +69,10 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None) -> dict:
 
         losses.append(float(opt.step(closure).detach()))
         ranks.append(tuple(opt.ranks().values()))
+        sent.append(opt.allreduce_bytes)
     weights = [m.dense_weight().detach() for m in model if isinstance(m, rankwise.LowRankLinear)]
     return dict(losses=losses, ranks=ranks, weights=weights, last=model[4].weight.detach(),
-                taus=list(opt.taus().values()))
+                taus=list(opt.taus().values()), sent=sent, formula=formula)
 
 
 def _dp_worker(rank: int, case: str) -> dict:
@@ -91,6 +97,8 @@ def test_two_ranks_on_half_batches_follow_one_process_on_the_full_batch(case, tm
         for a, b in zip(r["weights"] + [r["last"]], out[0]["weights"] + [out[0]["last"]], strict=True):
             assert torch.equal(a, b)
     assert out[0]["ranks"] == ref["ranks"]
+    if case in ("dlrt", "sdlrt"):  # one pass, factor mode at every step: (m + n)·r + r² per layer
+        assert out[0]["sent"] == out[0]["formula"]
     tol = TOL[CASES[case][2].get("optimizer", "sgd")]
     mean_loss = [(a + b) / 2 for a, b in zip(out[0]["losses"], out[1]["losses"], strict=True)]
     assert mean_loss == pytest.approx(ref["losses"], rel=tol["rel"], abs=1e-12)

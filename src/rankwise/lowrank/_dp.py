@@ -34,11 +34,12 @@ def world_size(group) -> int:
     return dist.get_world_size(group)
 
 
-def average(slots: Sequence[Slot], group, *, flag: bool = False) -> bool:
+def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, int]:
     """Average every slot over the ranks of `group` (a slot missing on a rank counts as zero, as
     in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype,
     split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's presence and
-    `flag`. Returns whether any rank raised `flag` (e.g. "my loss is not finite")."""
+    `flag`. Returns whether any rank raised `flag` (e.g. "my loss is not finite") and the bytes
+    this rank contributed to the all-reduces."""
     n = world_size(group)
     meta = torch.tensor([float(s.value is not None) for s in slots] + [float(flag)], dtype=torch.float64)
     works = [dist.all_reduce(meta, group=group, async_op=True)]
@@ -58,6 +59,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool = False) -> bool:
                 start, size = k + 1, 0
     for w in works:
         w.wait()
+    sent = sum(flat.numel() * flat.element_size() for flat, _ in buckets) + meta.numel() * 8
     for flat, part in buckets:
         flat.div_(n)
         offset = 0
@@ -66,7 +68,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool = False) -> bool:
             k = _numel(s.shape)
             s.put(flat[offset:offset + k].view(s.shape).clone() if meta[i] > 0 else None)
             offset += k
-    return bool(meta[-1] > 0)
+    return bool(meta[-1] > 0), sent
 
 
 def _numel(shape: tuple[int, ...]) -> int:

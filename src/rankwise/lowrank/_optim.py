@@ -171,6 +171,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             raise ValueError("`process_group` given but torch.distributed is not initialised: call "
                              "rankwise.dist.init_process_group() (under torchrun) first")
         self.process_group = process_group
+        self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self.truncation, self.feedback = truncation, feedback
         self._budgeted = budget
         self.rule = get_rule(optimizer)
@@ -424,7 +425,9 @@ class AugmentedBUG(torch.optim.Optimizer):
                 slots.append(_dp.Slot(sink.K, (len(layer.U), r), dt, lambda v, s=sink: setattr(s, "K", v)))
                 slots.append(_dp.Slot(sink.L, (len(layer.V), r), dt, lambda v, s=sink: setattr(s, "L", v)))
         local_bad = loss is not None and not _all_finite([torch.as_tensor(loss)])
-        if _dp.average(slots, self.process_group, flag=local_bad) and not local_bad:
+        bad, sent = _dp.average(slots, self.process_group, flag=local_bad)
+        self.allreduce_bytes = sent + (self.allreduce_bytes if not dense else 0)
+        if bad and not local_bad:
             return torch.tensor(float("nan"))  # another rank's loss
         return loss
 
