@@ -21,12 +21,13 @@ BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket_cap_mb
 
 @dataclass
 class Slot:
-    """One gradient to average: its current value (None: this rank has none), its shape and
-    dtype (to send zeros in its place), and where the average goes."""
+    """One gradient to average: its current value (None: this rank has none), its shape, dtype
+    and device (to send zeros in its place), and where the average goes."""
 
     value: Tensor | None
     shape: tuple[int, ...]
     dtype: torch.dtype
+    device: torch.device
     put: Callable[[Tensor | None], None]
 
 
@@ -41,13 +42,15 @@ def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, 
     `flag`. Returns whether any rank raised `flag` (e.g. "my loss is not finite") and the bytes
     this rank contributed to the all-reduces."""
     n = world_size(group)
-    meta = torch.tensor([float(s.value is not None) for s in slots] + [float(flag)], dtype=torch.float64)
+    device = slots[0].device if slots else torch.device("cpu")  # (NCCL reduces only GPU tensors)
+    meta = torch.tensor([float(s.value is not None) for s in slots] + [float(flag)], dtype=torch.float64,
+                        device=device)
     works = [dist.all_reduce(meta, group=group, async_op=True)]
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    by_dtype: dict[tuple, list[int]] = {}
     for i, s in enumerate(slots):
-        by_dtype.setdefault(s.dtype, []).append(i)
+        by_dtype.setdefault((s.dtype, s.device), []).append(i)
     buckets: list[tuple[Tensor, list[int]]] = []
-    for dtype, idx in by_dtype.items():
+    for (dtype, _), idx in by_dtype.items():
         start, size, limit = 0, 0, max(1, BUCKET_BYTES // torch.empty(0, dtype=dtype).element_size())
         for k, i in enumerate(idx):
             size += _numel(slots[i].shape)
@@ -60,6 +63,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, 
     for w in works:
         w.wait()
     sent = sum(flat.numel() * flat.element_size() for flat, _ in buckets) + meta.numel() * 8
+    meta = meta.cpu()
     for flat, part in buckets:
         flat.div_(n)
         offset = 0
@@ -80,7 +84,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def _flat(s: Slot) -> Tensor:
     if s.value is None:
-        return torch.zeros(_numel(s.shape), dtype=s.dtype)
+        return torch.zeros(_numel(s.shape), dtype=s.dtype, device=s.device)
     return s.value.detach().reshape(-1).to(s.dtype)
 
 
@@ -102,9 +106,11 @@ def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> N
     """Raise ``RuntimeError`` naming the first rank (and layer) whose tensors differ from the
     group's rank 0; one all-gather of one int64 per entry."""
     names = list(named)
-    mine = torch.tensor([fingerprint(named[k]) for k in names], dtype=torch.int64)
+    device = next((t.device for ts in named.values() for t in ts), torch.device("cpu"))
+    mine = torch.tensor([fingerprint(named[k]) for k in names], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(world_size(group))]
     dist.all_gather(everyone, mine, group=group)
+    everyone = [t.cpu() for t in everyone]
     for r, theirs in enumerate(everyone[1:], start=1):
         if theirs.shape != everyone[0].shape:
             raise RuntimeError(f"data-parallel replicas diverged {when}: rank {_global(group, r)} has "

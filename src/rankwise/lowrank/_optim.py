@@ -413,17 +413,18 @@ class AugmentedBUG(torch.optim.Optimizer):
             for g in self.param_groups:
                 for p in g["params"]:
                     if p.requires_grad:
-                        slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype,
+                        slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device,
                                               lambda v, p=p: setattr(p, "grad", v)))
         else:
             for layer in layers or []:
-                slots.append(_dp.Slot(layer.S.grad, tuple(layer.S.shape), layer.S.dtype,
+                slots.append(_dp.Slot(layer.S.grad, tuple(layer.S.shape), layer.S.dtype, layer.S.device,
                                       lambda v, s=layer.S: setattr(s, "grad", v)))
         for layer in self.layers.values() if dense else []:
             if layer.sink.enabled:
-                dt, r, sink = work_dtype(layer.U.dtype), layer.rank, layer.sink  # factor mode
-                slots.append(_dp.Slot(sink.K, (len(layer.U), r), dt, lambda v, s=sink: setattr(s, "K", v)))
-                slots.append(_dp.Slot(sink.L, (len(layer.V), r), dt, lambda v, s=sink: setattr(s, "L", v)))
+                dt, r, sink, dev = work_dtype(layer.U.dtype), layer.rank, layer.sink, layer.U.device
+                for key, rows in (("K", len(layer.U)), ("L", len(layer.V))):
+                    slots.append(_dp.Slot(getattr(sink, key), (rows, r), dt, dev,
+                                          lambda v, s=sink, k=key: setattr(s, k, v)))
         local_bad = loss is not None and not _all_finite([torch.as_tensor(loss)])
         bad, sent = _dp.average(slots, self.process_group, flag=local_bad)
         self.allreduce_bytes = sent + (self.allreduce_bytes if not dense else 0)
