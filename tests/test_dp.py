@@ -4,6 +4,8 @@ is named."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -156,3 +158,27 @@ def test_fingerprint_sees_one_bit():
     assert fingerprint([a]) == fingerprint([a.clone()])
     assert fingerprint([a]) != fingerprint([b])
     assert fingerprint([a]) != fingerprint([a.reshape(7, 5)])
+
+
+def _train_worker(rank: int, out: str, method: str) -> dict:
+    from rankwise.train import TrainConfig, train
+
+    s = train(TrainConfig(method=method, model="mlp", rank=8, epochs=1, out=Path(out)))
+    for h in s["history"]:
+        h.pop("epoch_time")  # (differs by rank)
+    return {k: s[k] for k in ("test_acc", "ranks", "history")}
+
+
+def test_train_loop_data_parallel_matches_one_process(tmp_path, method="sdlrt"):
+    """rankwise.train under 2 ranks: the whole batch's loss, the same ranks and accuracy as one
+    process (float32: the sums round differently, so to 1e-4), records from rank 0 only."""
+    from rankwise.train import TrainConfig, train
+
+    ref = train(TrainConfig(method=method, model="mlp", rank=8, epochs=1))
+    out = run_world(_train_worker, 2, tmp_path, str(tmp_path / "run"), method)
+    assert out[0] == out[1]  # rank 1 reports the same summary
+    assert out[0]["ranks"] == ref["ranks"]
+    assert abs(out[0]["test_acc"] - ref["test_acc"]) <= 1 / 360
+    assert out[0]["history"][0]["train_loss"] == pytest.approx(ref["history"][0]["train_loss"], rel=1e-4)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.suffix != "" and
+                  not p.name.startswith("events")) == ["final.json", "metrics.csv"]

@@ -7,6 +7,7 @@ and, when ``config.out`` is set, to ``metrics.csv``, TensorBoard events and ``fi
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import sys
@@ -87,6 +88,13 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     (the command line refuses that without ``--force``).
     The caller's global RNG state is left untouched.
 
+    **Data-parallel**: called in every process of an initialised ``torch.distributed`` group
+    with more than one rank (e.g. under ``torchrun``, after :func:`rankwise.dist.init_process_group`;
+    ``rankwise train --nproc N`` does this), every rank trains on its shard of every batch
+    (DLRT/SDLRT with ``process_group``, dense with DDP), the gradients are averaged so that a
+    step equals the single-process step on the whole batch, and only rank 0 writes records
+    and calls `callback` (the losses and accuracies it reports are the whole batch's).
+
     **Arguments:**
     - `config`: a :class:`TrainConfig`.
     - `callback`: called with a :class:`Progress` after every step; default none.
@@ -100,11 +108,14 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"`config` must be a TrainConfig; got {type(config).__name__}")
+    group, rank = _data_parallel()
+    if rank != 0:
+        config, callback = dataclasses.replace(config, out=None), None
     with torch.random.fork_rng(devices=[]), _Recorder(config.out) as rec:
         torch.manual_seed(config.seed)
         split = load_digits(seed=config.seed)
         t_start = time.perf_counter()  # wall time: model building, training, evaluation
-        model, opt = _build(config, config.epochs * math.ceil(len(split.train) / config.batch_size))
+        model, opt = _build(config, config.epochs * math.ceil(len(split.train) / config.batch_size), group)
         low_rank = isinstance(opt, DLRT | SDLRT)
         dtype = next(model.parameters()).dtype  # the data follow the model (e.g. float64)
         x_tr, y_tr = split.train.tensors
@@ -140,9 +151,20 @@ def _version() -> str:
     return __version__
 
 
-def _build(config: TrainConfig, total_steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _data_parallel():
+    """(process group, this rank) when torch.distributed runs more than one rank, else (None, 0)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD, dist.get_rank()
+    return None, 0
+
+
+def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = get_model(config.model)
     if config.method == "dense":
+        if group is not None:  # dense: DDP does it
+            model = nn.parallel.DistributedDataParallel(model, process_group=group)
         return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     # rank=None: start at full rank (to_low_rank clamps the rank to min(out, in) per layer).
     rank = sys.maxsize if config.rank is None else config.rank
@@ -152,13 +174,15 @@ def _build(config: TrainConfig, total_steps: int) -> tuple[nn.Module, torch.opti
     else:
         level = {"tau": config.tau} | ({"tau_min": config.tau_min} if config.method == "sdlrt" else {})
     cls = DLRT if config.method == "dlrt" else SDLRT
-    return model, cls(model, config.lr, momentum=config.momentum, **level)
+    return model, cls(model, config.lr, momentum=config.momentum, process_group=group, **level)
 
 
 def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                x_tr: Tensor, y_tr: Tensor, x_te: Tensor, y_te: Tensor, epoch: int,
                shuffle: torch.Generator, callback: ProgressCallback | None) -> EpochRecord:
     low_rank = isinstance(opt, DLRT | SDLRT)
+    group, rank = _data_parallel()
+    world = 1 if group is None else torch.distributed.get_world_size(group)
     n = x_tr.shape[0]
     steps = math.ceil(n / config.batch_size)
     order = torch.randperm(n, generator=shuffle)
@@ -167,21 +191,31 @@ def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer
     model.train()
     for step in range(1, steps + 1):
         idx = order[(step - 1) * config.batch_size: step * config.batch_size]
+        batch = len(idx)
+        idx = idx[rank * batch // world:(rank + 1) * batch // world]  # this rank's shard
         x, y = x_tr[idx], y_tr[idx]
         logits: list[Tensor] = []
 
-        def closure(x=x, y=y, logits=logits) -> Tensor:
+        def closure(x=x, y=y, logits=logits, batch=batch) -> Tensor:
             opt.zero_grad()
             out = model(x)
-            loss = F.cross_entropy(out, y)
+            if world == 1:
+                loss = F.cross_entropy(out, y)
+            else:  # the shard's share of the batch mean: averaged over the ranks, the batch's gradient
+                loss = F.cross_entropy(out, y, reduction="sum") * (world / batch)
             loss.backward()
             logits.append(out.detach())
             return loss
 
-        loss = float(opt.step(closure).detach())
-        loss_sum += loss * len(y)
-        correct += float((logits[0].argmax(1) == y).sum())
-        seen += len(y)
+        loss = float(opt.step(closure).detach()) * batch / world  # this shard's summed loss
+        hits = float((logits[0].argmax(1) == y).sum())
+        if group is not None:  # the whole batch's, for the records
+            t = torch.tensor([loss, hits], dtype=torch.float64)
+            torch.distributed.all_reduce(t, group=group)
+            loss, hits = float(t[0]), float(t[1])
+        loss_sum += loss
+        correct += hits
+        seen += batch
         ranks = opt.ranks() if low_rank else {}
         record = None
         if step == steps:
