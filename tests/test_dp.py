@@ -182,3 +182,13 @@ def test_train_loop_data_parallel_matches_one_process(tmp_path, method="sdlrt"):
     assert out[0]["history"][0]["train_loss"] == pytest.approx(ref["history"][0]["train_loss"], rel=1e-4)
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.suffix != "" and
                   not p.name.startswith("events")) == ["final.json", "metrics.csv"]
+
+
+def test_rankwise_train_nproc_runs_under_torchrun(tmp_path):
+    from helpers import run_cli
+
+    r = run_cli("train", "--nproc", "2", "--method", "dlrt", "--model", "mlp", "--rank", "4", "--epochs", "1",
+                "--out", tmp_path / "run")
+    assert r.exit_code == 0, r.stderr
+    assert "2 processes, data-parallel" in r.stdout
+    assert (tmp_path / "run" / "final.json").exists() and (tmp_path / "run" / "metrics.csv").exists()

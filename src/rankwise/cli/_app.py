@@ -95,6 +95,9 @@ def train_cmd(
              "run's records there are replaced only with --force.")] = None,
     force: Force = False,
     threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1, max=MAX_WORKERS)] = 1,
+    nproc: Annotated[int, typer.Option(help="Data-parallel processes (torchrun, gloo, one thread each): "
+                                       "each trains on its shard of every batch.", min=1,
+                                       max=MAX_WORKERS)] = 1,
 ) -> None:
     """Train one model on the bundled 8×8 digits and print a summary."""
     from ..train_config import TrainConfig
@@ -115,6 +118,18 @@ def train_cmd(
     from ._train_view import progress, summary_table
 
     console = Console()
+    if nproc > 1:
+        import tempfile
+
+        from ._train_dp import run
+
+        with tempfile.TemporaryDirectory() as tmp, console.status(f"training on {nproc} processes"):
+            try:
+                summary = run(config, nproc, Path(tmp))
+            except RuntimeError as e:
+                raise UserError(str(e).replace("\n", " | "), 1) from None
+        console.print(summary_table(summary))
+        return
     with num_threads(threads), progress(console) as bar:
         summary = train(config, callback=bar(config.method))
     console.print(summary_table(summary))

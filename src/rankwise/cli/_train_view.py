@@ -55,7 +55,8 @@ def summary_table(s: dict[str, Any]) -> Table:
         ("final ranks", _ranks(s["ranks"])),
         ("final τ", " ".join(f"{n}:{t:.3g}" for n, t in s["taus"].items()) or "-"),
         ("epochs", str(cfg["epochs"])),
-        ("wall time", f"{s['wall_time']:.1f} s"),
+        ("wall time", f"{s['wall_time']:.1f} s" + (f" ({s['nproc']} processes, data-parallel)"
+                                                     if s.get("nproc", 1) > 1 else "")),
         ("records", cfg["out"] or "-"),
     ]
     for row in rows:

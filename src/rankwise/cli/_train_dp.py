@@ -1,0 +1,64 @@
+"""``rankwise train --nproc N``: the same training run, data-parallel under torchrun.
+
+The parent starts ``torchrun --nproc_per_node N`` on this module; every worker joins the group
+(:func:`rankwise.dist.init_process_group`, gloo), runs :func:`rankwise.train.train` on its shard
+of every batch, and rank 0 writes the run records and the summary the parent prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run(config, nproc: int, workdir: Path, timeout: float = 3600) -> dict:
+    """Train `config` on `nproc` local processes; returns rank 0's summary. Raises
+    ``RuntimeError`` with torchrun's log tail if the workers fail."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    summary = workdir / "summary.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "rankwise.cli._train_dp",
+           json.dumps(config.to_dict()), str(summary)]
+    log = workdir / "torchrun.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    if rc != 0 or not summary.exists():
+        raise RuntimeError(f"the {nproc} training processes failed (torchrun exit {rc}); its log ends:\n"
+                           + log.read_text()[-2000:])
+    return json.loads(summary.read_text())
+
+
+def _worker(config_json: str, summary_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from .._io import write_atomic
+    from ..dist import init_process_group
+    from ..train import train
+    from ..train_config import TrainConfig
+
+    torch.set_num_threads(1)
+    init_process_group("gloo")
+    d = json.loads(config_json)
+    d["exclude"] = tuple(d["exclude"])
+    d["out"] = None if d["out"] is None else Path(d["out"])
+    summary = train(TrainConfig(**d))
+    if dist.get_rank() == 0:
+        summary["nproc"] = dist.get_world_size()
+        write_atomic(Path(summary_path), json.dumps(summary).encode())
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
