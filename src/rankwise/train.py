@@ -123,8 +123,31 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         x_tr, x_te = x_tr.to(dtype), x_te.to(dtype)
         shuffle = torch.Generator().manual_seed(config.seed)
         history: list[EpochRecord] = []
-        for epoch in range(1, config.epochs + 1):
-            record = _run_epoch(config, model, opt, x_tr, y_tr, x_te, y_te, epoch, shuffle, callback)
+        ck = _checkpointer(config, group)
+        first, resume = 1, None
+        if ck is not None and (restored := ck.restore()) is not None:
+            state, _ = restored
+            if state["config"] != _resumable(config):
+                raise ValueError(f"{config.checkpoint_dir} holds a checkpoint of another run "
+                                 f"({state['config']}); choose another checkpoint folder")
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optim"])
+            shuffle.set_state(state["shuffle"])
+            torch.set_rng_state(ck.per_rank["torch_rng"])
+            history = [EpochRecord(**h) for h in state["history"]]
+            for r in history:  # a restarted rank 0 writes the records again
+                rec.epoch(r)
+            first, resume = state["epoch"], state["within"]
+
+        def save(epoch: int, within: dict) -> None:
+            state = {"config": _resumable(config), "model": model.state_dict(), "optim": opt.state_dict(),
+                     "shuffle": shuffle.get_state(),
+                     "history": [r._asdict() for r in history], "epoch": epoch, "within": within}
+            ck.save(state, within["global_step"], per_rank={"torch_rng": torch.get_rng_state()})
+
+        for epoch in range(first, config.epochs + 1):
+            record = _run_epoch(config, model, opt, x_tr, y_tr, x_te, y_te, epoch, shuffle, callback,
+                                resume=resume if epoch == first else None, save=save if ck else None)
             history.append(record)
             rec.epoch(record)
         train_acc, test_acc = _accuracy(model, x_tr, y_tr), _accuracy(model, x_te, y_te)
@@ -177,19 +200,45 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
     return model, cls(model, config.lr, momentum=config.momentum, process_group=group, **level)
 
 
+def _resumable(config: TrainConfig) -> dict:
+    """What a checkpoint must agree on to resume a run (not where its records go)."""
+    return {k: v for k, v in config.to_dict().items() if k != "out"}
+
+
+def _checkpointer(config: TrainConfig, group):
+    """A :class:`rankwise.ckpt.CodedCheckpointer` when the config asks for checkpoints."""
+    if config.checkpoint_every is None:
+        return None
+    if group is None or torch.distributed.get_world_size(group) < 4:
+        raise ValueError("coded checkpoints (`checkpoint_every`) need a data-parallel run on >= 4 ranks "
+                         "(the code tolerates t = 1 lost rank with n > 3t)")
+    from .ckpt import CodedCheckpointer
+
+    return CodedCheckpointer(t=1, store_dir=config.checkpoint_dir, process_group=group)
+
+
 def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                x_tr: Tensor, y_tr: Tensor, x_te: Tensor, y_te: Tensor, epoch: int,
-               shuffle: torch.Generator, callback: ProgressCallback | None) -> EpochRecord:
+               shuffle: torch.Generator, callback: ProgressCallback | None, *,
+               resume: dict | None = None, save: Callable[[int, dict], None] | None = None) -> EpochRecord:
+    """One epoch; from a checkpoint's ``within`` state if `resume`; `save(epoch, within)` after
+    every ``config.checkpoint_every``-th step of the run."""
     low_rank = isinstance(opt, DLRT | SDLRT)
     group, rank = _data_parallel()
     world = 1 if group is None else torch.distributed.get_world_size(group)
     n = x_tr.shape[0]
     steps = math.ceil(n / config.batch_size)
-    order = torch.randperm(n, generator=shuffle)
-    loss_sum = correct = seen = 0.0
+    if resume is None:
+        order = torch.randperm(n, generator=shuffle)
+        loss_sum = correct = seen = 0.0
+        done = 0
+    else:
+        order, done = resume["order"], resume["step"]
+        loss_sum, correct, seen = resume["sums"]
     t0 = time.perf_counter()
     model.train()
-    for step in range(1, steps + 1):
+    record = None
+    for step in range(done + 1, steps + 1):
         idx = order[(step - 1) * config.batch_size: step * config.batch_size]
         batch = len(idx)
         idx = idx[rank * batch // world:(rank + 1) * batch // world]  # this rank's shard
@@ -217,19 +266,29 @@ def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer
         correct += hits
         seen += batch
         ranks = opt.ranks() if low_rank else {}
-        record = None
+        global_step = (epoch - 1) * steps + step
+        if save is not None and global_step % config.checkpoint_every == 0:
+            save(epoch, {"order": order, "step": step, "sums": (loss_sum, correct, seen),
+                         "global_step": global_step})
         if step == steps:
-            elapsed = time.perf_counter() - t0
-            record = EpochRecord(epoch, loss_sum / seen, _accuracy(model, x_tr, y_tr),
-                                 _accuracy(model, x_te, y_te), ranks,
-                                 float(compression(model)["ratio"]), elapsed,
-                                 opt.taus() if low_rank else {},
-                                 (opt.budget() or {}).get("budget_params") if low_rank else None)
-            model.train()
+            record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0)
         if callback is not None:
             callback(Progress(epoch, config.epochs, step, steps, loss_sum / seen, correct / seen,
                               ranks, record))
-    assert record is not None
+    if record is None:  # resumed from a checkpoint taken on the epoch's last step
+        record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0)
+    return record
+
+
+def _epoch_record(model, opt, epoch: int, train_loss: float, x_tr, y_tr, x_te, y_te,
+                  t0: float) -> EpochRecord:
+    low_rank = isinstance(opt, DLRT | SDLRT)
+    elapsed = time.perf_counter() - t0
+    record = EpochRecord(epoch, train_loss, _accuracy(model, x_tr, y_tr), _accuracy(model, x_te, y_te),
+                         opt.ranks() if low_rank else {}, float(compression(model)["ratio"]), elapsed,
+                         opt.taus() if low_rank else {},
+                         (opt.budget() or {}).get("budget_params") if low_rank else None)
+    model.train()
     return record
 
 

@@ -44,6 +44,10 @@ class TrainConfig:
     - `batch_size`: minibatch size ≥ 1; default 32.
     - `seed`: seeds the model initialisation, the shuffling and the train/test split.
     - `out`: directory for the run records (created if missing); ``None`` writes nothing.
+    - `checkpoint_every`, `checkpoint_dir`: data-parallel runs (≥ 4 ranks) only: a 2-D coded
+      checkpoint (:class:`rankwise.ckpt.CodedCheckpointer`, t = 1) every `checkpoint_every`
+      steps, each rank's fragment in ``checkpoint_dir/rank<i>`` (node-local); a restarted run
+      resumes from the newest one, repairing a lost rank from its peers. Default: none.
     """
 
     method: Method = "dlrt"
@@ -59,6 +63,8 @@ class TrainConfig:
     batch_size: int = 32
     seed: int = 0
     out: Path | None = None
+    checkpoint_every: int | None = None
+    checkpoint_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -96,11 +102,19 @@ class TrainConfig:
             raise TypeError(f"`seed` must be an int; got {type(self.seed).__name__}")
         if self.out is not None and not isinstance(self.out, Path):
             raise TypeError(f"`out` must be a pathlib.Path or None; got {type(self.out).__name__}")
+        if (self.checkpoint_every is None) != (self.checkpoint_dir is None):
+            raise ValueError("give `checkpoint_every` and `checkpoint_dir` together (or neither)")
+        every, where = self.checkpoint_every, self.checkpoint_dir
+        if every is not None and (not _is_int(every) or every < 1):
+            raise ValueError(f"`checkpoint_every` must be an int >= 1 (steps); got {every!r}")
+        if where is not None and not isinstance(where, Path):
+            raise TypeError(f"`checkpoint_dir` must be a pathlib.Path; got {type(where).__name__}")
 
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready plain types (``out`` as a string)."""
         d = dataclasses.asdict(self)
         d["out"] = None if self.out is None else str(self.out)
+        d["checkpoint_dir"] = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
         d["exclude"] = list(self.exclude)
         return d
 

@@ -98,6 +98,14 @@ def train_cmd(
     nproc: Annotated[int, typer.Option(help="Data-parallel processes (torchrun, gloo, one thread each): "
                                        "each trains on its shard of every batch.", min=1,
                                        max=MAX_WORKERS)] = 1,
+    checkpoint_every: Annotated[int | None, typer.Option(
+        help="With --nproc >= 4: a 2-D coded checkpoint every this many steps (resumed after a restart, a "
+             "lost rank repaired from its peers).", min=1)] = None,
+    checkpoint_dir: Annotated[Path | None, typer.Option(
+        help="Node-local folder for the checkpoint fragments (rank<i>/ per process); a run started with "
+             "the same settings resumes from the newest checkpoint there.")] = None,
+    max_restarts: Annotated[int, typer.Option(help="With --nproc: torchrun restarts the group after a "
+                                              "failure this many times.", min=0)] = 0,
 ) -> None:
     """Train one model on the bundled 8×8 digits and print a summary."""
     from ..train_config import TrainConfig
@@ -109,7 +117,11 @@ def train_cmd(
                         f"--tau-min {tau_min:g})")
     config = _config(TrainConfig, method=method.value, model=model.value, tau=0.1 if tau is None else tau,
                      target=target, tau_min=tau_min, rank=rank, epochs=epochs, lr=lr, momentum=momentum,
-                     batch_size=batch_size, seed=seed, out=out)
+                     batch_size=batch_size, seed=seed, out=out, checkpoint_every=checkpoint_every,
+                     checkpoint_dir=checkpoint_dir)
+    if checkpoint_every is not None and nproc < 4:
+        raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
+                        f"process with n > 3t); got --nproc {nproc}")
     if out is not None:
         claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
     from rich.console import Console
@@ -125,7 +137,7 @@ def train_cmd(
 
         with tempfile.TemporaryDirectory() as tmp, console.status(f"training on {nproc} processes"):
             try:
-                summary = run(config, nproc, Path(tmp))
+                summary = run(config, nproc, Path(tmp), max_restarts=max_restarts)
             except RuntimeError as e:
                 raise UserError(str(e).replace("\n", " | "), 1) from None
         console.print(summary_table(summary))

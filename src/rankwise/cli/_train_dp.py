@@ -15,16 +15,16 @@ import sys
 from pathlib import Path
 
 
-def run(config, nproc: int, workdir: Path, timeout: float = 3600) -> dict:
+def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: float = 3600) -> dict:
     """Train `config` on `nproc` local processes; returns rank 0's summary. Raises
     ``RuntimeError`` with torchrun's log tail if the workers fail."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     summary = workdir / "summary.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "-m", "rankwise.cli._train_dp",
-           json.dumps(config.to_dict()), str(summary)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "-m", "rankwise.cli._train_dp", json.dumps(config.to_dict()), str(summary)]
     log = workdir / "torchrun.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
@@ -51,7 +51,8 @@ def _worker(config_json: str, summary_path: str) -> None:
     init_process_group("gloo")
     d = json.loads(config_json)
     d["exclude"] = tuple(d["exclude"])
-    d["out"] = None if d["out"] is None else Path(d["out"])
+    for key in ("out", "checkpoint_dir"):
+        d[key] = None if d[key] is None else Path(d[key])
     summary = train(TrainConfig(**d))
     if dist.get_rank() == 0:
         summary["nproc"] = dist.get_world_size()
