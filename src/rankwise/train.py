@@ -103,8 +103,9 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     ``compression`` (the dict of :func:`rankwise.compression`), ``ranks`` and ``taus`` (per
     layer; empty for dense), ``wall_time`` (seconds, from building the model to the final
     evaluation; loading the data and opening the record files are not counted), ``history`` (a list of
-    :class:`EpochRecord` as dicts), ``rankwise_version`` and ``format_version``. ``final.json``
-    holds the same dict.
+    :class:`EpochRecord` as dicts), ``restored_from`` (``None``, or the step of the coded
+    checkpoint the run resumed from and the ranks it repaired), ``rankwise_version`` and
+    ``format_version``. ``final.json`` holds the same dict.
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"`config` must be a TrainConfig; got {type(config).__name__}")
@@ -124,7 +125,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         shuffle = torch.Generator().manual_seed(config.seed)
         history: list[EpochRecord] = []
         ck = _checkpointer(config, group)
-        first, resume = 1, None
+        first, resume, restored_from = 1, None, None
         if ck is not None and (restored := ck.restore()) is not None:
             state, _ = restored
             if state["config"] != _resumable(config):
@@ -138,6 +139,8 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
             for r in history:  # a restarted rank 0 writes the records again
                 rec.epoch(r)
             first, resume = state["epoch"], state["within"]
+            stats = ck.stats()
+            restored_from = {"step": stats["step"], "repaired_ranks": stats["repaired"]}
 
         def save(epoch: int, within: dict) -> None:
             state = {"config": _resumable(config), "model": model.state_dict(), "optim": opt.state_dict(),
@@ -160,6 +163,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
             "taus": opt.taus() if low_rank else {},
             "wall_time": time.perf_counter() - t_start,
             "history": [r._asdict() for r in history],
+            "restored_from": restored_from,  # a checkpoint: its step and the ranks repaired
             "rankwise_version": _version(),
             "format_version": FORMAT_VERSION,
         }
