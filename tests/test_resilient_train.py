@@ -12,12 +12,14 @@ from rankwise.experiments.resilient_train import run_resilient
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watcher finds the worker in /proc")
 @pytest.mark.timeout(600)
 def test_killed_worker_resumes_bitwise(tmp_path):
-    r = run_resilient(tmp_path / "job", every=10, args=("--method", "sdlrt", "--model", "mlp", "--rank", "32",
-                                                        "--epochs", "1"))
+    """6 steps per epoch, a checkpoint every 4: the ones in epoch 2 carry epoch 1's record."""
+    args = ("--method", "sdlrt", "--model", "mlp", "--rank", "32", "--tau", "0.3", "--epochs", "2",
+            "--batch-size", "256")
+    r = run_resilient(tmp_path / "job", every=4, args=args)
     assert r["restored_from"]["repaired_ranks"] == [2]
-    assert r["restored_from"]["step"] >= 10
+    assert r["restored_from"]["step"] >= 4
     assert r["bitwise_equal"], (r["reference"], r["faulty"])
-    assert r["faulty"]["ranks"] != {"fc1": 32, "fc2": 32, "fc3": 32}  # the ranks moved (fc3 to 10)
+    assert r["faulty"]["ranks"] == {"fc1": 26, "fc2": 27, "fc3": 9}  # moved from 32 (fc3: 10) in epoch 1
 
 
 def test_checkpoint_needs_four_processes(tmp_path):
@@ -27,3 +29,28 @@ def test_checkpoint_needs_four_processes(tmp_path):
     assert r.exit_code == 2 and "--checkpoint-every needs --nproc >= 4" in r.stderr
     r = run_cli("train", "--checkpoint-every", "5")
     assert r.exit_code == 2 and "--checkpoint-every and --checkpoint-dir together" in r.stderr
+    r = run_cli("train", "--nproc", "2", "--model", "vgg")
+    assert r.exit_code == 2 and "batch norm" in r.stderr
+
+
+def test_a_checkpoint_folder_of_another_run_is_refused_before_starting(tmp_path):
+    from helpers import run_cli
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "run.json").write_text('{"method": "dlrt", "nproc": 4}')
+    r = run_cli("train", "--nproc", "4", "--method", "sdlrt", "--checkpoint-every", "5",
+                "--checkpoint-dir", ck)
+    assert r.exit_code == 1 and "holds checkpoints of another run" in r.stderr
+    assert "method: 'dlrt' there, 'sdlrt' here" in r.stderr
+    assert sorted(p.name for p in ck.iterdir()) == ["run.json"]
+
+
+def test_batch_norm_is_refused_by_the_data_parallel_optimizer():
+    from torch import nn
+
+    from rankwise.lowrank._dp import check_model
+
+    with pytest.raises(ValueError, match="batch norm"):
+        check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False)))

@@ -129,8 +129,9 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         if ck is not None and (restored := ck.restore()) is not None:
             state, _ = restored
             if state["config"] != _resumable(config):
-                raise ValueError(f"{config.checkpoint_dir} holds a checkpoint of another run "
-                                 f"({state['config']}); choose another checkpoint folder")
+                raise ValueError(f"{config.checkpoint_dir} holds a checkpoint of another run ("
+                                 + resume_mismatch(state["config"], _resumable(config))
+                                 + "); choose another checkpoint folder")
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
             shuffle.set_state(state["shuffle"])
@@ -192,6 +193,10 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
     if config.method == "dense":
         if group is not None:  # dense: DDP does it
             model = nn.parallel.DistributedDataParallel(model, process_group=group)
+            if config.checkpoint_every is not None:  # a resumed run must sum in the same order
+                from .dist import ordered_allreduce_hook
+
+                model.register_comm_hook(group, ordered_allreduce_hook)
         return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     # rank=None: start at full rank (to_low_rank clamps the rank to min(out, in) per layer).
     rank = sys.maxsize if config.rank is None else config.rank
@@ -205,8 +210,15 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
 
 
 def _resumable(config: TrainConfig) -> dict:
-    """What a checkpoint must agree on to resume a run (not where its records go)."""
-    return {k: v for k, v in config.to_dict().items() if k != "out"}
+    """What a checkpoint must agree on to resume a run (not where its records or checkpoints go)."""
+    return {k: v for k, v in config.to_dict().items() if k not in ("out", "checkpoint_dir")}
+
+
+def resume_mismatch(saved: dict, now: dict) -> str:
+    """``"lr: 0.05 there, 0.1 here; ..."``: how a checkpoint's settings differ from this run's."""
+    keys = sorted(set(saved) | set(now))
+    return "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here"
+                     for k in keys if saved.get(k) != now.get(k))
 
 
 def _checkpointer(config: TrainConfig, group):
@@ -288,6 +300,11 @@ def _epoch_record(model, opt, epoch: int, train_loss: float, x_tr, y_tr, x_te, y
                   t0: float) -> EpochRecord:
     low_rank = isinstance(opt, DLRT | SDLRT)
     elapsed = time.perf_counter() - t0
+    group, _ = _data_parallel()
+    if group is not None:  # every rank's record (and checkpointed history) the same: the slowest rank's
+        t = torch.tensor([elapsed], dtype=torch.float64)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+        elapsed = float(t[0])
     record = EpochRecord(epoch, train_loss, _accuracy(model, x_tr, y_tr), _accuracy(model, x_te, y_te),
                          opt.ranks() if low_rank else {}, float(compression(model)["ratio"]), elapsed,
                          opt.taus() if low_rank else {},

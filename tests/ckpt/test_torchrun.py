@@ -30,4 +30,4 @@ def test_data_parallel_sdlrt_survives_a_killed_worker_bitwise(tmp_path):
                  corrupt_scenario=False, timeout=180, method="sdlrt")
     assert r["bitwise_equal"], r
     assert r["restored_step"] == 10 and r["repaired"] == [2]
-    assert r["ranks_first"] == "16/16" and r["ranks_final"] != r["ranks_first"]
+    assert r["ranks_first"] == "16/16" and r["ranks_at_restore"] != r["ranks_first"]

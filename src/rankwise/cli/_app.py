@@ -68,8 +68,8 @@ class ModelName(str, enum.Enum):
 
 _THREADS_HELP = ("CPU threads for torch. The models are tiny, so one thread is about as fast as "
                  "several and is not slowed down by other busy processes.")
-# what `train` writes into --out (claim_output_dir refuses to mix two runs)
-RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+")  # regexes
+# what `train` writes into --out (claim_output_dir refuses to mix two runs), as regexes
+RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+", r"torchrun\.log")
 
 
 @app.command("train", cls=Command)
@@ -119,6 +119,9 @@ def train_cmd(
                      target=target, tau_min=tau_min, rank=rank, epochs=epochs, lr=lr, momentum=momentum,
                      batch_size=batch_size, seed=seed, out=out, checkpoint_every=checkpoint_every,
                      checkpoint_dir=checkpoint_dir)
+    if nproc > 1 and model.value == "vgg":
+        raise UserError("--model vgg has batch norm, which data-parallel training (--nproc) does not support "
+                        "yet (each rank's running statistics would drift apart); use lenet or mlp")
     if checkpoint_every is not None and nproc < 4:
         raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
                         f"process with n > 3t); got --nproc {nproc}")
@@ -133,13 +136,15 @@ def train_cmd(
     if nproc > 1:
         import tempfile
 
-        from ._train_dp import run
+        from ._train_dp import claim_checkpoint_dir, run
 
+        if config.checkpoint_dir is not None:
+            claim_checkpoint_dir(config, nproc)
         with tempfile.TemporaryDirectory() as tmp, console.status(f"training on {nproc} processes"):
             try:
                 summary = run(config, nproc, Path(tmp), max_restarts=max_restarts)
             except RuntimeError as e:
-                raise UserError(str(e).replace("\n", " | "), 1) from None
+                raise UserError(str(e), 1) from None
         console.print(summary_table(summary))
         return
     with num_threads(threads), progress(console) as bar:

@@ -15,9 +15,33 @@ import sys
 from pathlib import Path
 
 
-def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: float = 3600) -> dict:
-    """Train `config` on `nproc` local processes; returns rank 0's summary. Raises
-    ``RuntimeError`` with torchrun's log tail if the workers fail."""
+def claim_checkpoint_dir(config, nproc: int) -> None:
+    """The run's identity in ``checkpoint_dir/run.json`` (written on the first start): a later
+    start with other settings or another number of processes is refused here, before any
+    process starts, naming what differs."""
+    from .._io import write_atomic
+    from ..train import _resumable, resume_mismatch
+    from ._common import UserError
+
+    manifest = config.checkpoint_dir / "run.json"
+    mine = {**_resumable(config), "nproc": nproc}
+    if manifest.exists():
+        try:
+            saved = json.loads(manifest.read_text())
+        except (OSError, ValueError) as e:
+            raise UserError(f"{manifest} is unreadable ({e}); choose another --checkpoint-dir", 1) from None
+        if saved != mine:
+            raise UserError(f"--checkpoint-dir {config.checkpoint_dir} holds checkpoints of another run ("
+                            f"{resume_mismatch(saved, mine)}); choose another folder", 1)
+        return
+    config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(manifest, json.dumps(mine, indent=1).encode())
+
+
+def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: float | None = None) -> dict:
+    """Train `config` on `nproc` local processes; returns rank 0's summary. torchrun's output
+    goes to ``config.out/torchrun.log`` (or `workdir`). Raises ``RuntimeError`` with the log's
+    last error line if the workers fail (or run past `timeout` s)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -25,16 +49,19 @@ def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: fl
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
            "-m", "rankwise.cli._train_dp", json.dumps(config.to_dict()), str(summary)]
-    log = workdir / "torchrun.log"
+    log = (config.out if config.out is not None else workdir) / "torchrun.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
-            rc = -1
+            raise RuntimeError(f"the {nproc} training processes ran past {timeout} s") from None
     if rc != 0 or not summary.exists():
-        raise RuntimeError(f"the {nproc} training processes failed (torchrun exit {rc}); its log ends:\n"
-                           + log.read_text()[-2000:])
+        tail = [ln for ln in log.read_text().splitlines() if "Error" in ln or "error:" in ln]
+        raise RuntimeError(f"the {nproc} training processes failed (torchrun exit {rc}): "
+                           + (tail[-1].strip() if tail else "no error line")
+                           + (f"; see {log}" if config.out is not None else ""))
     return json.loads(summary.read_text())
 
 

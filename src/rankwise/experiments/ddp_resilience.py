@@ -216,6 +216,7 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
         retrieve_bytes_received=victim["retrieve_bytes_received"],
         bitwise_equal=ref_curve == got_curve and len(ref_curve) == steps,
         method=method, ranks_first=ref_curve[0].split(",")[2], ranks_final=got_curve[steps - 1].split(",")[2],
+        ranks_at_restore=ref_curve[victim["step"]].split(",")[2],
         reference_seconds=t_ref)
     if corrupt_scenario:  # restore the finished run while rank 1 serves corrupted symbols
         bad = work / "corrupt"
@@ -235,8 +236,9 @@ def main(argv: list[str] | None = None) -> None:
     w = sub.add_parser("worker")
     for name, typ, default in (("out", str, None), ("store", str, None), ("steps", int, 40),
                                ("every", int, 5), ("kill-rank", int, -1), ("kill-step", int, -1),
-                               ("fault-rank", int, -1), ("batch", int, 64), ("method", str, "dense")):
+                               ("fault-rank", int, -1), ("batch", int, 64)):
         w.add_argument(f"--{name}", type=typ, default=default, required=default is None)
+    w.add_argument("--method", choices=METHODS, default="dense")
     d = sub.add_parser("demo")
     d.add_argument("--workdir", default="runs/ddp_resilience")
     d.add_argument("--nproc", type=int, default=4)

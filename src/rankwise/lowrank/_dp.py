@@ -124,6 +124,22 @@ def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> N
                 "machines whose floating-point results differ, the integrator's results can drift apart")
 
 
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse what data parallelism here cannot keep identical across replicas: batch norm's
+    running statistics (each rank's follow its own shard; nothing averages them) and a model
+    already wrapped in DDP (its gradients would be averaged twice, its buckets go stale when a
+    rank changes)."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("with `process_group` pass the model itself, not a DistributedDataParallel "
+                         "wrapper: the optimizer averages the gradients")
+    bn = next((n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+               and not isinstance(m, torch.nn.SyncBatchNorm) and m.track_running_stats), None)
+    if bn is not None:
+        raise ValueError(f"data-parallel DLRT/SDLRT (`process_group`) does not support batch norm yet: layer "
+                         f"{bn!r} keeps running statistics of its own rank's shard, and the replicas would "
+                         "drift apart")
+
+
 def broadcast_from_first(tensors: Sequence[Tensor], group) -> None:
     """Copy the group's rank-0 values into `tensors` on every rank (one broadcast per dtype);
     the shapes must agree (checked first by :func:`check_shapes`)."""

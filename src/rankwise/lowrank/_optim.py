@@ -170,6 +170,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         if process_group is not None and not torch.distributed.is_initialized():
             raise ValueError("`process_group` given but torch.distributed is not initialised: call "
                              "rankwise.dist.init_process_group() (under torchrun) first")
+        if process_group is not None:
+            _dp.check_model(model)
         self.process_group = process_group
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self.truncation, self.feedback = truncation, feedback
@@ -398,6 +400,9 @@ class AugmentedBUG(torch.optim.Optimizer):
             tensors += [t for t in layer.factor_grads() if t is not None]
         if _all_finite(tensors):
             return True
+        if getattr(self, "_other_rank_nonfinite", False):
+            self._other_rank_nonfinite = False
+            return self._nonfinite("non-finite loss on another data-parallel rank")
         return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
 
     def _average_gradients(self, loss, layers: list[AbstractLowRankLayer] | None = None, *,
@@ -429,6 +434,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         bad, sent = _dp.average(slots, self.process_group, flag=local_bad)
         self.allreduce_bytes = sent + (self.allreduce_bytes if not dense else 0)
         if bad and not local_bad:
+            self._other_rank_nonfinite = True
             return torch.tensor(float("nan"))  # another rank's loss
         return loss
 
