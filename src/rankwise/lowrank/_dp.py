@@ -89,16 +89,18 @@ def _flat(s: Slot) -> Tensor:
 
 
 def fingerprint(tensors: Sequence[Tensor]) -> int:
-    """A hash of the tensors' shapes and bits (position-weighted sum of their bytes, mod 2⁶¹−1):
-    equal tensors give equal fingerprints; a flipped bit almost surely does not."""
+    """A hash of the tensors' shapes and bits (position-weighted sum of their bytes, mod 2⁶¹−1),
+    computed where they live: equal tensors give equal fingerprints; a flipped bit almost
+    surely does not."""
     p = (1 << 61) - 1
     h = 0
     for t in tensors:
-        h = (h * 1_000_003 + hash(tuple(t.shape))) % p
-        b = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).to(torch.int64)
+        for d in (t.dim(), *t.shape):
+            h = (h * 1_000_003 + d + 1) % p
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
         if b.numel():
-            w = torch.arange(1, b.numel() + 1, dtype=torch.int64) % 65_521 + 1
-            h = (h * 1_000_003 + int((b * w).sum()) + b.numel()) % p
+            w = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device) % 65_521 + 1
+            h = (h * 1_000_003 + int((b.to(torch.int64) * w).sum()) + b.numel()) % p
     return h
 
 
