@@ -32,7 +32,8 @@ if __name__ == "__main__":
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     workdir = argv[0] if argv else "runs/resilient_sdlrt"
-    options = extra or ["--method", "sdlrt", "--model", "mlp", "--rank", "32", "--epochs", "3"]
+    options = extra or ["--method", "sdlrt", "--model", "mlp", "--rank", "32", "--tau", "0.3",
+                        "--epochs", "3"]
     try:
         r = run_resilient(workdir, args=tuple(options))
     except (FileExistsError, RuntimeError) as e:
