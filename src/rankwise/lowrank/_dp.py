@@ -9,6 +9,7 @@ truncation the replicas' factors are compared by a hash of their bits.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -89,19 +90,13 @@ def _flat(s: Slot) -> Tensor:
 
 
 def fingerprint(tensors: Sequence[Tensor]) -> int:
-    """A hash of the tensors' shapes and bits (position-weighted sum of their bytes, mod 2⁶¹−1),
-    computed where they live: equal tensors give equal fingerprints; a flipped bit almost
-    surely does not."""
-    p = (1 << 61) - 1
-    h = 0
+    """BLAKE2b (64 bits) of the tensors' shapes, dtypes and bytes: equal tensors give equal
+    fingerprints; a flipped bit almost surely does not."""
+    h = hashlib.blake2b(digest_size=8)
     for t in tensors:
-        for d in (t.dim(), *t.shape):
-            h = (h * 1_000_003 + d + 1) % p
-        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-        if b.numel():
-            w = torch.arange(1, b.numel() + 1, dtype=torch.int64, device=b.device) % 65_521 + 1
-            h = (h * 1_000_003 + int((b.to(torch.int64) * w).sum()) + b.numel()) % p
-    return h
+        h.update(f"{tuple(t.shape)}{t.dtype};".encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> None:
