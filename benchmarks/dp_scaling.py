@@ -5,7 +5,9 @@ Model: ``--depth`` layers of ``--width``×``--width`` (ReLU between), MSE on ran
 global batch ``--batch`` split over the processes (strong scaling); low-rank at ``--rank`` with
 SDLRT (τ = 0.1, ranks pinned so every configuration does the same work), dense with DDP and
 SGD. Processes are spawned with gloo on this machine, one torch thread each; each figure is the
-median step time of rank 0 over ``--steps`` steps after 3 warm-up steps.
+median step time of rank 0 over ``--steps`` steps after 3 warm-up steps. The SDLRT step is split
+into forward + backward and the optimizer step (gradient averaging, integrator, replica check),
+and timed once more without the replica check.
 
 Bytes: what one rank contributes to the all-reduces of one step, measured (the optimizer's
 ``allreduce_bytes``; DDP's buckets counted by a communication hook) beside the formulas
@@ -46,9 +48,11 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
         layers += [nn.Linear(w, w)] + ([nn.ReLU()] if i < depth - 1 else [])
     model = nn.Sequential(*layers)
     ddp_bytes = []
-    if args["kind"] == "lowrank":
+    if args["kind"] in ("lowrank", "lowrank-nocheck"):
         rankwise.to_low_rank(model, rank=r)
         opt = rankwise.SDLRT(model, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9, process_group=group)
+        if args["kind"] == "lowrank-nocheck":  # what the replica check costs (private: benchmark only)
+            opt._check_replicas = lambda: None
         net = model
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -66,25 +70,27 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     g = torch.Generator().manual_seed(1 + rank)
     per = batch // world
     x, y = torch.randn(per, w, generator=g), torch.randn(per, w, generator=g)
-    times, sent = [], []
+    times, sent, fb = [], [], []
     for step in range(args["steps"] + 3):
         if world > 1:
             dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
+        t1 = time.perf_counter()
         opt.step()
         if world > 1:
             dist.barrier()
         if step >= 3:
             times.append(time.perf_counter() - t0)
-            if args["kind"] == "lowrank":
+            fb.append(t1 - t0)
+            if args["kind"] != "dense":
                 sent.append(opt.allreduce_bytes)
             else:
                 sent.append(sum(ddp_bytes))
         ddp_bytes.clear()
     if rank == 0:
-        queue.put((statistics.median(times), statistics.median(sent) if sent else 0))
+        queue.put((statistics.median(times), statistics.median(sent) if sent else 0, statistics.median(fb)))
     if world > 1:
         dist.destroy_process_group()
 
@@ -115,16 +121,21 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     procs = [int(n) for n in a.procs.split(",")]
     args = dict(width=a.width, depth=a.depth, rank=a.rank, batch=a.batch, steps=a.steps)
-    res = {(kind, n): run(kind, n, args) for n in procs for kind in ("lowrank", "dense")}
+    kinds = ("lowrank", "lowrank-nocheck", "dense")
+    res = {(kind, n): run(kind, n, args) for n in procs for kind in kinds
+           if kind != "lowrank-nocheck" or n > 1}
     w, r = a.width, a.rank
     print(f"# data-parallel scaling: {a.depth} x {w}x{w}, rank {r}, global batch {a.batch}, gloo, "
           f"1 thread/process, {os.cpu_count()} CPUs, {platform.machine()}")
-    print("| processes | SDLRT s/step | vs 1 process | dense DDP s/step | vs 1 process | SDLRT / dense |")
-    print("|---|---|---|---|---|---|")
+    print("| processes | SDLRT s/step | vs 1 process | of it: fwd+bwd / optimizer step | without the replica "
+          "check | dense DDP s/step | vs 1 process | SDLRT / dense |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in procs:
-        lt, dt = res[("lowrank", n)][0], res[("dense", n)][0]
-        print(f"| {n} | {lt:.4f} | {lt / res[('lowrank', procs[0])][0]:.2f} | {dt:.4f} | "
-              f"{dt / res[('dense', procs[0])][0]:.2f} | {lt / dt:.2f} |")
+        lt, _, lfb = res[("lowrank", n)]
+        dt = res[("dense", n)][0]
+        nc = f"{res[('lowrank-nocheck', n)][0]:.4f}" if ("lowrank-nocheck", n) in res else "–"
+        print(f"| {n} | {lt:.4f} | {lt / res[('lowrank', procs[0])][0]:.2f} | {lfb:.4f} / {lt - lfb:.4f} | "
+              f"{nc} | {dt:.4f} | {dt / res[('dense', procs[0])][0]:.2f} | {lt / dt:.2f} |")
     multi = [n for n in procs if n > 1]
     if multi:
         n = multi[0]
