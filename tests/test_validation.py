@@ -291,3 +291,25 @@ def test_to_low_rank_accepts_a_generator_filter():
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
     rankwise.to_low_rank(model, rank=2, include=(n for n in ["0", "2"]))
     assert [type(m) for m in model] == [LowRankLinear, nn.Linear, LowRankLinear]
+
+
+def test_one_tau_check_everywhere():
+    """Every config and policy that takes a relative tolerance refuses the same values, naming
+    the argument (rankwise._checks.check_unit_interval; the policies first check it is a finite
+    real number)."""
+    import math
+
+    import pytest
+
+    from rankwise import Tolerance
+    from rankwise.experiments._sweep_spec import RunSpec
+    from rankwise.linalg import truncated_svd
+    from rankwise.peft import AdapterConfig
+    from rankwise.train_config import TrainConfig
+
+    makers = [lambda t: Tolerance(t), lambda t: TrainConfig(tau=t), lambda t: AdapterConfig(["q"], tau=t),
+              lambda t: RunSpec(tau=t), lambda t: truncated_svd(__import__("torch").eye(3), tau=t)]
+    for make in makers:
+        for bad in (1.0, -0.1, math.nan):
+            with pytest.raises(ValueError, match=r"`tau` must be (in \[0, 1\)|finite); got"):
+                make(bad)

@@ -10,6 +10,8 @@ import math
 import torch
 from torch import Tensor
 
+from ._checks import check_unit_interval
+
 __all__ = ["orth_complement", "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
 
 
@@ -100,8 +102,8 @@ def truncated_svd(
     """
     if rank is None and tau is None:
         raise ValueError("give `rank` or `tau` (or both) for a truncated SVD")
-    if tau is not None and not 0.0 <= tau < 1.0:
-        raise ValueError(f"`tau` must be in [0, 1); got {tau}")
+    if tau is not None:
+        check_unit_interval(tau, "tau")
     m, n = W.shape
     full = min(m, n)
     if rank is not None and rank < 1:

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ._checks import check_unit_interval
+
 Method = Literal["dense", "dlrt", "sdlrt"]
 METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
 FORMAT_VERSION = 1
@@ -74,8 +76,7 @@ class TrainConfig:
 
             if self.model not in MODELS:
                 raise ValueError(f"`model` must be one of {sorted(MODELS)}; got {self.model!r}")
-        if not 0.0 <= self.tau < 1.0:
-            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+        check_unit_interval(self.tau, "tau")
         if self.target is not None:
             if not (isinstance(self.target, int | float) and 0 < self.target < 1):
                 raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9; got {self.target!r}")

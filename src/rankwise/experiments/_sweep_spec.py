@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .._checks import check_unit_interval
 from ..train_config import RAMP_SHARE
 
 METHODS: dict[str, dict[str, Any] | None] = {
@@ -86,8 +87,7 @@ class RunSpec:
             raise ValueError(f"task must be one of {list(TASK_NAMES)}; got {self.task!r}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}; got {self.method!r}")
-        if not 0 <= self.tau < 1:
-            raise ValueError(f"tau must be in [0, 1); got {self.tau}")
+        check_unit_interval(self.tau, "tau")
         for name in ("epochs", "rank", "batch_size", "dt_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")

@@ -22,6 +22,8 @@ import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from .._checks import check_unit_interval
+
 
 def _real(name: str, value: object, *, finite: bool = True) -> float:
     """`value` as a float: a real number (Python, NumPy or a one-element real tensor), not a
@@ -48,8 +50,7 @@ class Tolerance:
     tau: float
 
     def __post_init__(self) -> None:
-        if not 0 <= _real("tau", self.tau) < 1:
-            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+        check_unit_interval(_real("tau", self.tau), "tau")
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,7 @@ class Feedback(ABC):
     def _check(self) -> None:
         if not 0 < _real("omega", self.omega) < 1:
             raise ValueError(f"`omega` must be in (0, 1); got {self.omega}")
-        if not 0 <= _real("tau_min", self.tau_min) < 1:
-            raise ValueError(f"`tau_min` must be in [0, 1); got {self.tau_min}")
+        check_unit_interval(_real("tau_min", self.tau_min), "tau_min")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .._checks import check_unit_interval
+
 METHODS = ("sdlrt", "dlrt")
 
 
@@ -65,8 +67,7 @@ class AdapterConfig:
             raise ValueError(f"`r` must be an int >= 1; got {self.r!r}")
         if self.max_rank is not None and (not isinstance(self.max_rank, int) or self.max_rank < self.r):
             raise ValueError(f"`max_rank` must be None or an int >= r ({self.r}); got {self.max_rank!r}")
-        if not 0 <= self.tau < 1:
-            raise ValueError(f"`tau` must be in [0, 1); got {self.tau}")
+        check_unit_interval(self.tau, "tau")
         if not 0 < self.omega < 1:
             raise ValueError(f"`omega` must be in (0, 1); got {self.omega}")
         if self.method not in METHODS:
