@@ -154,7 +154,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
                                 resume=resume if epoch == first else None, save=save if ck else None)
             history.append(record)
             rec.epoch(record)
-        train_acc, test_acc = _accuracy(model, x_tr, y_tr), _accuracy(model, x_te, y_te)
+        train_acc, test_acc = accuracy(model, x_tr, y_tr), accuracy(model, x_te, y_te)
         summary = {
             "config": config.to_dict(),
             "test_acc": test_acc,
@@ -305,7 +305,7 @@ def _epoch_record(model, opt, epoch: int, train_loss: float, x_tr, y_tr, x_te, y
         t = torch.tensor([elapsed], dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
         elapsed = float(t[0])
-    record = EpochRecord(epoch, train_loss, _accuracy(model, x_tr, y_tr), _accuracy(model, x_te, y_te),
+    record = EpochRecord(epoch, train_loss, accuracy(model, x_tr, y_tr), accuracy(model, x_te, y_te),
                          opt.ranks() if low_rank else {}, float(compression(model)["ratio"]), elapsed,
                          opt.taus() if low_rank else {},
                          (opt.budget() or {}).get("budget_params") if low_rank else None)
@@ -314,11 +314,14 @@ def _epoch_record(model, opt, epoch: int, train_loss: float, x_tr, y_tr, x_te, y
 
 
 @torch.no_grad()
-def _accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1024) -> float:
-    """Share of correctly classified samples, x (N, ...), y (N,) int64, in eval mode."""
+def accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1024) -> float:
+    """Share of correctly classified samples, x (N, ...), y (N,) int64, evaluated in eval mode
+    in batches of `batch`; the model's training mode is restored afterwards."""
+    was_training = model.training
     model.eval()
     correct = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
                   for i in range(0, len(y), batch))
+    model.train(was_training)
     return correct / len(y)
 
 

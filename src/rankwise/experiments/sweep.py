@@ -36,6 +36,7 @@ from ..lowrank import (
 )
 from ..lowrank._budget import RULES
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
+from ..train import accuracy
 from ._stats import mean_sd, mean_std
 from ._sweep_spec import ALLOCATIONS, TASK_NAMES, RunSpec, level
 from ._sweep_spec import METHODS as METHODS
@@ -93,14 +94,6 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
 }
 assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
 assert ALLOCATIONS == RULES, "keep _sweep_spec.ALLOCATIONS in step with lowrank._budget.RULES"
-
-
-def _accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
-    model.eval()
-    with torch.no_grad():
-        acc = sum(float((model(x[i:i + 512]).argmax(1) == y[i:i + 512]).sum()) for i in range(0, len(x), 512))
-    model.train()
-    return acc / len(x)
 
 
 def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -199,8 +192,8 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
             break
     factored = {n: m.rank for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
     comp = compression(model) if factored else dict(ratio=0.0, training_ratio=0.0)
-    return dict(spec=asdict(spec), key=spec.key, test_acc=_accuracy(model, xt, yt),
-                train_acc=_accuracy(model, x, y), compression=comp["ratio"],
+    return dict(spec=asdict(spec), key=spec.key, test_acc=accuracy(model, xt, yt, batch=512),
+                train_acc=accuracy(model, x, y, batch=512), compression=comp["ratio"],
                 training_compression=comp["training_ratio"],
                 ranks=factored, taus=opt.taus() if low else {},
                 seconds_per_epoch=statistics.mean(epoch_times), state_mib=_state_bytes(model, opt) / 2**20,
