@@ -291,7 +291,8 @@ class AugmentedBUG(torch.optim.Optimizer):
                 raise RuntimeError(self._no_grad_message(closure))
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
-            ok = self._finite(self._average_gradients(loss))
+            dp = self.process_group is not None
+            ok = self._finite(loss, elsewhere=dp and self._average(self._grad_slots(), loss, first=True))
             if ok and augment:
                 ok = self._augmented_step(closure if two_pass else None)
             elif ok:
@@ -392,51 +393,45 @@ class AugmentedBUG(torch.optim.Optimizer):
                 "ran, no parameter has a gradient; call loss.backward() inside the closure "
                 "before returning the loss; no weights were changed")
 
-    def _finite(self, loss: Tensor | float | None) -> bool:
-        """Is the loss and every gradient (``.grad`` and the layers' G_K, G_L) finite?"""
+    def _finite(self, loss: Tensor | float | None, *, elsewhere: bool = False) -> bool:
+        """Is the loss and every gradient (``.grad`` and the layers' G_K, G_L) finite, and (data
+        parallel) was no other rank's loss non-finite (`elsewhere`)?"""
+        if elsewhere:
+            return self._nonfinite("non-finite loss on another data-parallel rank")
         tensors = [] if loss is None else [torch.as_tensor(loss)]
         tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         for layer in self.layers.values():
             tensors += [t for t in layer.factor_grads() if t is not None]
         if _all_finite(tensors):
             return True
-        if getattr(self, "_other_rank_nonfinite", False):
-            self._other_rank_nonfinite = False
-            return self._nonfinite("non-finite loss on another data-parallel rank")
         return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
 
-    def _average_gradients(self, loss, layers: list[AbstractLowRankLayer] | None = None, *,
-                           dense: bool = True):
-        """Data-parallel (`process_group`): average every gradient this step reads (``.grad``
-        of every trainable parameter if `dense`, else only the `layers`' S; the layers' G_K and
-        G_L in factor mode) over the ranks. Returns the loss to check for finiteness: NaN if
-        any rank's loss was not finite, so that every rank skips (or raises) together."""
-        if self.process_group is None:
-            return loss
-        slots = []
-        if dense:
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.requires_grad:
-                        slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device,
-                                              lambda v, p=p: setattr(p, "grad", v)))
-        else:
-            for layer in layers or []:
-                slots.append(_dp.Slot(layer.S.grad, tuple(layer.S.shape), layer.S.dtype, layer.S.device,
-                                      lambda v, s=layer.S: setattr(s, "grad", v)))
-        for layer in self.layers.values() if dense else []:
+    def _grad_slots(self) -> list[_dp.Slot]:
+        """Every gradient a step reads: ``.grad`` of each trainable parameter and, in factor
+        mode, each layer's G_K (out, r) and G_L (in, r)."""
+        slots = [_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device, lambda v, p=p: setattr(p, "grad", v))
+                 for g in self.param_groups for p in g["params"] if p.requires_grad]
+        for layer in self.layers.values():
             if layer.sink.enabled:
                 dt, r, sink, dev = work_dtype(layer.U.dtype), layer.rank, layer.sink, layer.U.device
                 for key, rows in (("K", len(layer.U)), ("L", len(layer.V))):
                     slots.append(_dp.Slot(getattr(sink, key), (rows, r), dt, dev,
                                           lambda v, s=sink, k=key: setattr(s, k, v)))
+        return slots
+
+    @staticmethod
+    def _core_slot(layer: AbstractLowRankLayer) -> _dp.Slot:
+        S = layer.S
+        return _dp.Slot(S.grad, tuple(S.shape), S.dtype, S.device, lambda v, S=S: setattr(S, "grad", v))
+
+    def _average(self, slots: list[_dp.Slot], loss, *, first: bool) -> bool:
+        """Data-parallel (`process_group`): average `slots` over the ranks (the step's `first`
+        exchange resets :attr:`allreduce_bytes`). Returns whether another rank's loss was not
+        finite, so that every rank skips (or raises) together."""
         local_bad = loss is not None and not _all_finite([torch.as_tensor(loss)])
         bad, sent = _dp.average(slots, self.process_group, flag=local_bad)
-        self.allreduce_bytes = sent + (self.allreduce_bytes if not dense else 0)
-        if bad and not local_bad:
-            self._other_rank_nonfinite = True
-            return torch.tensor(float("nan"))  # another rank's loss
-        return loss
+        self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
+        return bad and not local_bad
 
     def _check_replicas(self) -> None:
         """After a truncation: every rank must hold the same ranks, factors, buffers and τ."""
@@ -532,8 +527,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             self.layers[name].set_grad_mode("core")
         with torch.enable_grad():
             loss2 = closure()
-        if self.process_group is not None and loss2 is not None:
-            loss2 = self._average_gradients(loss2, [self.layers[n] for n in plans], dense=False)
+        elsewhere = (self.process_group is not None and loss2 is not None
+                     and self._average([self._core_slot(self.layers[n]) for n in plans], loss2, first=False))
         # before the first pass's dense gradients go back; core mode: no G_K, G_L expected
         got_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
         for p, g in saved.items():
@@ -543,7 +538,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if not got_grads:
             raise RuntimeError(self._no_grad_message(closure, " on its second call (two-pass, "
                                                               "`single_pass=False`)"))
-        if not self._finite(loss2):
+        if not self._finite(loss2, elsewhere=elsewhere):
             return False
         hp = self._hp()
         for name, plan in plans.items():
