@@ -313,3 +313,11 @@ def test_one_tau_check_everywhere():
         for bad in (1.0, -0.1, math.nan):
             with pytest.raises(ValueError, match=r"`tau` must be (in \[0, 1\)|finite); got"):
                 make(bad)
+
+
+def test_train_config_dict_round_trip(tmp_path):
+    from rankwise.train_config import TrainConfig
+
+    c = TrainConfig(method="sdlrt", exclude=("fc2",), out=tmp_path / "o", checkpoint_every=5,
+                    checkpoint_dir=tmp_path / "ck")
+    assert TrainConfig.from_dict(c.to_dict()) == c

@@ -61,6 +61,23 @@ def init_process_group(backend: str | None = None, *, timeout: timedelta = timed
     return attempt
 
 
+def local_torchrun(nproc: int, module: str, args: list[str], *,
+                   max_restarts: int = 0) -> tuple[list[str], dict]:
+    """(command, environment) that runs ``python -m module *args`` on `nproc` local torchrun
+    workers (c10d rendezvous on a free localhost port, one thread each), restarting the group up
+    to `max_restarts` times."""
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+           "-m", module, *args]
+    return cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
 def ordered_allreduce_hook(process_group, bucket):  # DDP rejects string annotations here
     """DDP communication hook ``(ProcessGroup | None, GradBucket) -> Future[Tensor]``: average
     gradients bitwise-reproducibly.

@@ -111,6 +111,15 @@ class TrainConfig:
         if where is not None and not isinstance(where, Path):
             raise TypeError(f"`checkpoint_dir` must be a pathlib.Path; got {type(where).__name__}")
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The inverse of :meth:`to_dict`."""
+        d = dict(d, exclude=tuple(d.get("exclude", ())))
+        for key in ("out", "checkpoint_dir"):
+            if d.get(key) is not None:
+                d[key] = Path(d[key])
+        return cls(**d)
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as JSON-ready plain types (``out`` as a string)."""
         d = dataclasses.asdict(self)

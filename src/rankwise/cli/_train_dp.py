@@ -8,8 +8,6 @@ of every batch, and rank 0 writes the run records and the summary the parent pri
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,16 +40,13 @@ def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: fl
     """Train `config` on `nproc` local processes; returns rank 0's summary. torchrun's output
     goes to ``config.out/torchrun.log`` (or `workdir`). Raises ``RuntimeError`` with the log's
     last error line if the workers fail (or run past `timeout` s)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ..dist import local_torchrun
+
     summary = workdir / "summary.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-           "-m", "rankwise.cli._train_dp", json.dumps(config.to_dict()), str(summary)]
+    cmd, env = local_torchrun(nproc, "rankwise.cli._train_dp", [json.dumps(config.to_dict()), str(summary)],
+                              max_restarts=max_restarts)
     log = (config.out if config.out is not None else workdir) / "torchrun.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -76,11 +71,7 @@ def _worker(config_json: str, summary_path: str) -> None:
 
     torch.set_num_threads(1)
     init_process_group("gloo")
-    d = json.loads(config_json)
-    d["exclude"] = tuple(d["exclude"])
-    for key in ("out", "checkpoint_dir"):
-        d[key] = None if d[key] is None else Path(d[key])
-    summary = train(TrainConfig(**d))
+    summary = train(TrainConfig.from_dict(json.loads(config_json)))
     if dist.get_rank() == 0:
         summary["nproc"] = dist.get_world_size()
         write_atomic(Path(summary_path), json.dumps(summary).encode())

@@ -24,9 +24,7 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -107,23 +105,16 @@ def _worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- harness
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(nproc: int, out: Path, store: Path, *, steps: int, every: int, kill_rank: int = -1,
               kill_step: int = -1, fault_rank: int = -1, max_restarts: int = 0,
               method: str = "dense") -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-           f"--max-restarts={max_restarts}", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-           "-m", "rankwise.experiments.ddp_resilience", "worker", "--out", str(out), "--store", str(store),
-           "--steps", str(steps), "--every", str(every), "--kill-rank", str(kill_rank),
-           "--kill-step", str(kill_step), "--fault-rank", str(fault_rank), "--method", method]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    from ..dist import local_torchrun
+
+    cmd, env = local_torchrun(nproc, "rankwise.experiments.ddp_resilience", [
+        "worker", "--out", str(out), "--store", str(store), "--steps", str(steps), "--every", str(every),
+        "--kill-rank", str(kill_rank), "--kill-step", str(kill_step), "--fault-rank", str(fault_rank),
+        "--method", method], max_restarts=max_restarts)
     return subprocess.Popen(cmd, env=env, stdout=open(out / "torchrun.log", "w"), stderr=subprocess.STDOUT)
 
 
