@@ -31,6 +31,8 @@ def test_checkpoint_needs_four_processes(tmp_path):
     assert r.exit_code == 2 and "--checkpoint-every and --checkpoint-dir together" in r.stderr
     r = run_cli("train", "--nproc", "2", "--model", "vgg")
     assert r.exit_code == 2 and "batch norm" in r.stderr
+    r = run_cli("train", "--max-restarts", "1")
+    assert r.exit_code == 2 and "--max-restarts" in r.stderr and "--nproc > 1" in r.stderr
 
 
 def test_a_checkpoint_folder_of_another_run_is_refused_before_starting(tmp_path):

@@ -127,19 +127,9 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         ck = _checkpointer(config, group)
         first, resume, restored_from = 1, None, None
         if ck is not None and (restored := ck.restore()) is not None:
-            state, _ = restored
-            if state["config"] != _resumable(config):
-                raise ValueError(f"{config.checkpoint_dir} holds a checkpoint of another run ("
-                                 + resume_mismatch(state["config"], _resumable(config))
-                                 + "); choose another checkpoint folder")
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["optim"])
-            shuffle.set_state(state["shuffle"])
-            torch.set_rng_state(ck.per_rank["torch_rng"])
-            history = [EpochRecord(**h) for h in state["history"]]
+            history, first, resume = _resume(restored[0], config, model, opt, shuffle, ck.per_rank)
             for r in history:  # a restarted rank 0 writes the records again
                 rec.epoch(r)
-            first, resume = state["epoch"], state["within"]
             stats = ck.stats()
             restored_from = {"step": stats["step"], "repaired_ranks": stats["repaired"]}
 
@@ -150,7 +140,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
             ck.save(state, within["global_step"], per_rank={"torch_rng": torch.get_rng_state()})
 
         for epoch in range(first, config.epochs + 1):
-            record = _run_epoch(config, model, opt, x_tr, y_tr, x_te, y_te, epoch, shuffle, callback,
+            record = _run_epoch(config, model, opt, x_tr, y_tr, x_te, y_te, epoch, shuffle, callback, group,
                                 resume=resume if epoch == first else None, save=save if ck else None)
             history.append(record)
             rec.epoch(record)
@@ -221,6 +211,21 @@ def resume_mismatch(saved: dict, now: dict) -> str:
                      for k in keys if saved.get(k) != now.get(k))
 
 
+def _resume(state: dict, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
+            shuffle: torch.Generator, per_rank: dict) -> tuple[list[EpochRecord], int, dict]:
+    """Load a checkpoint's state; returns the finished epochs' records, the epoch to continue
+    and its ``within`` state (for :func:`_run_epoch`)."""
+    if state["config"] != _resumable(config):
+        raise ValueError(f"{config.checkpoint_dir} holds a checkpoint of another run ("
+                         + resume_mismatch(state["config"], _resumable(config)) + "); choose another "
+                         "checkpoint folder")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    shuffle.set_state(state["shuffle"])
+    torch.set_rng_state(per_rank["torch_rng"])
+    return [EpochRecord(**h) for h in state["history"]], state["epoch"], state["within"]
+
+
 def _checkpointer(config: TrainConfig, group):
     """A :class:`rankwise.ckpt.CodedCheckpointer` when the config asks for checkpoints."""
     if config.checkpoint_every is None:
@@ -235,12 +240,12 @@ def _checkpointer(config: TrainConfig, group):
 
 def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
                x_tr: Tensor, y_tr: Tensor, x_te: Tensor, y_te: Tensor, epoch: int,
-               shuffle: torch.Generator, callback: ProgressCallback | None, *,
+               shuffle: torch.Generator, callback: ProgressCallback | None, group=None, *,
                resume: dict | None = None, save: Callable[[int, dict], None] | None = None) -> EpochRecord:
     """One epoch; from a checkpoint's ``within`` state if `resume`; `save(epoch, within)` after
     every ``config.checkpoint_every``-th step of the run."""
     low_rank = isinstance(opt, DLRT | SDLRT)
-    group, rank = _data_parallel()
+    rank = 0 if group is None else torch.distributed.get_rank(group)
     world = 1 if group is None else torch.distributed.get_world_size(group)
     n = x_tr.shape[0]
     steps = math.ceil(n / config.batch_size)
@@ -287,20 +292,19 @@ def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer
             save(epoch, {"order": order, "step": step, "sums": (loss_sum, correct, seen),
                          "global_step": global_step})
         if step == steps:
-            record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0)
+            record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0, group)
         if callback is not None:
             callback(Progress(epoch, config.epochs, step, steps, loss_sum / seen, correct / seen,
                               ranks, record))
     if record is None:  # resumed from a checkpoint taken on the epoch's last step
-        record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0)
+        record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0, group)
     return record
 
 
 def _epoch_record(model, opt, epoch: int, train_loss: float, x_tr, y_tr, x_te, y_te,
-                  t0: float) -> EpochRecord:
+                  t0: float, group=None) -> EpochRecord:
     low_rank = isinstance(opt, DLRT | SDLRT)
     elapsed = time.perf_counter() - t0
-    group, _ = _data_parallel()
     if group is not None:  # every rank's record (and checkpointed history) the same: the slowest rank's
         t = torch.tensor([elapsed], dtype=torch.float64)
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)

@@ -122,6 +122,9 @@ def train_cmd(
     if nproc > 1 and model.value == "vgg":
         raise UserError("--model vgg has batch norm, which data-parallel training (--nproc) does not support "
                         "yet (each rank's running statistics would drift apart); use lenet or mlp")
+    if max_restarts and nproc == 1:
+        raise UserError(f"--max-restarts restarts torchrun's worker group: it needs --nproc > 1 (got "
+                        f"--max-restarts {max_restarts} with one process)")
     if checkpoint_every is not None and nproc < 4:
         raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
                         f"process with n > 3t); got --nproc {nproc}")
