@@ -18,7 +18,8 @@ def claim_checkpoint_dir(config, nproc: int) -> None:
     start with other settings or another number of processes is refused here, before any
     process starts, naming what differs."""
     from .._io import write_atomic
-    from ..train import _resumable, resume_mismatch
+    from ..train._checkpoints import mismatch as resume_mismatch
+    from ..train._run import _resumable
     from ._common import UserError
 
     manifest = config.checkpoint_dir / "run.json"

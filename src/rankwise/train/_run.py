@@ -1,7 +1,7 @@
-"""A small training loop on the bundled digits: dense SGD, DLRT or SDLRT, with run records.
+"""``rankwise train``'s run: dense SGD, DLRT or SDLRT on the bundled digits, with run records.
 
-Used by the ``rankwise`` command line; it never prints. Progress goes to an optional callback
-and, when ``config.out`` is set, to ``metrics.csv``, TensorBoard events and ``final.json``.
+It never prints. Progress goes to an optional callback and, when ``config.out`` is set, to
+``metrics.csv``, TensorBoard events and ``final.json``. The loop itself is :func:`fit`.
 """
 
 from __future__ import annotations
@@ -17,17 +17,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._io import write_atomic
-from .data import load_digits
-from .lowrank import DLRT, SDLRT, compression, to_low_rank
-from .models import get_model
-from .train_config import FORMAT_VERSION as FORMAT_VERSION
-from .train_config import METHODS as METHODS
-from .train_config import RAMP_SHARE
-from .train_config import TrainConfig as TrainConfig
+from .._io import write_atomic
+from ..lowrank import DLRT, SDLRT, compression, to_low_rank
+from ..models import get_model
+from ..train_config import FORMAT_VERSION, RAMP_SHARE, TrainConfig
+from ._checkpoints import CodedCheckpoints
+from ._loop import Callback, Loop, accuracy, fit
 
 
 class EpochRecord(NamedTuple):
@@ -79,6 +76,9 @@ ProgressCallback = Callable[[Progress], None]
 def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> dict[str, Any]:
     """Train `config.model` on the digits with `config.method` and return the run summary.
 
+    The loop is :func:`rankwise.train.fit`; this function builds the model, the optimizer and
+    the callbacks that write the records and the coded checkpoints.
+
     With ``config.out`` set, writes into that directory: ``metrics.csv`` (a row per epoch:
     epoch, train_loss, train_acc, test_acc, compression, epoch_time, then ``rank/<layer>``
     columns, then ``tau/<layer>``), TensorBoard events (``loss/train``, ``accuracy/train``,
@@ -109,10 +109,12 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"`config` must be a TrainConfig; got {type(config).__name__}")
+    from ..data import load_digits
+
     group, rank = _data_parallel()
     if rank != 0:
         config, callback = dataclasses.replace(config, out=None), None
-    with torch.random.fork_rng(devices=[]), _Recorder(config.out) as rec:
+    with torch.random.fork_rng(devices=[]), Records(config.out) as rec:
         torch.manual_seed(config.seed)
         split = load_digits(seed=config.seed)
         t_start = time.perf_counter()  # wall time: model building, training, evaluation
@@ -122,28 +124,11 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         x_tr, y_tr = split.train.tensors
         x_te, y_te = split.test.tensors
         x_tr, x_te = x_tr.to(dtype), x_te.to(dtype)
-        shuffle = torch.Generator().manual_seed(config.seed)
-        history: list[EpochRecord] = []
-        ck = _checkpointer(config, group)
-        first, resume, restored_from = 1, None, None
-        if ck is not None and (restored := ck.restore()) is not None:
-            history, first, resume = _resume(restored[0], config, model, opt, shuffle, ck.per_rank)
-            for r in history:  # a restarted rank 0 writes the records again
-                rec.epoch(r)
-            stats = ck.stats()
-            restored_from = {"step": stats["step"], "repaired_ranks": stats["repaired"]}
-
-        def save(epoch: int, within: dict) -> None:
-            state = {"config": _resumable(config), "model": model.state_dict(), "optim": opt.state_dict(),
-                     "shuffle": shuffle.get_state(),
-                     "history": [r._asdict() for r in history], "epoch": epoch, "within": within}
-            ck.save(state, within["global_step"], per_rank={"torch_rng": torch.get_rng_state()})
-
-        for epoch in range(first, config.epochs + 1):
-            record = _run_epoch(config, model, opt, x_tr, y_tr, x_te, y_te, epoch, shuffle, callback, group,
-                                resume=resume if epoch == first else None, save=save if ck else None)
-            history.append(record)
-            rec.epoch(record)
+        run = _EpochRecords(x_tr, y_tr, x_te, y_te, rec, callback)
+        ck = _checkpoints(config, group)
+        fit(model, opt, x_tr, y_tr, epochs=config.epochs, batch_size=config.batch_size,
+            shuffle=torch.Generator().manual_seed(config.seed), process_group=group,
+            callbacks=[ck, run] if ck is not None else [run])
         train_acc, test_acc = accuracy(model, x_tr, y_tr), accuracy(model, x_te, y_te)
         summary = {
             "config": config.to_dict(),
@@ -153,8 +138,8 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
             "ranks": opt.ranks() if low_rank else {},
             "taus": opt.taus() if low_rank else {},
             "wall_time": time.perf_counter() - t_start,
-            "history": [r._asdict() for r in history],
-            "restored_from": restored_from,  # a checkpoint: its step and the ranks repaired
+            "history": [r._asdict() for r in run.history],
+            "restored_from": None if ck is None else ck.restored,  # a checkpoint's step, the ranks repaired
             "rankwise_version": _version(),
             "format_version": FORMAT_VERSION,
         }
@@ -164,7 +149,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
 
 # --------------------------------------------------------------------------- internals
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -184,7 +169,7 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
         if group is not None:  # dense: DDP does it
             model = nn.parallel.DistributedDataParallel(model, process_group=group)
             if config.checkpoint_every is not None:  # a resumed run must sum in the same order
-                from .dist import ordered_allreduce_hook
+                from ..dist import ordered_allreduce_hook
 
                 model.register_comm_hook(group, ordered_allreduce_hook)
         return model, torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
@@ -204,129 +189,62 @@ def _resumable(config: TrainConfig) -> dict:
     return {k: v for k, v in config.to_dict().items() if k not in ("out", "checkpoint_dir")}
 
 
-def resume_mismatch(saved: dict, now: dict) -> str:
-    """``"lr: 0.05 there, 0.1 here; ..."``: how a checkpoint's settings differ from this run's."""
-    keys = sorted(set(saved) | set(now))
-    return "; ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here"
-                     for k in keys if saved.get(k) != now.get(k))
-
-
-def _resume(state: dict, config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
-            shuffle: torch.Generator, per_rank: dict) -> tuple[list[EpochRecord], int, dict]:
-    """Load a checkpoint's state; returns the finished epochs' records, the epoch to continue
-    and its ``within`` state (for :func:`_run_epoch`)."""
-    if state["config"] != _resumable(config):
-        raise ValueError(f"{config.checkpoint_dir} holds a checkpoint of another run ("
-                         + resume_mismatch(state["config"], _resumable(config)) + "); choose another "
-                         "checkpoint folder")
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optim"])
-    shuffle.set_state(state["shuffle"])
-    torch.set_rng_state(per_rank["torch_rng"])
-    return [EpochRecord(**h) for h in state["history"]], state["epoch"], state["within"]
-
-
-def _checkpointer(config: TrainConfig, group):
-    """A :class:`rankwise.ckpt.CodedCheckpointer` when the config asks for checkpoints."""
+def _checkpoints(config: TrainConfig, group) -> CodedCheckpoints | None:
+    """The coded-checkpoint callback when the config asks for checkpoints."""
     if config.checkpoint_every is None:
         return None
     if group is None or torch.distributed.get_world_size(group) < 4:
         raise ValueError("coded checkpoints (`checkpoint_every`) need a data-parallel run on >= 4 ranks "
                          "(the code tolerates t = 1 lost rank with n > 3t)")
-    from .ckpt import CodedCheckpointer
+    from ..ckpt import CodedCheckpointer
 
-    return CodedCheckpointer(t=1, store_dir=config.checkpoint_dir, process_group=group)
-
-
-def _run_epoch(config: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
-               x_tr: Tensor, y_tr: Tensor, x_te: Tensor, y_te: Tensor, epoch: int,
-               shuffle: torch.Generator, callback: ProgressCallback | None, group=None, *,
-               resume: dict | None = None, save: Callable[[int, dict], None] | None = None) -> EpochRecord:
-    """One epoch; from a checkpoint's ``within`` state if `resume`; `save(epoch, within)` after
-    every ``config.checkpoint_every``-th step of the run."""
-    low_rank = isinstance(opt, DLRT | SDLRT)
-    rank = 0 if group is None else torch.distributed.get_rank(group)
-    world = 1 if group is None else torch.distributed.get_world_size(group)
-    n = x_tr.shape[0]
-    steps = math.ceil(n / config.batch_size)
-    if resume is None:
-        order = torch.randperm(n, generator=shuffle)
-        loss_sum = correct = seen = 0.0
-        done = 0
-    else:
-        order, done = resume["order"], resume["step"]
-        loss_sum, correct, seen = resume["sums"]
-    t0 = time.perf_counter()
-    model.train()
-    record = None
-    for step in range(done + 1, steps + 1):
-        idx = order[(step - 1) * config.batch_size: step * config.batch_size]
-        batch = len(idx)
-        idx = idx[rank * batch // world:(rank + 1) * batch // world]  # this rank's shard
-        x, y = x_tr[idx], y_tr[idx]
-        logits: list[Tensor] = []
-
-        def closure(x=x, y=y, logits=logits, batch=batch) -> Tensor:
-            opt.zero_grad()
-            out = model(x)
-            if world == 1:
-                loss = F.cross_entropy(out, y)
-            else:  # the shard's share of the batch mean: averaged over the ranks, the batch's gradient
-                loss = F.cross_entropy(out, y, reduction="sum") * (world / batch)
-            loss.backward()
-            logits.append(out.detach())
-            return loss
-
-        loss = float(opt.step(closure).detach()) * batch / world  # this shard's summed loss
-        hits = float((logits[0].argmax(1) == y).sum())
-        if group is not None:  # the whole batch's, for the records
-            t = torch.tensor([loss, hits], dtype=torch.float64)
-            torch.distributed.all_reduce(t, group=group)
-            loss, hits = float(t[0]), float(t[1])
-        loss_sum += loss
-        correct += hits
-        seen += batch
-        ranks = opt.ranks() if low_rank else {}
-        global_step = (epoch - 1) * steps + step
-        if save is not None and global_step % config.checkpoint_every == 0:
-            save(epoch, {"order": order, "step": step, "sums": (loss_sum, correct, seen),
-                         "global_step": global_step})
-        if step == steps:
-            record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0, group)
-        if callback is not None:
-            callback(Progress(epoch, config.epochs, step, steps, loss_sum / seen, correct / seen,
-                              ranks, record))
-    if record is None:  # resumed from a checkpoint taken on the epoch's last step
-        record = _epoch_record(model, opt, epoch, loss_sum / seen, x_tr, y_tr, x_te, y_te, t0, group)
-    return record
+    return CodedCheckpoints(CodedCheckpointer(t=1, store_dir=config.checkpoint_dir, process_group=group),
+                            config.checkpoint_every, identity=_resumable(config))
 
 
-def _epoch_record(model, opt, epoch: int, train_loss: float, x_tr, y_tr, x_te, y_te,
-                  t0: float, group=None) -> EpochRecord:
-    low_rank = isinstance(opt, DLRT | SDLRT)
-    elapsed = time.perf_counter() - t0
-    if group is not None:  # every rank's record (and checkpointed history) the same: the slowest rank's
-        t = torch.tensor([elapsed], dtype=torch.float64)
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-        elapsed = float(t[0])
-    record = EpochRecord(epoch, train_loss, accuracy(model, x_tr, y_tr), accuracy(model, x_te, y_te),
-                         opt.ranks() if low_rank else {}, float(compression(model)["ratio"]), elapsed,
-                         opt.taus() if low_rank else {},
-                         (opt.budget() or {}).get("budget_params") if low_rank else None)
-    model.train()
-    return record
+class _EpochRecords(Callback):
+    """The run's :class:`EpochRecord` s (kept in checkpoints), the record files and the progress callback."""
 
+    def __init__(self, x_tr: Tensor, y_tr: Tensor, x_te: Tensor, y_te: Tensor, rec: Records,
+                 callback: ProgressCallback | None) -> None:
+        self.data = (x_tr, y_tr, x_te, y_te)
+        self.rec, self.callback = rec, callback
+        self.history: list[EpochRecord] = []
 
-@torch.no_grad()
-def accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 1024) -> float:
-    """Share of correctly classified samples, x (N, ...), y (N,) int64, evaluated in eval mode
-    in batches of `batch`; the model's training mode is restored afterwards."""
-    was_training = model.training
-    model.eval()
-    correct = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
-                  for i in range(0, len(y), batch))
-    model.train(was_training)
-    return correct / len(y)
+    def _progress(self, loop: Loop, record: EpochRecord | None) -> None:
+        if self.callback is not None:
+            ranks = loop.optimizer.ranks() if isinstance(loop.optimizer, DLRT | SDLRT) else {}
+            self.callback(Progress(loop.epoch, loop.epochs, loop.step, loop.steps, loop.loss_sum / loop.seen,
+                                   loop.correct_sum / loop.seen, ranks, record))
+
+    def on_step_end(self, loop: Loop) -> None:
+        if loop.step < loop.steps:  # the epoch's last step reports with its record
+            self._progress(loop, None)
+
+    def on_epoch_end(self, loop: Loop) -> None:
+        model, opt = loop.model, loop.optimizer
+        x_tr, y_tr, x_te, y_te = self.data
+        low_rank = isinstance(opt, DLRT | SDLRT)
+        elapsed = time.perf_counter() - loop.epoch_started
+        if loop.process_group is not None:  # every rank's record (and checkpoint) the same: the slowest's
+            t = torch.tensor([elapsed], dtype=torch.float64)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=loop.process_group)
+            elapsed = float(t[0])
+        record = EpochRecord(loop.epoch, loop.loss_sum / loop.seen, accuracy(model, x_tr, y_tr),
+                             accuracy(model, x_te, y_te), opt.ranks() if low_rank else {},
+                             float(compression(model)["ratio"]), elapsed, opt.taus() if low_rank else {},
+                             (opt.budget() or {}).get("budget_params") if low_rank else None)
+        self.history.append(record)
+        self.rec.epoch(record)
+        self._progress(loop, record)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"history": [r._asdict() for r in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = [EpochRecord(**h) for h in state["history"]]
+        for r in self.history:  # a restarted rank 0 writes the records again
+            self.rec.epoch(r)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -335,7 +253,7 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_atomic(path, text.encode("utf-8"))
 
 
-class _Recorder:
+class Records:
     """metrics.csv, TensorBoard and final.json in one directory; does nothing for ``None``."""
 
     def __init__(self, out: Path | None) -> None:
@@ -344,7 +262,7 @@ class _Recorder:
         self.csv_file = None
         self.csv = None
 
-    def __enter__(self) -> _Recorder:
+    def __enter__(self) -> Records:
         if self.out is not None:
             from torch.utils.tensorboard import SummaryWriter
 
