@@ -16,7 +16,6 @@ import json
 import math
 import resource
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -36,7 +35,7 @@ from ..lowrank import (
 )
 from ..lowrank._budget import RULES
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
-from ..train import accuracy
+from ..train import Callback, Loop, accuracy, fit
 from ._stats import mean_sd, mean_std
 from ._sweep_spec import ALLOCATIONS, TASK_NAMES, RunSpec, level
 from ._sweep_spec import METHODS as METHODS
@@ -117,6 +116,56 @@ def _balanced(model: nn.Module) -> nn.Module:
     return model
 
 
+class _FineTune(Callback):
+    """dense-svd: after ``spec.epochs`` dense epochs, truncate to the target and fine-tune the
+    factors with Adam."""
+
+    def __init__(self, spec: RunSpec) -> None:
+        self.spec = spec
+
+    def on_epoch_start(self, loop: Loop) -> None:
+        if loop.epoch == self.spec.epochs + 1:
+            _balanced(to_low_rank(loop.model, target=self.spec.target, allocation=self.spec.alloc))
+            loop.optimizer = torch.optim.Adam(loop.model.parameters(), lr=self.spec.factor_lr)
+
+
+class _Watch(Callback):
+    """A sweep run's bookkeeping: stops at a non-finite loss, times the optimizer steps per
+    epoch, trains the dense shadow on the same batches and traces rank and d_t."""
+
+    def __init__(self, spec: RunSpec, shadow: nn.Module | None, shadow_opt, progress, total: int) -> None:
+        self.spec, self.shadow, self.shadow_opt = spec, shadow, shadow_opt
+        self.progress, self.total = progress, total
+        self.trace: list[dict] = []
+        self.epoch_times: list[float] = []
+        self.diverged: str | None = None
+        self.loop: Loop | None = None
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self.loop = loop
+
+    def on_epoch_start(self, loop: Loop) -> None:
+        self.epoch_times.append(0.0)
+
+    def on_step_end(self, loop: Loop) -> None:
+        if not math.isfinite(loop.loss):
+            self.diverged = f"step {loop.global_step}: loss {loop.loss}"
+            loop.stop = True
+            return
+        self.epoch_times[-1] += loop.step_seconds
+        if self.shadow is not None:  # plain SGD on the same batch
+            self.shadow_opt.zero_grad()
+            F.cross_entropy(self.shadow(loop.x), loop.y).backward()
+            self.shadow_opt.step()
+        step = loop.global_step
+        if self.progress is not None:
+            self.progress(step, self.total, f"loss {loop.loss:.3f}")
+        if self.shadow is not None and (step % self.spec.dt_every == 0 or step == 1):
+            ranks = loop.optimizer.ranks()
+            self.trace.append(dict(step=step, loss=loop.loss, rank=sum(ranks.values()),
+                                   d_t=stability_distance(loop.model, self.shadow)))
+
+
 def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Train one :class:`RunSpec`; returns the metrics (JSON-ready). ``progress(step, steps,
     info)`` is called after every step."""
@@ -128,6 +177,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     kind = (METHODS[spec.method] or {}).get("baseline")
     low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT (with a dense shadow)
     epochs = spec.epochs + (spec.finetune_epochs if kind == "dense-svd" else 0)
+    shadow = shadow_opt = None  # low-rank runs: the dense model trained alongside
     if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then Adam
         model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target, allocation=spec.alloc))
         opt = torch.optim.Adam(model.parameters(), lr=spec.factor_lr)
@@ -147,49 +197,15 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     else:
         model, opt = base, torch.optim.SGD(base.parameters(), lr=spec.lr, momentum=spec.momentum)
     gen = torch.Generator().manual_seed(spec.seed)
-    steps_per_epoch = math.ceil(len(x) / spec.batch_size)
-    trace: list[dict] = []
-    epoch_times: list[float] = []
-    step, diverged = 0, None
-    for epoch in range(epochs):
-        if kind == "dense-svd" and epoch == spec.epochs:  # trained dense: truncate, fine-tune
-            _balanced(to_low_rank(model, target=spec.target, allocation=spec.alloc))
-            opt = torch.optim.Adam(model.parameters(), lr=spec.factor_lr)
-        order = torch.randperm(len(x), generator=gen)
-        t_train = 0.0
-        for k in range(steps_per_epoch):
-            idx = order[k * spec.batch_size:(k + 1) * spec.batch_size]
-            xb, yb = x[idx], y[idx]
-
-            def closure(m=model, o=opt, xb=xb, yb=yb):
-                o.zero_grad()
-                loss = F.cross_entropy(m(xb), yb)
-                loss.backward()
-                return loss
-
-            t0 = time.perf_counter()
-            try:  # a diverged run is recorded as such (at its last finite weights), not lost
-                loss = float(opt.step(closure).detach())
-            except FloatingPointError as e:
-                diverged = f"step {step + 1}: {e}"
-                break
-            if not math.isfinite(loss):
-                diverged = f"step {step + 1}: loss {loss}"
-                break
-            t_train += time.perf_counter() - t0
-            if low:
-                closure(shadow, shadow_opt)
-                shadow_opt.step()
-            step += 1
-            if progress is not None:
-                progress(step, epochs * steps_per_epoch, f"loss {loss:.3f}")
-            if low and (step % spec.dt_every == 0 or step == 1):
-                ranks = opt.ranks()
-                trace.append(dict(step=step, loss=loss, rank=sum(ranks.values()),
-                                  d_t=stability_distance(model, shadow)))
-        epoch_times.append(t_train)
-        if diverged:
-            break
+    watch = _Watch(spec, shadow, shadow_opt, progress,
+                   epochs * math.ceil(len(x) / spec.batch_size))
+    callbacks = [watch] if kind != "dense-svd" else [_FineTune(spec), watch]
+    try:  # a diverged run is recorded as such (at its last finite weights), not lost
+        fit(model, opt, x, y, epochs=epochs, batch_size=spec.batch_size, shuffle=gen, callbacks=callbacks)
+    except FloatingPointError as e:
+        watch.diverged = f"step {watch.loop.global_step + 1}: {e}"
+    opt = watch.loop.optimizer  # dense-svd: the fine-tuning optimizer
+    trace, epoch_times, diverged = watch.trace, watch.epoch_times, watch.diverged
     factored = {n: m.rank for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
     comp = compression(model) if factored else dict(ratio=0.0, training_ratio=0.0)
     return dict(spec=asdict(spec), key=spec.key, test_acc=accuracy(model, xt, yt, batch=512),
