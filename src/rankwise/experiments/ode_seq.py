@@ -30,6 +30,7 @@ from .._io import write_atomic
 from ..data import load_digits, load_mnist1d
 from ..ode import AbstractController, DefectController, FixedController, LowRankODEBlock, audit_gradients
 from ..ode._block import tape_bytes
+from ..train import Callback, Loop, accuracy, fit
 
 
 class SequenceField(nn.Module):
@@ -187,6 +188,30 @@ def _controller(cfg: OdeRunConfig) -> AbstractController:
     raise ValueError(f"controller must be 'fixed', 'adaptive' or 'replay'; got {cfg.controller!r}")
 
 
+class _Trace(Callback):
+    """Each iteration's loss, ranks, checkpoints, reversal defect and tape memory, from the blocks."""
+
+    def __init__(self, callback, total: int) -> None:
+        self.callback, self.total = callback, total
+        self.trace: list[dict] = []
+
+    def on_step_end(self, loop: Loop) -> None:
+        blocks = loop.model.blocks
+        st = [blk.last_stats for blk in blocks]
+        self.trace.append(dict(
+            it=len(self.trace), epoch=loop.epoch - 1, loss=loop.loss,
+            rank=sum(s["rank"] for s in st) / len(st), last_rank=st[-1]["rank"],
+            checkpoints=sum(s["checkpoints"] for s in st),
+            max_delta=max(s["max_delta"] for s in st), min_rho=min(s["min_rho"] for s in st),
+            # held from forward to backward: every block's checkpoints, plus the largest
+            # segment replay's transient states (blocks run their backward one at a time)
+            tape_bytes=sum(tape_bytes(blk.last_tape) for blk in blocks)
+            + max(s.get("replay_bytes", 0) for s in st),
+            reloads=sum(s.get("reloads", 0) for s in st)))
+        if self.callback:
+            self.callback(len(self.trace), self.total, loop.loss)
+
+
 def run(cfg: OdeRunConfig, callback=None) -> dict:
     """Train ``cfg`` and return its summary metrics plus a per-iteration ``trace``.
 
@@ -198,39 +223,17 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     model = LayeredMemoryODE(ctl, T=utr.shape[1], m=cfg.m, rank=cfg.rank, layers=cfg.layers,
                              depth_steps=cfg.depth_steps, seed=cfg.seed)
     opt = torch.optim.Adam(model.parameters(), cfg.lr)
-    trace: list[dict] = []
-    total = cfg.epochs * -(-len(utr) // cfg.batch_size)
+    tracer = _Trace(callback, cfg.epochs * -(-len(utr) // cfg.batch_size))
     t0 = time.perf_counter()
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(utr))
-        for k in range(0, len(utr), cfg.batch_size):
-            b = order[k:k + cfg.batch_size]
-            loss = nn.functional.cross_entropy(model(utr[b]), ytr[b])
-            opt.zero_grad()
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            st = [blk.last_stats for blk in model.blocks]
-            trace.append(dict(
-                it=len(trace), epoch=epoch, loss=loss.item(),
-                rank=sum(s["rank"] for s in st) / len(st), last_rank=st[-1]["rank"],
-                checkpoints=sum(s["checkpoints"] for s in st),
-                max_delta=max(s["max_delta"] for s in st), min_rho=min(s["min_rho"] for s in st),
-                # held from forward to backward: every block's checkpoints, plus the largest
-                # segment replay's transient states (blocks run their backward one at a time)
-                tape_bytes=sum(tape_bytes(blk.last_tape) for blk in model.blocks)
-                + max(s.get("replay_bytes", 0) for s in st),
-                reloads=sum(s.get("reloads", 0) for s in st)))
-            if callback:
-                callback(len(trace), total, trace[-1]["loss"])
+    fit(model, opt, utr, ytr, epochs=cfg.epochs, batch_size=cfg.batch_size, callbacks=[tracer],
+        clip_grad_norm=1.0)  # shuffled with the global RNG (seeded above)
     seconds = time.perf_counter() - t0
-    with torch.no_grad():
-        for blk in model.blocks:
-            blk.reversible = False
-        test_acc = float((model(ute).argmax(1) == yte).float().mean())
-        train_acc = float((model(utr[:1000]).argmax(1) == ytr[:1000]).float().mean())
-        for blk in model.blocks:
-            blk.reversible = True
+    trace = tracer.trace
+    for blk in model.blocks:  # evaluation needs no reverse pass
+        blk.reversible = False
+    test_acc, train_acc = accuracy(model, ute, yte), accuracy(model, utr[:1000], ytr[:1000])
+    for blk in model.blocks:
+        blk.reversible = True
     cos = audit_gradients(FromInitialMemory(model, ute[:16]), model.initial_state(16),
                           lambda logits: nn.functional.cross_entropy(logits, yte[:16]))
     losses = [r["loss"] for r in trace]
