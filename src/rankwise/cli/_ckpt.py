@@ -209,8 +209,8 @@ def demo_cmd(
                         f"3t < n <= 255); got {nproc}")
     check_range("--every", every, 1)
     check_range("--steps", steps, 1)
-    if not 0 <= kill_step < steps or kill_step % every == 0:
-        raise UserError(f"--kill-step must be in [0, {steps}) and not a multiple of --every={every} "
+    if not 1 <= kill_step < steps or kill_step % every == 0:
+        raise UserError(f"--kill-step must be in [1, {steps}) and not a multiple of --every={every} "
                         f"(a checkpoint step: no work would be lost); got {kill_step}")
     from ..experiments.ddp_resilience import DEMO_OUTPUTS, METHODS, run_demo
 

@@ -7,8 +7,9 @@ digits data-parallel (gloo) — dense with DDP and Adam (``--method dense``), or
 ``rankwise.SDLRT`` / ``rankwise.DLRT`` and ``process_group`` (``--method sdlrt``/``dlrt``:
 the hidden layers from rank 16, τ = 0.2, Adam at 0.01: the ranks change as it trains) —
 checkpoints every ``every`` steps and logs each step's loss, a digest of the parameters and the
-ranks exactly (``float.hex``). On the first attempt, rank ``kill_rank`` stops at ``kill_step`` and waits to
-be killed.
+ranks exactly (``float.hex``). On the first attempt, rank ``kill_rank`` stops at ``kill_step`` and
+waits to be killed. Steps count from 1; the loop is :func:`rankwise.train.fit`, the checkpoints
+its :class:`rankwise.train.CodedCheckpoints` callback.
 
 ``run_demo`` is the harness: an uninterrupted reference run; a run in which it SIGKILLs that
 worker and wipes its node-local store (a lost machine) so torchrun restarts the group; and
@@ -33,8 +34,6 @@ from pathlib import Path
 
 
 def _worker(args: argparse.Namespace) -> None:
-    import random
-
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -44,60 +43,53 @@ def _worker(args: argparse.Namespace) -> None:
     from ..ckpt import CodedCheckpointer
     from ..data import load_digits
     from ..dist import init_process_group, ordered_allreduce_hook
+    from ..train import Callback, CodedCheckpoints, fit
 
     torch.set_num_threads(1)
     attempt = init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = Path(args.out)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
     if args.method == "dense":
-        ddp = DDP(model)
-        ddp.register_comm_hook(None, ordered_allreduce_hook)  # bitwise-reproducible across restarts
+        trained = DDP(model)
+        trained.register_comm_hook(None, ordered_allreduce_hook)  # bitwise-reproducible across restarts
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:  # DDP cannot see the factor gradients: the optimizer averages them (same layout on restart)
-        ddp = lowrank.to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
+        trained = lowrank.to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
         preset = lowrank.SDLRT if args.method == "sdlrt" else lowrank.DLRT
         opt = preset(model, 1e-2, tau=0.2, optimizer="adam", process_group=dist.group.WORLD)
     train, _ = load_digits(seed=0)
     X, y = train.tensors[0].flatten(1), train.tensors[1]
     ck = CodedCheckpointer(t=1, store_dir=args.store,
                            fault="corrupt_symbols" if rank == args.fault_rank else None)
-    start = 0
-    restored = ck.restore()
-    if restored is not None:
-        state, step = restored
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optim"])
-        torch.set_rng_state(ck.per_rank["torch_rng"])
-        random.setstate(ck.per_rank["py_rng"])
-        start = step + 1
-    stats = ck.stats()
-    (out / f"restore_attempt{attempt}_rank{rank}.json").write_text(json.dumps(stats))
-    log = open(out / f"losses_attempt{attempt}.csv", "a") if rank == 0 else None  # noqa: SIM115
-    per_rank = args.batch // world
-    for step in range(start, args.steps):
-        g = torch.Generator().manual_seed(1000 + step)  # the batch depends only on the step
-        idx = torch.randperm(len(X), generator=g)[:args.batch][rank * per_rank:(rank + 1) * per_rank]
-        x = X[idx] + 0.05 * torch.randn(len(idx), 64)  # uses (and so tests) the restored RNG
-        loss = nn.functional.cross_entropy(ddp(x), y[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if log is not None:  # rank 0's loss and a digest of the parameters, both exact
-            digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-            ranks = "/".join(str(m.rank) for m in model if isinstance(m, lowrank.LowRankLinear))
-            log.write(f"{step},{loss.item().hex()},{digest.hexdigest()[:16]},{ranks}\n")
-            log.flush()
-        if step % args.every == 0:
-            ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step,
-                    per_rank={"torch_rng": torch.get_rng_state(), "py_rng": random.getstate()})
-        if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
-            (out / "victim.pid").write_text(str(os.getpid()))
-            while True:  # wait for the harness's SIGKILL
-                time.sleep(1)
-    if log is not None:
-        log.close()
+
+    class Demo(Callback):
+        """Writes this rank's restore statistics; rank 0 logs every step's loss, a digest of the
+        parameters and the ranks exactly; on the first attempt, rank `kill_rank` waits at
+        `kill_step` to be killed."""
+
+        def on_fit_start(self, loop) -> None:
+            (out / f"restore_attempt{attempt}_rank{rank}.json").write_text(json.dumps(ck.stats()))
+
+        def on_step_end(self, loop) -> None:
+            if rank == 0:
+                digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
+                ranks = "/".join(str(m.rank) for m in model if isinstance(m, lowrank.LowRankLinear))
+                with open(out / f"losses_attempt{attempt}.csv", "a") as log:
+                    log.write(f"{loop.global_step},{loop.loss.hex()},{digest.hexdigest()[:16]},{ranks}\n")
+            if attempt == 0 and rank == args.kill_rank and loop.global_step == args.kill_step:
+                (out / "victim.pid").write_text(str(os.getpid()))
+                while True:  # wait for the harness's SIGKILL
+                    time.sleep(1)
+
+    def noisy(xb, yb):  # uses (and so tests) the restored RNG
+        return xb + 0.05 * torch.randn(xb.shape), yb
+
+    epochs = -(-args.steps // -(-len(X) // args.batch))
+    fit(trained, opt, X, y, epochs=epochs, batch_size=args.batch, max_steps=args.steps,
+        shuffle=torch.Generator().manual_seed(0), process_group=dist.group.WORLD, transform=noisy,
+        callbacks=[CodedCheckpoints(ck, args.every), Demo()])
     dist.barrier()
     dist.destroy_process_group()
 
@@ -155,8 +147,8 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
         raise ValueError(f"`nproc` must be >= 4 (t = 1 needs n > 3t); got {nproc}")
     if not 0 <= kill_rank < nproc:
         raise ValueError(f"`kill_rank` must be in [0, {nproc}); got {kill_rank}")
-    if every < 1 or not 0 <= kill_step < steps or kill_step % every == 0:
-        raise ValueError("need every >= 1 and 0 <= kill_step < steps, not on a checkpoint step "
+    if every < 1 or not 1 <= kill_step < steps or kill_step % every == 0:
+        raise ValueError("need every >= 1 and 1 <= kill_step < steps, not on a checkpoint step "
                          f"(so work is lost); got every={every}, kill_step={kill_step}, steps={steps}")
     work = Path(workdir)
     old = [work / d for d in DEMO_OUTPUTS if (work / d).exists()]
@@ -206,7 +198,7 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
         repair_seconds=victim["repair_seconds"], retrieve_seconds=victim["retrieve_seconds"],
         retrieve_bytes_received=victim["retrieve_bytes_received"],
         bitwise_equal=ref_curve == got_curve and len(ref_curve) == steps,
-        method=method, ranks_first=ref_curve[0].split(",")[2], ranks_final=got_curve[steps - 1].split(",")[2],
+        method=method, ranks_first=ref_curve[1].split(",")[2], ranks_final=got_curve[steps].split(",")[2],
         ranks_at_restore=ref_curve[victim["step"]].split(",")[2],
         reference_seconds=t_ref)
     if corrupt_scenario:  # restore the finished run while rank 1 serves corrupted symbols
