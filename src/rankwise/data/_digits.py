@@ -39,10 +39,11 @@ def load_digits(*, test_fraction: float = 0.2, seed: int = 0) -> DigitsSplit:
         raise ValueError(f"`test_fraction` must be in (0, 1); got {test_fraction}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"`seed` must be an int; got {type(seed).__name__}")
-    from sklearn.datasets import load_digits as _sk_load_digits
-    from sklearn.model_selection import train_test_split
+    from .._extras import require
 
-    bunch = _sk_load_digits()
+    datasets = require("sklearn.datasets", "load_digits")
+    train_test_split = require("sklearn.model_selection", "load_digits").train_test_split
+    bunch = datasets.load_digits()
     images = np.asarray(bunch.images, dtype=np.float32) / 16.0
     labels = np.asarray(bunch.target, dtype=np.int64)
     x_tr, x_te, y_tr, y_te = train_test_split(

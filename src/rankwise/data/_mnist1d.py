@@ -26,10 +26,10 @@ def load_mnist1d(*, num_samples: int = 5000, seed: int = 42) -> Mnist1dSplit:
     """
     if num_samples < 10:
         raise ValueError(f"`num_samples` must be >= 10 (one per class); got {num_samples}")
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as e:  # pragma: no cover - it is a dependency
-        raise ImportError("load_mnist1d needs the `mnist1d` package (pip install mnist1d)") from e
+    from .._extras import require
+
+    gen = require("mnist1d.data", "load_mnist1d")
+    get_dataset_args, make_dataset = gen.get_dataset_args, gen.make_dataset
     args = get_dataset_args()
     args.num_samples, args.seed = num_samples, seed
     np_state, py_state = np.random.get_state(), random.getstate()

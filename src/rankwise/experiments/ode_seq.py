@@ -260,7 +260,9 @@ def _spikes(losses: list[float], window: int = 10) -> int:
 
 def plot_traces(results: list[dict], path, *, title: str = "") -> None:
     """One PNG: max δ, mean rank and checkpoints per iteration, one line per run name (seed 0)."""
-    import matplotlib
+    from .._extras import require
+
+    matplotlib = require("matplotlib", "the plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -307,7 +307,10 @@ def plot(results: list[dict], out: Path) -> Path:
     best validation learning rate, one panel per setting."""
     import io
 
-    import matplotlib
+    from .._extras import require
+
+
+    matplotlib = require("matplotlib", "the plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -346,7 +346,9 @@ def _legend(ax) -> None:
 
 def plot(results: list[dict], out: Path) -> list[Path]:
     """acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png (one panel per task)."""
-    import matplotlib
+    from .._extras import require
+
+    matplotlib = require("matplotlib", "the plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -264,6 +264,9 @@ class Records:
 
     def __enter__(self) -> Records:
         if self.out is not None:
+            from .._extras import require
+
+            require("tensorboard", "the run records (TensorBoard events)")
             from torch.utils.tensorboard import SummaryWriter
 
             self.out.mkdir(parents=True, exist_ok=True)
