@@ -32,6 +32,7 @@ _LAZY: dict[str, str] = {
     "export": "rankwise.lowrank",
     "stability_distance": "rankwise.lowrank",
     "to_low_rank": "rankwise.lowrank",
+    "fit": "rankwise.train",
 }
 
 _SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "peft", "models", "data", "train", "train_config", "dist",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import export as export
     from .lowrank import stability_distance as stability_distance
     from .lowrank import to_low_rank as to_low_rank
+    from .train import fit as fit
 
 
 def __getattr__(name: str) -> Any:
