@@ -43,7 +43,7 @@ def test_fit_equals_a_hand_written_loop():
             loss = F.cross_entropy(b(x[idx]), y[idx])
             loss.backward()
             opt_b.step()
-            ref.append(float(loss))
+            ref.append(float(loss.detach()))
     assert losses == ref and loop.global_step == 15 and loop.steps == 5
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)

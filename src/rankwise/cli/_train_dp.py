@@ -82,3 +82,6 @@ def _worker(config_json: str, summary_path: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])
+    from ..dist import exit_worker
+
+    exit_worker()

@@ -20,6 +20,7 @@ and times, and whether the merged loss curve equals the reference bitwise.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import os
@@ -46,6 +47,7 @@ def _worker(args: argparse.Namespace) -> None:
     from ..train import Callback, CodedCheckpoints, fit
 
     torch.set_num_threads(1)
+    faulthandler.enable()  # a native abort (e.g. in gloo) prints the Python stack to torchrun.log
     attempt = init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(args.out)
@@ -230,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.cmd == "worker":
         _worker(a)
+        from ..dist import exit_worker
+
+        exit_worker()
     else:
         try:
             result = run_demo(a.workdir, nproc=a.nproc, overwrite=a.force, method=a.method)
