@@ -14,12 +14,13 @@ Multi-node: the same ``rankwise.train`` under torchrun's own ``--nnodes`` / ``--
 (``torchrun ... -m rankwise.cli._train_dp CONFIG_JSON SUMMARY_PATH`` is what ``--nproc``
 launches). The pattern in a training script of your own::
 
-    init_process_group()                                   # rankwise.dist: restart-safe
+    rankwise.dist.init_process_group()                     # restart-safe
+    pg = torch.distributed.group.WORLD
     model = rankwise.to_low_rank(model, rank=32)           # the same model on every rank
-    opt = rankwise.SDLRT(model, 0.05, tau=0.1, momentum=0.9,
-                         process_group=torch.distributed.group.WORLD)   # no DDP wrapper
-    ck = rankwise.ckpt.CodedCheckpointer(t=1, store_dir="/local/ckpt")
-    ...                                                    # restore, then train on this rank's shard
+    opt = rankwise.SDLRT(model, 0.05, tau=0.1, momentum=0.9, process_group=pg)   # no DDP wrapper
+    ck = CodedCheckpoints(CodedCheckpointer(t=1, store_dir="/local/ckpt", process_group=pg), every=10)
+    rankwise.train.fit(model, opt, X, y, epochs=3, batch_size=64, process_group=pg,
+                       shuffle=torch.Generator().manual_seed(0), callbacks=[ck])  # resumes if it can
 """
 
 import json
@@ -31,6 +32,12 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
+    usage = "usage: python examples/resilient_sdlrt.py [WORKDIR] [-- rankwise train options]"
+    if argv in (["-h"], ["--help"]):
+        print(__doc__.split("::")[0].strip() + "\n\n" + usage)
+        sys.exit(0)
+    if any(a.startswith("-") for a in argv) or len(argv) > 1:
+        sys.exit(f"error: unknown arguments {argv}\n{usage}")
     workdir = argv[0] if argv else "runs/resilient_sdlrt"
     options = extra or ["--method", "sdlrt", "--model", "mlp", "--rank", "32", "--tau", "0.3",
                         "--epochs", "3"]
