@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # lora-2r: LoRA at twice the rank, the rank the DLRT/SDLRT adapters may grow to (max_rank)
+from ..train import Callback, Loop, accuracy, fit
 from ._peft_spec import METHODS as METHODS
 from ._peft_spec import SETTINGS as SETTINGS
 from ._peft_spec import PeftRunSpec as PeftRunSpec
@@ -120,15 +120,34 @@ def _build(spec: PeftRunSpec, total_steps: int):
     return model, opt, hook
 
 
-@torch.no_grad()
-def _accuracy(model: nn.Module, ids, mask, y, idx: list[int], batch: int = 64) -> float:
-    model.eval()
-    correct = 0
-    for i in range(0, len(idx), batch):
-        j = idx[i:i + batch]
-        correct += int((model(input_ids=ids[j], attention_mask=mask[j]).logits.argmax(-1) == y[j]).sum())
-    model.train()
-    return correct / len(idx)
+class _Logits(nn.Module):
+    """A Hugging Face sequence classifier as a function of article indices: j (B,) int64 ->
+    logits (B, classes), reading the articles' token ids and masks."""
+
+    def __init__(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.model, self.ids, self.mask = model, ids, mask
+
+    def forward(self, j: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=self.ids[j], attention_mask=self.mask[j]).logits
+
+
+class _StepLog(Callback):
+    """Each step's time and loss, AdaLoRA's rank-allocation hook, and the progress report."""
+
+    def __init__(self, hook, progress, steps: int) -> None:
+        self.hook, self.progress, self.steps = hook, progress, steps
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def on_step_end(self, loop: Loop) -> None:
+        t0 = time.perf_counter()
+        if self.hook is not None:
+            self.hook(loop.global_step - 1)
+        self.times.append(loop.step_seconds + time.perf_counter() - t0)
+        self.losses.append(loop.loss)
+        if self.progress is not None:
+            self.progress(loop.global_step, self.steps, f"loss {loop.loss:.3f}")
 
 
 def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], int]:
@@ -165,30 +184,18 @@ def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> 
 
         train = subsample(labels, split["train"], n, spec.seed)
     model, opt, hook = _build(spec, spec.steps)
-    model.train()
-    g = torch.Generator().manual_seed(spec.seed)
-    order = torch.tensor(train)[torch.randperm(len(train), generator=g)]
-    times, losses, pos = [], [], 0
-    for step in range(spec.steps):
-        if pos + spec.batch_size > len(order):
-            order = torch.tensor(train)[torch.randperm(len(train), generator=g)]
-            pos = 0
-        j = order[pos:pos + spec.batch_size]
-        pos += spec.batch_size
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = F.cross_entropy(model(input_ids=ids[j], attention_mask=mask[j]).logits, y[j])
-        loss.backward()
-        opt.step()
-        if hook is not None:
-            hook(step)
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, spec.steps, f"loss {losses[-1]:.3f}")
+    logits = _Logits(model, ids, mask)
+    log = _StepLog(hook, progress, spec.steps)
+    articles = torch.tensor(train)
+    # epochs of whole batches over the shuffled articles (a short last batch is left out)
+    fit(logits, opt, articles, y[articles], epochs=math.ceil(spec.steps / (len(train) // spec.batch_size)),
+        batch_size=spec.batch_size, drop_last=True, max_steps=spec.steps,
+        shuffle=torch.Generator().manual_seed(spec.seed), callbacks=[log])
+    times, losses = log.times, log.losses
     ranks, trainable = _ranks_and_params(model, spec.method)
-    return dict(spec=asdict(spec), key=spec.key, val_acc=_accuracy(model, ids, mask, y, split["val"]),
-                test_acc=_accuracy(model, ids, mask, y, split["test"]),
+    val, test = torch.tensor(split["val"]), torch.tensor(split["test"])
+    return dict(spec=asdict(spec), key=spec.key, val_acc=accuracy(logits, val, y[val], batch=64),
+                test_acc=accuracy(logits, test, y[test], batch=64),
                 final_loss=float(np.mean(losses[-10:])),
                 step_seconds=float(np.median(times[1:] or times)), trainable_params=trainable, ranks=ranks,
                 peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,

@@ -114,6 +114,7 @@ class Loop:
 
 def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *, epochs: int = 1,
         batch_size: int = 32, max_steps: int | None = None, shuffle: torch.Generator | None = None,
+        drop_last: bool = False,
         loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, callbacks: Sequence[Callback] = (),
         process_group=None, clip_grad_norm: float | None = None,
         transform: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None) -> Loop:
@@ -121,10 +122,11 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
 
     Every epoch draws a permutation of the N samples (``torch.randperm`` with `shuffle`, or
     with the global RNG when it is ``None``) and takes minibatches of `batch_size` from it, the
-    last one possibly smaller. Each step calls ``optimizer.step(closure)``; the closure zeroes
-    the gradients, computes ``loss_fn(model(x_b), y_b)`` (a mean over the batch), back-propagates
-    and, with `clip_grad_norm`, clips the gradients' global norm. Works with torch optimizers and
-    with rankwise's integrators (:class:`rankwise.DLRT`, :class:`rankwise.SDLRT`), which call the
+    last one possibly smaller (or left out, with `drop_last`). Each step calls
+    ``optimizer.step(closure)``; the closure zeroes the gradients, computes
+    ``loss_fn(model(x_b), y_b)`` (a mean over the batch), back-propagates and, with
+    `clip_grad_norm`, clips the gradients' global norm. Works with torch optimizers and with
+    rankwise's integrators (:class:`rankwise.DLRT`, :class:`rankwise.SDLRT`), which call the
     closure themselves.
 
     **Data-parallel** (`process_group` with more than one rank, e.g.
@@ -152,10 +154,13 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
     for name, v in (("epochs", epochs), ("batch_size", batch_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
+    if drop_last and n < batch_size:
+        raise ValueError(f"drop_last with {n} samples and batch_size {batch_size} leaves no batch")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
         raise ValueError(f"`max_steps` must be an int >= 1 or None; got {max_steps!r}")
+    steps = n // batch_size if drop_last else math.ceil(n / batch_size)
     loop = Loop(model, optimizer, callbacks=callbacks, process_group=process_group, epochs=epochs,
-                steps=math.ceil(n / batch_size), batch_size=batch_size, max_steps=max_steps, shuffle=shuffle)
+                steps=steps, batch_size=batch_size, max_steps=max_steps, shuffle=shuffle)
     loop._emit("on_fit_start")  # a checkpointer among the callbacks may move the loop on here
     resumed = loop.order is not None
     model.train()
