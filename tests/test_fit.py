@@ -130,3 +130,19 @@ def test_bad_arguments_are_named():
         fit(m, opt, x, y, epochs=0)
     with pytest.raises(ValueError, match="`max_steps`"):
         fit(m, opt, x, y, max_steps=0)
+
+
+def test_drop_last_takes_whole_batches_only():
+    x, y = _data(n=70)
+    sizes = []
+
+    class Sizes(Callback):
+        def on_step_end(self, loop):
+            sizes.append(len(loop.y))
+
+    m = _model()
+    loop = fit(m, torch.optim.SGD(m.parameters(), lr=0.1), x, y, epochs=2, batch_size=16, drop_last=True,
+               callbacks=[Sizes()])
+    assert sizes == [16] * 8 and loop.steps == 4
+    with pytest.raises(ValueError, match="leaves no batch"):
+        fit(m, torch.optim.SGD(m.parameters(), lr=0.1), x, y, batch_size=71, drop_last=True)

@@ -7,3 +7,34 @@ def check_unit_interval(value, name: str = "tau") -> None:
     """Raise ``ValueError`` unless `value` is in [0, 1) (a relative tolerance: τ, τ_min, …)."""
     if not 0 <= value < 1:  # (also refuses NaN)
         raise ValueError(f"`{name}` must be in [0, 1); got {value}")
+
+
+_COUNTS = ("epochs", "steps", "batch_size")
+
+
+def check_training(**settings) -> None:
+    """Check the settings every training run has, with one wording for all run configs
+    (:class:`rankwise.train.TrainConfig`, the sweep's, the ODE and PEFT studies' specs):
+    ``epochs``, ``steps``, ``batch_size`` ints ≥ 1; ``lr`` a finite number > 0; ``momentum``
+    in [0, 1); ``seed`` an int. Raises ``ValueError`` (``TypeError`` for a non-int seed)."""
+    import math
+
+    for name, v in settings.items():
+        if name in _COUNTS:
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
+        elif name == "lr":
+            if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
+                raise ValueError(f"`lr` must be a finite number > 0; got {v!r}")
+        elif name == "momentum":
+            if not (isinstance(v, int | float) and 0 <= v < 1):
+                raise ValueError(f"`momentum` must be in [0, 1); got {v!r}")
+        elif name == "seed":
+            if not _is_int(v):
+                raise TypeError(f"`seed` must be an int; got {type(v).__name__}")
+        else:
+            raise TypeError(f"check_training: unknown setting {name!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

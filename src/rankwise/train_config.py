@@ -4,12 +4,11 @@ command line can build and check it before importing torch."""
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._checks import check_unit_interval
+from ._checks import check_training, check_unit_interval
 
 Method = Literal["dense", "dlrt", "sdlrt"]
 METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
@@ -91,16 +90,8 @@ class TrainConfig:
             raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.tau_min}")
         if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):
             raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
-        if not _is_int(self.epochs) or self.epochs < 1:
-            raise ValueError(f"`epochs` must be an int >= 1; got {self.epochs!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"`lr` must be a finite number > 0; got {self.lr}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"`momentum` must be in [0, 1); got {self.momentum}")
-        if not _is_int(self.batch_size) or self.batch_size < 1:
-            raise ValueError(f"`batch_size` must be an int >= 1; got {self.batch_size!r}")
-        if not _is_int(self.seed):
-            raise TypeError(f"`seed` must be an int; got {type(self.seed).__name__}")
+        check_training(epochs=self.epochs, lr=self.lr, momentum=self.momentum, batch_size=self.batch_size,
+                       seed=self.seed)
         if self.out is not None and not isinstance(self.out, Path):
             raise TypeError(f"`out` must be a pathlib.Path or None; got {type(self.out).__name__}")
         if (self.checkpoint_every is None) != (self.checkpoint_dir is None):

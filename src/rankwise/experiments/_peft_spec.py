@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._checks import check_training
+
 METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")
 SETTINGS = {"full": None, "100": 100, "25": 25}  # training articles (None: the whole training split)
 
@@ -28,6 +30,10 @@ class PeftRunSpec:
             raise ValueError(f"method must be one of {METHODS}; got {self.method!r}")
         if self.setting not in SETTINGS:
             raise ValueError(f"setting must be one of {list(SETTINGS)}; got {self.setting!r}")
+        check_training(steps=self.steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed)
+        if SETTINGS[self.setting] is not None and self.batch_size > SETTINGS[self.setting]:
+            raise ValueError(f"`batch_size` {self.batch_size} is larger than the {self.setting} training "
+                             "articles of this setting")
 
     @property
     def key(self) -> str:

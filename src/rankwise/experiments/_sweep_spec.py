@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .._checks import check_unit_interval
+from .._checks import check_training, check_unit_interval
 from ..train_config import RAMP_SHARE
 
 METHODS: dict[str, dict[str, Any] | None] = {
@@ -88,13 +88,11 @@ class RunSpec:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}; got {self.method!r}")
         check_unit_interval(self.tau, "tau")
-        for name in ("epochs", "rank", "batch_size", "dt_every"):
+        check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
+                       seed=self.seed)
+        for name in ("rank", "dt_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0; got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1); got {self.momentum}")
         if not 0 < self.omega < 1:
             raise ValueError(f"omega must be in (0, 1); got {self.omega}")
         if self.target is not None and not 0 < self.target < 1:

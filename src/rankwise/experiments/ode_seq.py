@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_training
 from .._io import write_atomic
 from ..data import load_digits, load_mnist1d
 from ..ode import AbstractController, DefectController, FixedController, LowRankODEBlock, audit_gradients
@@ -143,7 +144,8 @@ class OdeRunConfig:
             raise ValueError(f"`data` must be 'digits' or 'mnist1d'; got {self.data!r}")
         if self.controller not in ("fixed", "adaptive", "replay"):
             raise ValueError(f"`controller` must be 'fixed', 'adaptive' or 'replay'; got {self.controller!r}")
-        for name in ("c", "rank", "layers", "depth_steps", "epochs", "batch_size"):
+        check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, seed=self.seed)
+        for name in ("c", "rank", "layers", "depth_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1; got {getattr(self, name)}")
         if not 1 <= self.rank <= self.m:
@@ -153,8 +155,6 @@ class OdeRunConfig:
             raise ValueError(f"`max_rank` must be in [rank={self.rank}, m={self.m}]; got {self.max_rank}")
         if self.controller != "fixed" and self.c_max < self.c:
             raise ValueError(f"`c_max` must be >= c={self.c}; got {self.c_max}")
-        if not self.lr > 0:
-            raise ValueError(f"`lr` must be > 0; got {self.lr}")
 
     @property
     def name(self) -> str:

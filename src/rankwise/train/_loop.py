@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._checks import check_training
+
 
 class Callback:
     """Hooks called by :func:`fit`, each with the :class:`Loop`; override the ones you need.
@@ -151,9 +153,7 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
         raise ValueError(f"x and y differ in length: {n} samples, {len(y)} targets")
     if n == 0:
         raise ValueError("no training samples (x is empty)")
-    for name, v in (("epochs", epochs), ("batch_size", batch_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
+    check_training(epochs=epochs, batch_size=batch_size)
     if drop_last and n < batch_size:
         raise ValueError(f"drop_last with {n} samples and batch_size {batch_size} leaves no batch")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
