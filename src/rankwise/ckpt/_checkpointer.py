@@ -19,6 +19,7 @@ import hashlib
 import io
 import logging
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._code2d import Code2D, Commitment, Fragment, NotEnoughSymbols, RepairSymbols
+from . import _wire
+from ._code2d import CODEC, Code2D, Commitment, Fragment, NotEnoughSymbols, RepairSymbols
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,14 @@ def _step_of(folder: Path) -> int | None:
         return int(folder.name[5:]) if folder.name.startswith("step_") else None
     except ValueError:
         return None
+
+
+def _holds(path: Path, com: Commitment) -> bool:
+    """Does `path` hold exactly `com` (byte for byte)?"""
+    try:
+        return path.read_bytes() == com.to_bytes()
+    except OSError:
+        return False
 
 
 def _flip(blob: bytes, at: int) -> bytes:
@@ -119,31 +129,35 @@ class CodedCheckpointer:
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
 
-    def _gather(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.n
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def _gather(self, payload: bytes, size: int) -> list[bytes | None]:
+        return _wire.all_gather_fixed(payload, size, self.group)
 
     def _step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:010d}"
 
     def _local_steps(self) -> dict[int, bytes]:
-        """Complete local steps -> commitment root (unreadable commitments are skipped)."""
+        """Complete local steps -> commitment root. Unreadable commitments are skipped, and so
+        are commitments of this code whose fields do not hash to their root (rewritten by
+        someone); one of another code keeps its vote, so that restoring it fails loudly."""
         out: dict[int, bytes] = {}
         if not self.dir.is_dir():
             return out
         for d in self.dir.glob("step_*"):
             step = _step_of(d)
             try:
-                if step is not None:
-                    out[step] = Commitment.load(d / "commitment.rwck").root
+                if step is None:
+                    continue
+                com = Commitment.load(d / "commitment.rwck")
+                if (com.n, com.t, com.hash) == (self.n, self.t, self.code.hash_name):
+                    self.code._check(com)
+                out[step] = com.root
             except (ValueError, OSError):
                 continue
         return out
 
     def _raise_if_any(self, err: str | None, what: str) -> None:
         """Collective: every rank raises if any rank failed (so none is left waiting)."""
-        errs = self._gather(err)
+        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES)]
         bad = {r: e for r, e in enumerate(errs) if e}
         if bad:
             raise RuntimeError(f"{what} failed on rank(s) {sorted(bad)}: "
@@ -162,18 +176,35 @@ class CodedCheckpointer:
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"`step` must be a non-negative int; got {step!r}")
         t0 = time.perf_counter()
-        # always gathered (ranks must make the same collective calls), with the step
-        steps, extras = zip(*self._gather((step, per_rank)), strict=True)
+        # always gathered (ranks must make the same collective calls), with the step; the
+        # per-rank extras travel as torch.save bytes and are loaded (weights_only) by their own
+        # rank only, after a restore verified them
+        extra = b"" if per_rank is None else serialize(per_rank)
+        heads = self._gather(struct.pack("<QBQ", step, per_rank is not None, len(extra)), 17)
+        if any(h is None or len(h) != 17 for h in heads):
+            raise RuntimeError(f"save(step={step}): malformed message from rank(s) "
+                               f"{[r for r, h in enumerate(heads) if h is None or len(h) != 17]}")
+        steps, flags, sizes = zip(*(struct.unpack("<QBQ", h) for h in heads), strict=True)
         if len(set(steps)) != 1:
             raise RuntimeError(f"save: the ranks save different steps: {list(steps)}")
-        if any(x is None for x in extras) and any(x is not None for x in extras):
+        if len(set(flags)) != 1:
             raise RuntimeError(f"save(step={step}): per_rank given on some ranks only")
-        blob = serialize({"state": _to_cpu(state), "per_rank": None if extras[0] is None else list(extras)})
+        if max(sizes) > _wire.MAX_PER_RANK:
+            raise RuntimeError(f"save(step={step}): per_rank of {max(sizes)} bytes on rank "
+                               f"{sizes.index(max(sizes))}; at most {_wire.MAX_PER_RANK} (RNG states, "
+                               "not data)")
+        extras = self._gather(extra, max(sizes)) if flags[0] else None
+        blob = serialize({"state": _to_cpu(state), "per_rank": extras})
         # each rank encodes only its own share; the 2n line roots are gathered (with a digest
         # of the bytes, which catches ranks whose states diverged)
         frag, row_root, col_root = self.code.encode_share(blob, self.rank)
         digest = hashlib.sha256(blob).digest()
-        shared = self._gather((digest, row_root, col_root))
+        d = len(row_root)
+        got = self._gather(digest + row_root + col_root, 32 + 2 * d)
+        if any(g is None or len(g) != 32 + 2 * d for g in got):
+            raise RuntimeError(f"save(step={step}): malformed roots from rank(s) "
+                               f"{[r for r, g in enumerate(got) if g is None or len(g) != 32 + 2 * d]}")
+        shared = [(g[:32], g[32:32 + d], g[32 + d:]) for g in got]
         if len({x[0] for x in shared}) != 1:
             groups: dict[bytes, list[int]] = {}
             for r, x in enumerate(shared):
@@ -212,7 +243,9 @@ class CodedCheckpointer:
         repair symbols, decode the state from any k rows and return ``(state, step)``; None when
         no step is restorable (a fresh start)."""
         t0 = time.perf_counter()
-        held = self._gather(self._local_steps())
+        digest = len(self.code._h(b""))
+        held = [_wire.unvotes(b, digest)
+                for b in self._gather(_wire.votes(self._local_steps(), digest), _wire.votes_size(digest))]
         votes: dict[tuple[int, bytes], list[int]] = {}
         for r, steps in enumerate(held):
             for s, root in steps.items():
@@ -230,18 +263,10 @@ class CodedCheckpointer:
         step, root = ok_steps[0]
         holders = votes[(step, root)]
         d = self._step_dir(step)
-        # the commitment: from disk where this rank has it, else from the lowest holder
-        obj = [Commitment.load(d / "commitment.rwck").to_bytes() if self.rank == holders[0] else None]
-        dist.broadcast_object_list(obj, src=self._global(holders[0]), group=self.group)
-        com = Commitment.from_bytes(obj[0])
-        if com.root != root:  # the same on every rank: all raise together
-            raise RuntimeError(f"restore: the broadcast commitment of step {step} does not match its root")
-        try:
-            self.code._check(com)
-        except ValueError as e:  # e.g. restarted with another world size, t or hash
-            raise RuntimeError(f"restore: step {step} was saved with another code: {e}") from e
+        com = self._agreed_commitment(d, step, root, holders)
         status, frag = self._check_local(d, com)
-        statuses = self._gather(status)
+        statuses = [_wire.untext(b) or "(empty status)"
+                    for b in self._gather(_wire.text(status), _wire.TEXT_BYTES)]
         targets = [r for r, s in enumerate(statuses) if s != "ok"]
         helpers = [r for r, s in enumerate(statuses) if s == "ok"]
         if targets:
@@ -265,17 +290,18 @@ class CodedCheckpointer:
                 else:
                     d.mkdir(parents=True, exist_ok=True)
                     frag.save(d / "fragment.rwck")
-            if err is None and not (d / "commitment.rwck").exists():
-                com.save(d / "commitment.rwck")  # restores this rank's vote
+            if err is None and not _holds(d / "commitment.rwck", com):
+                com.save(d / "commitment.rwck")  # restores (or repairs) this rank's vote
         except OSError as e:
             err = f"writing {d}: {e}"
         self._raise_if_any(err, "repair")
         t_ret = time.perf_counter()
         blob, s, rc, bad = self._retrieve(frag, com)
         bad_helpers |= set(bad)
-        saved = deserialize(blob, weights_only=self.weights_only)
+        saved = deserialize(blob, weights_only=self.weights_only)  # verified against the agreed root
         state = saved["state"]
-        self.per_rank = saved["per_rank"][self.rank] if saved["per_rank"] is not None else None
+        mine = saved["per_rank"][self.rank] if saved["per_rank"] is not None else None
+        self.per_rank = deserialize(mine) if isinstance(mine, bytes) else mine  # (format v1: objects)
         self._stats = dict(op="restore", step=step, repaired=targets, helpers=helpers,
                            repair_bytes_sent=sent, repair_bytes_received=recv,
                            retrieve_bytes_sent=s, retrieve_bytes_received=rc,
@@ -284,6 +310,42 @@ class CodedCheckpointer:
                            restore_seconds=time.perf_counter() - t0, state_bytes=len(blob),
                            block_size=com.block_size)
         return state, step
+
+    def _agreed_commitment(self, d: Path, step: int, root: bytes, holders: list[int]) -> Commitment:
+        """Collective: the commitment of `step` whose root `root` k ranks voted for. Every
+        holder sends its copy (a fixed number of bytes); each rank takes the first copy that
+        parses, is consistent with this code and has that root, so a lying holder is passed over."""
+        mine, err = b"", None
+        if self.rank in holders:
+            try:
+                com = Commitment.load(d / "commitment.rwck")
+                self.code._check(com)
+                mine = com.to_bytes()
+            except ValueError as e:  # e.g. restarted with another world size, t or hash
+                err = f"step {step} was saved with another code: {e}"
+            except OSError as e:
+                err = f"reading the commitment of step {step}: {e}"
+        self._raise_if_any(err, "restore")
+        copies = self._gather(mine, self._commitment_bytes())
+        for r in holders:
+            try:
+                com = Commitment.from_bytes(copies[r] or b"")
+                self.code._check(com)
+            except ValueError:
+                log.warning("restore step %d: rank %d sent an invalid commitment; ignored", step, r)
+                continue
+            if com.root == root:
+                return com
+            log.warning("restore step %d: rank %d sent a commitment with another root; ignored", step, r)
+        raise RuntimeError(f"restore: no valid commitment of step {step} with the agreed root among its "
+                           f"holders {holders}")
+
+    def _commitment_bytes(self) -> int:
+        """The length of any commitment of this code (the header's size is fixed by it)."""
+        d = len(self.code._h(b""))
+        lines = (bytes(d),) * (2 * self.n)
+        dummy = Commitment(self.n, self.t, 0, 1, self.code.hash_name, CODEC, lines, bytes(d))
+        return len(dummy.to_bytes())
 
     def _check_local(self, d: Path, com: Commitment) -> tuple[str, Fragment | None]:
         path = d / "fragment.rwck"
@@ -306,23 +368,21 @@ class CodedCheckpointer:
         received, helpers whose symbols failed verification)."""
         sent = recv = 0
         err, out, bad = None, None, []
+        size = self.code.symbols_size(target, com.block_size)  # exactly this much from each helper
         if self.rank in helpers:
             assert frag is not None
             payload = self.code.helper_symbols(frag, target).to_bytes()
             if self.fault == "corrupt_symbols":
                 payload = _flip(payload, len(payload) // 2)
-            size = torch.tensor([len(payload)], dtype=torch.int64)
-            dist.send(size, self._global(target), group=self.group)
+            if len(payload) != size:  # pragma: no cover - our own symbols always have the size
+                raise RuntimeError(f"repair symbols of {len(payload)} bytes, expected {size}")
             dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self._global(target),
                       group=self.group)
             sent += len(payload)
         elif self.rank == target:
-            sizes = {h: torch.zeros(1, dtype=torch.int64) for h in helpers}
-            for h in helpers:
-                dist.recv(sizes[h], self._global(h), group=self.group)
             symbols: list[RepairSymbols] = []
             for h in helpers:
-                buf = torch.empty(int(sizes[h]), dtype=torch.uint8)
+                buf = torch.empty(size, dtype=torch.uint8)
                 dist.recv(buf, self._global(h), group=self.group)
                 recv += buf.numel()
                 try:
@@ -341,8 +401,10 @@ class CodedCheckpointer:
             except Exception as e:  # reported to every rank below instead of a lone raise
                 err = f"{type(e).__name__}: {e}"
         self._raise_if_any(err, f"repair of rank {target}")
-        bad_all = self._gather(bad if self.rank == target else None)[target]
-        return out, sent, recv, bad_all
+        named = torch.frombuffer(bytearray(_wire.bitmap(bad if self.rank == target else [], self.n)),
+                                 dtype=torch.uint8)
+        dist.broadcast(named, self._global(target), group=self.group)
+        return out, sent, recv, _wire.unbitmap(named.numpy().tobytes())
 
     def _retrieve(self, frag: Fragment, com: Commitment) -> tuple[bytes, int, int, list[int]]:
         """Collective: all-gather every rank's row C[i, :] (|m|/k bytes) and decode from any k

@@ -41,7 +41,11 @@ class NotEnoughSymbols(Exception):
 @dataclass(frozen=True)
 class Commitment:
     """What every party agrees on: geometry, and Merkle roots of the 2n lines of P (rows 0..n−1,
-    then columns 0..n−1) under one top ``root``."""
+    then columns 0..n−1) under one top ``root``.
+
+    From format version 2 ``root`` also binds `n`, `t`, `data_len`, `block_size`, `hash`,
+    `codec` and the version (:func:`commitment_root`): two commitments with the same root agree
+    on everything decoding uses. Version 1 roots cover the line roots only."""
 
     n: int
     t: int
@@ -51,23 +55,25 @@ class Commitment:
     codec: str
     line_roots: tuple[bytes, ...]
     root: bytes
+    version: int = _format.VERSION
 
     def to_bytes(self) -> bytes:
         names = b"".join(len(x).to_bytes(1, "little") + x for x in (self.hash.encode(), self.codec.encode()))
         d = len(self.root)
         body = struct.pack("<HHQQB", self.n, self.t, self.data_len, self.block_size, d) + names
-        return _format.seal(_format.COMMITMENT, body + b"".join(self.line_roots) + self.root)
+        return _format.seal(_format.COMMITMENT, body + b"".join(self.line_roots) + self.root, self.version)
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Commitment:
-        r = _format.Reader(_format.unseal(blob, _format.COMMITMENT, "commitment"), "commitment")
+        version, body = _format.unseal_versioned(blob, _format.COMMITMENT, "commitment")
+        r = _format.Reader(body, "commitment")
         n, t, data_len, block_size, d = r.unpack("HHQQB")
         hash_name = r.take(r.unpack("B")[0]).decode("ascii", "strict")
         codec = r.take(r.unpack("B")[0]).decode("ascii", "strict")
         roots = tuple(r.take(d) for _ in range(2 * n))
         root = r.take(d)
         r.done()
-        return cls(n, t, data_len, block_size, hash_name, codec, roots, root)
+        return cls(n, t, data_len, block_size, hash_name, codec, roots, root, version)
 
     def save(self, path) -> None:
         """Atomic write of :meth:`to_bytes`."""
@@ -77,6 +83,22 @@ class Commitment:
     def load(cls, path) -> Commitment:
         with open(path, "rb") as f:
             return cls.from_bytes(f.read())
+
+
+CODEC = "cauchy-gf256"
+
+
+def commitment_root(h, *, n: int, t: int, data_len: int, block_size: int, hash: str, codec: str,
+                    line_roots: tuple[bytes, ...], version: int = _format.VERSION) -> bytes:
+    """The commitment's root: version 2 hashes the header fields (version, n, t, data_len,
+    block_size, hash, codec) with the Merkle root of the 2n line roots; version 1 is that
+    Merkle root alone (not tamper-evident for the header)."""
+    top = _merkle.root(h, list(line_roots))
+    if version < 2:
+        return top
+    head = struct.pack("<HHHQQ", version, n, t, data_len, block_size)
+    names = b"".join(len(x).to_bytes(1, "little") + x for x in (hash.encode(), codec.encode()))
+    return h(b"\x02rwck-commitment", head, names, top)
 
 
 @dataclass(frozen=True)
@@ -158,6 +180,9 @@ class Dispersal:
     commitment: Commitment
 
 
+_WARNED_V1: set[bytes] = set()  # v1 commitments already warned about (once each)
+
+
 class Code2D:
     """The 2-D code with n workers tolerating t losses (k = n − t; 1 ≤ t, 3t < n ≤ 255).
 
@@ -216,10 +241,7 @@ class Code2D:
         rows = [_merkle.levels_from_leaves(self._h, leaves[i])[-1][0] for i in range(n)]
         cols = [_merkle.levels_from_leaves(self._h, [leaves[i][j] for i in range(n)])[-1][0]
                 for j in range(n)]
-        lines = tuple(rows + cols)
-        com = Commitment(self.n, self.t, len(data), B, self.hash_name, "cauchy-gf256",
-                         lines, _merkle.root(self._h, list(lines)))
-        return Dispersal(frags, com)
+        return Dispersal(frags, self._commitment(len(data), tuple(rows + cols)))
 
     def encode_share(self, data: bytes | bytearray | memoryview, index: int) -> tuple[Fragment, bytes, bytes]:
         """Worker ``index``'s fragment of :meth:`encode` and the Merkle roots of its row and
@@ -251,17 +273,32 @@ class Code2D:
         if len(row_roots) != self.n or len(col_roots) != self.n:
             raise ValueError(f"need {self.n} row and {self.n} column roots; "
                              f"got {len(row_roots)}, {len(col_roots)}")
-        lines = tuple(row_roots) + tuple(col_roots)
-        return Commitment(self.n, self.t, data_len, self.block_size(data_len), self.hash_name,
-                          "cauchy-gf256", lines, _merkle.root(self._h, list(lines)))
+        return self._commitment(data_len, tuple(row_roots) + tuple(col_roots))
+
+    def _commitment(self, data_len: int, lines: tuple[bytes, ...]) -> Commitment:
+        fields = dict(n=self.n, t=self.t, data_len=data_len, block_size=self.block_size(data_len),
+                      hash=self.hash_name, codec=CODEC, line_roots=lines)
+        return Commitment(**fields, root=commitment_root(self._h, **fields))
 
     # ---------------------------------------------------------------- verification
     def _check(self, com: Commitment) -> None:
-        if (com.n, com.t) != (self.n, self.t) or com.hash != self.hash_name:
-            raise ValueError(f"commitment is for n={com.n}, t={com.t}, hash={com.hash}; this code is "
-                             f"n={self.n}, t={self.t}, hash={self.hash_name}")
-        if len(com.line_roots) != 2 * self.n or _merkle.root(self._h, list(com.line_roots)) != com.root:
-            raise ValueError("commitment is inconsistent: its line roots do not hash to its root")
+        """Raise ``ValueError`` unless `com` is a commitment of this code whose fields are
+        consistent: its geometry, and its root recomputed from them (:func:`commitment_root`)."""
+        if (com.n, com.t) != (self.n, self.t) or com.hash != self.hash_name or com.codec != CODEC:
+            raise ValueError(f"commitment is for n={com.n}, t={com.t}, hash={com.hash}, codec={com.codec}; "
+                             f"this code is n={self.n}, t={self.t}, hash={self.hash_name}, codec={CODEC}")
+        if com.block_size != self.block_size(com.data_len):
+            raise ValueError(f"commitment is inconsistent: block_size {com.block_size} does not fit "
+                             f"data_len {com.data_len} (expected {self.block_size(com.data_len)})")
+        if len(com.line_roots) != 2 * self.n or com.root != commitment_root(
+                self._h, n=com.n, t=com.t, data_len=com.data_len, block_size=com.block_size, hash=com.hash,
+                codec=com.codec, line_roots=com.line_roots, version=com.version):
+            raise ValueError("commitment is inconsistent: its fields do not hash to its root")
+        if com.version < 2 and com.root not in _WARNED_V1:
+            _WARNED_V1.add(com.root)
+            log.warning("commitment format version %d: its root does not bind n, t, data_len, block_size, "
+                        "hash and codec, so a rewritten header is not tamper-evident (re-save to upgrade)",
+                        com.version)
 
     def verify(self, fragment: Fragment, commitment: Commitment) -> bool:
         """Do the fragment's row and column lines hash to the committed line roots?"""
@@ -273,6 +310,15 @@ class Code2D:
                 and _merkle.root(self._h, self._col_line(fragment, B)) == commitment.line_roots[self.n + i])
 
     # ---------------------------------------------------------------- repair
+    def symbols_size(self, target: int, block_size: int) -> int:
+        """The exact length of an honest helper's :meth:`helper_symbols` for `target` (its
+        wire form), from the geometry alone: what a receiver expects, nothing more."""
+        d = len(self._h(b""))
+        depth = len(_merkle.path(_merkle.levels_from_leaves(self._h, [bytes(d)] * self.n), target))
+        dummy = RepairSymbols(0, target, bytes(block_size), (bytes(d),) * depth, bytes(block_size),
+                              (bytes(d),) * depth)
+        return len(dummy.to_bytes())
+
     def helper_symbols(self, fragment: Fragment, target: int) -> RepairSymbols:
         """The two blocks helper ``fragment.index`` sends to rebuild worker ``target``."""
         if not 0 <= target < self.n:
