@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from . import _wire
-from ._code2d import CODEC, Code2D, Commitment, Fragment, NotEnoughSymbols, RepairSymbols
+from ._code2d import CODEC, Code2D, Commitment, Fragment, NotEnoughSymbols, RepairSymbols, commitment_root
+from ._merkle import get_hash
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,21 @@ def _step_of(folder: Path) -> int | None:
         return int(folder.name[5:]) if folder.name.startswith("step_") else None
     except ValueError:
         return None
+
+
+def _self_consistent(com: Commitment) -> bool:
+    """Do the commitment's own fields (under its own n, t and hash) hash to its root?"""
+    try:
+        h = get_hash(com.hash)
+    except ValueError:
+        return False
+    if not 1 <= com.t < 3 * com.t < com.n or len(com.line_roots) != 2 * com.n:
+        return False
+    if com.block_size != max(1, -(-com.data_len // (com.n - com.t) ** 2)):
+        return False
+    return com.root == commitment_root(h, n=com.n, t=com.t, data_len=com.data_len, block_size=com.block_size,
+                                       hash=com.hash, codec=com.codec, line_roots=com.line_roots,
+                                       version=com.version)
 
 
 def _holds(path: Path, com: Commitment) -> bool:
@@ -137,8 +153,8 @@ class CodedCheckpointer:
 
     def _local_steps(self) -> dict[int, bytes]:
         """Complete local steps -> commitment root. Unreadable commitments are skipped, and so
-        are commitments of this code whose fields do not hash to their root (rewritten by
-        someone); one of another code keeps its vote, so that restoring it fails loudly."""
+        are commitments whose fields do not hash to their root (rewritten by someone); one of
+        another code (another n, t or hash) keeps its vote, so that restoring it fails loudly."""
         out: dict[int, bytes] = {}
         if not self.dir.is_dir():
             return out
@@ -148,8 +164,8 @@ class CodedCheckpointer:
                 if step is None:
                     continue
                 com = Commitment.load(d / "commitment.rwck")
-                if (com.n, com.t, com.hash) == (self.n, self.t, self.code.hash_name):
-                    self.code._check(com)
+                if not _self_consistent(com):
+                    continue
                 out[step] = com.root
             except (ValueError, OSError):
                 continue
@@ -320,7 +336,7 @@ class CodedCheckpointer:
             try:
                 com = Commitment.load(d / "commitment.rwck")
                 self.code._check(com)
-                mine = com.to_bytes()
+                mine = self._commitment_copy(com)
             except ValueError as e:  # e.g. restarted with another world size, t or hash
                 err = f"step {step} was saved with another code: {e}"
             except OSError as e:
@@ -339,6 +355,14 @@ class CodedCheckpointer:
             log.warning("restore step %d: rank %d sent a commitment with another root; ignored", step, r)
         raise RuntimeError(f"restore: no valid commitment of step {step} with the agreed root among its "
                            f"holders {holders}")
+
+    # what this rank sends its peers (test doubles of a bad rank override these two)
+    def _helper_payload(self, frag: Fragment, target: int) -> bytes:
+        payload = self.code.helper_symbols(frag, target).to_bytes()
+        return _flip(payload, len(payload) // 2) if self.fault == "corrupt_symbols" else payload
+
+    def _commitment_copy(self, com: Commitment) -> bytes:
+        return com.to_bytes()
 
     def _commitment_bytes(self) -> int:
         """The length of any commitment of this code (the header's size is fixed by it)."""
@@ -371,9 +395,7 @@ class CodedCheckpointer:
         size = self.code.symbols_size(target, com.block_size)  # exactly this much from each helper
         if self.rank in helpers:
             assert frag is not None
-            payload = self.code.helper_symbols(frag, target).to_bytes()
-            if self.fault == "corrupt_symbols":
-                payload = _flip(payload, len(payload) // 2)
+            payload = self._helper_payload(frag, target)
             if len(payload) != size:  # pragma: no cover - our own symbols always have the size
                 raise RuntimeError(f"repair symbols of {len(payload)} bytes, expected {size}")
             dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self._global(target),

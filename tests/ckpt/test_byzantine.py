@@ -1,0 +1,190 @@
+"""One bad location or rank out of n never runs code, never changes the restored state and never
+stops a restore (CodedCheckpointer, gloo ranks in spawned processes)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from distributed import run_world
+from rankwise.ckpt import CodedCheckpointer, _format
+from rankwise.ckpt._checkpointer import serialize
+from rankwise.ckpt._code2d import Code2D, Commitment, commitment_root
+
+MARKER = "pwned"  # a file the planted pickles create when (and only when) they are unpickled
+
+
+class _Plant:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+def _pickle(marker: str) -> bytes:
+    return pickle.dumps({"state": _Plant(marker)})
+
+
+def _state(step: int) -> dict:
+    torch.manual_seed(step)
+    return {"w": torch.randn(300, 40), "step": step, "rng": torch.get_rng_state()}
+
+
+def _reseal(com: Commitment, **changes) -> bytes:
+    """The commitment with fields changed, re-sealed (a valid checksum) and, unless
+    ``keep_root``, with its root recomputed: what an attacker with write access produces."""
+    keep = changes.pop("keep_root", False)
+    fields = {f: getattr(com, f) for f in ("n", "t", "data_len", "block_size", "hash", "codec", "line_roots",
+                                           "version")}
+    fields.update(changes)
+    root = com.root if keep else commitment_root(Code2D(4, 1)._h, **fields)
+    return Commitment(**{k: v for k, v in fields.items() if k != "version"}, root=root,
+                      version=fields["version"]).to_bytes()
+
+
+def _attacks(step_dir: Path, other_dir: Path, marker: str) -> dict[str, dict[str, bytes]]:
+    """What one bad location (rank 0's disk) holds instead of its files, per attack."""
+    com = Commitment.load(step_dir / "commitment.rwck")
+    frag = (step_dir / "fragment.rwck").read_bytes()
+    other = {n: (other_dir / n).read_bytes() for n in ("commitment.rwck", "fragment.rwck")}
+    planted = _pickle(marker)
+    out = {
+        "pickle in the commitment": {"commitment.rwck": planted},
+        "pickle in the fragment": {"fragment.rwck": planted},
+        "pickle sealed as a fragment": {"fragment.rwck": _format.seal(_format.FRAGMENT, planted)},
+        "files of another checkpoint": other,
+        "garbage": {"commitment.rwck": os.urandom(300), "fragment.rwck": os.urandom(len(frag))},
+    }
+    for field, value in (("data_len", com.data_len - 1), ("data_len", com.data_len + 1),
+                         ("block_size", com.block_size + 1), ("t", 2), ("hash", "sha256"),
+                         ("codec", "xor"), ("version", 1)):
+        for keep in (True, False):
+            out[f"{field}={value!r} re-sealed, root {'kept' if keep else 'recomputed'}"] = {
+                "commitment.rwck": _reseal(com, **{field: value, "keep_root": keep})}
+    return out
+
+
+def _one_bad_location(rank: int, store: str, marker: str):
+    import torch.distributed as dist
+
+    ck = CodedCheckpointer(t=1, store_dir=store)
+    ck.save(_state(2), 2)
+    ck.save(_state(3), 3)
+    mine = Path(store) / f"rank{rank}"
+    pristine = Path(store) / f"pristine{rank}"
+    shutil.copytree(mine, pristine)
+    dist.barrier()
+    names = list(_attacks(mine / "step_0000000003", mine / "step_0000000002", marker)) if rank == 0 else None
+    box = [names]
+    dist.broadcast_object_list(box, src=0)  # (the test's own plumbing, between honest test ranks)
+    results = {}
+    for name in box[0]:
+        if rank == 0:
+            for f, data in _attacks(pristine / "step_0000000003", pristine / "step_0000000002",
+                                    marker)[name].items():
+                (mine / "step_0000000003" / f).write_bytes(data)
+        dist.barrier()
+        state, step = ck.restore()
+        results[name] = (step, serialize(state) == serialize(_state(3)), ck.stats()["repaired"])
+        dist.barrier()
+        shutil.rmtree(mine)
+        shutil.copytree(pristine, mine)
+        dist.barrier()
+    return results
+
+
+def test_one_bad_location_never_runs_code_changes_state_or_stops_a_restore(tmp_path):
+    marker = str(tmp_path / MARKER)
+    out = run_world(_one_bad_location, 4, tmp_path, str(tmp_path / "store"), marker, timeout=240)
+    assert not Path(marker).exists(), "a planted pickle ran"
+    names = list(out[0])
+    assert len(names) == 19
+    for r in out:
+        for name, (step, same, repaired) in r.items():
+            assert step == 3 and same, (name, step, same)
+            assert repaired in ([], [0]), (name, repaired)
+    # a rewritten or foreign fragment is rebuilt from the peers
+    assert out[1]["pickle in the fragment"][2] == [0] and out[1]["files of another checkpoint"][2] == [0]
+
+
+class _LyingRank(CodedCheckpointer):
+    """A bad rank: announces a 2⁴⁰-byte block in its repair symbols (in a message of the
+    expected length) and sends a pickle as its copy of the commitment."""
+
+    def __init__(self, *args, marker: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.marker = marker
+
+    def _helper_payload(self, frag, target: int) -> bytes:
+        honest = super()._helper_payload(frag, target)
+        head = struct.pack("<IIQBHH", self.rank, target, 1 << 40, 32, 1, 1)
+        body = head + _pickle(self.marker)
+        return _format.seal(_format.SYMBOLS, body.ljust(len(honest) - 39, b"\0"))
+
+    def _commitment_copy(self, com) -> bytes:
+        honest = super()._commitment_copy(com)
+        return _pickle(self.marker).ljust(len(honest), b"\0")
+
+
+def _lying_rank(rank: int, store: str, marker: str, liar: int, lost: int):
+    import torch.distributed as dist
+
+    cls = _LyingRank if rank == liar else CodedCheckpointer
+    ck = cls(t=2, store_dir=store, **({"marker": marker} if rank == liar else {}))
+    ck.save(_state(5), 5)
+    dist.barrier()
+    if rank == lost:
+        shutil.rmtree(Path(store) / f"rank{rank}")
+    dist.barrier()
+    state, step = ck.restore()
+    return step, serialize(state) == serialize(_state(5)), ck.stats()
+
+
+def test_one_lying_rank_is_named_and_excluded_and_runs_no_code(tmp_path):
+    """n = 7, t = 2: rank 3 lost its disk; rank 0 — the lowest holder of the commitment — sends a
+    pickle as its copy and, as a helper, symbols announcing a 1 TiB block. Nothing is
+    unpickled or allocated from them; rank 0 is named; the state restores on every rank."""
+    marker = str(tmp_path / MARKER)
+    out = run_world(_lying_rank, 7, tmp_path, str(tmp_path / "store"), marker, 0, 3, timeout=180)
+    assert not Path(marker).exists()
+    for step, same, stats in out:
+        assert step == 5 and same
+        assert stats["repaired"] == [3] and 0 in stats["bad_helpers"]
+
+
+def test_v1_commitment_still_restores_with_a_warning(caplog):
+    code = Code2D(4, 1)
+    data = os.urandom(5000)
+    disp = code.encode(data)
+    c = disp.commitment
+    root = commitment_root(code._h, n=c.n, t=c.t, data_len=c.data_len, block_size=c.block_size, hash=c.hash,
+                           codec=c.codec, line_roots=c.line_roots, version=1)
+    v1 = Commitment(c.n, c.t, c.data_len, c.block_size, c.hash, c.codec, c.line_roots, root, version=1)
+    back = Commitment.from_bytes(v1.to_bytes())
+    assert back.version == 1 and back.root != c.root
+    with caplog.at_level(logging.WARNING, logger="rankwise.ckpt._code2d"):
+        assert code.retrieve(disp.fragments[1:], back) == data
+    assert "not tamper-evident" in caplog.text
+
+
+@pytest.mark.parametrize("field", ["data_len", "block_size", "t", "hash", "codec", "version"])
+def test_every_header_field_is_bound_to_the_root(field):
+    """Changing any field decoding uses, even by re-sealing the file, breaks the root (and
+    recomputing the root gives another root, which the vote of the k honest ranks outweighs)."""
+    code = Code2D(4, 1)
+    c = code.encode(os.urandom(5000)).commitment
+    changed = {"data_len": c.data_len - 1, "block_size": c.block_size + 1, "t": 2, "hash": "sha256",
+               "codec": "xor", "version": 1}[field]
+    forged = Commitment.from_bytes(_reseal(c, **{field: changed, "keep_root": True}))
+    with pytest.raises(ValueError, match=r"inconsistent|this code is"):
+        code._check(forged)
+    recomputed = Commitment.from_bytes(_reseal(c, **{field: changed}))
+    assert recomputed.root != c.root
