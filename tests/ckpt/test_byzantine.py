@@ -188,3 +188,62 @@ def test_every_header_field_is_bound_to_the_root(field):
         code._check(forged)
     recomputed = Commitment.from_bytes(_reseal(c, **{field: changed}))
     assert recomputed.root != c.root
+
+
+# ---------------------------------------------------------------------- DCP storage (one bad location)
+def _dcp_sd(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"a": torch.randn(6, 5), "b": torch.randn(6, 5), "step": seed}
+
+
+def _dcp_fresh() -> dict:
+    return {"a": torch.zeros(6, 5), "b": torch.zeros(6, 5), "step": -1}
+
+
+def test_one_bad_dcp_location_never_runs_code_or_changes_the_state(tmp_path):
+    import hashlib
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from rankwise.ckpt import CodedStorageReader, CodedStorageWriter
+
+    warnings.filterwarnings("ignore", message=".*assuming the intent is to .* in a single process")
+    locs = [tmp_path / f"disk{i}" for i in range(4)]  # n = 4, t = 1
+    dcp.save(_dcp_sd(1), storage_writer=CodedStorageWriter(locs, t=1))
+    other = [tmp_path / f"other{i}" for i in range(4)]
+    dcp.save(_dcp_sd(2), storage_writer=CodedStorageWriter(other, t=1))
+    meta = (locs[0] / ".metadata.rwck").read_bytes()
+    doc = json.loads(meta[40:])
+    swapped = dict(doc)  # a and b's storage entries exchanged, re-sealed: same shapes, wrong data
+    entries = {e[0][0]: e for e in doc["storage_data"]}
+    swapped["storage_data"] = [[entries["a"][0], entries["b"][1]], [entries["b"][0], entries["a"][1]]] + [
+        e for e in doc["storage_data"] if e[0][0] not in ("a", "b")]
+    body = json.dumps(swapped, sort_keys=True, separators=(",", ":")).encode()
+    marker = str(tmp_path / MARKER)
+    planted = _pickle(marker)
+    attacks = {
+        "pickled metadata (format 1)": {".metadata.rwck": b"RWDCPMD1" + hashlib.sha256(planted).digest()
+                                        + planted},
+        "entries swapped, re-sealed": {".metadata.rwck": b"RWDCPMD2" + hashlib.sha256(body).digest() + body},
+        "metadata of another checkpoint": {".metadata.rwck": (other[0] / ".metadata.rwck").read_bytes()},
+        "another checkpoint's files": {f: (other[0] / f).read_bytes() for f in
+                                       (".metadata.rwck", "__0.frag.rwck", "__0.commit.rwck")},
+        "pickles in the fragment and commitment": {"__0.frag.rwck": planted, "__0.commit.rwck": planted},
+        "garbage": {".metadata.rwck": os.urandom(500), "__0.commit.rwck": os.urandom(400)},
+    }
+    pristine = {f.name: f.read_bytes() for f in locs[0].iterdir()}
+    for name, files in attacks.items():
+        for f, data in files.items():
+            (locs[0] / f).write_bytes(data)
+        got = _dcp_fresh()
+        reader = CodedStorageReader(locs)
+        dcp.load(got, storage_reader=reader)
+        want = _dcp_sd(1)
+        assert got["step"] == 1 and torch.equal(got["a"], want["a"]), name
+        assert torch.equal(got["b"], want["b"]), name
+        assert reader.skipped, name  # the bad location is named
+        for f, data in pristine.items():
+            (locs[0] / f).write_bytes(data)
+    assert not Path(marker).exists()

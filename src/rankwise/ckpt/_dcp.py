@@ -3,8 +3,12 @@
 Each rank gathers the items it writes into one blob (in plan order, tensors with ``torch.save``),
 encodes the blob with :class:`Code2D` (n = number of locations) and writes fragment i, plus a
 copy of the commitment, to location i. The DCP metadata (small) is replicated to every location
-with a checksum. A read decodes each needed blob from any k = n − t locations whose fragment
-verifies against the commitment: up to t deleted or corrupted locations are tolerated.
+as JSON with its fields written out (:mod:`rankwise.ckpt._dcp_meta`; nothing is unpickled when
+reading), and a reader accepts it only when a quorum of the locations holds the same bytes
+(n − ⌊(n − 1)/3⌋, which the t ≤ ⌊(n − 1)/3⌋ bad locations cannot reach and the honest ones
+always do). The metadata names each blob's commitment root; a read decodes each needed blob
+from any k = n − t locations whose fragment verifies against that commitment: up to t deleted,
+corrupted or rewritten locations are tolerated.
 
 Files, in every location: ``.metadata.rwck`` and, per writing rank r, ``__{r}.frag.rwck`` and
 ``__{r}.commit.rwck``; all written atomically.
@@ -17,7 +21,6 @@ import hashlib
 import io
 import logging
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +38,14 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import _io
+from . import _dcp_meta
 from ._code2d import Code2D, Commitment, Fragment, NotEnoughSymbols
 
 log = logging.getLogger(__name__)
 
 _META = ".metadata.rwck"
-_META_MAGIC = b"RWDCPMD1"
+_META_MAGIC_V1 = b"RWDCPMD1"  # pickled Metadata (not read: no pickles on the read path)
+_META_MAGIC = b"RWDCPMD2"  # JSON (_dcp_meta)
 
 
 def _frag_name(rank: int) -> str:
@@ -131,7 +136,7 @@ class CodedStorageWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
         metadata.storage_meta = StorageMeta()
-        body = pickle.dumps(metadata)
+        body = _dcp_meta.encode(metadata)
         blob = _META_MAGIC + hashlib.sha256(body).digest() + body
         for loc in self.locations:
             _io.write_atomic(loc / _META, blob)
@@ -157,6 +162,11 @@ class CodedStorageReader(StorageReader):
         self.locations = _subfolders(self._roots, checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The metadata that a quorum of the n locations holds byte for byte (see the module
+        docstring); decoded from JSON, never unpickled. Locations that disagree are logged."""
+        n = len(self.locations)
+        quorum = n - (n - 1) // 3
+        held: dict[bytes, list[Path]] = {}
         problems = []
         for loc in self.locations:
             try:
@@ -165,14 +175,23 @@ class CodedStorageReader(StorageReader):
                 problems.append(f"{loc}: {e.strerror or e}")
                 continue
             head, digest, body = blob[:8], blob[8:40], blob[40:]
-            if head != _META_MAGIC or hashlib.sha256(body).digest() != digest:
+            if head == _META_MAGIC_V1:
+                problems.append(f"{loc}: metadata of format 1 (pickled), which is not read")
+            elif head != _META_MAGIC or hashlib.sha256(body).digest() != digest:
                 problems.append(f"{loc}: metadata corrupted")
-                continue
-            md = pickle.loads(body)
-            if md.storage_meta is None:
-                md.storage_meta = StorageMeta()
-            return md
-        raise FileNotFoundError("no readable coded DCP metadata in any location: " + "; ".join(problems))
+            else:
+                held.setdefault(body, []).append(loc)
+        agreed = [body for body, locs in held.items() if len(locs) >= quorum]
+        for body, locs in held.items():
+            if body not in agreed:
+                problems.append(f"{', '.join(map(str, locs))}: metadata differs from the other locations'")
+        if problems:
+            self.skipped.update({"metadata": "; ".join(problems)})
+            log.warning("coded DCP metadata: %s", "; ".join(problems))
+        if not agreed:
+            raise FileNotFoundError(f"no coded DCP metadata that {quorum} of the {n} locations agree on: "
+                                    + "; ".join(problems or ["the locations disagree"]))
+        return _dcp_meta.decode(agreed[0])
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:

@@ -1,0 +1,111 @@
+"""DCP ``Metadata`` as JSON with every field written out: nothing is unpickled on the read path.
+
+What is encoded: ``state_dict_metadata`` (tensors: dtype, layout, requires_grad, memory format,
+pin_memory, size, chunks; bytes entries), ``planner_data`` (the default planners' tuples of
+path components: strings and ints), ``storage_data`` (this storage's ``(owner, offset, length,
+commitment root)`` per ``MetadataIndex``) and ``version``. Anything else (a custom planner's
+objects) is refused at save time with a ``TypeError`` naming it, instead of being pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+FORMAT = "rankwise-dcp-metadata/1"
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_LAYOUTS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.layout)}
+_FORMATS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.memory_format)}
+
+
+def _plain(x: Any, where: str) -> Any:
+    """Strings, ints, floats, bools, None, and lists/tuples of them (tuples as lists)."""
+    if x is None or isinstance(x, str | bool | int | float):
+        return x
+    if isinstance(x, list | tuple):
+        return [_plain(v, where) for v in x]
+    raise TypeError(f"coded DCP metadata: {where} holds a {type(x).__name__}, which is not written "
+                    "(only strings, numbers and lists of them; no pickles)")
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
+
+
+def encode(md: Metadata) -> bytes:
+    """`md` as canonical JSON bytes (sorted keys: the same metadata, the same bytes)."""
+    entries = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if isinstance(m, BytesStorageMetadata):
+            entries[fqn] = {"kind": "bytes"}
+        elif isinstance(m, TensorStorageMetadata):
+            p = m.properties
+            entries[fqn] = {"kind": "tensor", "dtype": str(p.dtype), "layout": str(p.layout),
+                            "requires_grad": bool(p.requires_grad), "memory_format": str(p.memory_format),
+                            "pin_memory": bool(p.pin_memory), "size": list(m.size),
+                            "chunks": [[list(c.offsets), list(c.sizes)] for c in m.chunks]}
+        else:
+            raise TypeError(f"coded DCP metadata: {fqn} has storage metadata {type(m).__name__}")
+    storage = []
+    for idx, (owner, offset, length, root) in (md.storage_data or {}).items():
+        storage.append([[idx.fqn, None if idx.offset is None else list(idx.offset), idx.index],
+                        [int(owner), int(offset), int(length), bytes(root).hex()]])
+    planner = md.planner_data
+    if planner is not None and not isinstance(planner, dict):
+        raise TypeError(f"coded DCP metadata: planner_data is a {type(planner).__name__}, not a dict")
+    doc = {"format": FORMAT, "version": md.version, "state_dict_metadata": entries, "storage_data": storage,
+           "planner_data": None if planner is None else
+           {str(k): _plain(v, f"planner_data[{k!r}]") for k, v in planner.items()}}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def decode(blob: bytes) -> Metadata:
+    """The :class:`Metadata` of :func:`encode`; anything malformed raises ``ValueError``."""
+    try:
+        doc = json.loads(blob.decode("utf-8"))
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"not {FORMAT} (format {doc.get('format')!r})")
+        entries: dict[str, Any] = {}
+        for fqn, e in doc["state_dict_metadata"].items():
+            if e["kind"] == "bytes":
+                entries[fqn] = BytesStorageMetadata()
+                continue
+            if e["kind"] != "tensor":
+                raise ValueError(f"{fqn}: unknown kind {e['kind']!r}")
+            props = TensorProperties(dtype=_DTYPES[e["dtype"]], layout=_LAYOUTS[e["layout"]],
+                                     requires_grad=bool(e["requires_grad"]),
+                                     memory_format=_FORMATS[e["memory_format"]],
+                                     pin_memory=bool(e["pin_memory"]))
+            chunks = [ChunkStorageMetadata(offsets=torch.Size(_ints(o)), sizes=torch.Size(_ints(s)))
+                      for o, s in e["chunks"]]
+            size = torch.Size(_ints(e["size"]))
+            entries[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)
+        storage = {}
+        for (fqn, offset, index), (owner, off, length, root) in doc["storage_data"]:
+            key = MetadataIndex(fqn=str(fqn), offset=None if offset is None else torch.Size(_ints(offset)),
+                                index=None if index is None else int(index))
+            storage[key] = (int(owner), int(off), int(length), bytes.fromhex(root))
+        planner = doc["planner_data"]
+        planner = None if planner is None else {k: _tuples(v) for k, v in planner.items()}
+        version = doc["version"]
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"coded DCP metadata is malformed: {type(e).__name__}: {e}") from None
+    return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta(), version=version)
+
+
+def _ints(xs) -> list[int]:
+    if not isinstance(xs, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in xs):
+        raise ValueError(f"expected a list of ints; got {xs!r}")
+    return xs
