@@ -12,6 +12,7 @@ from torch import nn
 from distributed import run_world
 from rankwise.ckpt import CodedCheckpointer
 from rankwise.ckpt._checkpointer import serialize
+from rankwise.ckpt.testing import LyingCheckpointer
 
 
 def _state(step: int) -> dict:
@@ -30,7 +31,7 @@ def _equal(a, b) -> bool:
 def _save_then_restore(rank: int, store: str, t: int, damage: dict, fault_rank: int | None):
     import torch.distributed as dist
 
-    ck = CodedCheckpointer(t=t, store_dir=store, fault="corrupt_symbols" if rank == fault_rank else None)
+    ck = (LyingCheckpointer if rank == fault_rank else CodedCheckpointer)(t=t, store_dir=store)
     for step in (1, 2, 3):
         ck.save(_state(step), step)
     saved = ck.stats()

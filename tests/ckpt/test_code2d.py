@@ -108,7 +108,7 @@ def test_lying_helpers_are_excluded_and_named():
             s = RepairSymbols(s.helper, s.target, bytes(bad), s.col_path, s.row_block, s.row_path)
         syms.append(s)
     assert code.repair(target, syms, disp.commitment) == disp.fragments[target]
-    assert code.last_bad_helpers == liars
+    assert code.verified_symbols(target, syms, disp.commitment)[1] == liars
     honest = [s for s in syms if s.helper not in liars][: code.k - 1]
     with pytest.raises(NotEnoughSymbols, match="needs 7 verified symbols") as e:
         code.repair(target, honest + [s for s in syms if s.helper in liars], disp.commitment)
@@ -229,9 +229,11 @@ def test_retrieve_rows_skips_and_names_bad_rows():
     data = bytes(random.Random(3).randbytes(1000))
     disp = code.encode(data)
     rows = {f.index: f.row for f in disp.fragments}
-    assert code.retrieve_rows(rows, disp.commitment) == data and code.last_bad_helpers == []
+    assert code.retrieve_rows(rows, disp.commitment) == data
+    assert code.verified_rows(rows, disp.commitment)[1] == []
     rows[1] = bytes([rows[1][0] ^ 1]) + rows[1][1:]
-    assert code.retrieve_rows(rows, disp.commitment) == data and code.last_bad_helpers == [1]
+    assert code.retrieve_rows(rows, disp.commitment) == data
+    assert code.verified_rows(rows, disp.commitment)[1] == [1]
     del rows[4]
     with pytest.raises(NotEnoughSymbols, match="needs 4 verified rows; got 3"):
         code.retrieve_rows(rows, disp.commitment)

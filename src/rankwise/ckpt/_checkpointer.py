@@ -33,7 +33,6 @@ from ._merkle import get_hash
 
 log = logging.getLogger(__name__)
 
-FAULTS = ("corrupt_symbols",)
 
 
 def serialize(state: Any) -> bytes:
@@ -98,12 +97,6 @@ def _holds(path: Path, com: Commitment) -> bool:
         return False
 
 
-def _flip(blob: bytes, at: int) -> bytes:
-    b = bytearray(blob)
-    b[at % len(b)] ^= 0xFF
-    return bytes(b)
-
-
 class CodedCheckpointer:
     """Save and restore a data-parallel training state as 2-D coded fragments, one per rank.
 
@@ -114,30 +107,28 @@ class CodedCheckpointer:
     - `hash`: ``"blake3"`` or ``"sha256"`` for the Merkle commitments.
     - `keep`: complete steps kept per rank (older ones are pruned after each save).
     - `weights_only`: passed to ``torch.load`` on restore.
-    - `fault`: fault injection for tests and demonstrations: ``"corrupt_symbols"`` makes this
-      rank send corrupted repair symbols and rows.
+
+    A rank that sends bad data, for tests and demonstrations:
+    :class:`rankwise.ckpt.testing.LyingCheckpointer`.
 
     Layout: ``store_dir/rank{i}/step_{step:010d}/{fragment,commitment}.rwck``, each written
     atomically, the commitment last (a folder with a commitment is complete).
     """
 
     def __init__(self, *, t: int, store_dir: str | Path, process_group: dist.ProcessGroup | None = None,
-                 hash: str = "blake3", keep: int = 2, weights_only: bool = True,
-                 fault: str | None = None) -> None:
+                 hash: str = "blake3", keep: int = 2, weights_only: bool = True) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CodedCheckpointer needs an initialised process group "
                                "(rankwise.dist.init_process_group() under torchrun)")
         if keep < 1:
             raise ValueError(f"`keep` must be >= 1; got {keep}")
-        if fault is not None and fault not in FAULTS:
-            raise ValueError(f"`fault` must be one of {FAULTS} or None; got {fault!r}")
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.n = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.code = Code2D(self.n, t, hash=hash)  # validates 3t < n
         self.t, self.k = t, self.code.k
         self.root_dir = Path(store_dir)
         self.dir = self.root_dir / f"rank{self.rank}"
-        self.keep, self.weights_only, self.fault = keep, weights_only, fault
+        self.keep, self.weights_only = keep, weights_only
         self._stats: dict[str, Any] = {}
         self.per_rank: Any = None  # this rank's ``per_rank`` object after restore()
 
@@ -356,13 +347,15 @@ class CodedCheckpointer:
         raise RuntimeError(f"restore: no valid commitment of step {step} with the agreed root among its "
                            f"holders {holders}")
 
-    # what this rank sends its peers (test doubles of a bad rank override these two)
+    # what this rank sends its peers (test doubles of a bad rank override these three)
     def _helper_payload(self, frag: Fragment, target: int) -> bytes:
-        payload = self.code.helper_symbols(frag, target).to_bytes()
-        return _flip(payload, len(payload) // 2) if self.fault == "corrupt_symbols" else payload
+        return self.code.helper_symbols(frag, target).to_bytes()
 
     def _commitment_copy(self, com: Commitment) -> bytes:
         return com.to_bytes()
+
+    def _row_payload(self, frag: Fragment) -> bytes:
+        return frag.row
 
     def _commitment_bytes(self) -> int:
         """The length of any commitment of this code (the header's size is fixed by it)."""
@@ -416,10 +409,15 @@ class CodedCheckpointer:
                     log.warning("repair of rank %d: unreadable symbols from rank %d: %s", target, h, e)
                     bad.append(h)
             try:
-                out = self.code.repair(target, symbols, com)
-                bad = sorted(set(bad) | set(self.code.last_bad_helpers))
-            except NotEnoughSymbols as e:
-                err = f"{e} (unreadable from {bad})" if bad else str(e)
+                good, failed = self.code.verified_symbols(target, symbols, com)
+                if failed:
+                    log.warning("repair of rank %d: symbols from rank(s) %s failed verification", target,
+                                failed)
+                bad = sorted(set(bad) | set(failed))
+                if len(good) < self.k:
+                    err = str(NotEnoughSymbols(len(good), self.k, bad))
+                else:
+                    out = self.code.rebuild(target, good, com)
             except Exception as e:  # reported to every rank below instead of a lone raise
                 err = f"{type(e).__name__}: {e}"
         self._raise_if_any(err, f"repair of rank {target}")
@@ -431,17 +429,16 @@ class CodedCheckpointer:
     def _retrieve(self, frag: Fragment, com: Commitment) -> tuple[bytes, int, int, list[int]]:
         """Collective: all-gather every rank's row C[i, :] (|m|/k bytes) and decode from any k
         verified rows; rows that fail verification are named and excluded."""
-        row = frag.row if self.fault != "corrupt_symbols" else _flip(frag.row, 7)
+        row = self._row_payload(frag)
         mine = torch.frombuffer(bytearray(row), dtype=torch.uint8)
         rows = [torch.empty_like(mine) for _ in range(self.n)]
         dist.all_gather(rows, mine, group=self.group)
         got = {i: r.numpy().tobytes() for i, r in enumerate(rows)}
-        try:
-            blob = self.code.retrieve_rows(got, com)
-            err = None
-        except NotEnoughSymbols as e:
-            blob, err = b"", str(e)
-        bad = list(self.code.last_bad_helpers)
+        valid, bad = self.code.verified_rows(got, com)
+        if len(valid) == self.k:
+            blob, err = self.code._decode(valid, com.data_len), None
+        else:
+            blob, err = b"", str(NotEnoughSymbols(len(valid), self.k, bad, "retrieve", "rows"))
         if bad:
             log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
         self._raise_if_any(err, "retrieve")

@@ -201,7 +201,6 @@ class Code2D:
         self.hash_name = hash
         self._h = _merkle.get_hash(hash)
         self.G = _gf.cauchy_generator(n, self.k)
-        self.last_bad_helpers: list[int] = []
 
     # ---------------------------------------------------------------- geometry
     def block_size(self, data_len: int) -> int:
@@ -330,14 +329,14 @@ class Code2D:
         return RepairSymbols(fragment.index, target, col[target].tobytes(), tuple(_merkle.path(ct, target)),
                              row[target].tobytes(), tuple(_merkle.path(rt, target)))
 
-    def repair(self, target: int, symbols: list[RepairSymbols], commitment: Commitment) -> Fragment:
-        """Rebuild worker ``target`` from any k helpers' verified symbols; bad symbols are
-        dropped and their senders reported (``NotEnoughSymbols.bad_helpers`` on failure,
-        ``self.last_bad_helpers`` and a log warning on success)."""
+    def verified_symbols(self, target: int, symbols: list[RepairSymbols],
+                         commitment: Commitment) -> tuple[dict[int, RepairSymbols], list[int]]:
+        """Split helpers' symbols for `target` into the verified ones (by helper) and the
+        helpers whose symbols failed their Merkle paths or do not fit (sorted)."""
         self._check(commitment)
-        n, k, B, h = self.n, self.k, commitment.block_size, self._h
+        n, B, h = self.n, commitment.block_size, self._h
         good: dict[int, RepairSymbols] = {}
-        bad: list[int] = []
+        bad: set[int] = set()
         for s in symbols:
             j = s.helper
             roots = commitment.line_roots
@@ -348,13 +347,23 @@ class Code2D:
             if ok:
                 good[j] = s
             elif j not in good:
-                bad.append(j)
-        self.last_bad_helpers = sorted(set(bad))
-        if len(good) < k:
-            raise NotEnoughSymbols(len(good), k, self.last_bad_helpers)
+                bad.add(j)
+        return good, sorted(bad)
+
+    def repair(self, target: int, symbols: list[RepairSymbols], commitment: Commitment) -> Fragment:
+        """Rebuild worker ``target`` from any k helpers' verified symbols; bad symbols are
+        dropped (their senders: :meth:`verified_symbols`, a log warning, and
+        ``NotEnoughSymbols.bad_helpers`` when fewer than k good ones remain)."""
+        good, bad = self.verified_symbols(target, symbols, commitment)
+        if len(good) < self.k:
+            raise NotEnoughSymbols(len(good), self.k, bad)
         if bad:
             log.warning("repair of worker %d: dropped bad symbols from helpers %s", target, bad)
-        J = sorted(good)[:k]
+        return self.rebuild(target, good, commitment)
+
+    def rebuild(self, target: int, good: dict[int, RepairSymbols], commitment: Commitment) -> Fragment:
+        """Worker ``target``'s fragment from ≥ k symbols :meth:`verified_symbols` accepted."""
+        J = sorted(good)[:self.k]
         Ginv = self._inv(self.G[J])
         # row i of P at positions J is G[J] · C[i, :]; column i at J is G[J] · R[:, i]
         row = self._mm(Ginv, np.stack([np.frombuffer(good[j].col_block, np.uint8) for j in J]))
@@ -373,10 +382,10 @@ class Code2D:
             return False
         return _merkle.root(self._h, self._extend(self._blocks(row, B))) == commitment.line_roots[index]
 
-    def retrieve_rows(self, rows: dict[int, bytes], commitment: Commitment) -> bytes:
-        """The original bytes from any k verified rows C[i, :] (|m|/k bytes each: half a
-        fragment, all a reader needs). Rows are verified in index order until k pass; those that
-        fail are skipped and listed in ``self.last_bad_helpers``."""
+    def verified_rows(self, rows: dict[int, bytes],
+                      commitment: Commitment) -> tuple[dict[int, bytes], list[int]]:
+        """Verify rows C[i, :] in index order until k pass; returns those k (or fewer) and the
+        indices of the rows that failed on the way."""
         self._check(commitment)
         valid: dict[int, bytes] = {}
         bad: list[int] = []
@@ -387,9 +396,14 @@ class Code2D:
                 valid[i] = rows[i]
             else:
                 bad.append(i)
-        self.last_bad_helpers = bad
+        return valid, bad
+
+    def retrieve_rows(self, rows: dict[int, bytes], commitment: Commitment) -> bytes:
+        """The original bytes from any k verified rows C[i, :] (|m|/k bytes each: half a
+        fragment, all a reader needs); rows that fail are skipped (see :meth:`verified_rows`)."""
+        valid, bad = self.verified_rows(rows, commitment)
         if len(valid) < self.k:
-            raise NotEnoughSymbols(len(valid), self.k, self.last_bad_helpers, "retrieve", "rows")
+            raise NotEnoughSymbols(len(valid), self.k, bad, "retrieve", "rows")
         return self._decode(valid, commitment.data_len)
 
     def _decode(self, rows: dict[int, bytes], data_len: int) -> bytes:

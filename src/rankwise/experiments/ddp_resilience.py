@@ -42,6 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     from .. import lowrank
     from ..ckpt import CodedCheckpointer
+    from ..ckpt.testing import LyingCheckpointer
     from ..data import load_digits
     from ..dist import init_process_group, ordered_allreduce_hook
     from ..train import Callback, CodedCheckpoints, fit
@@ -63,8 +64,7 @@ def _worker(args: argparse.Namespace) -> None:
         opt = preset(model, 1e-2, tau=0.2, optimizer="adam", process_group=dist.group.WORLD)
     train, _ = load_digits(seed=0)
     X, y = train.tensors[0].flatten(1), train.tensors[1]
-    ck = CodedCheckpointer(t=1, store_dir=args.store,
-                           fault="corrupt_symbols" if rank == args.fault_rank else None)
+    ck = (LyingCheckpointer if rank == args.fault_rank else CodedCheckpointer)(t=1, store_dir=args.store)
 
     class Demo(Callback):
         """Writes this rank's restore statistics; rank 0 logs every step's loss, a digest of the
