@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from distributed import run_world
-from rankwise.ckpt import CodedCheckpointer, _format
+from rankwise.ckpt import Code2D, CodedCheckpointer, Commitment, _format, read_commitment
 from rankwise.ckpt._checkpointer import serialize
-from rankwise.ckpt._code2d import Code2D, Commitment, commitment_root
+from rankwise.ckpt._format import commitment_root
+from rankwise.ckpt._store import read_metadata
 
 MARKER = "pwned"  # a file the planted pickles create when (and only when) they are unpickled
 
@@ -52,7 +53,7 @@ def _reseal(com: Commitment, **changes) -> bytes:
 
 def _attacks(step_dir: Path, other_dir: Path, marker: str) -> dict[str, dict[str, bytes]]:
     """What one bad location (rank 0's disk) holds instead of its files, per attack."""
-    com = Commitment.load(step_dir / "commitment.rwck")
+    com = read_commitment(step_dir / "commitment.rwck")
     frag = (step_dir / "fragment.rwck").read_bytes()
     other = {n: (other_dir / n).read_bytes() for n in ("commitment.rwck", "fragment.rwck")}
     planted = _pickle(marker)
@@ -214,8 +215,7 @@ def test_one_bad_dcp_location_never_runs_code_or_changes_the_state(tmp_path):
     dcp.save(_dcp_sd(1), storage_writer=CodedStorageWriter(locs, t=1))
     other = [tmp_path / f"other{i}" for i in range(4)]
     dcp.save(_dcp_sd(2), storage_writer=CodedStorageWriter(other, t=1))
-    meta = (locs[0] / ".metadata.rwck").read_bytes()
-    doc = json.loads(meta[40:])
+    doc = json.loads(read_metadata(locs[0] / ".metadata.rwck"))
     swapped = dict(doc)  # a and b's storage entries exchanged, re-sealed: same shapes, wrong data
     entries = {e[0][0]: e for e in doc["storage_data"]}
     swapped["storage_data"] = [[entries["a"][0], entries["b"][1]], [entries["b"][0], entries["a"][1]]] + [
@@ -226,7 +226,7 @@ def test_one_bad_dcp_location_never_runs_code_or_changes_the_state(tmp_path):
     attacks = {
         "pickled metadata (format 1)": {".metadata.rwck": b"RWDCPMD1" + hashlib.sha256(planted).digest()
                                         + planted},
-        "entries swapped, re-sealed": {".metadata.rwck": b"RWDCPMD2" + hashlib.sha256(body).digest() + body},
+        "entries swapped, re-sealed": {".metadata.rwck": _format.seal(_format.METADATA, body)},
         "metadata of another checkpoint": {".metadata.rwck": (other[0] / ".metadata.rwck").read_bytes()},
         "another checkpoint's files": {f: (other[0] / f).read_bytes() for f in
                                        (".metadata.rwck", "__0.frag.rwck", "__0.commit.rwck")},

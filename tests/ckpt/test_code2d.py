@@ -7,7 +7,16 @@ import random
 import numpy as np
 import pytest
 
-from rankwise.ckpt import Code2D, NotEnoughSymbols, RepairSymbols, _backends, _gf
+from rankwise.ckpt import (
+    Code2D,
+    NotEnoughSymbols,
+    RepairSymbols,
+    _backends,
+    _gf,
+    read_commitment,
+    read_fragment,
+)
+from rankwise.ckpt._store import write
 
 
 def _slow_mul(a: int, b: int) -> int:
@@ -150,9 +159,9 @@ def test_binary_format_round_trips_and_rejects_damage(tmp_path):
     disp = code.encode(random.Random(3).randbytes(999))
     f, c = disp.fragments[5], disp.commitment
     assert Fragment.from_bytes(f.to_bytes()) == f and Commitment.from_bytes(c.to_bytes()) == c
-    f.save(tmp_path / "f5")
-    c.save(tmp_path / "com")
-    assert Fragment.load(tmp_path / "f5") == f and Commitment.load(tmp_path / "com") == c
+    write(tmp_path / "f5", f)
+    write(tmp_path / "com", c)
+    assert read_fragment(tmp_path / "f5") == f and read_commitment(tmp_path / "com") == c
     assert sorted(p.name for p in tmp_path.iterdir()) == ["com", "f5"]  # no temporary files left
     blob = f.to_bytes()
     for cut in (0, 5, len(blob) // 2, len(blob) - 1):

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _wire
-from ._code2d import CODEC, Code2D, Commitment, Fragment, NotEnoughSymbols, RepairSymbols, commitment_root
+from . import _store, _wire
+from ._code2d import Code2D, NotEnoughSymbols
+from ._format import CODEC, Commitment, Fragment, RepairSymbols, commitment_root
 from ._merkle import get_hash
 
 log = logging.getLogger(__name__)
@@ -66,14 +67,6 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def _step_of(folder: Path) -> int | None:
-    """The step of a ``step_{step:010d}`` folder, or None for anything else."""
-    try:
-        return int(folder.name[5:]) if folder.name.startswith("step_") else None
-    except ValueError:
-        return None
-
-
 def _self_consistent(com: Commitment) -> bool:
     """Do the commitment's own fields (under its own n, t and hash) hash to its root?"""
     try:
@@ -87,14 +80,6 @@ def _self_consistent(com: Commitment) -> bool:
     return com.root == commitment_root(h, n=com.n, t=com.t, data_len=com.data_len, block_size=com.block_size,
                                        hash=com.hash, codec=com.codec, line_roots=com.line_roots,
                                        version=com.version)
-
-
-def _holds(path: Path, com: Commitment) -> bool:
-    """Does `path` hold exactly `com` (byte for byte)?"""
-    try:
-        return path.read_bytes() == com.to_bytes()
-    except OSError:
-        return False
 
 
 class CodedCheckpointer:
@@ -111,8 +96,8 @@ class CodedCheckpointer:
     A rank that sends bad data, for tests and demonstrations:
     :class:`rankwise.ckpt.testing.LyingCheckpointer`.
 
-    Layout: ``store_dir/rank{i}/step_{step:010d}/{fragment,commitment}.rwck``, each written
-    atomically, the commitment last (a folder with a commitment is complete).
+    Layout (:mod:`._store`): ``store_dir/rank{i}/step_{step:010d}/{fragment,commitment}.rwck``,
+    each written atomically, the commitment last (a folder with a commitment is complete).
     """
 
     def __init__(self, *, t: int, store_dir: str | Path, process_group: dist.ProcessGroup | None = None,
@@ -140,7 +125,7 @@ class CodedCheckpointer:
         return _wire.all_gather_fixed(payload, size, self.group)
 
     def _step_dir(self, step: int) -> Path:
-        return self.dir / f"step_{step:010d}"
+        return _store.step_dir(self.root_dir, self.rank, step)
 
     def _local_steps(self) -> dict[int, bytes]:
         """Complete local steps -> commitment root. Unreadable commitments are skipped, and so
@@ -150,11 +135,11 @@ class CodedCheckpointer:
         if not self.dir.is_dir():
             return out
         for d in self.dir.glob("step_*"):
-            step = _step_of(d)
+            step = _store.step_of(d)
             try:
                 if step is None:
                     continue
-                com = Commitment.load(d / "commitment.rwck")
+                com = _store.read_commitment(d / _store.STEP_COMMITMENT)
                 if not _self_consistent(com):
                     continue
                 out[step] = com.root
@@ -221,9 +206,8 @@ class CodedCheckpointer:
         com = self.code.commitment_from_roots(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
         try:
-            d.mkdir(parents=True, exist_ok=True)
-            frag.save(d / "fragment.rwck")
-            com.save(d / "commitment.rwck")
+            _store.write(d / _store.STEP_FRAGMENT, frag)
+            _store.write(d / _store.STEP_COMMITMENT, com)  # last: the step is complete
             err = None
         except OSError as e:
             err = f"writing {d}: {e}"
@@ -239,7 +223,7 @@ class CodedCheckpointer:
         complete = sorted(s for s in self._local_steps() if s <= newest)
         keep = set(complete[-self.keep:])
         for d in self.dir.glob("step_*"):
-            s = _step_of(d)
+            s = _store.step_of(d)
             if s is not None and s < newest and s not in keep:
                 shutil.rmtree(d, ignore_errors=True)
 
@@ -295,10 +279,9 @@ class CodedCheckpointer:
                 if frag is None:
                     err = "repair did not produce a fragment"
                 else:
-                    d.mkdir(parents=True, exist_ok=True)
-                    frag.save(d / "fragment.rwck")
-            if err is None and not _holds(d / "commitment.rwck", com):
-                com.save(d / "commitment.rwck")  # restores (or repairs) this rank's vote
+                    _store.write(d / _store.STEP_FRAGMENT, frag)
+            if err is None and not _store.holds(d / _store.STEP_COMMITMENT, com):
+                _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) this rank's vote
         except OSError as e:
             err = f"writing {d}: {e}"
         self._raise_if_any(err, "repair")
@@ -325,7 +308,7 @@ class CodedCheckpointer:
         mine, err = b"", None
         if self.rank in holders:
             try:
-                com = Commitment.load(d / "commitment.rwck")
+                com = _store.read_commitment(d / _store.STEP_COMMITMENT)
                 self.code._check(com)
                 mine = self._commitment_copy(com)
             except ValueError as e:  # e.g. restarted with another world size, t or hash
@@ -365,11 +348,11 @@ class CodedCheckpointer:
         return len(dummy.to_bytes())
 
     def _check_local(self, d: Path, com: Commitment) -> tuple[str, Fragment | None]:
-        path = d / "fragment.rwck"
+        path = d / _store.STEP_FRAGMENT
         if not path.exists():
             return "missing", None
         try:
-            frag = Fragment.load(path)
+            frag = _store.read_fragment(path)
         except (ValueError, OSError) as e:  # any local failure is a status, never a lone raise
             return f"unreadable ({e})", None
         if frag.index != self.rank:

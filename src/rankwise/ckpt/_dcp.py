@@ -10,14 +10,13 @@ always do). The metadata names each blob's commitment root; a read decodes each 
 from any k = n − t locations whose fragment verifies against that commitment: up to t deleted,
 corrupted or rewritten locations are tolerated.
 
-Files, in every location: ``.metadata.rwck`` and, per writing rank r, ``__{r}.frag.rwck`` and
-``__{r}.commit.rwck``; all written atomically.
+Files, in every location (:mod:`._store`): ``.metadata.rwck`` and, per writing rank r,
+``__{r}.frag.rwck`` and ``__{r}.commit.rwck``; all sealed and written atomically.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import logging
 import os
@@ -37,24 +36,11 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import _io
-from . import _dcp_meta
-from ._code2d import Code2D, Commitment, Fragment, NotEnoughSymbols
+from . import _dcp_meta, _store
+from ._code2d import Code2D, NotEnoughSymbols
+from ._format import Commitment, Fragment
 
 log = logging.getLogger(__name__)
-
-_META = ".metadata.rwck"
-_META_MAGIC_V1 = b"RWDCPMD1"  # pickled Metadata (not read: no pickles on the read path)
-_META_MAGIC = b"RWDCPMD2"  # JSON (_dcp_meta)
-
-
-def _frag_name(rank: int) -> str:
-    return f"__{rank}.frag.rwck"
-
-
-def _commit_name(rank: int) -> str:
-    return f"__{rank}.commit.rwck"
-
 
 def _locations(locations) -> list[Path]:
     locs = [Path(p) for p in locations]
@@ -127,19 +113,17 @@ class CodedStorageWriter(StorageWriter):
         root = disp.commitment.root  # ties the metadata to exactly this save's fragments
         results = [WriteResult(index=i, size_in_bytes=n, storage_data=(owner, off, n, root))
                    for i, off, n in spans]
-        com = disp.commitment.to_bytes()
         for loc, frag in zip(self.locations, disp.fragments, strict=True):
-            _io.write_atomic(loc / _frag_name(owner), frag.to_bytes())
-            _io.write_atomic(loc / _commit_name(owner), com)
+            _store.write(_store.dcp_fragment(loc, owner), frag)
+            _store.write(_store.dcp_commitment(loc, owner), disp.commitment)
         return _done(results)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
         metadata.storage_meta = StorageMeta()
         body = _dcp_meta.encode(metadata)
-        blob = _META_MAGIC + hashlib.sha256(body).digest() + body
         for loc in self.locations:
-            _io.write_atomic(loc / _META, blob)
+            _store.write_metadata(loc / _store.DCP_METADATA, body)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -170,17 +154,14 @@ class CodedStorageReader(StorageReader):
         problems = []
         for loc in self.locations:
             try:
-                blob = (loc / _META).read_bytes()
+                body = _store.read_metadata(loc / _store.DCP_METADATA)
             except OSError as e:
                 problems.append(f"{loc}: {e.strerror or e}")
                 continue
-            head, digest, body = blob[:8], blob[8:40], blob[40:]
-            if head == _META_MAGIC_V1:
-                problems.append(f"{loc}: metadata of format 1 (pickled), which is not read")
-            elif head != _META_MAGIC or hashlib.sha256(body).digest() != digest:
-                problems.append(f"{loc}: metadata corrupted")
-            else:
-                held.setdefault(body, []).append(loc)
+            except ValueError as e:
+                problems.append(f"{loc}: {e}")
+                continue
+            held.setdefault(body, []).append(loc)
         agreed = [body for body, locs in held.items() if len(locs) >= quorum]
         for body, locs in held.items():
             if body not in agreed:
@@ -210,11 +191,11 @@ class CodedStorageReader(StorageReader):
         frags: list[Fragment] = []
         for loc in self.locations:
             try:
-                c = Commitment.load(loc / _commit_name(owner))
+                c = _store.read_commitment(_store.dcp_commitment(loc, owner))
                 if c.root != root:
                     raise ValueError("its commitment belongs to another save")
                 com = c
-                frags.append(Fragment.load(loc / _frag_name(owner)))
+                frags.append(_store.read_fragment(_store.dcp_fragment(loc, owner)))
             except (OSError, ValueError) as e:
                 self.skipped[f"{loc}/{owner}"] = str(e)
                 log.warning("coded DCP read: skipping %s for rank %d's data: %s", loc, owner, e)

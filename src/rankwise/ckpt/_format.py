@@ -1,4 +1,4 @@
-"""Versioned binary format of fragments and commitments.
+"""The wire formats: fragments, commitments, repair symbols and the sealed envelope around them.
 
 Layout (little endian): magic ``b"RWCK"``, format version (u16), kind (u8: 1 fragment,
 2 commitment, 3 repair symbols), the body, then a SHA-256 of everything before it. A truncated,
@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from dataclasses import dataclass
+
+from . import _merkle
 
 MAGIC, VERSION = b"RWCK", 2
 READABLE = (1, 2)
-FRAGMENT, COMMITMENT, SYMBOLS = 1, 2, 3
+FRAGMENT, COMMITMENT, SYMBOLS, METADATA = 1, 2, 3, 4
 _HEAD = struct.Struct("<4sHB")
 _DIGEST = 32
 
@@ -70,3 +73,121 @@ class Reader:
     def done(self) -> None:
         if self.pos != len(self.body):
             raise ValueError(f"{self.what}: {len(self.body) - self.pos} trailing bytes")
+
+
+@dataclass(frozen=True)
+class Commitment:
+    """What every party agrees on: geometry, and Merkle roots of the 2n lines of P (rows 0..n−1,
+    then columns 0..n−1) under one top ``root``.
+
+    From format version 2 ``root`` also binds `n`, `t`, `data_len`, `block_size`, `hash`,
+    `codec` and the version (:func:`commitment_root`): two commitments with the same root agree
+    on everything decoding uses. Version 1 roots cover the line roots only."""
+
+    n: int
+    t: int
+    data_len: int
+    block_size: int
+    hash: str
+    codec: str
+    line_roots: tuple[bytes, ...]
+    root: bytes
+    version: int = VERSION
+
+    def to_bytes(self) -> bytes:
+        names = b"".join(len(x).to_bytes(1, "little") + x for x in (self.hash.encode(), self.codec.encode()))
+        d = len(self.root)
+        body = struct.pack("<HHQQB", self.n, self.t, self.data_len, self.block_size, d) + names
+        return seal(COMMITMENT, body + b"".join(self.line_roots) + self.root, self.version)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Commitment:
+        version, body = unseal_versioned(blob, COMMITMENT, "commitment")
+        r = Reader(body, "commitment")
+        n, t, data_len, block_size, d = r.unpack("HHQQB")
+        hash_name = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        codec = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        roots = tuple(r.take(d) for _ in range(2 * n))
+        root = r.take(d)
+        r.done()
+        return cls(n, t, data_len, block_size, hash_name, codec, roots, root, version)
+
+
+CODEC = "cauchy-gf256"
+
+
+def commitment_root(h, *, n: int, t: int, data_len: int, block_size: int, hash: str, codec: str,
+                    line_roots: tuple[bytes, ...], version: int = VERSION) -> bytes:
+    """The commitment's root: version 2 hashes the header fields (version, n, t, data_len,
+    block_size, hash, codec) with the Merkle root of the 2n line roots; version 1 is that
+    Merkle root alone (not tamper-evident for the header)."""
+    top = _merkle.root(h, list(line_roots))
+    if version < 2:
+        return top
+    head = struct.pack("<HHHQQ", version, n, t, data_len, block_size)
+    names = b"".join(len(x).to_bytes(1, "little") + x for x in (hash.encode(), codec.encode()))
+    return h(b"\x02rwck-commitment", head, names, top)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """Worker ``index``'s share: ``row`` = C[index, :] and ``col`` = R[:, index] (k blocks each)."""
+
+    index: int
+    row: bytes
+    col: bytes
+
+    def to_bytes(self) -> bytes:
+        body = struct.pack("<IQQ", self.index, len(self.row), len(self.col)) + self.row + self.col
+        return seal(FRAGMENT, body)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Fragment:
+        r = Reader(unseal(blob, FRAGMENT, "fragment"), "fragment")
+        index, nrow, ncol = r.unpack("IQQ")
+        row, col = r.take(nrow), r.take(ncol)
+        r.done()
+        return cls(index, row, col)
+
+
+@dataclass(frozen=True)
+class RepairSymbols:
+    """Helper ``helper``'s two blocks for worker ``target``: ``col_block`` = P[target, helper]
+    (leaf ``target`` of column ``helper``) and ``row_block`` = P[helper, target] (leaf
+    ``target`` of row ``helper``), each with its Merkle path."""
+
+    helper: int
+    target: int
+    col_block: bytes
+    col_path: tuple[bytes, ...]
+    row_block: bytes
+    row_path: tuple[bytes, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload: the two blocks."""
+        return len(self.col_block) + len(self.row_block)
+
+    @property
+    def wire_bytes(self) -> int:
+        """Everything sent: blocks, paths and two 4-byte indices."""
+        return self.nbytes + sum(map(len, self.col_path + self.row_path)) + 8
+
+    def to_bytes(self) -> bytes:
+        """Sealed wire form: indices, the two blocks and their Merkle paths."""
+        d = len(self.col_path[0]) if self.col_path else 0
+        parts = [struct.pack("<IIQBHH", self.helper, self.target, len(self.col_block), d,
+                             len(self.col_path), len(self.row_path)),
+                 self.col_block, *self.col_path, self.row_block, *self.row_path]
+        return seal(SYMBOLS, b"".join(parts))
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> RepairSymbols:
+        r = Reader(unseal(blob, SYMBOLS, "repair symbols"), "repair symbols")
+        helper, target, B, d, nc, nr = r.unpack("IIQBHH")
+        col = r.take(B)
+        cpath = tuple(r.take(d) for _ in range(nc))
+        row = r.take(B)
+        rpath = tuple(r.take(d) for _ in range(nr))
+        r.done()
+        return cls(helper, target, col, cpath, row, rpath)

@@ -1,38 +1,89 @@
-"""A dispersal in one folder: ``commitment.rwck`` plus ``worker{i}.rwck`` per worker.
+"""The storage layer: where coded files live, and how they are written and read.
 
-(On a real cluster each worker keeps only its own file; one folder is the single-machine view
-used by the command line and the tests.)"""
+One module for the three users' layouts (all files sealed by :mod:`._format` and published
+atomically: temporary file, fsync, rename, directory fsync):
+
+- a **dispersal folder** (the ``rankwise ckpt`` commands): ``commitment.rwck`` plus
+  ``worker{i}.rwck`` per worker (on a cluster each worker keeps only its own file);
+- a **checkpoint step** of :class:`CodedCheckpointer`:
+  ``store_dir/rank{i}/step_{step:010d}/{fragment,commitment}.rwck``, the commitment written
+  last (a step folder with a commitment is complete);
+- a **DCP location** of :class:`CodedStorageWriter`: ``.metadata.rwck`` and, per writing rank
+  r, ``__{r}.frag.rwck`` and ``__{r}.commit.rwck``.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from ._code2d import Commitment, Dispersal, Fragment
+from .. import _io
+from ._format import METADATA, Commitment, Fragment, seal, unseal
 
 COMMITMENT_FILE = "commitment.rwck"
+STEP_FRAGMENT, STEP_COMMITMENT = "fragment.rwck", "commitment.rwck"
+DCP_METADATA = ".metadata.rwck"
 
 
+# ------------------------------------------------------------------ sealed files
+def write(path: str | Path, record: Fragment | Commitment) -> None:
+    """Publish a fragment or commitment at `path` atomically (parent folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _io.write_atomic(path, record.to_bytes())
+
+
+def read_commitment(path: str | Path) -> Commitment:
+    return Commitment.from_bytes(Path(path).read_bytes())
+
+
+def read_fragment(path: str | Path) -> Fragment:
+    return Fragment.from_bytes(Path(path).read_bytes())
+
+
+def holds(path: str | Path, record: Fragment | Commitment) -> bool:
+    """Does `path` hold exactly `record` (byte for byte)?"""
+    try:
+        return Path(path).read_bytes() == record.to_bytes()
+    except OSError:
+        return False
+
+
+def write_metadata(path: str | Path, body: bytes) -> None:
+    """Publish DCP metadata (JSON bytes) sealed as kind ``METADATA``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _io.write_atomic(path, seal(METADATA, body))
+
+
+def read_metadata(path: str | Path) -> bytes:
+    """The body of :func:`write_metadata` (``ValueError`` if it is not one, e.g. the pickled
+    metadata of the first format, which is never read)."""
+    blob = Path(path).read_bytes()
+    if blob[:8] == b"RWDCPMD1":
+        raise ValueError("metadata of format 1 (pickled), which is not read")
+    return bytes(unseal(blob, METADATA, "DCP metadata"))
+
+
+# ------------------------------------------------------------------ a dispersal folder
 def fragment_path(folder: str | Path, index: int) -> Path:
     return Path(folder) / f"worker{index}.rwck"
 
 
-def save_dispersal(folder: str | Path, dispersal: Dispersal, *,
+def save_dispersal(folder: str | Path, dispersal, *,
                    progress: Callable[[Iterable[Fragment]], Iterable[Fragment]] = iter) -> None:
     """Write every fragment, then the commitment (each atomically): a folder with a
     commitment is complete. ``progress`` wraps the fragment loop (e.g. ``rich.progress.track``)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     for f in progress(dispersal.fragments):
-        f.save(fragment_path(folder, f.index))
-    dispersal.commitment.save(folder / COMMITMENT_FILE)
+        write(fragment_path(folder, f.index), f)
+    write(Path(folder) / COMMITMENT_FILE, dispersal.commitment)
 
 
 def load_commitment(folder: str | Path) -> Commitment:
     path = Path(folder) / COMMITMENT_FILE
     if not path.exists():
         raise FileNotFoundError(f"no {COMMITMENT_FILE} in {folder}")
-    return Commitment.load(path)
+    return read_commitment(path)
 
 
 def load_fragments(folder: str | Path, n: int) -> tuple[dict[int, Fragment], dict[int, str]]:
@@ -45,7 +96,7 @@ def load_fragments(folder: str | Path, n: int) -> tuple[dict[int, Fragment], dic
             problems[i] = "missing"
             continue
         try:
-            f = Fragment.load(path)
+            f = read_fragment(path)
         except ValueError as e:
             problems[i] = str(e)
             continue
@@ -57,3 +108,25 @@ def load_fragments(folder: str | Path, n: int) -> tuple[dict[int, Fragment], dic
             continue
         found[i] = f
     return found, problems
+
+
+# ------------------------------------------------------------------ checkpoint steps
+def step_dir(store_dir: str | Path, rank: int, step: int) -> Path:
+    return Path(store_dir) / f"rank{rank}" / f"step_{step:010d}"
+
+
+def step_of(folder: Path) -> int | None:
+    """The step of a ``step_{step:010d}`` folder, or ``None`` for anything else."""
+    name = folder.name
+    if not name.startswith("step_") or not name[5:].isdigit():
+        return None
+    return int(name[5:])
+
+
+# ------------------------------------------------------------------ DCP locations
+def dcp_fragment(location: Path, owner: int) -> Path:
+    return location / f"__{owner}.frag.rwck"
+
+
+def dcp_commitment(location: Path, owner: int) -> Path:
+    return location / f"__{owner}.commit.rwck"

@@ -7,7 +7,7 @@ use these to show that a lying rank is named and excluded.
 from __future__ import annotations
 
 from ._checkpointer import CodedCheckpointer
-from ._code2d import Fragment
+from ._format import Fragment
 
 
 def flip(blob: bytes, at: int) -> bytes:

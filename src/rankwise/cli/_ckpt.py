@@ -80,7 +80,7 @@ def encode_cmd(
         raise UserError(f"--backend must be auto, isal or numpy; got {backend!r}")
     if file.stat().st_size == 0:
         raise UserError(f"FILE {file} is empty; there is nothing to encode")
-    from ..ckpt import Code2D, fragment_path
+    from ..ckpt import Code2D, _store, fragment_path
     from ..ckpt._store import COMMITMENT_FILE
 
     code = Code2D(n, t, hash=hash, backend=backend)
@@ -93,8 +93,8 @@ def encode_cmd(
     from rich.progress import track
 
     for f in track(disp.fragments, description="writing fragments", console=console, transient=True):
-        f.save(fragment_path(out, f.index))
-    disp.commitment.save(out / COMMITMENT_FILE)  # last: a folder with a commitment is complete
+        _store.write(fragment_path(out, f.index), f)
+    _store.write(out / COMMITMENT_FILE, disp.commitment)  # last: a folder with a commitment is complete
     com = disp.commitment
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
@@ -123,7 +123,7 @@ def repair_cmd(folder: Folder,
                force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
                                                    "if the present one is valid.")] = False) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    from ..ckpt import NotEnoughSymbols, fragment_path
+    from ..ckpt import NotEnoughSymbols, _store, fragment_path
 
     code, com, found, _ = _open(folder)
     if not 0 <= worker < com.n:
@@ -139,7 +139,7 @@ def repair_cmd(folder: Folder,
         frag = code.repair(worker, syms, com)
     except NotEnoughSymbols as e:
         raise UserError(f"cannot repair worker {worker}: {e}", 1) from e
-    frag.save(fragment_path(folder, worker))
+    _store.write(fragment_path(folder, worker), frag)
     payload, wire = sum(s.nbytes for s in syms), sum(s.wire_bytes for s in syms)
     console.print(f"rebuilt worker {worker} from {len(syms)} helpers: read {payload:,} payload bytes "
                   f"({wire:,} with Merkle paths); full retrieval reads {com.data_len:,}")
