@@ -3,6 +3,7 @@ stops a restore (CodedCheckpointer, gloo ranks in spawned processes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -65,7 +66,7 @@ def _attacks(step_dir: Path, other_dir: Path, marker: str) -> dict[str, dict[str
         "garbage": {"commitment.rwck": os.urandom(300), "fragment.rwck": os.urandom(len(frag))},
     }
     for field, value in (("data_len", com.data_len - 1), ("data_len", com.data_len + 1),
-                         ("block_size", com.block_size + 1), ("t", 2), ("hash", "sha256"),
+                         ("block_size", com.block_size + 1), ("t", com.t + 1), ("hash", "sha256"),
                          ("codec", "xor"), ("version", 1)):
         for keep in (True, False):
             out[f"{field}={value!r} re-sealed, root {'kept' if keep else 'recomputed'}"] = {
@@ -73,10 +74,10 @@ def _attacks(step_dir: Path, other_dir: Path, marker: str) -> dict[str, dict[str
     return out
 
 
-def _one_bad_location(rank: int, store: str, marker: str):
+def _one_bad_location(rank: int, store: str, marker: str, t: int):
     import torch.distributed as dist
 
-    ck = CodedCheckpointer(t=1, store_dir=store)
+    ck = CodedCheckpointer(t=t, store_dir=store)
     ck.save(_state(2), 2)
     ck.save(_state(3), 3)
     mine = Path(store) / f"rank{rank}"
@@ -99,15 +100,26 @@ def _one_bad_location(rank: int, store: str, marker: str):
         shutil.rmtree(mine)
         shutil.copytree(pristine, mine)
         dist.barrier()
+    # a checkpoint of format 1 (every rank's commitment as v1: root over the line roots only)
+    path = mine / "step_0000000003" / "commitment.rwck"
+    c = read_commitment(path)
+    v1 = dataclasses.replace(c, version=1, root=commitment_root(
+        Code2D(c.n, c.t)._h, n=c.n, t=c.t, data_len=c.data_len, block_size=c.block_size, hash=c.hash,
+        codec=c.codec, line_roots=c.line_roots, version=1))
+    path.write_bytes(v1.to_bytes())
+    dist.barrier()
+    state, step = ck.restore()
+    results["format 1 checkpoint"] = (step, serialize(state) == serialize(_state(3)), ck.stats()["repaired"])
     return results
 
 
-def test_one_bad_location_never_runs_code_changes_state_or_stops_a_restore(tmp_path):
+@pytest.mark.parametrize("n,t", [(4, 1), (7, 2)])
+def test_one_bad_location_never_runs_code_changes_state_or_stops_a_restore(tmp_path, n, t):
     marker = str(tmp_path / MARKER)
-    out = run_world(_one_bad_location, 4, tmp_path, str(tmp_path / "store"), marker, timeout=240)
+    out = run_world(_one_bad_location, n, tmp_path, str(tmp_path / "store"), marker, t, timeout=300)
     assert not Path(marker).exists(), "a planted pickle ran"
     names = list(out[0])
-    assert len(names) == 19
+    assert len(names) == 20
     for r in out:
         for name, (step, same, repaired) in r.items():
             assert step == 3 and same, (name, step, same)

@@ -36,3 +36,33 @@ def test_clear_errors(tmp_path):
     assert r.exit_code == 2 and "3t < n" in r.output
     r = run_cli(*["ckpt", "verify", str(tmp_path)])
     assert r.exit_code == 1 and "no commitment.rwck" in r.output
+
+
+def test_rewritten_or_forged_commitment_is_refused(tmp_path):
+    """A header field rewritten and re-sealed (root kept) is refused in one line; a commitment
+    forged whole (root recomputed) is refused by `retrieve --root` with the root `encode` printed."""
+    from rankwise.ckpt import Code2D, read_commitment
+    from rankwise.ckpt._format import Commitment, commitment_root
+
+    data = random.Random(6).randbytes(10_001)  # data_len − 1 keeps the block size (⌈·/9⌉ = 1112)
+    (tmp_path / "ck.bin").write_bytes(data)
+    folder = tmp_path / "d"
+    r = run_cli("ckpt", "encode", tmp_path / "ck.bin", "--n", "4", "--t", "1", "--out", folder)
+    root = r.output.replace("\n", "").split("commitment root ")[1].split(" ")[0]
+    com = read_commitment(folder / "commitment.rwck")
+    assert root == com.root.hex()
+    pristine = (folder / "commitment.rwck").read_bytes()
+    fields = {f: getattr(com, f) for f in ("n", "t", "block_size", "hash", "codec", "line_roots", "version")}
+    fields["data_len"] = com.data_len - 1  # the output would lose its last byte
+    kept = Commitment(**{k: v for k, v in fields.items() if k != "version"}, root=com.root)
+    (folder / "commitment.rwck").write_bytes(kept.to_bytes())
+    r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "a.bin")
+    assert r.exit_code == 1 and "do not hash to its root" in r.stderr and not (tmp_path / "a.bin").exists()
+    forged_root = commitment_root(Code2D(4, 1)._h, **fields)
+    forged = Commitment(**{k: v for k, v in fields.items() if k != "version"}, root=forged_root)
+    (folder / "commitment.rwck").write_bytes(forged.to_bytes())
+    r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "b.bin", "--root", root)
+    assert r.exit_code == 1 and "not the --root given" in r.stderr and not (tmp_path / "b.bin").exists()
+    (folder / "commitment.rwck").write_bytes(pristine)
+    r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "c.bin", "--root", root)
+    assert r.exit_code == 0 and (tmp_path / "c.bin").read_bytes() == data

@@ -37,6 +37,7 @@ def _open(folder: Path):
     try:
         com = load_commitment(folder)
         code = Code2D(com.n, com.t, hash=com.hash)
+        code._check(com)  # its fields hash to its root, its block size fits its length
     except FileNotFoundError as e:
         raise UserError(f"{e}; is this a folder written by `rankwise ckpt encode`?", 1) from e
     except ValueError as e:
@@ -99,7 +100,8 @@ def encode_cmd(
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
                   f"(stored {stored / len(data):.2f}× the data; backend {code.backend}; "
-                  f"{time.perf_counter() - t0:.2f} s)")
+                  f"{time.perf_counter() - t0:.2f} s); commitment root {com.root.hex()} (keep it to check "
+                  "the folder later: `retrieve --root`)")
 
 
 @app.command("verify", cls=Command)
@@ -149,13 +151,25 @@ def repair_cmd(folder: Folder,
 def retrieve_cmd(folder: Folder,
                  out: Annotated[Path, typer.Option(help="The file to write the data to.")],
                  force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")]
-                 = False) -> None:
+                 = False,
+                 root: Annotated[str | None, typer.Option(help="The commitment root `encode` printed (hex): "
+                                                          "a folder whose commitment has another root is "
+                                                          "refused (a commitment forged whole).")] = None,
+                 ) -> None:
     """Decode the original file from any k valid fragments."""
     from .. import _io
     from ..ckpt import NotEnoughSymbols
 
+    if root is not None:
+        try:
+            pinned = bytes.fromhex(root)
+        except ValueError:
+            raise UserError(f"--root must be the commitment root in hex; got {root!r}") from None
     check_new_file(out, force=force)
     code, com, found, _ = _open(folder)
+    if root is not None and com.root != pinned:
+        raise UserError(f"{folder}'s commitment has root {com.root.hex()}, not the --root given; "
+                        "the commitment was replaced", 1)
     try:
         data = code.retrieve(list(found.values()), com)
     except NotEnoughSymbols as e:
@@ -173,7 +187,7 @@ def inspect_cmd(folder: Folder) -> None:
     bad = {i: s for i, s in status.items() if s != "ok"}
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "
                   f"block {com.block_size:,} bytes, hash {com.hash}, codec {com.codec}, "
-                  f"root {com.root.hex()[:16]}…")
+                  f"format {com.version}, root {com.root.hex()}")
     console.print(f"fragments present: {sorted(found)}; matching the commitment: "
                   f"{sorted(i for i, s in status.items() if s == 'ok')}")
     console.print("problems: " + ("; ".join(f"worker {i}: {s}" for i, s in bad.items()) if bad else "none"))
