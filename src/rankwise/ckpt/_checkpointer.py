@@ -15,12 +15,15 @@ data-parallel case.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import io
 import logging
 import shutil
 import struct
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,22 @@ def _to_cpu(obj: Any) -> Any:
         new = [_to_cpu(v) for v in obj]
         return obj if all(a is b for a, b in zip(new, obj, strict=True)) else type(obj)(new)
     return obj
+
+
+def _snapshot(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory (containers rebuilt, a state dict's
+    ``_metadata`` kept; other leaves deep-copied): what a background save encodes while
+    training goes on changing the originals."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = type(obj)((k, _snapshot(v)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = copy.deepcopy(obj._metadata)
+        return out
+    if type(obj) in (list, tuple):
+        return type(obj)(_snapshot(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _self_consistent(com: Commitment) -> bool:
@@ -116,13 +135,18 @@ class CodedCheckpointer:
         self.keep, self.weights_only = keep, weights_only
         self._stats: dict[str, Any] = {}
         self.per_rank: Any = None  # this rank's ``per_rank`` object after restore()
+        self._comm = threading.local()  # .group: the background thread's process group
+        self._bg_group = None  # created (collectively) by the first save(blocking=False)
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     # ------------------------------------------------------------------ helpers
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
 
     def _gather(self, payload: bytes, size: int) -> list[bytes | None]:
-        return _wire.all_gather_fixed(payload, size, self.group)
+        # a background save gathers on its own process group (see save(blocking=False))
+        return _wire.all_gather_fixed(payload, size, getattr(self._comm, "group", self.group))
 
     def _step_dir(self, step: int) -> Path:
         return _store.step_dir(self.root_dir, self.rank, step)
@@ -156,7 +180,7 @@ class CodedCheckpointer:
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
 
     # ------------------------------------------------------------------ save
-    def save(self, state: Any, step: int, *, per_rank: Any = None) -> None:
+    def save(self, state: Any, step: int, *, per_rank: Any = None, blocking: bool = True) -> Future | None:
         """Collective. Serialise ``state`` (model / optimizer / scheduler state dicts, ...),
         encode it, write this rank's fragment and the commitment, prune old steps.
 
@@ -164,14 +188,57 @@ class CodedCheckpointer:
         (their commitment roots disagree) every rank raises. Per-rank extras that legitimately
         differ, such as RNG states, go in ``per_rank``: they are all-gathered (small) and coded
         with the state, so a lost rank gets its own back; after :meth:`restore` this rank's
-        is ``self.per_rank``."""
+        is ``self.per_rank``.
+
+        With ``blocking=False`` it copies every tensor of `state` to host memory (a snapshot:
+        training may change the originals as soon as it returns), then returns a
+        ``concurrent.futures.Future`` while a background thread serialises, encodes, exchanges
+        the roots (on a process group of its own, so that training's collectives do not
+        interleave with it) and writes; the future's ``result()`` is ``None`` or raises what the
+        save raised. One save is in flight at a time: another save (or :meth:`restore`) first
+        waits for it. The commitment is written last, so a crash during a background save
+        leaves the previous step as the one restored."""
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"`step` must be a non-negative int; got {step!r}")
         t0 = time.perf_counter()
+        extra = None if per_rank is None else serialize(per_rank)
+        if blocking:
+            self.wait()
+            self._save(state, step, extra, t0)
+            return None
+        snapshot = _snapshot(state)
+        self.wait()  # one in flight at a time
+        if self._bg_group is None:  # collective: every rank reaches its first async save together
+            self._bg_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo")
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwise-ckpt")
+        self._blocked_seconds = time.perf_counter() - t0
+        self._pending = self._executor.submit(self._background, snapshot, step, extra, t0)
+        return self._pending
+
+    def wait(self) -> None:
+        """Wait for a background save in flight (re-raising its error); no-op if there is none."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Wait for a background save, then stop the background thread."""
+        self.wait()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
+    def _background(self, state: Any, step: int, extra: bytes | None, t0: float) -> None:
+        self._comm.group = self._bg_group
+        self._save(state, step, extra, t0)
+        self._stats["blocked_seconds"] = self._blocked_seconds
+
+    def _save(self, state: Any, step: int, extra: bytes | None, t0: float) -> None:
+        per_rank = extra
+        extra = extra or b""
         # always gathered (ranks must make the same collective calls), with the step; the
         # per-rank extras travel as torch.save bytes and are loaded (weights_only) by their own
         # rank only, after a restore verified them
-        extra = b"" if per_rank is None else serialize(per_rank)
         heads = self._gather(struct.pack("<QBQ", step, per_rank is not None, len(extra)), 17)
         if any(h is None or len(h) != 17 for h in heads):
             raise RuntimeError(f"save(step={step}): malformed message from rank(s) "
@@ -206,8 +273,7 @@ class CodedCheckpointer:
         com = self.code.commitment_from_roots(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
         try:
-            _store.write(d / _store.STEP_FRAGMENT, frag)
-            _store.write(d / _store.STEP_COMMITMENT, com)  # last: the step is complete
+            self._publish(d, frag, com)
             err = None
         except OSError as e:
             err = f"writing {d}: {e}"
@@ -216,6 +282,11 @@ class CodedCheckpointer:
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
                            stored_bytes=len(frag.to_bytes()) + len(com.to_bytes()),
                            save_seconds=time.perf_counter() - t0)
+
+    def _publish(self, d: Path, frag: Fragment, com: Commitment) -> None:
+        """This rank's files of a step: the fragment, then the commitment (the step is complete)."""
+        _store.write(d / _store.STEP_FRAGMENT, frag)
+        _store.write(d / _store.STEP_COMMITMENT, com)
 
     def _prune(self, newest: int) -> None:
         """Keep the newest ``keep`` complete steps up to ``newest``; drop older ones and
@@ -232,7 +303,8 @@ class CodedCheckpointer:
         """Collective. Find the newest step whose commitment at least k ranks agree on, check
         this rank's fragment against it, rebuild missing or corrupted fragments from peers'
         repair symbols, decode the state from any k rows and return ``(state, step)``; None when
-        no step is restorable (a fresh start)."""
+        no step is restorable (a fresh start). A background save in flight is waited for."""
+        self.wait()
         t0 = time.perf_counter()
         digest = len(self.code._h(b""))
         held = [_wire.unvotes(b, digest)

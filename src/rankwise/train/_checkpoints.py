@@ -26,15 +26,20 @@ class CodedCheckpoints(Callback):
     - `identity`: what must be equal for a checkpoint to belong to this run (e.g. the run's
       settings); a checkpoint saved with another identity is refused with a ``ValueError``
       naming the differences. Default ``None``: not checked.
+    - `blocking`: ``False`` saves in the background (``CodedCheckpointer.save(blocking=False)``:
+      training waits only for the snapshot to host memory; the next save, and the end of the
+      run, wait for the one in flight). Default ``True``.
 
     **Attributes:** `restored` — ``None``, or ``{"step": ..., "repaired_ranks": [...]}`` after a
     restore.
     """
 
-    def __init__(self, checkpointer, every: int, *, identity: dict[str, Any] | None = None) -> None:
+    def __init__(self, checkpointer, every: int, *, identity: dict[str, Any] | None = None,
+                 blocking: bool = True) -> None:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ValueError(f"`every` must be an int >= 1 (steps); got {every!r}")
         self.checkpointer, self.every, self.identity = checkpointer, every, identity
+        self.blocking = blocking
         self.restored: dict[str, Any] | None = None
 
     def _others(self, loop: Loop) -> dict[str, Callback]:
@@ -67,8 +72,11 @@ class CodedCheckpoints(Callback):
         callbacks = {k: s for k, cb in self._others(loop).items() if (s := cb.state_dict()) is not None}
         state = {"identity": self.identity, "model": loop.model.state_dict(),
                  "optim": loop.optimizer.state_dict(), "loop": loop.state_dict(), "callbacks": callbacks}
-        self.checkpointer.save(state, loop.global_step,
+        self.checkpointer.save(state, loop.global_step, blocking=self.blocking,
                                per_rank={"torch_rng": torch.get_rng_state(), "py_rng": random.getstate()})
+
+    def on_fit_end(self, loop: Loop) -> None:
+        self.checkpointer.wait()  # a background save in flight lands before the run ends
 
 
 def mismatch(saved: dict, now: dict) -> str:
