@@ -105,3 +105,35 @@ def test_a_crash_during_the_background_write_restores_the_previous_step(tmp_path
 def _restore_latest(rank: int, store: str):
     got, step = CodedCheckpointer(t=1, store_dir=store).restore()
     return step, serialize(got) == serialize(_state(step))
+
+
+def _fit_async(rank: int, store: str, stop_at: int | None):
+    """SDLRT data-parallel through fit with background checkpoints every 5 steps; stops after
+    `stop_at` steps (a lost run), or resumes from the newest checkpoint and finishes 12 steps."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    import rankwise
+    from rankwise.train import CodedCheckpoints, fit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 24), torch.nn.Tanh(), torch.nn.Linear(24, 4))
+    rankwise.to_low_rank(model, rank=6)
+    opt = rankwise.SDLRT(model, 0.05, tau=0.1, momentum=0.9, process_group=dist.group.WORLD)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(96, 10, generator=g), torch.randint(0, 4, (96,), generator=g)
+    ck = CodedCheckpoints(CodedCheckpointer(t=1, store_dir=store), 5, blocking=False)
+    loop = fit(model, opt, x, y, epochs=2, batch_size=16, max_steps=stop_at or 12,
+               shuffle=torch.Generator().manual_seed(2), process_group=dist.group.WORLD, callbacks=[ck])
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.state_dict().values()))
+    return loop.global_step, ck.restored, digest.hexdigest(), opt.ranks()
+
+
+def test_fit_with_background_checkpoints_resumes_bitwise(tmp_path):
+    ref = run_world(_fit_async, 4, tmp_path, str(tmp_path / "a"), None)
+    run_world(_fit_async, 4, tmp_path, str(tmp_path / "b"), 8)  # checkpoint at 5 lands; lost after 8
+    resumed = run_world(_fit_async, 4, tmp_path, str(tmp_path / "b"), None)
+    for r, (step, restored, digest, ranks) in enumerate(resumed):
+        assert step == 12 and restored["step"] == 5
+        assert digest == ref[r][2] and ranks == ref[r][3]
