@@ -113,3 +113,16 @@ def test_interrupted_overwrite_reads_the_save_the_metadata_names(tmp_path):
     reader = CodedStorageReader(locs)
     dcp.load(got, storage_reader=reader)
     assert _same(got, a) and "another save" in reader.skipped[f"{locs[0]}/0"]
+
+
+def test_dcp_async_save_with_the_coded_writer(tmp_path):
+    """``dcp.async_save`` stages the state and writes through CodedStorageWriter in the
+    background; the result loads with a location lost."""
+    locs = [tmp_path / f"disk{i}" for i in range(4)]
+    sd = _sd(3)
+    fut = dcp.async_save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+    fut.result()
+    shutil.rmtree(locs[2])
+    got = _fresh(sd)
+    dcp.load(got, storage_reader=CodedStorageReader(locs))
+    assert _same(got, sd)
