@@ -14,6 +14,8 @@ BACKENDS: dict[str, tuple[MatMul, Callable[[np.ndarray], np.ndarray]]] = {
     "numpy": (_gf.matmul, _gf.inverse),
     "isal": (_isal.matmul, _isal.inverse),
 }
+# in place: (matmul_into(A, srcs, dsts, tables), tables_for(A))
+INTO = {"numpy": (_gf.matmul_into, _gf.tables_for), "isal": (_isal.matmul_into, _isal.tables_for)}
 _warned = False
 
 

@@ -61,9 +61,11 @@ class Code2D:
         self.n, self.t, self.k = n, t, n - t
         self.backend = _backends.resolve(backend)
         self._mm, self._inv = _backends.BACKENDS[self.backend]
+        self._into, tables_for = _backends.INTO[self.backend]
         self.hash_name = hash
         self._h = _merkle.get_hash(hash)
         self.G = _gf.cauchy_generator(n, self.k)
+        self._parity_tables = tables_for(self.G[self.k:])  # reused by every in-place product
 
     # ---------------------------------------------------------------- geometry
     def block_size(self, data_len: int) -> int:
@@ -88,22 +90,35 @@ class Code2D:
 
     # ---------------------------------------------------------------- encode
     def encode(self, data: bytes | bytearray | memoryview) -> Dispersal:
-        """Split ``data`` (any length, 0 included) into n fragments and their commitment."""
-        data = bytes(data)
-        k, B = self.k, self.block_size(len(data))
-        buf = np.zeros(k * k * B, dtype=np.uint8)
-        buf[:len(data)] = np.frombuffer(data, dtype=np.uint8)
-        M = buf.reshape(k, k * B)  # row a = blocks M[a, 0..k-1]
-        Mt = buf.reshape(k, k, B).transpose(1, 0, 2).reshape(k, k * B)  # row b = blocks M[0..k-1, b]
-        C, Rt = self._extend(M), self._extend(Mt)
-        frags = [Fragment(i, C[i].tobytes(), Rt[i].tobytes()) for i in range(self.n)]
-        n = self.n  # the whole grid once: P[:, j] = G R[:, j] for every j in one product
-        P = self._extend(Rt.reshape(n, k, B).transpose(1, 0, 2).reshape(k, n * B)).reshape(n, n, B)
+        """Split ``data`` (any length, 0 included) into n fragments and their commitment.
+
+        The extended grid P (n, n, B) is one buffer: the data is copied into its systematic
+        corner once, the parity blocks are written straight into it (ISA-L through pointers),
+        every block is hashed once where it lies, and each fragment's row C[i, :] = P[i, :k] is
+        a view of it; the columns R[:, i] = P[:k, i] come from one transposed copy of P[:k]."""
+        mv = memoryview(data).cast("B")
+        n, k, t, B = self.n, self.k, self.t, self.block_size(len(mv))
+        P = np.empty((n, n, B), dtype=np.uint8)
+        flat = np.frombuffer(mv, dtype=np.uint8)
+        for a in range(k):  # M's row a: blocks M[a, 0..k-1], the data's bytes [a·kB, (a+1)·kB)
+            row = P[a, :k].reshape(-1)
+            part = flat[a * k * B:(a + 1) * k * B]
+            row[:len(part)] = part
+            row[len(part):] = 0
+        G, tab = self.G[k:], self._parity_tables
+        # parity rows of the systematic columns: C[k+p, :] = G[k+p, :] M
+        self._into(G, [P[a, :k].reshape(-1) for a in range(k)], [P[k + p, :k].reshape(-1) for p in range(t)],
+                   tab)
+        for i in range(n):  # parity columns of every row: P[i, k+p] = Σ_j G[k+p, j] P[i, j]
+            self._into(G, list(P[i, :k]), list(P[i, k:]), tab)
         leaves = [[_merkle.leaf(self._h, P[i, j]) for j in range(n)] for i in range(n)]  # once each
         rows = [_merkle.levels_from_leaves(self._h, leaves[i])[-1][0] for i in range(n)]
         cols = [_merkle.levels_from_leaves(self._h, [leaves[i][j] for i in range(n)])[-1][0]
                 for j in range(n)]
-        return Dispersal(frags, self._commitment(len(data), tuple(rows + cols)))
+        R = np.ascontiguousarray(P[:k].transpose(1, 0, 2))  # R[i] = the blocks P[0..k-1, i]
+        frags = [Fragment(i, memoryview(P[i, :k].reshape(-1)), memoryview(R[i].reshape(-1)))
+                 for i in range(n)]
+        return Dispersal(frags, self._commitment(len(mv), tuple(rows + cols)))
 
     def encode_share(self, data: bytes | bytearray | memoryview, index: int) -> tuple[Fragment, bytes, bytes]:
         """Worker ``index``'s fragment of :meth:`encode` and the Merkle roots of its row and

@@ -74,6 +74,18 @@ def matmul(A: np.ndarray, X: np.ndarray) -> np.ndarray:
     return out8[:, :L] if pad else out8
 
 
+def matmul_into(A: np.ndarray, srcs: list[np.ndarray], dsts: list[np.ndarray], tables=None) -> None:
+    """``dsts[i] = Σ_j A[i, j] · srcs[j]`` in place (the reference for
+    :func:`rankwise.ckpt._isal.matmul_into`; `tables` is ignored)."""
+    out = matmul(A, np.stack(srcs)) if srcs else np.zeros((A.shape[0], 0), np.uint8)
+    for y, row in zip(dsts, out, strict=True):
+        y[...] = row
+
+
+def tables_for(A: np.ndarray) -> None:
+    return None
+
+
 def inverse(A: np.ndarray) -> np.ndarray:
     """Inverse of a square matrix over GF(2^8) by Gauss-Jordan; ``ValueError`` if singular."""
     A = np.array(A, dtype=np.uint8)

@@ -73,3 +73,35 @@ def matmul(A: np.ndarray, X: np.ndarray) -> np.ndarray:
         dst = (u8p * r)(*[_ptr(out[i, s:]) for i in range(r)])
         lib.ec_encode_data(n, k, r, _ptr(tables), src, dst)
     return out
+
+
+def matmul_into(A: np.ndarray, srcs: list[np.ndarray], dsts: list[np.ndarray],
+                tables: np.ndarray | None = None) -> None:
+    """``dsts[i] = Σ_j A[i, j] · srcs[j]`` over GF(2^8), written in place: every source and
+    destination a contiguous 1-D uint8 array of one length L (they may live anywhere, e.g.
+    blocks of one larger buffer); nothing is copied. `tables`: from :func:`tables_for` (reused
+    across calls with the same A)."""
+    lib = load()
+    r, k = A.shape
+    if len(srcs) != k or len(dsts) != r:
+        raise ValueError(f"A is {A.shape}; got {len(srcs)} sources and {len(dsts)} destinations")
+    if r == 0 or not len(srcs[0]):
+        return
+    if tables is None:
+        tables = tables_for(A)
+    u8p = ctypes.POINTER(ctypes.c_ubyte)
+    L = len(srcs[0])
+    for s in range(0, L, _CHUNK):
+        n = min(_CHUNK, L - s)
+        src = (u8p * k)(*[_ptr(x[s:]) for x in srcs])
+        dst = (u8p * r)(*[_ptr(y[s:]) for y in dsts])
+        lib.ec_encode_data(n, k, r, _ptr(tables), src, dst)
+
+
+def tables_for(A: np.ndarray) -> np.ndarray:
+    """ISA-L's expanded multiplication tables of A (r, k), for :func:`matmul_into`."""
+    A = np.ascontiguousarray(A, dtype=np.uint8)
+    r, k = A.shape
+    tables = np.empty(32 * k * r, dtype=np.uint8)
+    load().ec_init_tables(k, r, _ptr(A), _ptr(tables))
+    return tables
