@@ -280,7 +280,7 @@ class CodedCheckpointer:
         self._raise_if_any(err, f"save(step={step})")  # every rank has written: now prune
         self._prune(step)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
-                           stored_bytes=len(frag.to_bytes()) + len(com.to_bytes()),
+                           stored_bytes=frag.file_size() + len(com.to_bytes()),
                            save_seconds=time.perf_counter() - t0)
 
     def _publish(self, d: Path, frag: Fragment, com: Commitment) -> None:

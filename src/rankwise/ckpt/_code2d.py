@@ -61,11 +61,11 @@ class Code2D:
         self.n, self.t, self.k = n, t, n - t
         self.backend = _backends.resolve(backend)
         self._mm, self._inv = _backends.BACKENDS[self.backend]
-        self._into, tables_for = _backends.INTO[self.backend]
+        self._into, self._tables_for = _backends.INTO[self.backend]
         self.hash_name = hash
         self._h = _merkle.get_hash(hash)
         self.G = _gf.cauchy_generator(n, self.k)
-        self._parity_tables = tables_for(self.G[self.k:])  # reused by every in-place product
+        self._parity_tables = self._tables_for(self.G[self.k:])  # reused by every in-place product
 
     # ---------------------------------------------------------------- geometry
     def block_size(self, data_len: int) -> int:
@@ -125,24 +125,32 @@ class Code2D:
         column lines of P, without computing the other workers' shares: O(|m|) work instead of
         the whole n×n grid. When every worker holds ``data`` (data-parallel training), each
         encodes its own share, and :meth:`commitment_from_roots` assembles the commitment from
-        the 2n gathered roots."""
+        the 2n gathered roots.
+
+        The two lines P[index, :] and P[:, index] (n blocks each) are computed in place in two
+        buffers; the fragment's row and column are views of their first k blocks."""
         if not 0 <= index < self.n:
             raise ValueError(f"`index` must be in [0, {self.n}); got {index}")
         mv = memoryview(data).cast("B")
-        k, B = self.k, self.block_size(len(mv))
+        n, k, B = self.n, self.k, self.block_size(len(mv))
         buf = np.zeros(k * k * B, dtype=np.uint8)
         buf[:len(mv)] = np.frombuffer(mv, dtype=np.uint8)
         M3 = buf.reshape(k, k, B)  # M3[a, b] = block M[a, b]
+        rowline, colline = np.empty((n, B), np.uint8), np.empty((n, B), np.uint8)
         if index < k:  # systematic: row and column of M itself
-            row, col = M3[index].reshape(-1), np.ascontiguousarray(M3[:, index]).reshape(-1)
-        else:
+            rowline[:k] = M3[index]
+            colline[:k] = M3[:, index]
+        else:  # C[i, :] = G[i, :] M and R[:, i] = M G[i, :]ᵀ, block by block
             g = self.G[index:index + 1]
-            row = self._mm(g, buf.reshape(k, k * B))[0]  # C[i, :] = G[i, :] M
-            Mt = np.ascontiguousarray(M3.transpose(1, 0, 2)).reshape(k, k * B)
-            col = self._mm(g, Mt)[0]  # R[:, i] = M G[i, :]ᵀ
-        frag = Fragment(index, row.tobytes(), col.tobytes())
-        return (frag, _merkle.root(self._h, self._row_line(frag, B)),
-                _merkle.root(self._h, self._col_line(frag, B)))
+            tab = self._tables_for(g)
+            self._into(g, [M3[a].reshape(-1) for a in range(k)], [rowline[:k].reshape(-1)], tab)
+            for b in range(k):
+                self._into(g, list(M3[b]), [colline[b]], tab)
+        G, tab = self.G[k:], self._parity_tables
+        self._into(G, list(rowline[:k]), list(rowline[k:]), tab)  # P[i, k:] from C[i, :]
+        self._into(G, list(colline[:k]), list(colline[k:]), tab)  # P[k:, i] from R[:, i]
+        frag = Fragment(index, memoryview(rowline[:k].reshape(-1)), memoryview(colline[:k].reshape(-1)))
+        return frag, _merkle.root(self._h, rowline), _merkle.root(self._h, colline)
 
     def commitment_from_roots(self, data_len: int, row_roots: list[bytes],
                               col_roots: list[bytes]) -> Commitment:

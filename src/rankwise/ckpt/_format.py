@@ -131,15 +131,29 @@ def commitment_root(h, *, n: int, t: int, data_len: int, block_size: int, hash: 
 
 @dataclass(frozen=True)
 class Fragment:
-    """Worker ``index``'s share: ``row`` = C[index, :] and ``col`` = R[:, index] (k blocks each)."""
+    """Worker ``index``'s share: ``row`` = C[index, :] and ``col`` = R[:, index] (k blocks each;
+    bytes, or memoryviews of an encoder's buffers)."""
 
     index: int
     row: bytes
     col: bytes
 
+    def to_parts(self) -> list:
+        """The sealed file as a list of buffers (header, row, column, checksum), without
+        concatenating the fragment's bytes: ``b"".join(parts) == to_bytes()``."""
+        sizes = struct.pack("<IQQ", self.index, len(self.row), len(self.col))
+        head = _HEAD.pack(MAGIC, VERSION, FRAGMENT) + sizes
+        h = hashlib.sha256(head)
+        h.update(self.row)
+        h.update(self.col)
+        return [head, self.row, self.col, h.digest()]
+
     def to_bytes(self) -> bytes:
-        body = struct.pack("<IQQ", self.index, len(self.row), len(self.col)) + self.row + self.col
-        return seal(FRAGMENT, body)
+        return b"".join(self.to_parts())
+
+    def file_size(self) -> int:
+        """The length of :meth:`to_bytes`, without building it."""
+        return _HEAD.size + struct.calcsize("<IQQ") + len(self.row) + len(self.col) + _DIGEST
 
     @classmethod
     def from_bytes(cls, blob: bytes) -> Fragment:

@@ -30,7 +30,7 @@ def write(path: str | Path, record: Fragment | Commitment) -> None:
     """Publish a fragment or commitment at `path` atomically (parent folders created)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _io.write_atomic(path, record.to_bytes())
+    _io.write_atomic(path, record.to_parts() if isinstance(record, Fragment) else record.to_bytes())
 
 
 def read_commitment(path: str | Path) -> Commitment:
