@@ -146,3 +146,30 @@ def test_drop_last_takes_whole_batches_only():
     assert sizes == [16] * 8 and loop.steps == 4
     with pytest.raises(ValueError, match="leaves no batch"):
         fit(m, torch.optim.SGD(m.parameters(), lr=0.1), x, y, batch_size=71, drop_last=True)
+
+
+def _empty_shard(rank: int):
+    """2 ranks, 5 samples, batches of 4: the last batch has 1 sample, so rank 0's shard is empty."""
+    import torch.distributed as dist
+
+    x, y = _data(n=5)
+    m = _model()
+    rankwise.to_low_rank(m, rank=4)
+    opt = rankwise.DLRT(m, 0.05, tau=0.1, process_group=dist.group.WORLD)
+    losses = []
+
+    class Log(Callback):
+        def on_step_end(self, loop):
+            losses.append(loop.loss)
+
+    fit(m, opt, x, y, epochs=1, batch_size=4, process_group=dist.group.WORLD, callbacks=[Log()])
+    return losses
+
+
+def test_a_rank_with_an_empty_shard_contributes_zero(tmp_path):
+    import math
+
+    from distributed import run_world
+
+    out = run_world(_empty_shard, 2, tmp_path)
+    assert out[0] == out[1] and len(out[0]) == 2 and all(math.isfinite(v) for v in out[0])

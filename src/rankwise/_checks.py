@@ -9,7 +9,7 @@ def check_unit_interval(value, name: str = "tau") -> None:
         raise ValueError(f"`{name}` must be in [0, 1); got {value}")
 
 
-_COUNTS = ("epochs", "steps", "batch_size")
+_COUNTS = ("epochs", "steps", "max_steps", "batch_size")
 
 
 def check_training(**settings) -> None:

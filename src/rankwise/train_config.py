@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._checks import check_training, check_unit_interval
+from ._checks import _is_int, check_training, check_unit_interval
 
 Method = Literal["dense", "dlrt", "sdlrt"]
 METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
@@ -118,7 +118,3 @@ class TrainConfig:
         d["checkpoint_dir"] = None if self.checkpoint_dir is None else str(self.checkpoint_dir)
         d["exclude"] = list(self.exclude)
         return d
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

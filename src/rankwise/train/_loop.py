@@ -59,10 +59,10 @@ class Loop:
     - `epochs`, `steps` (per epoch), `batch_size`, `max_steps` (``None``: no limit).
     - `epoch` (1-based), `step` (steps done in this epoch), `global_step` (steps done in the run).
     - `order`: this epoch's permutation of the sample indices (N,) int64.
-    - `loss`: the last step's mean loss over the whole batch (all ranks); `correct`: how many
-      of the whole batch the model classified right before the step (class-index targets only).
+    - `loss`: the last step's mean loss over the whole batch (all ranks).
     - `loss_sum`, `correct_sum`, `seen`: this epoch's sums over whole batches (running means:
-      ``loss_sum / seen``).
+      ``loss_sum / seen``; `correct_sum` counts the samples classified right before their step,
+      for class-index targets).
     - `x`, `y`: this rank's shard of the last batch; `step_seconds`: the last step's forward,
       backward and optimizer time; `epoch_started`: ``time.perf_counter()`` at the epoch's
       start (or at the resume).
@@ -82,7 +82,7 @@ class Loop:
         self.shuffle = shuffle
         self.epoch, self.step, self.global_step = 1, 0, 0
         self.order: Tensor | None = None
-        self.loss, self.correct = math.nan, 0
+        self.loss = math.nan
         self.loss_sum, self.correct_sum, self.seen = 0.0, 0.0, 0
         self.x: Tensor | None = None
         self.y: Tensor | None = None
@@ -156,8 +156,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
     check_training(epochs=epochs, batch_size=batch_size)
     if drop_last and n < batch_size:
         raise ValueError(f"drop_last with {n} samples and batch_size {batch_size} leaves no batch")
-    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-        raise ValueError(f"`max_steps` must be an int >= 1 or None; got {max_steps!r}")
+    if max_steps is not None:
+        check_training(max_steps=max_steps)
     steps = n // batch_size if drop_last else math.ceil(n / batch_size)
     loop = Loop(model, optimizer, callbacks=callbacks, process_group=process_group, epochs=epochs,
                 steps=steps, batch_size=batch_size, max_steps=max_steps, shuffle=shuffle)
@@ -201,9 +201,12 @@ def _step(loop: Loop, x: Tensor, y: Tensor, loss_fn, clip: float | None, transfo
     def closure() -> Tensor:
         loop.optimizer.zero_grad()
         out = model(xb)
-        loss = loss_fn(out, yb)
-        if loop.world > 1:  # this shard's share of the batch mean; averaged over ranks: the batch's
-            loss = loss * (len(yb) * loop.world / batch)
+        if loop.world == 1:
+            loss = loss_fn(out, yb)
+        elif len(yb):  # this shard's share of the batch mean; averaged over ranks: the batch's
+            loss = loss_fn(out, yb) * (len(yb) * loop.world / batch)
+        else:  # an empty shard (a last batch smaller than the group): zero, not a mean over nothing
+            loss = out.sum() * 0.0
         loss.backward()
         if clip is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -219,7 +222,7 @@ def _step(loop: Loop, x: Tensor, y: Tensor, loss_fn, clip: float | None, transfo
         t = torch.tensor([loss * batch / loop.world, hits], dtype=torch.float64)
         torch.distributed.all_reduce(t, group=loop.process_group)
         loss, hits = float(t[0]) / batch, float(t[1])
-    loop.loss, loop.correct = loss, int(hits)
+    loop.loss = loss
     loop.loss_sum += loss * batch
     loop.correct_sum += hits
     loop.seen += batch
