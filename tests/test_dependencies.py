@@ -8,10 +8,19 @@ import textwrap
 APP_ONLY = ("typer", "rich", "tensorboard", "matplotlib", "sklearn", "mnist1d", "click")
 
 _BLOCK = textwrap.dedent(f"""
-    import sys
+    import builtins, sys
     BLOCKED = {APP_ONLY!r}
     for name in BLOCKED:  # as if not installed: importing them raises ModuleNotFoundError
         sys.modules[name] = None
+    TRIED = []  # imports of them by rankwise's own modules (even ones that catch the error)
+    _import = builtins.__import__
+
+    def _recording_import(name, globals=None, *args, **kwargs):
+        if name.split(".")[0] in BLOCKED and (globals or {{}}).get("__name__", "").startswith("rankwise"):
+            TRIED.append((globals["__name__"], name))
+        return _import(name, globals, *args, **kwargs)
+
+    builtins.__import__ = _recording_import
 """)
 
 
@@ -34,6 +43,7 @@ def test_library_imports_and_trains_without_the_cli_extra():
         print("ok", accuracy(model, x, y))
         loaded = [m for m, v in sys.modules.items() if m.split(".")[0] in BLOCKED and v is not None]
         assert not loaded, loaded
+        assert not TRIED, TRIED
     """)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.startswith("ok")

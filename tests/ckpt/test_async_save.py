@@ -22,12 +22,26 @@ def _state(step: int) -> dict:
     return {"w": torch.randn(400, 300), "b": torch.randn(300), "step": step}
 
 
+class _SlowWrite(CodedCheckpointer):
+    """Writes take at least 0.5 s (a slow disk)."""
+
+    def _publish(self, d, frag, com) -> None:
+        import time
+
+        time.sleep(0.5)
+        super()._publish(d, frag, com)
+
+
 def _async_round_trip(rank: int, store: str):
+    import time
+
     import torch.distributed as dist
 
-    ck = CodedCheckpointer(t=1, store_dir=store)
+    ck = _SlowWrite(t=1, store_dir=store)
     state = _state(1)
+    t0 = time.perf_counter()
     f1 = ck.save(state, 1, blocking=False)
+    returned_after, done_on_return = time.perf_counter() - t0, f1.done()
     assert isinstance(f1, Future)
     state["w"].zero_()  # training changes the weights at once: the snapshot was taken before
     x = torch.ones(8)
@@ -39,7 +53,8 @@ def _async_round_trip(rank: int, store: str):
     stats = ck.stats()
     got, step = ck.restore()
     ck.close()
-    return dict(x=float(x[0]), first_done=first_done_before_second, step=step,
+    return dict(x=float(x[0]), first_done=first_done_before_second, step=step, done_on_return=done_on_return,
+                returned_after=returned_after,
                 same=serialize(got) == serialize(_state(2)), blocked=stats["blocked_seconds"],
                 total=stats["save_seconds"])
 
@@ -49,6 +64,8 @@ def test_async_save_snapshots_returns_a_future_and_waits_for_the_previous(tmp_pa
     for r in out:
         assert r["x"] == 4.0**20 and r["first_done"] and r["step"] == 2 and r["same"]
         assert r["blocked"] < r["total"]
+        # the write takes ≥ 0.5 s (a slowed _publish): save returned long before it ended
+        assert not r["done_on_return"] and r["returned_after"] < 0.5 <= r["total"]
     # the first save restored alone is the snapshot, not the zeroed weights
     first = run_world(_restore_step, 4, tmp_path, str(tmp_path / "store"), 1)
     assert all(first)

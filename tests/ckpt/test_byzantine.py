@@ -18,6 +18,7 @@ from distributed import run_world
 from rankwise.ckpt import Code2D, CodedCheckpointer, Commitment, _format, read_commitment
 from rankwise.ckpt._checkpointer import serialize
 from rankwise.ckpt._format import commitment_root
+from rankwise.ckpt._merkle import get_hash
 from rankwise.ckpt._store import read_metadata
 
 MARKER = "pwned"  # a file the planted pickles create when (and only when) they are unpickled
@@ -47,7 +48,7 @@ def _reseal(com: Commitment, **changes) -> bytes:
     fields = {f: getattr(com, f) for f in ("n", "t", "data_len", "block_size", "hash", "codec", "line_roots",
                                            "version")}
     fields.update(changes)
-    root = com.root if keep else commitment_root(Code2D(4, 1)._h, **fields)
+    root = com.root if keep else commitment_root(get_hash(fields["hash"]), **fields)
     return Commitment(**{k: v for k, v in fields.items() if k != "version"}, root=root,
                       version=fields["version"]).to_bytes()
 

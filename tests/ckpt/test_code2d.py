@@ -282,4 +282,5 @@ def test_fragment_rows_are_views_of_one_grid():
     B = d.commitment.block_size
     addr = [np.frombuffer(f.row, dtype=np.uint8).ctypes.data for f in d.fragments]
     assert all(b - a == 7 * B for a, b in itertools.pairwise(addr))
-    assert not np.frombuffer(d.fragments[0].row, dtype=np.uint8).flags.owndata
+    grid = d.fragments[0].row.obj.base  # the (n, n, B) grid every row is a view of
+    assert grid.shape == (7, 7, B) and all(np.shares_memory(grid, f.row.obj) for f in d.fragments)

@@ -211,8 +211,8 @@ class CodedCheckpointer:
         if self._bg_group is None:  # collective: every rank reaches its first async save together
             self._bg_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo")
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwise-ckpt")
-        self._blocked_seconds = time.perf_counter() - t0
-        self._pending = self._executor.submit(self._background, snapshot, step, extra, t0)
+        blocked = time.perf_counter() - t0  # the snapshot, and waiting for the save before
+        self._pending = self._executor.submit(self._background, snapshot, step, extra, t0, blocked)
         return self._pending
 
     def wait(self) -> None:
@@ -228,10 +228,10 @@ class CodedCheckpointer:
             self._executor.shutdown()
             self._executor = None
 
-    def _background(self, state: Any, step: int, extra: bytes | None, t0: float) -> None:
+    def _background(self, state: Any, step: int, extra: bytes | None, t0: float, blocked: float) -> None:
         self._comm.group = self._bg_group
         self._save(state, step, extra, t0)
-        self._stats["blocked_seconds"] = self._blocked_seconds
+        self._stats["blocked_seconds"] = blocked
 
     def _save(self, state: Any, step: int, extra: bytes | None, t0: float) -> None:
         per_rank = extra
