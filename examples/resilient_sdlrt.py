@@ -43,7 +43,7 @@ if __name__ == "__main__":
                         "--epochs", "3"]
     try:
         r = run_resilient(workdir, args=tuple(options))
-    except (FileExistsError, RuntimeError) as e:
+    except (FileExistsError, NotADirectoryError, RuntimeError) as e:
         sys.exit(f"error: {e}")
     last = r["faulty"]["history"][-1]
     print(json.dumps({"bitwise_equal": r["bitwise_equal"], "killed_after": r["killed_after_checkpoint"],

@@ -209,7 +209,8 @@ class CodedCheckpointer:
         snapshot = _snapshot(state)
         self.wait()  # one in flight at a time
         if self._bg_group is None:  # collective: every rank reaches its first async save together
-            self._bg_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo")
+            self._bg_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo",
+                                            use_local_synchronization=True)  # only this group's ranks
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwise-ckpt")
         blocked = time.perf_counter() - t0  # the snapshot, and waiting for the save before
         self._pending = self._executor.submit(self._background, snapshot, step, extra, t0, blocked)
@@ -227,6 +228,8 @@ class CodedCheckpointer:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+            dist.destroy_process_group(self._bg_group)
+            self._bg_group = None
 
     def _background(self, state: Any, step: int, extra: bytes | None, t0: float, blocked: float) -> None:
         self._comm.group = self._bg_group

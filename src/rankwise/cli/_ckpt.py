@@ -81,8 +81,7 @@ def encode_cmd(
         raise UserError(f"--backend must be auto, isal or numpy; got {backend!r}")
     if file.stat().st_size == 0:
         raise UserError(f"FILE {file} is empty; there is nothing to encode")
-    from ..ckpt import Code2D, _store, fragment_path
-    from ..ckpt._store import COMMITMENT_FILE
+    from ..ckpt import Code2D, save_dispersal
 
     code = Code2D(n, t, hash=hash, backend=backend)
     data = file.read_bytes()  # before --force may delete it (FILE could be one of the outputs)
@@ -93,9 +92,8 @@ def encode_cmd(
         disp = code.encode(data)
     from rich.progress import track
 
-    for f in track(disp.fragments, description="writing fragments", console=console, transient=True):
-        _store.write(fragment_path(out, f.index), f)
-    _store.write(out / COMMITMENT_FILE, disp.commitment)  # last: a folder with a commitment is complete
+    save_dispersal(out, disp, progress=lambda fs: track(fs, description="writing fragments", console=console,
+                                                        transient=True))  # the commitment last
     com = disp.commitment
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
@@ -165,6 +163,8 @@ def retrieve_cmd(folder: Folder,
             pinned = bytes.fromhex(root)
         except ValueError:
             raise UserError(f"--root must be the commitment root in hex; got {root!r}") from None
+        if len(pinned) != 32:
+            raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
     check_new_file(out, force=force)
     code, com, found, _ = _open(folder)
     if root is not None and com.root != pinned:

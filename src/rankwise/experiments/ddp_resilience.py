@@ -145,14 +145,16 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
     ``FileExistsError`` unless `overwrite`, which deletes those three (nothing else)."""
     if method not in METHODS:
         raise ValueError(f"`method` must be one of {METHODS}; got {method!r}")
-    if nproc < 4:
-        raise ValueError(f"`nproc` must be >= 4 (t = 1 needs n > 3t); got {nproc}")
+    if not 4 <= nproc <= 255:
+        raise ValueError(f"`nproc` must be in [4, 255] (t = 1 needs 3t < n <= 255); got {nproc}")
     if not 0 <= kill_rank < nproc:
         raise ValueError(f"`kill_rank` must be in [0, {nproc}); got {kill_rank}")
     if every < 1 or not 1 <= kill_step < steps or kill_step % every == 0:
         raise ValueError("need every >= 1 and 1 <= kill_step < steps, not on a checkpoint step "
                          f"(so work is lost); got every={every}, kill_step={kill_step}, steps={steps}")
     work = Path(workdir)
+    if work.exists() and not work.is_dir():
+        raise NotADirectoryError(f"{work} is a file, not a folder; choose another --workdir")
     old = [work / d for d in DEMO_OUTPUTS if (work / d).exists()]
     if old and not overwrite:
         raise FileExistsError(f"{work} holds an earlier demo ({', '.join(p.name for p in old)}); "
@@ -238,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     else:
         try:
             result = run_demo(a.workdir, nproc=a.nproc, overwrite=a.force, method=a.method)
-        except (ValueError, FileExistsError) as e:  # a user's mistake: one line, exit status 2
+        except (ValueError, FileExistsError, NotADirectoryError) as e:  # a user's mistake: one line, exit 2
             ap.error(f"{e} (--force replaces an earlier demo)" if isinstance(e, FileExistsError) else str(e))
+        except RuntimeError as e:  # the workers failed: the log's tail, without a traceback
+            raise SystemExit(f"error: {e}") from None
         print(json.dumps(result, indent=1))
 
 

@@ -59,6 +59,8 @@ def run_resilient(workdir: str | Path, *, nproc: int = 4, every: int = 10, timeo
     folder); returns ``{"bitwise_equal", "killed_pid", "killed_after_checkpoint",
     "reference", "faulty", "seconds"}``."""
     work = Path(workdir)
+    if work.exists() and not work.is_dir():
+        raise NotADirectoryError(f"{work} is a file, not a folder; choose another folder")
     if work.exists() and any(work.iterdir()):
         raise FileExistsError(f"{work} is not empty; choose another folder")
     t0 = time.perf_counter()

@@ -9,6 +9,8 @@ import torch
 
 from ._loop import Callback, Loop
 
+_LAYOUT = {"identity", "model", "optim", "loop", "callbacks"}  # what on_step_end saves
+
 
 class CodedCheckpoints(Callback):
     """A 2-D coded checkpoint (:class:`rankwise.ckpt.CodedCheckpointer`) every `every` steps;
@@ -50,6 +52,9 @@ class CodedCheckpoints(Callback):
         if got is None:
             return
         state, _ = got
+        if not isinstance(state, dict) or not set(state) >= _LAYOUT:
+            raise ValueError(f"{self.checkpointer.root_dir} holds a checkpoint of another layout (written by "
+                             "another version of rankwise or another program); choose another folder")
         if state["identity"] != self.identity:
             raise ValueError(f"{self.checkpointer.root_dir} holds a checkpoint of another run ("
                              + mismatch(state["identity"] or {}, self.identity or {})
