@@ -72,9 +72,9 @@ def _bench(rank: int, root: str, mib: int) -> dict:
                         load_s=t_restore)
 
     # coded, in the background: what training waits for, against copying the state in host memory
-    from rankwise.ckpt._checkpointer import _snapshot
+    from rankwise.ckpt._checkpointer import _to_cpu
 
-    _, t_copy = timed(lambda: _snapshot(state))
+    _, t_copy = timed(lambda: _to_cpu(state, copy=True))
     ck_async = CodedCheckpointer(t=1, store_dir=root_p / "coded_async")
     ck_async.save(state, 6, blocking=False).result()  # (the first also creates its process group)
     fut, t_blocked = timed(lambda: ck_async.save(state, 7, blocking=False))

@@ -15,7 +15,7 @@ data-parallel case.
 
 from __future__ import annotations
 
-import copy
+import copy as _copy
 import hashlib
 import io
 import logging
@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from . import _store, _wire
 from ._code2d import Code2D, NotEnoughSymbols
-from ._format import CODEC, Commitment, Fragment, RepairSymbols, commitment_root
-from ._merkle import get_hash
+from ._format import CODEC, Commitment, Fragment, RepairSymbols, check_consistent
 
 log = logging.getLogger(__name__)
 
@@ -50,55 +49,37 @@ def deserialize(blob: bytes, *, weights_only: bool = True) -> Any:
     return torch.load(io.BytesIO(blob), weights_only=weights_only)
 
 
-def _to_cpu(obj: Any) -> Any:
+def _to_cpu(obj: Any, *, copy: bool = False) -> Any:
     """Tensors moved to the CPU (``torch.save`` records devices, so GPU ranks would otherwise
     serialise the same state to different bytes). Containers are rebuilt only where something
-    moved, keeping a state dict's ``_metadata``; CPU-only states come back as they are."""
+    moved, keeping a state dict's ``_metadata``; CPU-only states come back as they are.
+
+    With `copy`, every tensor is copied to host memory and every container rebuilt (other
+    leaves deep-copied): the snapshot a background save encodes while training goes on
+    changing the originals."""
     if isinstance(obj, torch.Tensor):
-        return obj if obj.device.type == "cpu" else obj.detach().cpu()
+        return obj.detach().to("cpu", copy=True) if copy or obj.device.type != "cpu" else obj
     if isinstance(obj, dict):
-        new = {k: _to_cpu(v) for k, v in obj.items()}
-        if all(new[k] is v for k, v in obj.items()):
+        new = {k: _to_cpu(v, copy=copy) for k, v in obj.items()}
+        if not copy and all(new[k] is v for k, v in obj.items()):
             return obj
         out = type(obj)(new.items())
         if hasattr(obj, "_metadata"):
-            out._metadata = obj._metadata
+            out._metadata = _copy.deepcopy(obj._metadata) if copy else obj._metadata
         return out
     if type(obj) in (list, tuple):
-        new = [_to_cpu(v) for v in obj]
-        return obj if all(a is b for a, b in zip(new, obj, strict=True)) else type(obj)(new)
-    return obj
-
-
-def _snapshot(obj: Any) -> Any:
-    """`obj` with every tensor copied to host memory (containers rebuilt, a state dict's
-    ``_metadata`` kept; other leaves deep-copied): what a background save encodes while
-    training goes on changing the originals."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        out = type(obj)((k, _snapshot(v)) for k, v in obj.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = copy.deepcopy(obj._metadata)
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_snapshot(v) for v in obj)
-    return copy.deepcopy(obj)
+        new = [_to_cpu(v, copy=copy) for v in obj]
+        return obj if not copy and all(a is b for a, b in zip(new, obj, strict=True)) else type(obj)(new)
+    return _copy.deepcopy(obj) if copy else obj
 
 
 def _self_consistent(com: Commitment) -> bool:
     """Do the commitment's own fields (under its own n, t and hash) hash to its root?"""
     try:
-        h = get_hash(com.hash)
+        check_consistent(com)
     except ValueError:
         return False
-    if not 1 <= com.t < 3 * com.t < com.n or len(com.line_roots) != 2 * com.n:
-        return False
-    if com.block_size != max(1, -(-com.data_len // (com.n - com.t) ** 2)):
-        return False
-    return com.root == commitment_root(h, n=com.n, t=com.t, data_len=com.data_len, block_size=com.block_size,
-                                       hash=com.hash, codec=com.codec, line_roots=com.line_roots,
-                                       version=com.version)
+    return True
 
 
 class CodedCheckpointer:
@@ -206,7 +187,7 @@ class CodedCheckpointer:
             self.wait()
             self._save(state, step, extra, t0)
             return None
-        snapshot = _snapshot(state)
+        snapshot = _to_cpu(state, copy=True)
         self.wait()  # one in flight at a time
         if self._bg_group is None:  # collective: every rank reaches its first async save together
             self._bg_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _backends, _gf, _merkle
-from ._format import CODEC, Commitment, Fragment, RepairSymbols, commitment_root
+from ._format import CODEC, Commitment, Fragment, RepairSymbols, block_size, check_consistent, commitment_root
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Code2D:
 
     # ---------------------------------------------------------------- geometry
     def block_size(self, data_len: int) -> int:
-        return max(1, -(-data_len // (self.k * self.k)))
+        return block_size(data_len, self.k)
 
     def _blocks(self, buf: bytes, B: int) -> np.ndarray:
         """k blocks of B bytes -> (k, B) uint8."""
@@ -172,13 +172,7 @@ class Code2D:
         if (com.n, com.t) != (self.n, self.t) or com.hash != self.hash_name or com.codec != CODEC:
             raise ValueError(f"commitment is for n={com.n}, t={com.t}, hash={com.hash}, codec={com.codec}; "
                              f"this code is n={self.n}, t={self.t}, hash={self.hash_name}, codec={CODEC}")
-        if com.block_size != self.block_size(com.data_len):
-            raise ValueError(f"commitment is inconsistent: block_size {com.block_size} does not fit "
-                             f"data_len {com.data_len} (expected {self.block_size(com.data_len)})")
-        if len(com.line_roots) != 2 * self.n or com.root != commitment_root(
-                self._h, n=com.n, t=com.t, data_len=com.data_len, block_size=com.block_size, hash=com.hash,
-                codec=com.codec, line_roots=com.line_roots, version=com.version):
-            raise ValueError("commitment is inconsistent: its fields do not hash to its root")
+        check_consistent(com)
         if com.version < 2 and com.root not in _WARNED_V1:
             _WARNED_V1.add(com.root)
             log.warning("commitment format version %d: its root does not bind n, t, data_len, block_size, "

@@ -27,8 +27,17 @@ _DIGEST = 32
 
 def seal(kind: int, body: bytes, version: int = VERSION) -> bytes:
     """Header + body + checksum."""
-    head = _HEAD.pack(MAGIC, version, kind) + body
-    return head + hashlib.sha256(head).digest()
+    return b"".join(seal_parts(kind, [body], version))
+
+
+def seal_parts(kind: int, body: list, version: int = VERSION) -> list:
+    """:func:`seal` of a body given as buffers, as buffers (header, the body's, checksum):
+    nothing is concatenated."""
+    head = _HEAD.pack(MAGIC, version, kind)
+    h = hashlib.sha256(head)
+    for part in body:
+        h.update(part)
+    return [head, *body, h.digest()]
 
 
 def unseal(blob: bytes, kind: int, what: str) -> memoryview:
@@ -129,6 +138,28 @@ def commitment_root(h, *, n: int, t: int, data_len: int, block_size: int, hash: 
     return h(b"\x02rwck-commitment", head, names, top)
 
 
+def block_size(data_len: int, k: int) -> int:
+    """B = ⌈data_len / k²⌉ (at least 1): the block size of a k×k grid holding data_len bytes."""
+    return max(1, -(-data_len // (k * k)))
+
+
+def check_consistent(com: Commitment) -> None:
+    """Raise ``ValueError`` unless the commitment's own fields fit together: a valid geometry
+    (1 ≤ t, 3t < n), a block size that fits its length, and a root that its fields hash to
+    under its own hash (:func:`commitment_root`)."""
+    if not (com.t >= 1 and 3 * com.t < com.n and len(com.line_roots) == 2 * com.n):
+        raise ValueError(f"commitment is inconsistent: n={com.n}, t={com.t}, "
+                         f"{len(com.line_roots)} line roots")
+    expected = block_size(com.data_len, com.n - com.t)
+    if com.block_size != expected:
+        raise ValueError(f"commitment is inconsistent: block_size {com.block_size} does not fit "
+                         f"data_len {com.data_len} (expected {expected})")
+    if com.root != commitment_root(_merkle.get_hash(com.hash), n=com.n, t=com.t, data_len=com.data_len,
+                                   block_size=com.block_size, hash=com.hash, codec=com.codec,
+                                   line_roots=com.line_roots, version=com.version):
+        raise ValueError("commitment is inconsistent: its fields do not hash to its root")
+
+
 @dataclass(frozen=True)
 class Fragment:
     """Worker ``index``'s share: ``row`` = C[index, :] and ``col`` = R[:, index] (k blocks each;
@@ -142,11 +173,7 @@ class Fragment:
         """The sealed file as a list of buffers (header, row, column, checksum), without
         concatenating the fragment's bytes: ``b"".join(parts) == to_bytes()``."""
         sizes = struct.pack("<IQQ", self.index, len(self.row), len(self.col))
-        head = _HEAD.pack(MAGIC, VERSION, FRAGMENT) + sizes
-        h = hashlib.sha256(head)
-        h.update(self.row)
-        h.update(self.col)
-        return [head, self.row, self.col, h.digest()]
+        return seal_parts(FRAGMENT, [sizes, self.row, self.col])
 
     def to_bytes(self) -> bytes:
         return b"".join(self.to_parts())

@@ -54,24 +54,12 @@ def inverse(A: np.ndarray) -> np.ndarray:
 
 def matmul(A: np.ndarray, X: np.ndarray) -> np.ndarray:
     """``A @ X`` over GF(2^8) with ``ec_encode_data``: A (r, k), X (k, L) uint8 -> (r, L)."""
-    lib = load()
     A = np.ascontiguousarray(A, dtype=np.uint8)
     X = np.ascontiguousarray(X, dtype=np.uint8)
-    r, k = A.shape
-    if X.shape[0] != k:
+    if X.shape[0] != A.shape[1]:
         raise ValueError(f"shape mismatch: {A.shape} @ {X.shape}")
-    L = X.shape[1]
-    out = np.zeros((r, L), dtype=np.uint8)
-    if r == 0 or L == 0:
-        return out
-    tables = np.empty(32 * k * r, dtype=np.uint8)
-    lib.ec_init_tables(k, r, _ptr(A), _ptr(tables))
-    u8p = ctypes.POINTER(ctypes.c_ubyte)
-    for s in range(0, L, _CHUNK):
-        n = min(_CHUNK, L - s)
-        src = (u8p * k)(*[_ptr(X[j, s:]) for j in range(k)])
-        dst = (u8p * r)(*[_ptr(out[i, s:]) for i in range(r)])
-        lib.ec_encode_data(n, k, r, _ptr(tables), src, dst)
+    out = np.zeros((A.shape[0], X.shape[1]), dtype=np.uint8)
+    matmul_into(A, list(X), list(out))
     return out
 
 
