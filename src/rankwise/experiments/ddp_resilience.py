@@ -88,8 +88,7 @@ def _worker(args: argparse.Namespace) -> None:
     def noisy(xb, yb):  # uses (and so tests) the restored RNG
         return xb + 0.05 * torch.randn(xb.shape), yb
 
-    epochs = -(-args.steps // -(-len(X) // args.batch))
-    fit(trained, opt, X, y, epochs=epochs, batch_size=args.batch, max_steps=args.steps,
+    fit(trained, opt, X, y, epochs=None, batch_size=args.batch, max_steps=args.steps,
         shuffle=torch.Generator().manual_seed(0), process_group=dist.group.WORLD, transform=noisy,
         callbacks=[CodedCheckpoints(ck, args.every), Demo()])
     dist.barrier()

@@ -191,8 +191,8 @@ def _controller(cfg: OdeRunConfig) -> AbstractController:
 class _Trace(Callback):
     """Each iteration's loss, ranks, checkpoints, reversal defect and tape memory, from the blocks."""
 
-    def __init__(self, callback, total: int) -> None:
-        self.callback, self.total = callback, total
+    def __init__(self, callback) -> None:
+        self.callback = callback
         self.trace: list[dict] = []
 
     def on_step_end(self, loop: Loop) -> None:
@@ -209,7 +209,7 @@ class _Trace(Callback):
             + max(s.get("replay_bytes", 0) for s in st),
             reloads=sum(s.get("reloads", 0) for s in st)))
         if self.callback:
-            self.callback(len(self.trace), self.total, loop.loss)
+            self.callback(len(self.trace), loop.epochs * loop.steps, loop.loss)
 
 
 def run(cfg: OdeRunConfig, callback=None) -> dict:
@@ -223,7 +223,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     model = LayeredMemoryODE(ctl, T=utr.shape[1], m=cfg.m, rank=cfg.rank, layers=cfg.layers,
                              depth_steps=cfg.depth_steps, seed=cfg.seed)
     opt = torch.optim.Adam(model.parameters(), cfg.lr)
-    tracer = _Trace(callback, cfg.epochs * -(-len(utr) // cfg.batch_size))
+    tracer = _Trace(callback)
     t0 = time.perf_counter()
     fit(model, opt, utr, ytr, epochs=cfg.epochs, batch_size=cfg.batch_size, callbacks=[tracer],
         clip_grad_norm=1.0)  # shuffled with the global RNG (seeded above)

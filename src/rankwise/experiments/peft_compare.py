@@ -135,8 +135,8 @@ class _Logits(nn.Module):
 class _StepLog(Callback):
     """Each step's time and loss, AdaLoRA's rank-allocation hook, and the progress report."""
 
-    def __init__(self, hook, progress, steps: int) -> None:
-        self.hook, self.progress, self.steps = hook, progress, steps
+    def __init__(self, hook, progress) -> None:
+        self.hook, self.progress = hook, progress
         self.times: list[float] = []
         self.losses: list[float] = []
 
@@ -147,7 +147,7 @@ class _StepLog(Callback):
         self.times.append(loop.step_seconds + time.perf_counter() - t0)
         self.losses.append(loop.loss)
         if self.progress is not None:
-            self.progress(loop.global_step, self.steps, f"loss {loop.loss:.3f}")
+            self.progress(loop.global_step, loop.max_steps, f"loss {loop.loss:.3f}")
 
 
 def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], int]:
@@ -185,12 +185,11 @@ def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> 
         train = subsample(labels, split["train"], n, spec.seed)
     model, opt, hook = _build(spec, spec.steps)
     logits = _Logits(model, ids, mask)
-    log = _StepLog(hook, progress, spec.steps)
+    log = _StepLog(hook, progress)
     articles = torch.tensor(train)
     # epochs of whole batches over the shuffled articles (a short last batch is left out)
-    fit(logits, opt, articles, y[articles], epochs=math.ceil(spec.steps / (len(train) // spec.batch_size)),
-        batch_size=spec.batch_size, drop_last=True, max_steps=spec.steps,
-        shuffle=torch.Generator().manual_seed(spec.seed), callbacks=[log])
+    fit(logits, opt, articles, y[articles], epochs=None, batch_size=spec.batch_size, drop_last=True,
+        max_steps=spec.steps, shuffle=torch.Generator().manual_seed(spec.seed), callbacks=[log])
     times, losses = log.times, log.losses
     ranks, trainable = _ranks_and_params(model, spec.method)
     val, test = torch.tensor(split["val"]), torch.tensor(split["test"])

@@ -133,9 +133,9 @@ class _Watch(Callback):
     """A sweep run's bookkeeping: stops at a non-finite loss, times the optimizer steps per
     epoch, trains the dense shadow on the same batches and traces rank and d_t."""
 
-    def __init__(self, spec: RunSpec, shadow: nn.Module | None, shadow_opt, progress, total: int) -> None:
+    def __init__(self, spec: RunSpec, shadow: nn.Module | None, shadow_opt, progress) -> None:
         self.spec, self.shadow, self.shadow_opt = spec, shadow, shadow_opt
-        self.progress, self.total = progress, total
+        self.progress = progress
         self.trace: list[dict] = []
         self.epoch_times: list[float] = []
         self.diverged: str | None = None
@@ -159,7 +159,7 @@ class _Watch(Callback):
             self.shadow_opt.step()
         step = loop.global_step
         if self.progress is not None:
-            self.progress(step, self.total, f"loss {loop.loss:.3f}")
+            self.progress(step, loop.epochs * loop.steps, f"loss {loop.loss:.3f}")
         if self.shadow is not None and (step % self.spec.dt_every == 0 or step == 1):
             ranks = loop.optimizer.ranks()
             self.trace.append(dict(step=step, loss=loop.loss, rank=sum(ranks.values()),
@@ -197,8 +197,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     else:
         model, opt = base, torch.optim.SGD(base.parameters(), lr=spec.lr, momentum=spec.momentum)
     gen = torch.Generator().manual_seed(spec.seed)
-    watch = _Watch(spec, shadow, shadow_opt, progress,
-                   epochs * math.ceil(len(x) / spec.batch_size))
+    watch = _Watch(spec, shadow, shadow_opt, progress)
     callbacks = [watch] if kind != "dense-svd" else [_FineTune(spec), watch]
     try:  # a diverged run is recorded as such (at its last finite weights), not lost
         fit(model, opt, x, y, epochs=epochs, batch_size=spec.batch_size, shuffle=gen, callbacks=callbacks)

@@ -114,7 +114,7 @@ class Loop:
             getattr(cb, hook)(self)
 
 
-def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *, epochs: int = 1,
+def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor, *, epochs: int | None = 1,
         batch_size: int = 32, max_steps: int | None = None, shuffle: torch.Generator | None = None,
         drop_last: bool = False,
         loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy, callbacks: Sequence[Callback] = (),
@@ -139,7 +139,8 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
     rankwise's integrators). ``loop.loss`` is then the whole batch's loss on every rank.
 
     **Arguments:**
-    - `epochs` ≥ 1, `batch_size` ≥ 1; `max_steps`: stop after this many steps in all.
+    - `epochs` ≥ 1, `batch_size` ≥ 1; `max_steps`: stop after this many steps in all (with
+      ``epochs=None``: as many epochs as those steps take).
     - `callbacks`: :class:`Callback` s, called in this order at every hook.
     - `transform(x_b, y_b) -> (x_b, y_b)`: applied to this rank's shard before the forward pass
       (e.g. noise augmentation).
@@ -153,12 +154,18 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
         raise ValueError(f"x and y differ in length: {n} samples, {len(y)} targets")
     if n == 0:
         raise ValueError("no training samples (x is empty)")
-    check_training(epochs=epochs, batch_size=batch_size)
+    if epochs is None and max_steps is None:
+        raise ValueError("give `epochs`, or `max_steps` with epochs=None")
+    check_training(batch_size=batch_size)
     if drop_last and n < batch_size:
         raise ValueError(f"drop_last with {n} samples and batch_size {batch_size} leaves no batch")
     if max_steps is not None:
         check_training(max_steps=max_steps)
     steps = n // batch_size if drop_last else math.ceil(n / batch_size)
+    if epochs is None:
+        check_training(max_steps=max_steps)
+        epochs = math.ceil(max_steps / steps)
+    check_training(epochs=epochs)
     loop = Loop(model, optimizer, callbacks=callbacks, process_group=process_group, epochs=epochs,
                 steps=steps, batch_size=batch_size, max_steps=max_steps, shuffle=shuffle)
     loop._emit("on_fit_start")  # a checkpointer among the callbacks may move the loop on here

@@ -129,7 +129,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         fit(model, opt, x_tr, y_tr, epochs=config.epochs, batch_size=config.batch_size,
             shuffle=torch.Generator().manual_seed(config.seed), process_group=group,
             callbacks=[ck, run] if ck is not None else [run])
-        train_acc, test_acc = accuracy(model, x_tr, y_tr), accuracy(model, x_te, y_te)
+        train_acc, test_acc = run.history[-1].train_acc, run.history[-1].test_acc  # the last epoch's
         summary = {
             "config": config.to_dict(),
             "test_acc": test_acc,
