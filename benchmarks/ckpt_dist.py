@@ -7,7 +7,8 @@ every rank loads the state. Times are the slowest rank's; bytes are counted from
 
 - ``coded``: :class:`rankwise.ckpt.CodedCheckpointer`, t = 1 (k = n − 1).
 - ``replicate``: every node keeps a full ``torch.save`` copy; the lost node copies it back from
-  a peer over the process group.
+  a peer over the process group. ``replicate, fsync``: the same save made durable (fsync), as
+  the coded files are; its rebuild and load are replicate's.
 - ``central``: rank 0 ``torch.save`` s to one shared folder; every rank reads it back.
 - ``dcp``: ``torch.distributed.checkpoint`` with the file-system writer to one shared folder;
   every rank loads. (Central and DCP keep nothing on the nodes, so there is nothing to rebuild,
@@ -92,6 +93,15 @@ def _bench(rank: int, root: str, mib: int) -> dict:
 
     _, t_save = timed(save_rep)
     stored = dir_bytes(mine)
+
+    def save_rep_fsync():  # the same, made durable as the coded save's files are
+        with open(mine / "state_fsync.pt", "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    _, t_save_fsync = timed(save_rep_fsync)
+    (mine / "state_fsync.pt").unlink()
     if rank == victim:
         shutil.rmtree(mine)
 
@@ -115,6 +125,7 @@ def _bench(rank: int, root: str, mib: int) -> dict:
     _, t_load = timed(lambda: torch.load(mine / "state.pt"))
     out["replicate"] = dict(save=t_save, stored=stored, rebuild_bytes=moved, rebuild_s=t_rebuild,
                             load_bytes=0, load_s=t_load)
+    out["replicate, fsync"] = dict(out["replicate"], save=t_save_fsync)
 
     # central
     shared = root_p / "central"
@@ -170,7 +181,7 @@ def run(n: int, mib: int) -> dict:
             p.join()
     table = {}
     table["async"] = {k: max(res[r]["async"][k] for r in range(n)) for k in ("copy", "blocked", "total")}
-    for method in ("coded", "replicate", "central", "dcp"):
+    for method in ("coded", "replicate", "replicate, fsync", "central", "dcp"):
         rows = [res[r][method] for r in range(n)]
         table[method] = dict(save_s=max(x["save"] for x in rows), stored_bytes=sum(x["stored"] for x in rows),
                              rebuild_bytes=sum(x["rebuild_bytes"] for x in rows),
@@ -182,13 +193,12 @@ def run(n: int, mib: int) -> dict:
 
 def profile_save(mib: int, n: int) -> None:
     """One rank's coded save, timed part by part in this process (no process group)."""
-    import hashlib
-
+    import blake3
     import torch
 
     from rankwise import _io
     from rankwise.ckpt import Code2D
-    from rankwise.ckpt._checkpointer import serialize
+    from rankwise.ckpt._checkpointer import _serialize_view
 
     torch.set_num_threads(1)
     state = _state(mib)
@@ -201,12 +211,12 @@ def profile_save(mib: int, n: int) -> None:
         rows.append((name, time.perf_counter() - t0))
         return out
 
-    blob = timed("torch.save to memory", lambda: serialize({"state": state, "per_rank": None}))
-    timed("SHA-256 digest", lambda: hashlib.sha256(blob).digest())
+    blob = timed("torch.save to memory", lambda: _serialize_view({"state": state, "per_rank": None}))
+    timed("state digest (blake3)", lambda: blake3.blake3(blob).digest())
     code.encode_share(blob, 0)  # warm-up: the first call also faults in fresh pages (~0.2 s here)
     timed("encode_share (systematic rank 0)", lambda: code.encode_share(blob, 0))
     frag = timed(f"encode_share (parity rank {n - 1})", lambda: code.encode_share(blob, n - 1))[0]
-    sealed = timed("seal the fragment file (its SHA-256; no concatenation)", frag.to_parts)
+    sealed = timed("the fragment file's parts (header checksum only)", frag.to_parts)
     with tempfile.TemporaryDirectory() as tmp:
         timed("atomic write with fsync", lambda: _io.write_atomic(Path(tmp) / "f", sealed))
     print(f"one rank's coded save of {mib} MiB (n = {n}), one process:\n")
@@ -215,15 +225,111 @@ def profile_save(mib: int, n: int) -> None:
         print(f"| {name} | {t:.2f} |")
 
 
+def profile_restore(mib: int, n: int) -> None:
+    """One rank's share of a coded restore, timed part by part in this process: what every
+    rank computes once the rows have arrived (the transport: ``--transport``)."""
+    import numpy as np
+    import torch
+
+    from rankwise.ckpt import Code2D
+    from rankwise.ckpt._checkpointer import deserialize, serialize
+    from rankwise.ckpt._store import read_fragment, write
+
+    torch.set_num_threads(1)
+    code = Code2D(n, 1)
+    blob = serialize({"state": _state(mib), "per_rank": None})
+    disp = code.encode(blob)
+    com, k = disp.commitment, code.k
+    C = np.stack([np.frombuffer(disp.fragments[i].row, np.uint8) for i in range(k)])  # as received
+    rows = []
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        rows.append((name, time.perf_counter() - t0))
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write(Path(tmp) / "f", disp.fragments[0])
+        frag = timed("read the fragment file", lambda: read_fragment(Path(tmp) / "f"))
+        timed("verify it (both lines, Merkle)", lambda: code.verified_lines(frag, com))
+    timed(f"verify the other {k - 1} received rows",
+          lambda: [code.verify_row(i, C[i], com) for i in range(1, k)])
+    data = timed("decode (the systematic rows: a view)",
+                 lambda: code.decode_rows(C, list(range(k)), com.data_len))
+    timed("torch.load", lambda: deserialize(data))
+    print(f"one rank's coded restore of {mib} MiB (n = {n}), one process, after the rows arrived:\n")
+    print("| part | seconds |\n|---|---|")
+    for name, t in rows:
+        print(f"| {name} | {t:.2f} |")
+
+
+def _transport(rank: int, n: int, init: str, mib: int, q) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n)
+    k = n - 1
+    size = mib * 2**20 // k
+    out = {}
+    for _ in range(2):
+        rows = [torch.empty(size, dtype=torch.uint8) for _ in range(n)]
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_gather(rows, torch.full((size,), rank, dtype=torch.uint8))
+        dist.barrier()
+        out.setdefault("all-gather of n rows", []).append(time.perf_counter() - t0)
+        buf = torch.empty((n, size), dtype=torch.uint8)
+        if rank < k:
+            buf[rank] = rank
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(k):
+            dist.broadcast(buf[i], i)
+        dist.barrier()
+        out.setdefault("k broadcasts into one buffer", []).append(time.perf_counter() - t0)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def transport(mib: int, n: int) -> None:
+    """How the k rows of a restore travel: an all-gather of all n rows vs k broadcasts of the
+    systematic rows into one buffer (gloo, n processes)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="rw_ckpt_tr_") as tmp:
+        procs = [ctx.Process(target=_transport, args=(r, n, f"{tmp}/init", mib, q)) for r in range(n)]
+        for p in procs:
+            p.start()
+        res = dict(q.get(timeout=600) for _ in range(n))
+        for p in procs:
+            p.join()
+    print(f"moving the rows of a {mib} MiB state to every rank, n = {n} processes (gloo, one machine):\n")
+    print("| transport | first call (s) | second call (s) |\n|---|---|---|")
+    for name in res[0]:
+        first, second = (max(res[r][name][i] for r in range(n)) for i in (0, 1))
+        print(f"| {name} | {first:.2f} | {second:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile-save", action="store_true", help="only time one rank's save, part by part")
+    ap.add_argument("--profile-restore", action="store_true",
+                    help="only time one rank's restore after the rows arrived, part by part")
+    ap.add_argument("--transport", action="store_true",
+                    help="only time moving the rows: all-gather vs broadcasts")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--sizes", default="16,256", help="state sizes in MiB")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
-    if a.profile_save:
-        profile_save(int(a.sizes.split(",")[-1]), a.nproc)
+    mib = int(a.sizes.split(",")[-1])
+    if a.profile_save or a.profile_restore or a.transport:
+        for flag, fn in ((a.profile_save, profile_save), (a.profile_restore, profile_restore),
+                         (a.transport, transport)):
+            if flag:
+                fn(mib, a.nproc)
+                print()
         return
     results = [run(a.nproc, int(s)) for s in a.sizes.split(",")]
     print(f"n = {a.nproc} processes (gloo, one machine), lost node: rank 2; bytes are totals over ranks\n")

@@ -19,7 +19,7 @@ def test_encode_lose_repair_retrieve(tmp_path):
     blob[100] ^= 1  # a corrupted systematic worker
     (folder / "worker1.rwck").write_bytes(bytes(blob))
     r = run_cli(*["ckpt", "verify", str(folder)])
-    assert r.exit_code == 1 and "missing" in r.output and "checksum mismatch" in r.output
+    assert r.exit_code == 1 and "missing" in r.output and "does not match the commitment" in r.output
     for w in (6, 1):
         r = run_cli(*["ckpt", "repair", str(folder), "--worker", str(w)])
         assert r.exit_code == 0, r.output

@@ -165,15 +165,45 @@ def test_binary_format_round_trips_and_rejects_damage(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["com", "f5"]  # no temporary files left
     blob = f.to_bytes()
     for cut in (0, 5, len(blob) // 2, len(blob) - 1):
-        with pytest.raises(ValueError, match=r"fragment: (truncated|checksum)"):
+        with pytest.raises(ValueError, match=r"fragment: (truncated|\d+ bytes where the header says)"):
             Fragment.from_bytes(blob[:cut])
-    for pos in (0, 7, 40, len(blob) - 3):
+    with pytest.raises(ValueError, match="header says"):
+        Fragment.from_bytes(blob + b"\0")
+    head = 7 + 20 + 32  # magic, version, kind; index and sizes; their checksum
+    for pos in (0, 7, 40, head - 1):  # the header is checksummed
         bad = bytearray(blob)
         bad[pos] ^= 0xFF
         with pytest.raises(ValueError, match="fragment"):
             Fragment.from_bytes(bytes(bad))
+    for pos in (head, len(blob) - 3):  # the body is checked against the commitment's Merkle roots
+        bad = bytearray(blob)
+        bad[pos] ^= 0x01
+        assert code.verify(f, c) and not code.verify(Fragment.from_bytes(bytes(bad)), c)
     with pytest.raises(ValueError, match="expected 1"):
         Fragment.from_bytes(c.to_bytes())
+
+
+def test_fragment_files_of_version_2_are_still_read_and_checked_whole():
+    from rankwise.ckpt import Fragment
+
+    f = Code2D(4, 1).encode(random.Random(4).randbytes(3000)).fragments[2]
+    old = f.to_bytes(version=2)
+    assert old[4:6] == (2).to_bytes(2, "little") and Fragment.from_bytes(old) == f
+    assert len(old) == len(f.to_bytes()) == f.file_size()  # the same size: the checksum moved
+    bad = bytearray(old)
+    bad[len(old) // 2] ^= 1
+    with pytest.raises(ValueError, match="checksum mismatch"):
+        Fragment.from_bytes(bytes(bad))
+
+
+def test_a_read_fragment_is_a_view_of_the_file_bytes():
+    """No copy of the row and column when a fragment file is read."""
+    from rankwise.ckpt import Fragment
+
+    f = Code2D(4, 1).encode(random.Random(6).randbytes(30_000)).fragments[1]
+    blob = f.to_bytes()
+    g = Fragment.from_bytes(blob)
+    assert g == f and g.row.obj is blob and g.col.obj is blob
 
 
 def _naive_repairable(n: int, t: int) -> int:
@@ -269,7 +299,8 @@ def test_encoder_gives_the_previous_encoders_bytes(case):
     if backend == "isal" and not _backends.isal_available():
         pytest.skip("ISA-L not installed")
     d = Code2D(n, t, backend=backend).encode(random.Random(size + n).randbytes(size))
-    got = hashlib.sha256(b"".join(f.to_bytes() for f in d.fragments) + d.commitment.to_bytes()).hexdigest()
+    files = b"".join(f.to_bytes(version=2) for f in d.fragments)  # the format the digests were taken in
+    got = hashlib.sha256(files + d.commitment.to_bytes()).hexdigest()
     assert got == _GOLDEN[case]
     for i, f in enumerate(d.fragments):  # and each agrees with the per-worker encoder
         assert Code2D(n, t, backend=backend).encode_share(random.Random(size + n).randbytes(size), i)[0] == f

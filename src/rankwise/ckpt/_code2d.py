@@ -43,6 +43,20 @@ class Dispersal:
     commitment: Commitment
 
 
+@dataclass(frozen=True)
+class Lines:
+    """Worker ``index``'s two lines of the extended grid P, n blocks of B bytes each: ``row``
+    = P[index, :] and ``col`` = P[:, index] (the first k blocks are views of the fragment, the t
+    parity blocks computed), with their Merkle trees (leaves first). What :meth:`Code2D.verify`
+    computes; a helper answers repair requests from it without extending the lines again."""
+
+    index: int
+    row: list[np.ndarray]
+    col: list[np.ndarray]
+    row_tree: list[list[bytes]]
+    col_tree: list[list[bytes]]
+
+
 _WARNED_V1: set[bytes] = set()  # v1 commitments already warned about (once each)
 
 
@@ -75,18 +89,18 @@ class Code2D:
         """k blocks of B bytes -> (k, B) uint8."""
         return np.frombuffer(buf, dtype=np.uint8).reshape(self.k, B)
 
-    def _extend(self, X: np.ndarray) -> np.ndarray:
-        """``G @ X`` for X (k, L): the systematic rows are X itself, only the t parity rows are
-        computed -> (n, L)."""
-        return np.concatenate([X, self._mm(self.G[self.k:], X)])
+    def _line(self, half, B: int) -> list[np.ndarray]:
+        """A line of P from its first k blocks (a fragment's row or column, k·B bytes): those
+        k blocks as views, then the t parity blocks computed in place -> n arrays of (B,)."""
+        blocks = list(self._blocks(half, B))
+        parity = np.empty((self.t, B), dtype=np.uint8)
+        self._into(self.G[self.k:], blocks, list(parity), self._parity_tables)
+        return blocks + list(parity)
 
-    def _row_line(self, frag: Fragment, B: int) -> np.ndarray:
-        """P[i, :] = C[i, :] Gᵀ as n blocks (n, B)."""
-        return self._extend(self._blocks(frag.row, B))
-
-    def _col_line(self, frag: Fragment, B: int) -> np.ndarray:
-        """P[:, i] = G R[:, i] as n blocks (n, B)."""
-        return self._extend(self._blocks(frag.col, B))
+    def lines(self, fragment: Fragment, block_size: int) -> Lines:
+        """The fragment's two lines of P and their Merkle trees (:class:`Lines`)."""
+        row, col = self._line(fragment.row, block_size), self._line(fragment.col, block_size)
+        return Lines(fragment.index, row, col, _merkle.levels(self._h, row), _merkle.levels(self._h, col))
 
     # ---------------------------------------------------------------- encode
     def encode(self, data: bytes | bytearray | memoryview) -> Dispersal:
@@ -133,19 +147,24 @@ class Code2D:
             raise ValueError(f"`index` must be in [0, {self.n}); got {index}")
         mv = memoryview(data).cast("B")
         n, k, B = self.n, self.k, self.block_size(len(mv))
-        buf = np.zeros(k * k * B, dtype=np.uint8)
-        buf[:len(mv)] = np.frombuffer(mv, dtype=np.uint8)
-        M3 = buf.reshape(k, k, B)  # M3[a, b] = block M[a, b]
+        flat, L = np.frombuffer(mv, dtype=np.uint8), k * B
+        M: list[np.ndarray] = []  # M[a] (k, B): row a of the data grid, a view where the data covers it
+        for a in range(k):
+            part = flat[a * L:(a + 1) * L]
+            if len(part) < L:  # the zero padding: only the last (partial) rows are copied
+                part = np.concatenate([part, np.zeros(L - len(part), np.uint8)])
+            M.append(part.reshape(k, B))
         rowline, colline = np.empty((n, B), np.uint8), np.empty((n, B), np.uint8)
         if index < k:  # systematic: row and column of M itself
-            rowline[:k] = M3[index]
-            colline[:k] = M3[:, index]
+            rowline[:k] = M[index]
+            for b in range(k):
+                colline[b] = M[b][index]
         else:  # C[i, :] = G[i, :] M and R[:, i] = M G[i, :]ᵀ, block by block
             g = self.G[index:index + 1]
             tab = self._tables_for(g)
-            self._into(g, [M3[a].reshape(-1) for a in range(k)], [rowline[:k].reshape(-1)], tab)
+            self._into(g, [M[a].reshape(-1) for a in range(k)], [rowline[:k].reshape(-1)], tab)
             for b in range(k):
-                self._into(g, list(M3[b]), [colline[b]], tab)
+                self._into(g, list(M[b]), [colline[b]], tab)
         G, tab = self.G[k:], self._parity_tables
         self._into(G, list(rowline[:k]), list(rowline[k:]), tab)  # P[i, k:] from C[i, :]
         self._into(G, list(colline[:k]), list(colline[k:]), tab)  # P[k:, i] from R[:, i]
@@ -181,12 +200,18 @@ class Code2D:
 
     def verify(self, fragment: Fragment, commitment: Commitment) -> bool:
         """Do the fragment's row and column lines hash to the committed line roots?"""
+        return self.verified_lines(fragment, commitment) is not None
+
+    def verified_lines(self, fragment: Fragment, commitment: Commitment) -> Lines | None:
+        """The fragment's :class:`Lines` if they hash to the committed line roots, else None."""
         self._check(commitment)
         B, i = commitment.block_size, fragment.index
         if not 0 <= i < self.n or len(fragment.row) != self.k * B or len(fragment.col) != self.k * B:
-            return False
-        return (_merkle.root(self._h, self._row_line(fragment, B)) == commitment.line_roots[i]
-                and _merkle.root(self._h, self._col_line(fragment, B)) == commitment.line_roots[self.n + i])
+            return None
+        lines = self.lines(fragment, B)
+        ok = (lines.row_tree[-1][0] == commitment.line_roots[i]
+              and lines.col_tree[-1][0] == commitment.line_roots[self.n + i])
+        return lines if ok else None
 
     # ---------------------------------------------------------------- repair
     def symbols_size(self, target: int, block_size: int) -> int:
@@ -198,16 +223,15 @@ class Code2D:
                               (bytes(d),) * depth)
         return len(dummy.to_bytes())
 
-    def helper_symbols(self, fragment: Fragment, target: int) -> RepairSymbols:
-        """The two blocks helper ``fragment.index`` sends to rebuild worker ``target``."""
+    def helper_symbols(self, fragment: Fragment | Lines, target: int) -> RepairSymbols:
+        """The two blocks helper ``fragment.index`` sends to rebuild worker ``target``, from its
+        fragment or from the :class:`Lines` its verification computed."""
         if not 0 <= target < self.n:
             raise ValueError(f"`target` must be in [0, {self.n}); got {target}")
-        B = len(fragment.row) // self.k
-        col = self._col_line(fragment, B)  # P[:, j]
-        row = self._row_line(fragment, B)  # P[j, :]
-        ct, rt = _merkle.levels(self._h, col), _merkle.levels(self._h, row)
-        return RepairSymbols(fragment.index, target, col[target].tobytes(), tuple(_merkle.path(ct, target)),
-                             row[target].tobytes(), tuple(_merkle.path(rt, target)))
+        lines = fragment if isinstance(fragment, Lines) else self.lines(fragment, len(fragment.row) // self.k)
+        return RepairSymbols(lines.index, target, lines.col[target].tobytes(),
+                             tuple(_merkle.path(lines.col_tree, target)), lines.row[target].tobytes(),
+                             tuple(_merkle.path(lines.row_tree, target)))
 
     def verified_symbols(self, target: int, symbols: list[RepairSymbols],
                          commitment: Commitment) -> tuple[dict[int, RepairSymbols], list[int]]:
@@ -248,7 +272,7 @@ class Code2D:
         # row i of P at positions J is G[J] · C[i, :]; column i at J is G[J] · R[:, i]
         row = self._mm(Ginv, np.stack([np.frombuffer(good[j].col_block, np.uint8) for j in J]))
         col = self._mm(Ginv, np.stack([np.frombuffer(good[j].row_block, np.uint8) for j in J]))
-        frag = Fragment(target, row.tobytes(), col.tobytes())
+        frag = Fragment(target, memoryview(row.reshape(-1)), memoryview(col.reshape(-1)))
         if not self.verify(frag, commitment):  # pragma: no cover - only with a hash collision
             raise RuntimeError(f"rebuilt fragment {target} does not match the commitment")
         return frag
@@ -260,7 +284,7 @@ class Code2D:
         B = commitment.block_size
         if not 0 <= index < self.n or len(row) != self.k * B:
             return False
-        return _merkle.root(self._h, self._extend(self._blocks(row, B))) == commitment.line_roots[index]
+        return _merkle.root(self._h, self._line(row, B)) == commitment.line_roots[index]
 
     def verified_rows(self, rows: dict[int, bytes],
                       commitment: Commitment) -> tuple[dict[int, bytes], list[int]]:
@@ -288,11 +312,17 @@ class Code2D:
 
     def _decode(self, rows: dict[int, bytes], data_len: int) -> bytes:
         """The data from ≥ k verified rows C[i, :] (index -> bytes)."""
-        k = self.k
-        idx = list(range(k)) if all(i in rows for i in range(k)) else sorted(rows)[:k]
+        idx = list(range(self.k)) if all(i in rows for i in range(self.k)) else sorted(rows)[:self.k]
         C = np.stack([np.frombuffer(rows[i], np.uint8) for i in idx])
-        M = C if idx == list(range(k)) else self._mm(self._inv(self.G[idx]), C)  # systematic fast path
-        return M.reshape(-1)[:data_len].tobytes()
+        return bytes(self.decode_rows(C, idx, data_len))
+
+    def decode_rows(self, C: np.ndarray, idx: list[int], data_len: int) -> memoryview:
+        """The data from k verified rows stacked in one array: ``C[j]`` = C[idx[j], :], (k, k·B).
+        With the systematic rows 0..k−1 in order the data is C itself: a view, no copy."""
+        if len(idx) != self.k or C.shape[0] != self.k:
+            raise ValueError(f"decode needs exactly k={self.k} rows; got {len(idx)}")
+        M = C if list(idx) == list(range(self.k)) else self._mm(self._inv(self.G[list(idx)]), C)
+        return memoryview(np.ascontiguousarray(M).reshape(-1))[:data_len]
 
     def retrieve(self, fragments: list[Fragment], commitment: Commitment) -> bytes:
         """The original bytes from any k valid fragments (invalid ones are skipped)."""

@@ -188,26 +188,38 @@ class CodedStorageReader(StorageReader):
         """Rank ``owner``'s blob, from the fragments whose commitment is the one the metadata
         names (a location holding another save's files is skipped, not trusted)."""
         com: Commitment | None = None
-        frags: list[Fragment] = []
+        frags: list[tuple[Path, Fragment]] = []
+
+        def skip(loc: Path, why: str) -> None:
+            self.skipped[f"{loc}/{owner}"] = why
+            log.warning("coded DCP read: skipping %s for rank %d's data: %s", loc, owner, why)
+
         for loc in self.locations:
             try:
                 c = _store.read_commitment(_store.dcp_commitment(loc, owner))
                 if c.root != root:
                     raise ValueError("its commitment belongs to another save")
                 com = c
-                frags.append(_store.read_fragment(_store.dcp_fragment(loc, owner)))
+                frags.append((loc, _store.read_fragment(_store.dcp_fragment(loc, owner))))
             except (OSError, ValueError) as e:
-                self.skipped[f"{loc}/{owner}"] = str(e)
-                log.warning("coded DCP read: skipping %s for rank %d's data: %s", loc, owner, e)
+                skip(loc, str(e))
         if com is None:
             raise RuntimeError(f"rank {owner}'s data cannot be decoded: no location holds the commitment "
                                f"the metadata names (skipped: {self.skipped})")
         code = Code2D(com.n, com.t, hash=com.hash)
-        try:
-            return code.retrieve(frags, com)
-        except NotEnoughSymbols as e:
-            raise RuntimeError(f"rank {owner}'s data cannot be decoded: {e} "
-                               f"(skipped: {self.skipped})") from e
+        rows: dict[int, bytes] = {}
+        for loc, f in frags:  # each checked against the commitment once; a bad one is named
+            if f.index in rows or len(rows) == code.k:
+                continue
+            if code.verify(f, com):
+                rows[f.index] = f.row
+            else:
+                skip(loc, "fragment does not match the commitment (corrupted or foreign)")
+        if len(rows) < code.k:
+            raise RuntimeError(f"rank {owner}'s data cannot be decoded: "
+                               f"{NotEnoughSymbols(len(rows), code.k, [], 'retrieve', 'fragments')} "
+                               f"(skipped: {self.skipped})")
+        return code._decode(rows, com.data_len)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         blobs: dict[int, memoryview] = {}

@@ -1,8 +1,13 @@
 """The wire formats: fragments, commitments, repair symbols and the sealed envelope around them.
 
 Layout (little endian): magic ``b"RWCK"``, format version (u16), kind (u8: 1 fragment,
-2 commitment, 3 repair symbols), the body, then a SHA-256 of everything before it. A truncated,
-corrupted or foreign file raises ``ValueError`` naming the problem.
+2 commitment, 3 repair symbols, 4 DCP metadata), the body, then a SHA-256 of everything before
+it. A truncated, corrupted or foreign file raises ``ValueError`` naming the problem.
+
+Fragment files are version 3 (versions 1 and 2 are still read): header, the sizes, a SHA-256 of
+those two, then the row and the column. The checksum covers the header only; the row and the
+column are hashed once, by the Merkle trees that every reader checks them against (the
+commitment's line roots), instead of a second time by a checksum over the same bytes.
 
 The SHA-256 catches accidents only: whoever writes a file can recompute it. What a bad party
 cannot forge is the commitment's root, which from version 2 binds every field decoding uses
@@ -20,8 +25,10 @@ from . import _merkle
 
 MAGIC, VERSION = b"RWCK", 2
 READABLE = (1, 2)
+FRAGMENT_VERSION = 3  # fragment files: the checksum covers the header only (see above)
 FRAGMENT, COMMITMENT, SYMBOLS, METADATA = 1, 2, 3, 4
 _HEAD = struct.Struct("<4sHB")
+_SIZES = struct.Struct("<IQQ")  # a fragment's index, row length, column length
 _DIGEST = 32
 
 
@@ -47,7 +54,7 @@ def unseal(blob: bytes, kind: int, what: str) -> memoryview:
 
 def unseal_versioned(blob: bytes, kind: int, what: str) -> tuple[int, memoryview]:
     """Check header and checksum; return the format version and the body."""
-    blob = bytes(blob)
+    blob = memoryview(blob).cast("B")
     if len(blob) < _HEAD.size + _DIGEST:
         raise ValueError(f"{what}: truncated ({len(blob)} bytes)")
     magic, version, got = _HEAD.unpack_from(blob)
@@ -59,7 +66,7 @@ def unseal_versioned(blob: bytes, kind: int, what: str) -> tuple[int, memoryview
         raise ValueError(f"{what}: file holds kind {got}, expected {kind}")
     if hashlib.sha256(blob[:-_DIGEST]).digest() != blob[-_DIGEST:]:
         raise ValueError(f"{what}: checksum mismatch (corrupted or truncated)")
-    return version, memoryview(blob)[_HEAD.size:-_DIGEST]
+    return version, blob[_HEAD.size:-_DIGEST]
 
 
 class Reader:
@@ -163,32 +170,58 @@ def check_consistent(com: Commitment) -> None:
 @dataclass(frozen=True)
 class Fragment:
     """Worker ``index``'s share: ``row`` = C[index, :] and ``col`` = R[:, index] (k blocks each;
-    bytes, or memoryviews of an encoder's buffers)."""
+    bytes, or memoryviews of an encoder's or a reader's buffer)."""
 
     index: int
     row: bytes
     col: bytes
 
-    def to_parts(self) -> list:
-        """The sealed file as a list of buffers (header, row, column, checksum), without
-        concatenating the fragment's bytes: ``b"".join(parts) == to_bytes()``."""
-        sizes = struct.pack("<IQQ", self.index, len(self.row), len(self.col))
-        return seal_parts(FRAGMENT, [sizes, self.row, self.col])
+    def to_parts(self, version: int = FRAGMENT_VERSION) -> list:
+        """The file as a list of buffers, without concatenating the fragment's bytes:
+        ``b"".join(parts) == to_bytes(version)``. Version 3: header, sizes, their SHA-256, row,
+        column; version 2: header, sizes, row, column, a SHA-256 of all of it."""
+        sizes = _SIZES.pack(self.index, len(self.row), len(self.col))
+        if version < FRAGMENT_VERSION:
+            return seal_parts(FRAGMENT, [sizes, self.row, self.col], version)
+        head = _HEAD.pack(MAGIC, version, FRAGMENT)
+        return [head, sizes, hashlib.sha256(head + sizes).digest(), self.row, self.col]
 
-    def to_bytes(self) -> bytes:
-        return b"".join(self.to_parts())
+    def to_bytes(self, version: int = FRAGMENT_VERSION) -> bytes:
+        return b"".join(self.to_parts(version))
 
     def file_size(self) -> int:
         """The length of :meth:`to_bytes`, without building it."""
-        return _HEAD.size + struct.calcsize("<IQQ") + len(self.row) + len(self.col) + _DIGEST
+        return _HEAD.size + _SIZES.size + _DIGEST + len(self.row) + len(self.col)
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> Fragment:
-        r = Reader(unseal(blob, FRAGMENT, "fragment"), "fragment")
+    def from_bytes(cls, blob) -> Fragment:
+        """Parse a fragment file of any readable version. The row and the column are
+        memoryviews of `blob` (no copy) for version 3; the caller checks them against the
+        commitment."""
+        mv = memoryview(blob).cast("B")
+        if len(mv) >= _HEAD.size:
+            magic, version, kind = _HEAD.unpack_from(mv)
+            if magic == MAGIC and version == FRAGMENT_VERSION and kind == FRAGMENT:
+                return cls._from_v3(mv)
+        r = Reader(unseal(mv, FRAGMENT, "fragment"), "fragment")
         index, nrow, ncol = r.unpack("IQQ")
         row, col = r.take(nrow), r.take(ncol)
         r.done()
         return cls(index, row, col)
+
+    @classmethod
+    def _from_v3(cls, mv: memoryview) -> Fragment:
+        head = _HEAD.size + _SIZES.size
+        if len(mv) < head + _DIGEST:
+            raise ValueError(f"fragment: truncated ({len(mv)} bytes)")
+        if hashlib.sha256(mv[:head]).digest() != mv[head:head + _DIGEST]:
+            raise ValueError("fragment: header checksum mismatch (corrupted)")
+        index, nrow, ncol = _SIZES.unpack_from(mv, _HEAD.size)
+        start = head + _DIGEST
+        if len(mv) != start + nrow + ncol:
+            raise ValueError(f"fragment: {len(mv)} bytes where the header says {start + nrow + ncol} "
+                             "(truncated or extended)")
+        return cls(index, mv[start:start + nrow], mv[start + nrow:])
 
 
 @dataclass(frozen=True)
