@@ -1,7 +1,8 @@
 """Coded checkpoints vs replication, a central store and DCP, over gloo, in one run.
 
 Run: ``.venv/bin/python benchmarks/ckpt_dist.py`` (4 processes; sizes 16 and 256 MiB; about
-3 min on 2 cores). Scenario per method: every rank saves the same state (DDP); rank 2's node
+3 min on 2 cores). Scenario per method: every rank saves the same state (DDP) twice, the second
+save timed (training saves again and again: its buffers and files already exist); rank 2's node
 is then lost (its local store wiped) and the group restarts: rank 2's share is rebuilt, and
 every rank loads the state. Times are the slowest rank's; bytes are counted from what is sent.
 
@@ -28,6 +29,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+PHASES = ("check", "repair", "write", "retrieve", "load")  # CodedCheckpointer.stats() after restore
+
 
 def _state(mib: int) -> dict:
     import torch
@@ -43,12 +46,15 @@ def _bench(rank: int, root: str, mib: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from rankwise.ckpt import CodedCheckpointer
+    from rankwise.ckpt._store import step_dir
 
     victim, out = 2, {}
     state = _state(mib)
     root_p = Path(root)
 
-    def timed(fn):
+    def timed(fn, warm=False):
+        if warm:  # a save's steady state: training saves again and again (its buffers exist)
+            fn()
         dist.barrier()
         t0 = time.perf_counter()
         r = fn()
@@ -61,8 +67,9 @@ def _bench(rank: int, root: str, mib: int) -> dict:
 
     # coded
     ck = CodedCheckpointer(t=1, store_dir=root_p / "coded")
+    ck.save(state, 6)
     _, t_save = timed(lambda: ck.save(state, 7))
-    stored = dir_bytes(root_p / "coded" / f"rank{rank}")
+    stored = dir_bytes(step_dir(root_p / "coded", rank, 7))  # one step (it keeps two)
     dist.barrier()
     if rank == victim:
         shutil.rmtree(root_p / "coded" / f"rank{rank}")
@@ -71,6 +78,7 @@ def _bench(rank: int, root: str, mib: int) -> dict:
     out["coded"] = dict(save=t_save, stored=stored, rebuild_bytes=st["repair_bytes_received"],
                         rebuild_s=st["repair_seconds"], load_bytes=st["retrieve_bytes_received"],
                         load_s=t_restore)
+    out["coded_phases"] = {k: st[f"{k}_seconds"] for k in PHASES}
 
     # coded, in the background: what training waits for, against copying the state in host memory
     from rankwise.ckpt._checkpointer import _to_cpu
@@ -91,7 +99,7 @@ def _bench(rank: int, root: str, mib: int) -> dict:
         mine.mkdir(parents=True, exist_ok=True)
         torch.save(state, mine / "state.pt")
 
-    _, t_save = timed(save_rep)
+    _, t_save = timed(save_rep, warm=True)
     stored = dir_bytes(mine)
 
     def save_rep_fsync():  # the same, made durable as the coded save's files are
@@ -100,7 +108,7 @@ def _bench(rank: int, root: str, mib: int) -> dict:
             f.flush()
             os.fsync(f.fileno())
 
-    _, t_save_fsync = timed(save_rep_fsync)
+    _, t_save_fsync = timed(save_rep_fsync, warm=True)
     (mine / "state_fsync.pt").unlink()
     if rank == victim:
         shutil.rmtree(mine)
@@ -135,7 +143,7 @@ def _bench(rank: int, root: str, mib: int) -> dict:
             shared.mkdir(parents=True, exist_ok=True)
             torch.save(state, shared / "state.pt")
 
-    _, t_save = timed(save_central)
+    _, t_save = timed(save_central, warm=True)
     _, t_load = timed(lambda: torch.load(shared / "state.pt"))
     size = (shared / "state.pt").stat().st_size
     out["central"] = dict(save=t_save, stored=size if rank == 0 else 0, rebuild_bytes=0, rebuild_s=0.0,
@@ -143,7 +151,7 @@ def _bench(rank: int, root: str, mib: int) -> dict:
 
     # dcp
     dshared = root_p / "dcp"
-    _, t_save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dshared))))
+    _, t_save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dshared))), warm=True)
     got = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}, "step": 0}
     _, t_load = timed(lambda: dcp.load(got, storage_reader=dcp.FileSystemReader(str(dshared))))
     size = dir_bytes(dshared)
@@ -181,6 +189,7 @@ def run(n: int, mib: int) -> dict:
             p.join()
     table = {}
     table["async"] = {k: max(res[r]["async"][k] for r in range(n)) for k in ("copy", "blocked", "total")}
+    table["coded_phases"] = {k: max(res[r]["coded_phases"][k] for r in range(n)) for k in PHASES}
     for method in ("coded", "replicate", "replicate, fsync", "central", "dcp"):
         rows = [res[r][method] for r in range(n)]
         table[method] = dict(save_s=max(x["save"] for x in rows), stored_bytes=sum(x["stored"] for x in rows),
@@ -198,7 +207,7 @@ def profile_save(mib: int, n: int) -> None:
 
     from rankwise import _io
     from rankwise.ckpt import Code2D
-    from rankwise.ckpt._checkpointer import _serialize_view
+    from rankwise.ckpt._checkpointer import _Sink
 
     torch.set_num_threads(1)
     state = _state(mib)
@@ -211,7 +220,7 @@ def profile_save(mib: int, n: int) -> None:
         rows.append((name, time.perf_counter() - t0))
         return out
 
-    blob = timed("torch.save to memory", lambda: _serialize_view({"state": state, "per_rank": None}))
+    blob = timed("torch.save to memory", lambda: _Sink().dump({"state": state, "per_rank": None}))
     timed("state digest (blake3)", lambda: blake3.blake3(blob).digest())
     code.encode_share(blob, 0)  # warm-up: the first call also faults in fresh pages (~0.2 s here)
     timed("encode_share (systematic rank 0)", lambda: code.encode_share(blob, 0))
@@ -339,7 +348,7 @@ def main() -> None:
     for r in results:
         m = r["state_bytes"]
         for name, x in r["methods"].items():
-            if name == "async":
+            if name in ("async", "coded_phases"):
                 continue
             print(f"| {r['mib']} MiB | {name} | {x['save_s']:.2f} | {x['stored_bytes'] / m:.2f}·|m| | "
                   f"{x['rebuild_bytes'] / m:.2f}·|m| / {x['rebuild_s']:.2f} | "
@@ -351,6 +360,11 @@ def main() -> None:
         x = r["methods"]["async"]
         print(f"| {r['mib']} MiB | {x['copy']:.3f} | {x['blocked']:.3f} | {x['blocked'] / x['copy']:.2f} | "
               f"{x['total']:.2f} |")
+    print("\n| size | coded restore, slowest rank per phase (s): " + " | ".join(PHASES) + " |")
+    print("|---|" + "---|" * len(PHASES))
+    for r in results:
+        x = r["methods"]["coded_phases"]
+        print(f"| {r['mib']} MiB | " + " | ".join(f"{x[k]:.2f}" for k in PHASES) + " |")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
 

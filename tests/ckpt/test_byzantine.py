@@ -4,6 +4,7 @@ stops a restore (CodedCheckpointer, gloo ranks in spawned processes)."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import os
 import pickle
@@ -137,11 +138,12 @@ class _LyingRank(CodedCheckpointer):
         super().__init__(*args, **kwargs)
         self.marker = marker
 
-    def _helper_payload(self, frag, target: int) -> bytes:
-        honest = super()._helper_payload(frag, target)
-        head = struct.pack("<IIQBHH", self.rank, target, 1 << 40, 32, 1, 1)
-        body = head + _pickle(self.marker)
-        return _format.seal(_format.SYMBOLS, body.ljust(len(honest) - 39, b"\0"))
+    def _helper_payload(self, lines, target: int) -> list:
+        size = sum(len(memoryview(p).cast("B")) for p in super()._helper_payload(lines, target))
+        meta = (struct.pack("<4sHB", _format.MAGIC, _format.FRAGMENT_VERSION, _format.SYMBOLS)
+                + struct.pack("<IIQBHH", self.rank, target, 1 << 40, 32, 1, 1) + bytes(64))
+        msg = meta + hashlib.sha256(meta).digest() + _pickle(self.marker)  # a valid header checksum
+        return [msg.ljust(size, b"\0")]
 
     def _commitment_copy(self, com) -> bytes:
         honest = super()._commitment_copy(com)

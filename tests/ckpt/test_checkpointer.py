@@ -110,3 +110,27 @@ def test_restart_with_another_world_size_raises_on_every_rank(tmp_path):
         run_world(_restore_fresh, 5, tmp_path, store, timeout=90)
     msg = str(e.value)
     assert msg.count("--- rank") == 5 and msg.count("saved with another code") >= 5
+
+
+def test_the_reused_serialisation_buffer_gives_torch_saves_bytes_and_loads_back():
+    """The save's sink (reused, sized from the tensors) and the restore's reader (no copy)
+    against plain ``torch.save`` / ``torch.load`` through BytesIO."""
+    import io
+
+    from rankwise.ckpt._checkpointer import _Sink, deserialize
+
+    def plain(obj) -> bytes:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return buf.getvalue()
+
+    sink = _Sink()
+    states = [{"w": torch.randn(1000), "opt": [torch.arange(7), 3, "x"]},
+              {"big": "y" * 3_000_000, "t": torch.ones(3)},  # more than its tensors: the buffer grows
+              {"w": torch.randn(10)}]  # smaller than the buffer it reuses
+    for st in states:
+        got = sink.dump(st)
+        assert bytes(got) == plain(st)
+        back = deserialize(got, weights_only=False)
+        assert plain(back) == plain(st)
+    assert len(sink.buf) >= 3_000_000  # kept for the next save

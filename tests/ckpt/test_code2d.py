@@ -315,3 +315,40 @@ def test_fragment_rows_are_views_of_one_grid():
     assert all(b - a == 7 * B for a, b in itertools.pairwise(addr))
     grid = d.fragments[0].row.obj.base  # the (n, n, B) grid every row is a view of
     assert grid.shape == (7, 7, B) and all(np.shares_memory(grid, f.row.obj) for f in d.fragments)
+
+
+def test_encode_share_into_a_reused_buffer():
+    code = Code2D(7, 2, backend="numpy")
+    a, b = random.Random(1).randbytes(40_000), random.Random(2).randbytes(39_990)  # the same block size
+    buf = code.share_buffer(len(a))
+    assert code.share_buffer(len(b), buf) is buf and code.share_buffer(10, buf) is not buf
+    for i in (0, 6):
+        for data in (a, b):
+            frag, r, c = code.encode_share(data, i, out=buf)
+            assert (frag, r, c) == code.encode_share(data, i)
+            assert np.shares_memory(np.frombuffer(frag.row, np.uint8), buf)
+    with pytest.raises(ValueError, match="shape"):
+        code.encode_share(a, 0, out=np.empty((2, 7, 3), np.uint8))
+
+
+def test_repair_symbols_wire_form_round_trips_without_copying_the_blocks():
+    from rankwise.ckpt import RepairSymbols
+
+    code = Code2D(7, 2)
+    d = code.encode(random.Random(8).randbytes(20_000))
+    sym = code.helper_symbols(d.fragments[4], 1)
+    wire = bytearray(sym.to_bytes())
+    assert len(wire) == code.symbols_size(1, d.commitment.block_size)
+    got = RepairSymbols.from_bytes(wire)
+    assert got == sym and got.col_block.obj is wire and got.row_block.obj is wire
+    for pos in (0, 9, len(wire) - 2 * len(sym.col_block) - 1):  # header, sizes, the header's checksum
+        bad = bytearray(wire)
+        bad[pos] ^= 1
+        with pytest.raises(ValueError, match="repair symbols"):
+            RepairSymbols.from_bytes(bad)
+    with pytest.raises(ValueError, match="header says"):
+        RepairSymbols.from_bytes(wire[:-1])
+    bad = bytearray(wire)
+    bad[-1] ^= 1  # a block: caught by its Merkle path, and the helper named
+    good, failed = code.verified_symbols(1, [RepairSymbols.from_bytes(bad)], d.commitment)
+    assert not good and failed == [4]

@@ -41,18 +41,82 @@ log = logging.getLogger(__name__)
 
 def serialize(state: Any) -> bytes:
     """Deterministic bytes of a state dict (``torch.save``; same state, same bytes)."""
-    return bytes(_serialize_view(state))
+    return bytes(_Sink().dump(state))
 
 
-def _serialize_view(state: Any) -> memoryview:
-    """:func:`serialize` as a view of the stream's own buffer (no copy of the bytes)."""
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    return buf.getbuffer()
+class _Sink:
+    """A write-only stream for ``torch.save`` into one reusable buffer: sized from the state's
+    tensors on first use and kept, so that a checkpointer that saves every few steps neither
+    grows a ``BytesIO`` by copies nor faults in fresh pages at every save."""
+
+    def __init__(self) -> None:
+        self.buf, self.size = np.empty(0, np.uint8), 0
+
+    def dump(self, state: Any) -> memoryview:
+        """``torch.save(state)`` into the buffer -> a view of the bytes (valid until the next dump)."""
+        self.size = 0
+        self._reserve(_tensor_bytes(state) + 2**20)
+        torch.save(state, self)
+        return memoryview(self.buf[:self.size])
+
+    def _reserve(self, total: int) -> None:
+        if total > len(self.buf):
+            new = np.empty(total, np.uint8)
+            new[:self.size] = self.buf[:self.size]
+            self.buf = new
+
+    def write(self, b) -> int:
+        b = memoryview(b).cast("B")
+        if self.size + len(b) > len(self.buf):
+            self._reserve(max(self.size + len(b), 2 * len(self.buf)))
+        self.buf[self.size:self.size + len(b)] = np.frombuffer(b, np.uint8)
+        self.size += len(b)
+        return len(b)
+
+    def flush(self) -> None:
+        pass
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable read-only stream over a buffer (``io.BytesIO`` would copy it first)."""
+
+    def __init__(self, data) -> None:
+        self.mv, self.pos = memoryview(data).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        got = self.mv[self.pos:self.pos + len(b)]
+        memoryview(b).cast("B")[:len(got)] = got
+        self.pos += len(got)
+        return len(got)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.mv)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
 
 
 def deserialize(blob: bytes | memoryview, *, weights_only: bool = True) -> Any:
-    return torch.load(io.BytesIO(blob), weights_only=weights_only)
+    """``torch.load`` from a buffer, reading the tensors straight out of it."""
+    return torch.load(_ViewReader(blob), weights_only=weights_only)
 
 
 def _to_cpu(obj: Any, *, copy: bool = False) -> Any:
@@ -126,6 +190,8 @@ class CodedCheckpointer:
         self._bg_group = None  # created (collectively) by the first save(blocking=False)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
+        self._sink = _Sink()  # the serialised state, reused by every save (one save at a time)
+        self._lines: np.ndarray | None = None  # this rank's two lines of P, reused likewise
 
     # ------------------------------------------------------------------ helpers
     def _global(self, r: int) -> int:
@@ -243,10 +309,11 @@ class CodedCheckpointer:
                                f"{sizes.index(max(sizes))}; at most {_wire.MAX_PER_RANK} (RNG states, "
                                "not data)")
         extras = self._gather(extra, max(sizes)) if flags[0] else None
-        blob = _serialize_view({"state": _to_cpu(state), "per_rank": extras})
+        blob = self._sink.dump({"state": _to_cpu(state), "per_rank": extras})
         # each rank encodes only its own share; the 2n line roots are gathered (with a digest
         # of the bytes, which catches ranks whose states diverged)
-        frag, row_root, col_root = self.code.encode_share(blob, self.rank)
+        self._lines = self.code.share_buffer(len(blob), self._lines)
+        frag, row_root, col_root = self.code.encode_share(blob, self.rank, out=self._lines)
         digest = blake3.blake3(blob).digest()
         d = len(row_root)
         got = self._gather(digest + row_root + col_root, 32 + 2 * d)
@@ -328,6 +395,7 @@ class CodedCheckpointer:
         sent = recv = 0
         bad_helpers: set[int] = set()
         t_rep = time.perf_counter()
+        check_seconds = t_rep - t0
         for target in targets:
             frag_or_none, s, rc, bad = self._repair(target, helpers, lines, com)
             sent, recv = sent + s, recv + rc
@@ -348,8 +416,10 @@ class CodedCheckpointer:
             err = f"writing {d}: {e}"
         self._raise_if_any(err, "repair")
         t_ret = time.perf_counter()
+        write_seconds = t_ret - t_rep - repair_seconds
         blob, s, rc, bad = self._retrieve(frag, com)
         bad_helpers |= set(bad)
+        t_load = time.perf_counter()
         saved = deserialize(blob, weights_only=self.weights_only)  # verified against the agreed root
         del blob  # (a view of the received rows)
         state = saved["state"]
@@ -358,8 +428,9 @@ class CodedCheckpointer:
         self._stats = dict(op="restore", step=step, repaired=targets, helpers=helpers,
                            repair_bytes_sent=sent, repair_bytes_received=recv,
                            retrieve_bytes_sent=s, retrieve_bytes_received=rc,
-                           bad_helpers=sorted(bad_helpers), repair_seconds=repair_seconds,
-                           retrieve_seconds=time.perf_counter() - t_ret,
+                           bad_helpers=sorted(bad_helpers), check_seconds=check_seconds,
+                           repair_seconds=repair_seconds, write_seconds=write_seconds,
+                           retrieve_seconds=t_load - t_ret, load_seconds=time.perf_counter() - t_load,
                            restore_seconds=time.perf_counter() - t0, state_bytes=com.data_len,
                            block_size=com.block_size)
         return state, step
@@ -394,8 +465,8 @@ class CodedCheckpointer:
                            f"holders {holders}")
 
     # what this rank sends its peers (test doubles of a bad rank override these three)
-    def _helper_payload(self, lines: Lines, target: int) -> bytes:
-        return self.code.helper_symbols(lines, target).to_bytes()
+    def _helper_payload(self, lines: Lines, target: int) -> list:
+        return self.code.helper_symbols(lines, target).to_parts()
 
     def _commitment_copy(self, com: Commitment) -> bytes:
         return com.to_bytes()
@@ -436,12 +507,16 @@ class CodedCheckpointer:
         size = self.code.symbols_size(target, com.block_size)  # exactly this much from each helper
         if self.rank in helpers:
             assert lines is not None
-            payload = self._helper_payload(lines, target)
-            if len(payload) != size:  # pragma: no cover - our own symbols always have the size
-                raise RuntimeError(f"repair symbols of {len(payload)} bytes, expected {size}")
-            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), self._global(target),
-                      group=self.group)
-            sent += len(payload)
+            parts = self._helper_payload(lines, target)
+            if sum(len(memoryview(p).cast("B")) for p in parts) != size:  # pragma: no cover - ours fit
+                raise RuntimeError(f"repair symbols of the wrong size, expected {size}")
+            msg, pos = torch.empty(size, dtype=torch.uint8), 0
+            for p in parts:  # the blocks are copied once, into the message
+                b = np.frombuffer(p, np.uint8)
+                msg.numpy()[pos:pos + len(b)] = b
+                pos += len(b)
+            dist.send(msg, self._global(target), group=self.group)
+            sent += size
         elif self.rank == target:
             symbols: list[RepairSymbols] = []
             for h in helpers:
@@ -449,7 +524,7 @@ class CodedCheckpointer:
                 dist.recv(buf, self._global(h), group=self.group)
                 recv += buf.numel()
                 try:
-                    sym = RepairSymbols.from_bytes(buf.numpy().tobytes())
+                    sym = RepairSymbols.from_bytes(buf.numpy())  # the blocks are views of buf
                     if sym.helper != h:
                         raise ValueError(f"claims to come from helper {sym.helper}")
                     symbols.append(sym)

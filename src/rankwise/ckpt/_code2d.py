@@ -134,15 +134,17 @@ class Code2D:
                  for i in range(n)]
         return Dispersal(frags, self._commitment(len(mv), tuple(rows + cols)))
 
-    def encode_share(self, data: bytes | bytearray | memoryview, index: int) -> tuple[Fragment, bytes, bytes]:
+    def encode_share(self, data: bytes | bytearray | memoryview, index: int, *,
+                     out: np.ndarray | None = None) -> tuple[Fragment, bytes, bytes]:
         """Worker ``index``'s fragment of :meth:`encode` and the Merkle roots of its row and
         column lines of P, without computing the other workers' shares: O(|m|) work instead of
         the whole n×n grid. When every worker holds ``data`` (data-parallel training), each
         encodes its own share, and :meth:`commitment_from_roots` assembles the commitment from
         the 2n gathered roots.
 
-        The two lines P[index, :] and P[:, index] (n blocks each) are computed in place in two
-        buffers; the fragment's row and column are views of their first k blocks."""
+        The two lines P[index, :] and P[:, index] (n blocks each) are computed in place in one
+        (2, n, B) buffer, `out` when given (a caller that saves repeatedly reuses it: see
+        :meth:`share_buffer`); the fragment's row and column are views of their first k blocks."""
         if not 0 <= index < self.n:
             raise ValueError(f"`index` must be in [0, {self.n}); got {index}")
         mv = memoryview(data).cast("B")
@@ -154,7 +156,11 @@ class Code2D:
             if len(part) < L:  # the zero padding: only the last (partial) rows are copied
                 part = np.concatenate([part, np.zeros(L - len(part), np.uint8)])
             M.append(part.reshape(k, B))
-        rowline, colline = np.empty((n, B), np.uint8), np.empty((n, B), np.uint8)
+        if out is None:
+            out = np.empty((2, n, B), np.uint8)
+        elif out.shape != (2, n, B) or out.dtype != np.uint8:
+            raise ValueError(f"`out` must be uint8 of shape {(2, n, B)}; got {out.dtype} {out.shape}")
+        rowline, colline = out[0], out[1]
         if index < k:  # systematic: row and column of M itself
             rowline[:k] = M[index]
             for b in range(k):
@@ -170,6 +176,12 @@ class Code2D:
         self._into(G, list(colline[:k]), list(colline[k:]), tab)  # P[k:, i] from R[:, i]
         frag = Fragment(index, memoryview(rowline[:k].reshape(-1)), memoryview(colline[:k].reshape(-1)))
         return frag, _merkle.root(self._h, rowline), _merkle.root(self._h, colline)
+
+    def share_buffer(self, data_len: int, reuse: np.ndarray | None = None) -> np.ndarray:
+        """A buffer for :meth:`encode_share` of `data_len` bytes: `reuse` when it has the right
+        size (its bytes are overwritten), else a new one."""
+        shape = (2, self.n, self.block_size(data_len))
+        return reuse if reuse is not None and reuse.shape == shape else np.empty(shape, np.uint8)
 
     def commitment_from_roots(self, data_len: int, row_roots: list[bytes],
                               col_roots: list[bytes]) -> Commitment:
@@ -229,8 +241,8 @@ class Code2D:
         if not 0 <= target < self.n:
             raise ValueError(f"`target` must be in [0, {self.n}); got {target}")
         lines = fragment if isinstance(fragment, Lines) else self.lines(fragment, len(fragment.row) // self.k)
-        return RepairSymbols(lines.index, target, lines.col[target].tobytes(),
-                             tuple(_merkle.path(lines.col_tree, target)), lines.row[target].tobytes(),
+        return RepairSymbols(lines.index, target, memoryview(lines.col[target]),
+                             tuple(_merkle.path(lines.col_tree, target)), memoryview(lines.row[target]),
                              tuple(_merkle.path(lines.row_tree, target)))
 
     def verified_symbols(self, target: int, symbols: list[RepairSymbols],
@@ -269,9 +281,12 @@ class Code2D:
         """Worker ``target``'s fragment from ≥ k symbols :meth:`verified_symbols` accepted."""
         J = sorted(good)[:self.k]
         Ginv = self._inv(self.G[J])
+        tab = self._tables_for(Ginv)
+        B = commitment.block_size
+        row, col = np.empty((self.k, B), np.uint8), np.empty((self.k, B), np.uint8)
         # row i of P at positions J is G[J] · C[i, :]; column i at J is G[J] · R[:, i]
-        row = self._mm(Ginv, np.stack([np.frombuffer(good[j].col_block, np.uint8) for j in J]))
-        col = self._mm(Ginv, np.stack([np.frombuffer(good[j].row_block, np.uint8) for j in J]))
+        self._into(Ginv, [np.frombuffer(good[j].col_block, np.uint8) for j in J], list(row), tab)
+        self._into(Ginv, [np.frombuffer(good[j].row_block, np.uint8) for j in J], list(col), tab)
         frag = Fragment(target, memoryview(row.reshape(-1)), memoryview(col.reshape(-1)))
         if not self.verify(frag, commitment):  # pragma: no cover - only with a hash collision
             raise RuntimeError(f"rebuilt fragment {target} does not match the commitment")

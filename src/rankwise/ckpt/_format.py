@@ -25,10 +25,11 @@ from . import _merkle
 
 MAGIC, VERSION = b"RWCK", 2
 READABLE = (1, 2)
-FRAGMENT_VERSION = 3  # fragment files: the checksum covers the header only (see above)
+FRAGMENT_VERSION = 3  # fragment files and repair symbols: the checksum covers the header only
 FRAGMENT, COMMITMENT, SYMBOLS, METADATA = 1, 2, 3, 4
 _HEAD = struct.Struct("<4sHB")
 _SIZES = struct.Struct("<IQQ")  # a fragment's index, row length, column length
+_SYM = struct.Struct("<IIQBHH")  # repair symbols: helper, target, block size, digest size, path lengths
 _DIGEST = 32
 
 
@@ -247,21 +248,38 @@ class RepairSymbols:
         """Everything sent: blocks, paths and two 4-byte indices."""
         return self.nbytes + sum(map(len, self.col_path + self.row_path)) + 8
 
-    def to_bytes(self) -> bytes:
-        """Sealed wire form: indices, the two blocks and their Merkle paths."""
+    def to_parts(self) -> list:
+        """The wire form (version 3) as buffers, the blocks not copied: header, indices and
+        sizes, the Merkle paths, a SHA-256 of all that, then the two blocks (checked by their
+        Merkle paths, not by the checksum)."""
         d = len(self.col_path[0]) if self.col_path else 0
-        parts = [struct.pack("<IIQBHH", self.helper, self.target, len(self.col_block), d,
-                             len(self.col_path), len(self.row_path)),
-                 self.col_block, *self.col_path, self.row_block, *self.row_path]
-        return seal(SYMBOLS, b"".join(parts))
+        meta = b"".join([_HEAD.pack(MAGIC, FRAGMENT_VERSION, SYMBOLS),
+                         _SYM.pack(self.helper, self.target, len(self.col_block), d, len(self.col_path),
+                                   len(self.row_path)), *self.col_path, *self.row_path])
+        return [meta, hashlib.sha256(meta).digest(), self.col_block, self.row_block]
+
+    def to_bytes(self) -> bytes:
+        return b"".join(self.to_parts())
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> RepairSymbols:
-        r = Reader(unseal(blob, SYMBOLS, "repair symbols"), "repair symbols")
-        helper, target, B, d, nc, nr = r.unpack("IIQBHH")
-        col = r.take(B)
-        cpath = tuple(r.take(d) for _ in range(nc))
-        row = r.take(B)
-        rpath = tuple(r.take(d) for _ in range(nr))
-        r.done()
-        return cls(helper, target, col, cpath, row, rpath)
+    def from_bytes(cls, blob) -> RepairSymbols:
+        """Parse the wire form; the blocks are views of `blob` (no copy)."""
+        mv = memoryview(blob).cast("B")
+        what = "repair symbols"
+        if len(mv) < _HEAD.size + _SYM.size + _DIGEST:
+            raise ValueError(f"{what}: truncated ({len(mv)} bytes)")
+        magic, version, kind = _HEAD.unpack_from(mv)
+        if magic != MAGIC or version != FRAGMENT_VERSION or kind != SYMBOLS:
+            raise ValueError(f"{what}: not repair symbols of version {FRAGMENT_VERSION} "
+                             f"(magic {bytes(magic)!r}, version {version}, kind {kind})")
+        helper, target, B, d, nc, nr = _SYM.unpack_from(mv, _HEAD.size)
+        end = _HEAD.size + _SYM.size + (nc + nr) * d
+        if len(mv) != end + _DIGEST + 2 * B:
+            raise ValueError(f"{what}: {len(mv)} bytes where the header says {end + _DIGEST + 2 * B}")
+        if hashlib.sha256(mv[:end]).digest() != mv[end:end + _DIGEST]:
+            raise ValueError(f"{what}: header checksum mismatch (corrupted)")
+        pos = _HEAD.size + _SYM.size
+        paths = [bytes(mv[pos + i * d:pos + (i + 1) * d]) for i in range(nc + nr)]
+        blocks = end + _DIGEST
+        return cls(helper, target, mv[blocks:blocks + B], tuple(paths[:nc]), mv[blocks + B:],
+                   tuple(paths[nc:]))

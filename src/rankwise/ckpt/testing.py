@@ -7,6 +7,7 @@ use these to show that a lying rank is named and excluded.
 from __future__ import annotations
 
 from ._checkpointer import CodedCheckpointer
+from ._code2d import Lines
 from ._format import Fragment
 
 
@@ -21,9 +22,9 @@ class LyingCheckpointer(CodedCheckpointer):
     """A :class:`CodedCheckpointer` whose repair symbols and retrieval rows are corrupted (one
     bit each, in messages of the expected size): what its peers must detect, name and exclude."""
 
-    def _helper_payload(self, frag: Fragment, target: int) -> bytes:
-        payload = super()._helper_payload(frag, target)
-        return flip(payload, len(payload) // 2)
+    def _helper_payload(self, lines: Lines, target: int) -> list:
+        payload = b"".join(bytes(p) for p in super()._helper_payload(lines, target))
+        return [flip(payload, len(payload) - 1)]  # in the row block: a valid header, a bad symbol
 
     def _row_payload(self, frag: Fragment) -> bytes:
         return flip(super()._row_payload(frag), 7)
