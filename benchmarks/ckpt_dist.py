@@ -3,8 +3,10 @@
 Run: ``.venv/bin/python benchmarks/ckpt_dist.py`` (4 processes; sizes 16 and 256 MiB; about
 3 min on 2 cores). Scenario per method: every rank saves the same state (DDP) twice, the second
 save timed (training saves again and again: its buffers and files already exist); rank 2's node
-is then lost (its local store wiped) and the group restarts: rank 2's share is rebuilt, and
-every rank loads the state. Times are the slowest rank's; bytes are counted from what is sent.
+is then lost (its local store wiped) and the job restarts: for each method a fresh group of
+processes (as after a real restart, so that no method finds memory another one freed)
+rebuilds rank 2's share and loads the state on every rank. Times are the slowest rank's; bytes
+are counted from what is sent.
 
 - ``coded``: :class:`rankwise.ckpt.CodedCheckpointer`, t = 1 (k = n − 1).
 - ``replicate``: every node keeps a full ``torch.save`` copy; the lost node copies it back from
@@ -40,67 +42,60 @@ def _state(mib: int) -> dict:
     return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(8)}, "step": 7}
 
 
-def _bench(rank: int, root: str, mib: int) -> dict:
-    import torch
+METHODS = ("coded", "replicate", "central", "dcp")
+VICTIM = 2  # the rank whose node is lost
+
+
+def _timed(fn, warm: bool = False):
+    """(result, seconds) of `fn` between barriers; `warm`: call it once before (a save's steady
+    state: training saves again and again, so its buffers and files exist)."""
     import torch.distributed as dist
+
+    if warm:
+        fn()
+    dist.barrier()
+    t0 = time.perf_counter()
+    r = fn()
+    dt = time.perf_counter() - t0
+    dist.barrier()
+    return r, dt
+
+
+def _dir_bytes(p: Path) -> int:
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
+
+
+def _save_all(rank: int, root: str, mib: int) -> dict:
+    """Every method saves the same state (twice, the second timed); then rank VICTIM's node-local
+    stores are wiped."""
+    import torch
     import torch.distributed.checkpoint as dcp
 
     from rankwise.ckpt import CodedCheckpointer
+    from rankwise.ckpt._checkpointer import _to_cpu
     from rankwise.ckpt._store import step_dir
 
-    victim, out = 2, {}
+    out: dict = {}
     state = _state(mib)
     root_p = Path(root)
 
-    def timed(fn, warm=False):
-        if warm:  # a save's steady state: training saves again and again (its buffers exist)
-            fn()
-        dist.barrier()
-        t0 = time.perf_counter()
-        r = fn()
-        dt = time.perf_counter() - t0
-        dist.barrier()
-        return r, dt
-
-    def dir_bytes(p: Path) -> int:
-        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.exists() else 0
-
-    # coded
     ck = CodedCheckpointer(t=1, store_dir=root_p / "coded")
-    ck.save(state, 6)
-    _, t_save = timed(lambda: ck.save(state, 7))
-    stored = dir_bytes(step_dir(root_p / "coded", rank, 7))  # one step (it keeps two)
-    dist.barrier()
-    if rank == victim:
-        shutil.rmtree(root_p / "coded" / f"rank{rank}")
-    _, t_restore = timed(ck.restore)
-    st = ck.stats()
-    out["coded"] = dict(save=t_save, stored=stored, rebuild_bytes=st["repair_bytes_received"],
-                        rebuild_s=st["repair_seconds"], load_bytes=st["retrieve_bytes_received"],
-                        load_s=t_restore)
-    out["coded_phases"] = {k: st[f"{k}_seconds"] for k in PHASES}
+    _, t_save = _timed(lambda: ck.save(state, 7), warm=True)  # (the warm-up saves step 7 too)
+    out["coded"] = dict(save=t_save, stored=_dir_bytes(step_dir(root_p / "coded", rank, 7)))
 
     # coded, in the background: what training waits for, against copying the state in host memory
-    from rankwise.ckpt._checkpointer import _to_cpu
-
-    _, t_copy = timed(lambda: _to_cpu(state, copy=True))
+    _, t_copy = _timed(lambda: _to_cpu(state, copy=True))
     ck_async = CodedCheckpointer(t=1, store_dir=root_p / "coded_async")
     ck_async.save(state, 6, blocking=False).result()  # (the first also creates its process group)
-    fut, t_blocked = timed(lambda: ck_async.save(state, 7, blocking=False))
+    fut, t_blocked = _timed(lambda: ck_async.save(state, 7, blocking=False))
     t0 = time.perf_counter()
     fut.result()
     out["async"] = dict(copy=t_copy, blocked=t_blocked, total=t_blocked + time.perf_counter() - t0)
     ck_async.close()
 
-    # replicate
     mine = root_p / "replicate" / f"rank{rank}"
-
-    def save_rep():
-        mine.mkdir(parents=True, exist_ok=True)
-        torch.save(state, mine / "state.pt")
-
-    _, t_save = timed(save_rep, warm=True)
-    stored = dir_bytes(mine)
+    mine.mkdir(parents=True, exist_ok=True)
+    _, t_save = _timed(lambda: torch.save(state, mine / "state.pt"), warm=True)
 
     def save_rep_fsync():  # the same, made durable as the coded save's files are
         with open(mine / "state_fsync.pt", "wb") as f:
@@ -108,62 +103,85 @@ def _bench(rank: int, root: str, mib: int) -> dict:
             f.flush()
             os.fsync(f.fileno())
 
-    _, t_save_fsync = timed(save_rep_fsync, warm=True)
+    _, t_save_fsync = _timed(save_rep_fsync, warm=True)
     (mine / "state_fsync.pt").unlink()
-    if rank == victim:
-        shutil.rmtree(mine)
-
-    def rebuild_rep():
-        if rank == 0:
-            blob = (mine / "state.pt").read_bytes()
-            dist.send(torch.tensor([len(blob)]), victim)
-            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), victim)
-            return 0  # counted once, on the receiving side
-        if rank == victim:
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, 0)
-            buf = torch.empty(int(size), dtype=torch.uint8)
-            dist.recv(buf, 0)
-            mine.mkdir(parents=True, exist_ok=True)
-            (mine / "state.pt").write_bytes(buf.numpy().tobytes())
-            return int(size)
-        return 0
-
-    moved, t_rebuild = timed(rebuild_rep)
-    _, t_load = timed(lambda: torch.load(mine / "state.pt"))
-    out["replicate"] = dict(save=t_save, stored=stored, rebuild_bytes=moved, rebuild_s=t_rebuild,
-                            load_bytes=0, load_s=t_load)
+    out["replicate"] = dict(save=t_save, stored=_dir_bytes(mine))
     out["replicate, fsync"] = dict(out["replicate"], save=t_save_fsync)
 
-    # central
     shared = root_p / "central"
+    shared.mkdir(parents=True, exist_ok=True)
+    _, t_save = _timed(lambda: torch.save(state, shared / "state.pt") if rank == 0 else None, warm=True)
+    out["central"] = dict(save=t_save, stored=(shared / "state.pt").stat().st_size if rank == 0 else 0)
 
-    def save_central():
-        if rank == 0:
-            shared.mkdir(parents=True, exist_ok=True)
-            torch.save(state, shared / "state.pt")
-
-    _, t_save = timed(save_central, warm=True)
-    _, t_load = timed(lambda: torch.load(shared / "state.pt"))
-    size = (shared / "state.pt").stat().st_size
-    out["central"] = dict(save=t_save, stored=size if rank == 0 else 0, rebuild_bytes=0, rebuild_s=0.0,
-                          load_bytes=size, load_s=t_load)
-
-    # dcp
     dshared = root_p / "dcp"
-    _, t_save = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dshared))), warm=True)
-    got = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}, "step": 0}
-    _, t_load = timed(lambda: dcp.load(got, storage_reader=dcp.FileSystemReader(str(dshared))))
-    size = dir_bytes(dshared)
-    out["dcp"] = dict(save=t_save, stored=size if rank == 0 else 0, rebuild_bytes=0, rebuild_s=0.0,
-                      load_bytes=sum(v.nbytes for v in state["model"].values()), load_s=t_load)
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    out["state_bytes"] = len(buf.getvalue())
+    _, t_save = _timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(str(dshared))), warm=True)
+    out["dcp"] = dict(save=t_save, stored=_dir_bytes(dshared) if rank == 0 else 0)
+    out["state_bytes"] = len(_save_bytes(state))
+    if rank == VICTIM:  # the lost node: its local stores are gone
+        shutil.rmtree(root_p / "coded" / f"rank{rank}")
+        shutil.rmtree(mine)
     return out
 
 
-def _worker(rank: int, n: int, init: str, root: str, mib: int, q) -> None:
+def _save_bytes(state) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def _restore(rank: int, root: str, mib: int, method: str) -> dict:
+    """In a fresh process group (the job restarted): rebuild the lost node's copy, then load
+    the state on every rank."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from rankwise.ckpt import CodedCheckpointer
+
+    root_p = Path(root)
+    if method == "coded":
+        ck = CodedCheckpointer(t=1, store_dir=root_p / "coded")
+        _, t_restore = _timed(ck.restore)
+        st = ck.stats()
+        return dict(rebuild_bytes=st["repair_bytes_received"], rebuild_s=st["repair_seconds"],
+                    load_bytes=st["retrieve_bytes_received"], load_s=t_restore,
+                    phases={k: st[f"{k}_seconds"] for k in PHASES})
+    if method == "replicate":
+        mine = root_p / "replicate" / f"rank{rank}"
+
+        def rebuild():
+            if rank == 0:
+                blob = (mine / "state.pt").read_bytes()
+                dist.send(torch.tensor([len(blob)]), VICTIM)
+                dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), VICTIM)
+            if rank == VICTIM:
+                size = torch.zeros(1, dtype=torch.int64)
+                dist.recv(size, 0)
+                buf = torch.empty(int(size), dtype=torch.uint8)
+                dist.recv(buf, 0)
+                mine.mkdir(parents=True, exist_ok=True)
+                (mine / "state.pt").write_bytes(buf.numpy().tobytes())
+                return int(size)  # counted once, on the receiving side
+            return 0
+
+        moved, t_rebuild = _timed(rebuild)
+        _, t_load = _timed(lambda: torch.load(mine / "state.pt"))
+        return dict(rebuild_bytes=moved, rebuild_s=t_rebuild, load_bytes=0, load_s=t_load)
+    if method == "central":
+        path = root_p / "central" / "state.pt"
+        _, t_load = _timed(lambda: torch.load(path))
+        return dict(rebuild_bytes=0, rebuild_s=0.0, load_bytes=path.stat().st_size, load_s=t_load)
+    like = _state(mib)  # dcp loads into existing tensors (allocated, not yet touched)
+    got = {"model": {k: torch.empty_like(v) for k, v in like["model"].items()}, "step": 0}
+    del like
+    _, t_load = _timed(lambda: dcp.load(got, storage_reader=dcp.FileSystemReader(str(root_p / "dcp"))))
+    return dict(rebuild_bytes=0, rebuild_s=0.0, load_bytes=sum(v.nbytes for v in got["model"].values()),
+                load_s=t_load)
+
+
+def _worker(rank: int, n: int, init: str, root: str, mib: int, task: str, q) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -172,32 +190,41 @@ def _worker(rank: int, n: int, init: str, root: str, mib: int, q) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n,
                             timeout=timedelta(seconds=600))
     try:
-        q.put((rank, _bench(rank, root, mib)))
+        q.put((rank, _save_all(rank, root, mib) if task == "save" else _restore(rank, root, mib, task)))
     finally:
         dist.destroy_process_group()
 
 
-def run(n: int, mib: int) -> dict:
+def _group(n: int, tmp: str, mib: int, task: str) -> dict:
+    """Run `task` on n fresh processes; results by rank."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    init = f"{tmp}/init_{task.replace(',', '').replace(' ', '_')}"
+    procs = [ctx.Process(target=_worker, args=(r, n, init, tmp, mib, task, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    res = dict(q.get(timeout=1800) for _ in range(n))
+    for p in procs:
+        p.join()
+    return res
+
+
+def run(n: int, mib: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="rw_ckpt_dist_") as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, n, f"{tmp}/init", tmp, mib, q)) for r in range(n)]
-        for p in procs:
-            p.start()
-        res = dict(q.get(timeout=1800) for _ in range(n))
-        for p in procs:
-            p.join()
+        saved = _group(n, tmp, mib, "save")
+        restored = {m: _group(n, tmp, mib, m) for m in METHODS}
+    restored["replicate, fsync"] = restored["replicate"]
     table = {}
-    table["async"] = {k: max(res[r]["async"][k] for r in range(n)) for k in ("copy", "blocked", "total")}
-    table["coded_phases"] = {k: max(res[r]["coded_phases"][k] for r in range(n)) for k in PHASES}
+    table["async"] = {k: max(saved[r]["async"][k] for r in range(n)) for k in ("copy", "blocked", "total")}
+    table["coded_phases"] = {k: max(restored["coded"][r]["phases"][k] for r in range(n)) for k in PHASES}
     for method in ("coded", "replicate", "replicate, fsync", "central", "dcp"):
-        rows = [res[r][method] for r in range(n)]
+        rows = [dict(saved[r][method], **restored[method][r]) for r in range(n)]
         table[method] = dict(save_s=max(x["save"] for x in rows), stored_bytes=sum(x["stored"] for x in rows),
                              rebuild_bytes=sum(x["rebuild_bytes"] for x in rows),
                              rebuild_s=max(x["rebuild_s"] for x in rows),
                              load_bytes=sum(x["load_bytes"] for x in rows),
                              load_s=max(x["load_s"] for x in rows))
-    return dict(n=n, mib=mib, state_bytes=res[0]["state_bytes"], methods=table)
+    return dict(n=n, mib=mib, state_bytes=saved[0]["state_bytes"], methods=table)
 
 
 def profile_save(mib: int, n: int) -> None:
