@@ -83,7 +83,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mib", type=int, default=256, help="data size for ISA-L")
     ap.add_argument("--numpy-mib", type=int, default=16, help="data size for the numpy backend")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="4 MiB / 1 MiB, one repeat")
     ap.add_argument("--profile", action="store_true",
                     help="instead: the ISA-L product alone, and a cProfile of one encode (n=4, t=1)")

@@ -352,3 +352,20 @@ def test_repair_symbols_wire_form_round_trips_without_copying_the_blocks():
     bad[-1] ^= 1  # a block: caught by its Merkle path, and the helper named
     good, failed = code.verified_symbols(1, [RepairSymbols.from_bytes(bad)], d.commitment)
     assert not good and failed == [4]
+
+
+def test_encode_in_a_forked_child_after_the_parent_encoded():
+    """The encoder's thread pool is per process: a child forked after an encode must not wait
+    on the parent's threads."""
+    import multiprocessing as mp
+
+    data = random.Random(11).randbytes(100_000)
+    want = Code2D(7, 2).encode(data).commitment.root  # the parent's pool exists now
+    ctx = mp.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply_async(_encode_root, (data,)).get(timeout=60)
+    assert got == want
+
+
+def _encode_root(data: bytes) -> bytes:
+    return Code2D(7, 2).encode(data).commitment.root

@@ -17,6 +17,9 @@ P (2n line roots) under one top root.
 from __future__ import annotations
 
 import logging
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +61,23 @@ class Lines:
 
 
 _WARNED_V1: set[bytes] = set()  # v1 commitments already warned about (once each)
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
+
+
+def _parallel(fn: Callable, items) -> list:
+    """``[fn(x) for x in items]`` on a pool of one thread per core (for work that releases the
+    GIL); in order, in this thread when there is one core. A forked child makes its own pool
+    (the parent's threads do not exist in it)."""
+    global _POOL
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if cores == 1:
+        return [fn(x) for x in items]
+    if _POOL is None or _POOL[0] != os.getpid():
+        pool = ThreadPoolExecutor(max_workers=min(cores, 8), thread_name_prefix="rankwise-code2d")
+        _POOL = (os.getpid(), pool)
+    return list(_POOL[1].map(fn, items))
 
 
 class Code2D:
@@ -114,22 +134,35 @@ class Code2D:
         n, k, t, B = self.n, self.k, self.t, self.block_size(len(mv))
         P = np.empty((n, n, B), dtype=np.uint8)
         flat = np.frombuffer(mv, dtype=np.uint8)
-        for a in range(k):  # M's row a: blocks M[a, 0..k-1], the data's bytes [a·kB, (a+1)·kB)
+        G, tab = self.G[k:], self._parity_tables
+
+        def fill(a: int) -> None:  # M's row a: blocks M[a, 0..k-1], the data's bytes [a·kB, (a+1)·kB)
             row = P[a, :k].reshape(-1)
             part = flat[a * k * B:(a + 1) * k * B]
             row[:len(part)] = part
             row[len(part):] = 0
-        G, tab = self.G[k:], self._parity_tables
-        # parity rows of the systematic columns: C[k+p, :] = G[k+p, :] M
-        self._into(G, [P[a, :k].reshape(-1) for a in range(k)], [P[k + p, :k].reshape(-1) for p in range(t)],
-                   tab)
-        for i in range(n):  # parity columns of every row: P[i, k+p] = Σ_j G[k+p, j] P[i, j]
+
+        def systematic_parity(cols: slice) -> None:  # C[k+p, :] = G[k+p, :] M, one range of columns
+            self._into(G, [P[a, cols].reshape(-1) for a in range(k)],
+                       [P[k + p, cols].reshape(-1) for p in range(t)], tab)
+
+        def finish_row(i: int) -> list[bytes]:  # P[i, k+p] = Σ_j G[k+p, j] P[i, j], then its leaves
             self._into(G, list(P[i, :k]), list(P[i, k:]), tab)
-        leaves = [[_merkle.leaf(self._h, P[i, j]) for j in range(n)] for i in range(n)]  # once each
+            return [_merkle.leaf(self._h, P[i, j]) for j in range(n)]  # every block hashed once
+
+        # ISA-L, numpy copies and blake3 release the GIL: the rows are shared among the cores
+        _parallel(fill, range(k))
+        _parallel(systematic_parity, [slice(j, j + 1) for j in range(k)])
+        leaves = _parallel(finish_row, range(n))
         rows = [_merkle.levels_from_leaves(self._h, leaves[i])[-1][0] for i in range(n)]
         cols = [_merkle.levels_from_leaves(self._h, [leaves[i][j] for i in range(n)])[-1][0]
                 for j in range(n)]
-        R = np.ascontiguousarray(P[:k].transpose(1, 0, 2))  # R[i] = the blocks P[0..k-1, i]
+        R = np.empty((n, k, B), dtype=np.uint8)  # R[i] = the blocks P[0..k-1, i]
+
+        def column(i: int) -> None:
+            R[i] = P[:k, i]
+
+        _parallel(column, range(n))
         frags = [Fragment(i, memoryview(P[i, :k].reshape(-1)), memoryview(R[i].reshape(-1)))
                  for i in range(n)]
         return Dispersal(frags, self._commitment(len(mv), tuple(rows + cols)))
