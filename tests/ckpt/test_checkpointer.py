@@ -47,7 +47,13 @@ def _save_then_restore(rank: int, store: str, t: int, damage: dict, fault_rank: 
     dist.barrier()
     state, step = ck.restore()
     steps_on_disk = sorted(d.name for d in mine.iterdir())
-    return dict(ok=_equal(state, _state(3)), step=step, stats=ck.stats(), saved=saved, steps=steps_on_disk)
+    ok = _equal(state, _state(3))
+    maps = Path("/proc/self/maps")
+    mapped = maps.exists() and "rankwise-restore" in maps.read_text()  # tensors mapped from the rows
+    w = state["model"]["0.weight"]
+    w.add_(1.0)  # the restored tensors are ordinary writable tensors
+    ok = ok and torch.equal(w, _state(3)["model"]["0.weight"] + 1.0)
+    return dict(ok=ok, step=step, stats=ck.stats(), saved=saved, steps=steps_on_disk, mapped=mapped)
 
 
 def test_round_trip_and_pruning(tmp_path):
@@ -57,6 +63,15 @@ def test_round_trip_and_pruning(tmp_path):
         assert r["stats"]["repaired"] == [] and r["stats"]["repair_bytes_received"] == 0
         assert r["steps"] == ["step_0000000002", "step_0000000003"]  # keep=2
         assert r["saved"]["stored_bytes"] < r["saved"]["state_bytes"]  # 2|m|/k + overhead per rank
+        assert r["mapped"] or not Path("/proc/self/maps").exists()  # no second copy of the state (Linux)
+
+
+def test_a_lying_systematic_row_is_replaced_by_a_parity_row(tmp_path):
+    """Rank 1 serves a corrupted row C[1, :]: every rank names it, decodes from rows 0, 2 and
+    the parity row 3, and gets the state (read from memory: no mapping of the rows)."""
+    out = run_world(_save_then_restore, 4, tmp_path, str(tmp_path / "store"), 1, {}, 1)
+    assert all(r["ok"] and r["stats"]["bad_helpers"] == [1] and not r["mapped"] for r in out)
+    assert [r["stats"]["retrieve_bytes_received"] for r in out] == [3 * out[0]["stats"]["block_size"] * 3] * 4
 
 
 @pytest.mark.parametrize("damage", ["wipe", "corrupt"])
