@@ -171,6 +171,22 @@ class _Rows:
             self.fd = None
 
 
+def _load_rows(rows: _Rows, idx: list[int], data_len: int, code: Code2D, weights_only: bool) -> Any:
+    """The saved object from k verified rows ``rows[idx]`` (then `rows` is closed). From the
+    systematic rows in a memfd, the tensors are mapped from the received bytes
+    (``torch.load(mmap=True)``: no second copy of the state); otherwise decoded and read from
+    memory."""
+    k = code.k
+    try:
+        if idx == list(range(k)) and rows.fd is not None:
+            os.ftruncate(rows.fd, data_len)  # the file is now exactly the torch.save bytes
+            return torch.load(f"/proc/self/fd/{rows.fd}", mmap=True, weights_only=weights_only)
+        C = rows.array[:k] if idx == list(range(k)) else rows.array[idx]
+        return deserialize(code.decode_rows(C, idx, data_len), weights_only=weights_only)
+    finally:
+        rows.close()
+
+
 def _self_consistent(com: Commitment) -> bool:
     """Do the commitment's own fields (under its own n, t and hash) hash to its root?"""
     try:
@@ -448,7 +464,7 @@ class CodedCheckpointer:
         rows, idx, s, rc, bad = self._retrieve(frag, com)
         bad_helpers |= set(bad)
         t_load = time.perf_counter()
-        saved = self._load(rows, idx, com.data_len)  # verified against the agreed root
+        saved = _load_rows(rows, idx, com.data_len, self.code, self.weights_only)  # verified rows
         state = saved["state"]
         mine = saved["per_rank"][self.rank] if saved["per_rank"] is not None else None
         self.per_rank = deserialize(mine) if isinstance(mine, bytes) else mine  # (format v1: objects)
@@ -593,15 +609,19 @@ class CodedCheckpointer:
         sent = recv = 0
         pending, spare = list(range(k)), list(range(k, n))
         while pending:
-            for i in pending:
-                if i == self.rank:
-                    rows.array[i] = np.frombuffer(self._row_payload(frag), dtype=np.uint8)  # (L,)
-                    sent += L * (n - 1)
-                else:
-                    recv += L
-                dist.broadcast(rows.tensor[i], self._global(i), group=self.group)
-            failed = [i for i in pending
-                      if i != self.rank and not self.code.verify_row(i, rows.array[i], com)]
+            if self.rank in pending:
+                rows.array[self.rank] = np.frombuffer(self._row_payload(frag), dtype=np.uint8)  # (L,)
+                sent += L * (n - 1)
+            recv += L * sum(i != self.rank for i in pending)
+            # all broadcasts queued at once; each row is verified as soon as it has arrived,
+            # while the next ones are still on the wire
+            works = [(i, dist.broadcast(rows.tensor[i], self._global(i), group=self.group, async_op=True))
+                     for i in pending]
+            failed = []
+            for i, work in works:
+                work.wait()
+                if i != self.rank and not self.code.verify_row(i, rows.array[i], com):
+                    failed.append(i)
             flags = self._gather(_wire.bitmap(failed, n), n)  # one answer for every rank
             failed = sorted({i for f in flags for i in _wire.unbitmap(f or b"") if i in pending})
             bad += failed
@@ -613,20 +633,6 @@ class CodedCheckpointer:
             rows.close()
             self._raise_if_any(str(NotEnoughSymbols(len(valid), k, bad, "retrieve", "rows")), "retrieve")
         return rows, sorted(valid), sent, recv, bad
-
-    def _load(self, rows: _Rows, idx: list[int], data_len: int) -> Any:
-        """The saved object from the verified rows. From the systematic rows in a memfd, the
-        tensors are mapped from the received bytes (``torch.load(mmap=True)``: no second copy of
-        the state); otherwise decoded and read from memory."""
-        k = self.k
-        try:
-            if idx == list(range(k)) and rows.fd is not None:
-                os.ftruncate(rows.fd, data_len)  # the file is now exactly the torch.save bytes
-                return torch.load(f"/proc/self/fd/{rows.fd}", mmap=True, weights_only=self.weights_only)
-            C = rows.array[:k] if idx == list(range(k)) else rows.array[idx]
-            return deserialize(self.code.decode_rows(C, idx, data_len), weights_only=self.weights_only)
-        finally:
-            rows.close()
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last save or restore: bytes moved (repair and retrieval, sent and
