@@ -30,7 +30,6 @@ from .._checks import check_training
 from .._io import write_atomic
 from ..data import load_digits, load_mnist1d
 from ..ode import AbstractController, DefectController, FixedController, LowRankODEBlock, audit_gradients
-from ..ode._block import tape_bytes
 from ..train import Callback, Loop, accuracy, fit
 
 
@@ -205,8 +204,7 @@ class _Trace(Callback):
             max_delta=max(s["max_delta"] for s in st), min_rho=min(s["min_rho"] for s in st),
             # held from forward to backward: every block's checkpoints, plus the largest
             # segment replay's transient states (blocks run their backward one at a time)
-            tape_bytes=sum(tape_bytes(blk.last_tape) for blk in blocks)
-            + max(s.get("replay_bytes", 0) for s in st),
+            tape_bytes=sum(s["tape_bytes"] for s in st) + max(s.get("replay_bytes", 0) for s in st),
             reloads=sum(s.get("reloads", 0) for s in st)))
         if self.callback:
             self.callback(len(self.trace), loop.epochs * loop.steps, loop.loss)

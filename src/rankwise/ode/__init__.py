@@ -7,6 +7,7 @@ from ._block import audit_gradients as audit_gradients
 from ._controller import AbstractController as AbstractController
 from ._controller import DefectController as DefectController
 from ._controller import FixedController as FixedController
+from ._controller import MemoryBudget as MemoryBudget
 from ._enrich import enrich as enrich
 from ._ksl import ksl_reverse as ksl_reverse
 from ._ksl import ksl_step as ksl_step

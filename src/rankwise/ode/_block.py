@@ -42,8 +42,9 @@ class Tape:
 
     starts: list[int] = dc_field(default_factory=list)
     lengths: list[int] = dc_field(default_factory=list)
-    checkpoints: list[LowRankState] = dc_field(default_factory=list)
+    checkpoints: list[LowRankState | None] = dc_field(default_factory=list)  # None: freed by backward
     enrichments: list[tuple[int, int] | None] = dc_field(default_factory=list)
+    replay_slots: list[int | None] = dc_field(default_factory=list)  # binomial replay (None: store all)
     stats: dict = dc_field(default_factory=dict)
 
 
@@ -59,8 +60,9 @@ def _nbytes(st: LowRankState) -> int:
 
 
 def tape_bytes(tape: Tape) -> int:
-    """Bytes the reversal backward keeps between forward and backward: the checkpoints."""
-    return sum(_nbytes(cp) for cp in tape.checkpoints)
+    """Bytes the reversal backward keeps between forward and backward: the checkpoints (those
+    the backward has not freed yet)."""
+    return sum(_nbytes(cp) for cp in tape.checkpoints if cp is not None)
 
 
 def _rel(a: LowRankState, b: LowRankState) -> float:
@@ -131,9 +133,17 @@ class LowRankODEBlock(nn.Module):
         ctl, i, seg = self.controller, 0, 0
         c = ctl.initial_spacing(self._spacing if replay is None else None)
         deltas, rhos = [], []
+        planned = ctl.plan(self.steps, _nbytes(state)) if record is not None else None
         while i < self.steps:
             if replay is not None:
                 length, event = replay.lengths[seg], replay.enrichments[seg]
+            elif planned is not None:  # a memory budget: positions and replay slots fixed up front
+                length, event = planned[0][seg], None
+                record.starts.append(i)
+                record.lengths.append(length)
+                record.checkpoints.append(state)
+                record.enrichments.append(None)
+                record.replay_slots.append(planned[1][seg])
             else:
                 length, event = min(c, self.steps - i), None
                 if record is not None:
@@ -146,6 +156,7 @@ class LowRankODEBlock(nn.Module):
                     record.lengths.append(length)
                     record.checkpoints.append(state)
                     record.enrichments.append(event)
+                    record.replay_slots.append(None)
             if event is not None:
                 state = self._enrich(state, i, event)
             for j in range(length):
@@ -163,7 +174,7 @@ class LowRankODEBlock(nn.Module):
             self._spacing = c
             record.stats = dict(rank=state.rank, checkpoints=len(record.checkpoints), spacing=c,
                                 max_delta=max(deltas), mean_delta=sum(deltas) / len(deltas),
-                                min_rho=min(rhos))
+                                min_rho=min(rhos), tape_bytes=tape_bytes(record))
         return state
 
     def forward(self, state: LowRankState | Tensor) -> LowRankState:
@@ -244,7 +255,8 @@ class _Reversal(torch.autograd.Function):
         pgrads = [torch.zeros_like(p) for p in params]
         h, f, ctl = block.h, block._f, block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
-        reloads, replay_bytes = 0, 0
+        reloads, replay_bytes, recomputed = 0, 0, 0
+        peak = tape_bytes(tape)  # the checkpoints, plus what a replay holds on top (measured)
         # carrying g across QR frames is exact only if the loss does not see the frame (it
         # depends on F and the spans); otherwise every segment is replayed in the forward's frames
         frame_free = _frame_invariant(ctx.out, g)
@@ -278,13 +290,23 @@ class _Reversal(torch.autograd.Function):
             if reversed_ok:
                 add(pgrads, seg_g)
                 g = gc
+            elif tape.replay_slots[seg] is not None:  # replay within the budget: binomial
+                reloads += 1
+                held = tape_bytes(tape)
+                g, extra, steps_done = _replay_binomial(seg_start, i0, n, tape.replay_slots[seg], g, block,
+                                                        params, pgrads)
+                recomputed += steps_done
+                replay_bytes = max(replay_bytes, extra)
+                peak = max(peak, held + extra)
             else:  # reversal drifted: replay the segment from its checkpoint, in the forward's
                 reloads += 1  # own frames (g at the segment's end is expressed in them)
                 with torch.no_grad():  # the segment's states, held only while it is processed
                     states = [seg_start]
                     for k in range(n - 1):
                         states.append(_step(states[-1], f, (i0 + k) * h, h)[0])
+                recomputed += n - 1
                 replay_bytes = max(replay_bytes, sum(_nbytes(st) for st in states))
+                peak = max(peak, tape_bytes(tape) + sum(_nbytes(st) for st in states[1:]))
                 for j in reversed(range(n)):
                     i = i0 + j
                     _, g, gp, _ = _vjp(lambda st, i=i: _step(st, f, i * h, h)[0], states[j], g, params)
@@ -298,8 +320,54 @@ class _Reversal(torch.autograd.Function):
                 _, g, gp, _ = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
                 add(pgrads, gp)
             cur = cp
-        block.last_stats = {**tape.stats, "reloads": reloads, "replay_bytes": replay_bytes}
+            tape.checkpoints[seg] = None  # not needed any more: freed (a budget counts on it)
+        block.last_stats = {**tape.stats, "reloads": reloads, "replay_bytes": replay_bytes,
+                            "recomputed": recomputed, "peak_tape_bytes": peak}
         return (None, *g, *pgrads)
+
+
+def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block: LowRankODEBlock,
+                     params, pgrads) -> tuple[tuple, int, int]:
+    """Backpropagate through steps i0…i0+n−1 from the stored state `start`, holding at most
+    `slots` more states (the binomial schedule of :mod:`._revolve`). Accumulates the parameter
+    gradients into `pgrads`; returns (cotangent at `start`, the most bytes held besides
+    `start`, steps recomputed)."""
+    from ._revolve import split
+
+    f, h = block._f, block.h
+    held: list[int] = []  # bytes of the states stored now
+    most, steps = 0, 0
+
+    def advance(st: LowRankState, i: int, k: int) -> LowRankState:
+        nonlocal steps
+        with torch.no_grad():
+            for j in range(k):
+                st = _step(st, f, (i + j) * h, h)[0]
+        steps += k
+        return st
+
+    def sweep(st: LowRankState, i: int, k: int, s: int, g):
+        nonlocal most
+        if k == 1:
+            _, g, gp, _ = _vjp(lambda x: _step(x, f, i * h, h)[0], st, g, params)
+            for a, x in zip(pgrads, gp, strict=True):
+                if x is not None:
+                    a.add_(x)
+            return g
+        m = split(k, s) if s > 0 else 0
+        if m == 0:  # no slot: reach every step from st
+            for j in reversed(range(k)):
+                g = sweep(advance(st, i, j), i + j, 1, 0, g)
+            return g
+        mid = advance(st, i, m)
+        held.append(_nbytes(mid))
+        most = max(most, sum(held))
+        g = sweep(mid, i + m, k - m, s - 1, g)
+        held.pop()
+        return sweep(st, i, m, s, g)
+
+    g = sweep(start, i0, n, slots, g)
+    return g, most, steps
 
 
 def audit_gradients(module: nn.Module, inputs: LowRankState | Tensor,

@@ -32,6 +32,13 @@ class AbstractController(abc.ABC):
         them again where it did not)? Default: no."""
         return False
 
+    def plan(self, steps: int, state_bytes: int) -> tuple[list[int], list[int]] | None:
+        """A schedule fixed before the forward pass: segment lengths and, per segment, the
+        states a replay of it may hold (binomial replay). Default None: the spacing rules
+        above decide as the pass goes, and a replay holds its whole segment."""
+        del steps, state_bytes
+        return None
+
 
 @dataclass(frozen=True)
 class FixedController(AbstractController):
@@ -135,3 +142,51 @@ class DefectController(AbstractController):
 
     def learns_from_replays(self) -> bool:
         return self.replay_aware
+
+
+@dataclass(frozen=True)
+class MemoryBudget(AbstractController):
+    """Keep the reversal backward's tape — checkpoints, plus the states a replay holds — under
+    ``max_bytes``, recomputing as few steps as possible where a segment must be replayed.
+
+    With S = ⌊max_bytes / state bytes⌋ − 1 slots besides the input state, the forward pass
+    stores checkpoints where :func:`rankwise.ode._revolve.plan` puts them (the optimum of the
+    binomial recurrence when the forward sweep is free: revolve's optimum for the same
+    budget), and a replayed segment j uses the S − j slots its right neighbours freed. Where
+    the reverse is reliable nothing is recomputed; a segment is replayed where the local defect
+    exceeds `tau_grad` (None: only the block's own safety net, 1e4·eps). The rank is fixed (no
+    enrichment: the budget counts states of one size)."""
+
+    max_bytes: int
+    tau_grad: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 1:
+            raise ValueError(f"`max_bytes` must be a positive int; got {self.max_bytes!r}")
+        if self.tau_grad is not None and not self.tau_grad > 0:
+            raise ValueError(f"`tau_grad` must be > 0 or None; got {self.tau_grad}")
+
+    def plan(self, steps: int, state_bytes: int) -> tuple[list[int], list[int]]:
+        from ._revolve import plan
+
+        slots = self.max_bytes // state_bytes
+        if slots < 1:
+            raise ValueError(f"MemoryBudget(max_bytes={self.max_bytes}) holds no state of {state_bytes} "
+                             "bytes (the input state alone must fit)")
+        lengths = plan(steps, slots - 1)
+        return lengths, [slots - 1 - j for j in range(len(lengths))]
+
+    def initial_spacing(self, previous: int | None = None) -> int:
+        del previous
+        return 1  # (unused: plan() decides)
+
+    def next_spacing(self, c: int, delta: float) -> int:
+        del delta
+        return c
+
+    def rank_increase(self, rank: int, delta: float, rho: float) -> int:
+        del rank, delta, rho
+        return 0
+
+    def reload(self, local_delta: float) -> bool:
+        return self.tau_grad is not None and not local_delta <= self.tau_grad
