@@ -72,16 +72,30 @@ def test_budget_is_kept_replays_recompute_the_planned_steps_and_gradients_are_ex
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-def test_with_a_reliable_reverse_nothing_is_recomputed():
+def test_each_segment_takes_the_cheaper_of_reversal_and_replay():
+    """A reversed step costs `reverse_cost` forward steps of field evaluations (counted in the
+    forward pass); a replay costs the binomial recomputation. With one slot (the input state
+    only) a 20-step replay would recompute 190 steps, so the block reverses; with three slots
+    replaying is cheaper, so it replays without trying the reverse. Gradients exact both ways."""
     B, m, n, r = 2, 10, 8, 3
     F0 = torch.randn(B, m, n, generator=torch.Generator().manual_seed(9), dtype=F64)
-    block = LowRankODEBlock(Field(m, n, seed=10), rank=r, steps=20, h=0.05,
-                            controller=MemoryBudget(3 * _state_bytes(B, m, n, r)))
-    rev = _grads(block, F0, True)
-    assert block.last_stats["reloads"] == 0 and block.last_stats["recomputed"] == 0
-    ref = _grads(block, F0, False)
-    for a, b in zip(rev, ref, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+    for slots in (1, 3):
+        block = LowRankODEBlock(Field(m, n, seed=10), rank=r, steps=20, h=0.05,
+                                controller=MemoryBudget(slots * _state_bytes(B, m, n, r)))
+        rev = _grads(block, F0, True)
+        st = block.last_stats
+        assert st["reloads"] == 0 and st["peak_tape_bytes"] <= slots * _state_bytes(B, m, n, r)
+        lengths = plan(20, slots - 1)
+        costs = [recompute_cost(k, slots - 1 - j) for j, k in enumerate(lengths)]
+        chosen = [c for c, k in zip(costs, lengths, strict=True) if k > 1 and c < k * st["reverse_cost"]]
+        assert st["replayed_by_cost"] == len(chosen) and st["recomputed"] == sum(chosen)
+        if slots == 1:
+            assert st["recomputed"] == 0 and 20 * st["reverse_cost"] < recompute_cost(20, 0)
+        else:
+            assert st["replayed_by_cost"] > 0
+        ref = _grads(block, F0, False)
+        for a, b in zip(rev, ref, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
 
 
 def test_a_budget_below_one_state_is_refused_by_name():

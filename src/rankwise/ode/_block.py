@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ._controller import AbstractController
 from ._enrich import enrich
 from ._ksl import _step, ksl_reverse, rank_ratio, relative_error
+from ._revolve import recompute_cost, split
 from ._state import LowRankState
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class LowRankODEBlock(nn.Module):
         it (checkpoints, events, stats). ``replay``: follow a recorded schedule."""
         ctl, i, seg = self.controller, 0, 0
         c = ctl.initial_spacing(self._spacing if replay is None else None)
-        deltas, rhos = [], []
+        deltas, rhos, reverse_cost = [], [], 0.0
         planned = ctl.plan(self.steps, _nbytes(state)) if record is not None else None
         while i < self.steps:
             if replay is not None:
@@ -164,7 +165,16 @@ class LowRankODEBlock(nn.Module):
                 state = _step(state, self._f, (i + j) * self.h, self.h)[0]
             if record is not None:  # δ of the segment's last step drives the controller
                 t_last = (i + length - 1) * self.h
-                back = ksl_reverse(state, self._f, t_last, self.h)
+                calls = [0]
+
+                def counted(t, F, calls=calls):
+                    calls[0] += 1
+                    return self._f(t, F)
+
+                back = ksl_reverse(state, counted, t_last, self.h)
+                rev_calls = calls[0]
+                _step(prev, counted, t_last, self.h)  # (the step again: its field evaluations)
+                reverse_cost = max(reverse_cost, rev_calls / max(1, calls[0] - rev_calls))
                 deltas.append(_rel(back, prev))
                 rhos.append(float(rank_ratio(state).min()))
                 c = ctl.next_spacing(c, deltas[-1])
@@ -174,7 +184,8 @@ class LowRankODEBlock(nn.Module):
             self._spacing = c
             record.stats = dict(rank=state.rank, checkpoints=len(record.checkpoints), spacing=c,
                                 max_delta=max(deltas), mean_delta=sum(deltas) / len(deltas),
-                                min_rho=min(rhos), tape_bytes=tape_bytes(record))
+                                min_rho=min(rhos), tape_bytes=tape_bytes(record),
+                                reverse_cost=reverse_cost)
         return state
 
     def forward(self, state: LowRankState | Tensor) -> LowRankState:
@@ -255,7 +266,7 @@ class _Reversal(torch.autograd.Function):
         pgrads = [torch.zeros_like(p) for p in params]
         h, f, ctl = block.h, block._f, block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
-        reloads, replay_bytes, recomputed = 0, 0, 0
+        reloads, replay_bytes, recomputed, by_cost = 0, 0, 0, 0
         peak = tape_bytes(tape)  # the checkpoints, plus what a replay holds on top (measured)
         # carrying g across QR frames is exact only if the loss does not see the frame (it
         # depends on F and the spans); otherwise every segment is replayed in the forward's frames
@@ -273,7 +284,13 @@ class _Reversal(torch.autograd.Function):
                 seg_start = block._enrich(cp, i0, event) if event is not None else cp
             seg_g = [torch.zeros_like(p) for p in params]
             c, gc, reversed_ok = cur, g, frame_free
-            for j in reversed(range(n) if frame_free else ()):  # reversal, in reconstructed frames
+            slots = tape.replay_slots[seg]
+            chose_replay = (slots is not None and n > 1
+                            and recompute_cost(n, slots) < n * tape.stats["reverse_cost"])
+            if chose_replay:  # under a budget, replaying costs fewer field evaluations here
+                reversed_ok = False
+                by_cost += 1
+            for j in reversed(range(n) if reversed_ok else ()):  # reversal, in reconstructed frames
                 i = i0 + j
                 step = lambda st, i=i: _step(st, f, i * h, h)[0]  # noqa: E731
                 with torch.no_grad():
@@ -290,11 +307,10 @@ class _Reversal(torch.autograd.Function):
             if reversed_ok:
                 add(pgrads, seg_g)
                 g = gc
-            elif tape.replay_slots[seg] is not None:  # replay within the budget: binomial
-                reloads += 1
+            elif slots is not None:  # replay within the budget: binomial
+                reloads += frame_free and not chose_replay  # (a reload: the reverse was tried and failed)
                 held = tape_bytes(tape)
-                g, extra, steps_done = _replay_binomial(seg_start, i0, n, tape.replay_slots[seg], g, block,
-                                                        params, pgrads)
+                g, extra, steps_done = _replay_binomial(seg_start, i0, n, slots, g, block, params, pgrads)
                 recomputed += steps_done
                 replay_bytes = max(replay_bytes, extra)
                 peak = max(peak, held + extra)
@@ -322,7 +338,7 @@ class _Reversal(torch.autograd.Function):
             cur = cp
             tape.checkpoints[seg] = None  # not needed any more: freed (a budget counts on it)
         block.last_stats = {**tape.stats, "reloads": reloads, "replay_bytes": replay_bytes,
-                            "recomputed": recomputed, "peak_tape_bytes": peak}
+                            "recomputed": recomputed, "peak_tape_bytes": peak, "replayed_by_cost": by_cost}
         return (None, *g, *pgrads)
 
 
@@ -332,8 +348,6 @@ def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block:
     `slots` more states (the binomial schedule of :mod:`._revolve`). Accumulates the parameter
     gradients into `pgrads`; returns (cotangent at `start`, the most bytes held besides
     `start`, steps recomputed)."""
-    from ._revolve import split
-
     f, h = block._f, block.h
     held: list[int] = []  # bytes of the states stored now
     most, steps = 0, 0
