@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ._controller import AbstractController
 from ._enrich import enrich
+from ._field import FactoredField
 from ._ksl import _step, ksl_reverse, rank_ratio, relative_error
 from ._revolve import recompute_cost, split
 from ._state import LowRankState
@@ -78,6 +79,37 @@ def _rel_factors(a: LowRankState, b: LowRankState) -> float:
                for x, y in ((a.X, b.X), (a.S, b.S), (a.V, b.V)))
 
 
+class _Counted(FactoredField):
+    """The block's field, counting its evaluations (dense calls and factored projections)."""
+
+    def __init__(self, field: nn.Module) -> None:
+        super().__init__()
+        self.calls, self._inner = 0, [field]  # (a list: not registered as a submodule)
+        self._factored = isinstance(field, FactoredField)
+
+    def forward(self, t: float, F: Tensor) -> Tensor:
+        self.calls += 1
+        return self._inner[0](t, F)
+
+    def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
+        if not self._factored:
+            return self(t, K @ V.mT) @ V
+        self.calls += 1
+        return self._inner[0].apply_right(t, K, V)
+
+    def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
+        if not self._factored:
+            return self(t, X @ L.mT).mT @ X
+        self.calls += 1
+        return self._inner[0].apply_left(t, X, L)
+
+    def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
+        if not self._factored:
+            return X.mT @ self(t, X @ S @ V.mT) @ V
+        self.calls += 1
+        return self._inner[0].project(t, X, S, V)
+
+
 class LowRankODEBlock(nn.Module):
     """Integrate dF/dt = field(t, F) for ``steps`` KSL steps of size ``h``, with reversal
     backprop.
@@ -111,15 +143,12 @@ class LowRankODEBlock(nn.Module):
         self._spacing: int | None = None  # where the last recorded forward left C
         self._caps: dict[int, int] = {}  # step -> longest segment allowed over it (replay-aware)
 
-    def _f(self, t: float, F: Tensor) -> Tensor:
-        return self.field(t, F)
-
     def _enrich(self, state: LowRankState, i: int, event: tuple[int, int]) -> LowRankState:
         """Deterministic enrichment; new directions computed without gradient (constants)."""
         with torch.no_grad():
             g = torch.Generator(device=state.X.device).manual_seed(event[1])
             d = LowRankState(state.X.detach(), state.S.detach(), state.V.detach())
-            new = enrich(d, self._f, i * self.h, event[0], alpha=self.alpha, generator=g)
+            new = enrich(d, self.field, i * self.h, event[0], alpha=self.alpha, generator=g)
         r = state.rank
         S = torch.zeros_like(new.S)
         S[:, :r, :r] = state.S
@@ -162,19 +191,14 @@ class LowRankODEBlock(nn.Module):
                 state = self._enrich(state, i, event)
             for j in range(length):
                 prev = state
-                state = _step(state, self._f, (i + j) * self.h, self.h)[0]
+                state = _step(state, self.field, (i + j) * self.h, self.h)[0]
             if record is not None:  # δ of the segment's last step drives the controller
                 t_last = (i + length - 1) * self.h
-                calls = [0]
-
-                def counted(t, F, calls=calls):
-                    calls[0] += 1
-                    return self._f(t, F)
-
+                counted = _Counted(self.field)
                 back = ksl_reverse(state, counted, t_last, self.h)
-                rev_calls = calls[0]
+                rev_calls = counted.calls
                 _step(prev, counted, t_last, self.h)  # (the step again: its field evaluations)
-                reverse_cost = max(reverse_cost, rev_calls / max(1, calls[0] - rev_calls))
+                reverse_cost = max(reverse_cost, rev_calls / max(1, counted.calls - rev_calls))
                 deltas.append(_rel(back, prev))
                 rhos.append(float(rank_ratio(state).min()))
                 c = ctl.next_spacing(c, deltas[-1])
@@ -264,7 +288,7 @@ class _Reversal(torch.autograd.Function):
         block, tape = ctx.block, ctx.tape
         params = [p for p in block.field.parameters() if p.requires_grad]
         pgrads = [torch.zeros_like(p) for p in params]
-        h, f, ctl = block.h, block._f, block.controller
+        h, f, ctl = block.h, block.field, block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
         reloads, replay_bytes, recomputed, by_cost = 0, 0, 0, 0
         peak = tape_bytes(tape)  # the checkpoints, plus what a replay holds on top (measured)
@@ -348,7 +372,7 @@ def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block:
     `slots` more states (the binomial schedule of :mod:`._revolve`). Accumulates the parameter
     gradients into `pgrads`; returns (cotangent at `start`, the most bytes held besides
     `start`, steps recomputed)."""
-    f, h = block._f, block.h
+    f, h = block.field, block.h
     held: list[int] = []  # bytes of the states stored now
     most, steps = 0, 0
 

@@ -23,9 +23,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ._field import FactoredField
 from ._state import LowRankState
 
-Field = Callable[[float, Tensor], Tensor]  # field(t, F (B, m, n)) -> dF/dt (B, m, n)
+Field = Callable[[float, Tensor], Tensor]  # field(t, F (B, m, n)) -> dF/dt (B, m, n), or a FactoredField
 
 
 def _qr(A: Tensor) -> tuple[Tensor, Tensor]:
@@ -48,14 +49,20 @@ def _invert_euler(f: Callable[[Tensor], Tensor], y1: Tensor, h: float, *, max_it
 
 
 def _k_rhs(field: Field, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
+    if isinstance(field, FactoredField):  # from the factors: F is never formed
+        return lambda K: field.apply_right(t, K, V)
     return lambda K: field(t, K @ V.mT) @ V
 
 
 def _s_rhs(field: Field, t: float, X: Tensor, V: Tensor) -> Callable[[Tensor], Tensor]:
+    if isinstance(field, FactoredField):
+        return lambda S: -field.project(t, X, S, V)
     return lambda S: -(X.mT @ field(t, X @ S @ V.mT) @ V)
 
 
 def _l_rhs(field: Field, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
+    if isinstance(field, FactoredField):
+        return lambda L: field.apply_left(t, X, L)
     return lambda L: field(t, X @ L.mT).mT @ X
 
 
