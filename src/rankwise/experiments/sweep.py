@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .._io import write_atomic
 from ..lowrank import (
+    ALLOCATION_RULES,
     DLRT,
     SDLRT,
     AbstractLowRankLayer,
@@ -33,7 +34,6 @@ from ..lowrank import (
     stability_distance,
     to_low_rank,
 )
-from ..lowrank._budget import RULES
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
 from ..train import Callback, Loop, accuracy, fit
 from ._stats import mean_sd, mean_std
@@ -92,7 +92,7 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
     "cnn-digits-pretrained": (lambda: digit_cnn(pretrained=True), lambda s, d: _digits_mnist_like(s)),
 }
 assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
-assert ALLOCATIONS == RULES, "keep _sweep_spec.ALLOCATIONS in step with lowrank._budget.RULES"
+assert ALLOCATIONS == ALLOCATION_RULES, "keep _sweep_spec.ALLOCATIONS in step with lowrank.ALLOCATION_RULES"
 
 
 def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:

@@ -1,6 +1,7 @@
 """Dynamical low-rank training (DLRT) and its stabilised variant (SDLRT)."""
 
 from ._base import AbstractLowRankLayer as AbstractLowRankLayer
+from ._budget import ALLOCATION_RULES as ALLOCATION_RULES
 from ._conv import LowRankConv2d as LowRankConv2d
 from ._convert import to_low_rank as to_low_rank
 from ._export import export as export

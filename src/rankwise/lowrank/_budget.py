@@ -46,6 +46,7 @@ def factor_cost(m: int, n: int, r: int) -> int:
 
 
 RULES = ("error-sqrt", "error", "energy", "uniform")
+ALLOCATION_RULES = RULES  # public name (rankwise.lowrank.ALLOCATION_RULES)
 
 
 def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
