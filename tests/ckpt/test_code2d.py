@@ -2,6 +2,7 @@
 
 import dataclasses
 import itertools
+import os
 import random
 
 import numpy as np
@@ -329,16 +330,21 @@ def test_encode_share_into_a_reused_buffer():
             assert np.shares_memory(np.frombuffer(frag.row, np.uint8), buf)
     with pytest.raises(ValueError, match="shape"):
         code.encode_share(a, 0, out=np.empty((2, 7, 3), np.uint8))
+    strided = np.empty((2, 7, 2 * buf.shape[2]), np.uint8)[..., ::2]  # the right shape, not contiguous
+    with pytest.raises(ValueError, match="not contiguous"):
+        code.encode_share(a, 0, out=strided)
 
 
 def test_repair_symbols_wire_form_round_trips_without_copying_the_blocks():
-    from rankwise.ckpt import RepairSymbols
+    from rankwise.ckpt import Fragment, RepairSymbols
 
     code = Code2D(7, 2)
     d = code.encode(random.Random(8).randbytes(20_000))
     sym = code.helper_symbols(d.fragments[4], 1)
     wire = bytearray(sym.to_bytes())
-    assert len(wire) == code.symbols_size(1, d.commitment.block_size)
+    assert len(wire) == code.symbols_size(1, d.commitment.block_size) == sym.wire_bytes
+    with pytest.raises(ValueError, match="expected 1"):  # a version-3 file of another kind
+        Fragment.from_bytes(bytes(wire))
     got = RepairSymbols.from_bytes(wire)
     assert got == sym and got.col_block.obj is wire and got.row_block.obj is wire
     for pos in (0, 9, len(wire) - 2 * len(sym.col_block) - 1):  # header, sizes, the header's checksum
@@ -354,6 +360,8 @@ def test_repair_symbols_wire_form_round_trips_without_copying_the_blocks():
     assert not good and failed == [4]
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 if hasattr(os, "sched_getaffinity") else True,
+                    reason="the encoder uses no pool on one core")
 def test_encode_in_a_forked_child_after_the_parent_encoded():
     """The encoder's thread pool is per process: a child forked after an encode must not wait
     on the parent's threads."""

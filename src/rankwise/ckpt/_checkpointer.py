@@ -56,7 +56,8 @@ class _Sink:
     def dump(self, state: Any) -> memoryview:
         """``torch.save(state)`` into the buffer -> a view of the bytes (valid until the next dump)."""
         self.size = 0
-        self._reserve(_tensor_bytes(state) + 2**20)
+        nbytes, count = _tensor_bytes(state)
+        self._reserve(nbytes + 2**20 + 1024 * count)  # (torch.save adds about 300 bytes a tensor)
         torch.save(state, self)
         return memoryview(self.buf[:self.size])
 
@@ -69,7 +70,7 @@ class _Sink:
     def write(self, b) -> int:
         b = memoryview(b).cast("B")
         if self.size + len(b) > len(self.buf):
-            self._reserve(max(self.size + len(b), 2 * len(self.buf)))
+            self._reserve(max(self.size + len(b), len(self.buf) + len(self.buf) // 4))
         self.buf[self.size:self.size + len(b)] = np.frombuffer(b, np.uint8)
         self.size += len(b)
         return len(b)
@@ -78,14 +79,16 @@ class _Sink:
         pass
 
 
-def _tensor_bytes(obj: Any) -> int:
+def _tensor_bytes(obj: Any) -> tuple[int, int]:
+    """(bytes, count) of the tensors in a state: a size hint for :class:`_Sink`."""
     if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
+        try:
+            return obj.untyped_storage().nbytes(), 1
+        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+            return obj.numel() * obj.element_size(), 1
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    sizes = [_tensor_bytes(v) for v in items]
+    return sum(b for b, _ in sizes), sum(c for _, c in sizes)
 
 
 class _ViewReader(io.RawIOBase):
@@ -593,46 +596,65 @@ class CodedCheckpointer:
         return out, sent, recv, _wire.unbitmap(named.numpy().tobytes())
 
     def _retrieve(self, frag: Fragment, com: Commitment) -> tuple[_Rows, list[int], int, int, list[int]]:
-        """Collective: k verified rows C[i, :] (|m|/k bytes each) -> (the rows, their indices,
-        bytes sent, bytes received, rows that failed verification).
+        """Collective: k rows C[i, :] (|m|/k bytes each) that this rank verified itself ->
+        (the rows, their indices, bytes sent, bytes received, rows named bad).
 
         The systematic rows 0..k−1 are broadcast by their holders into one (n, k·B) buffer, so
         that when they all verify the data is that buffer's first k rows (no decode, no copy).
-        The ranks agree on the rows that fail verification (an all-gather of bitmaps), name
-        them, and the next unused parity rows are broadcast in their place until k rows are
-        verified. (k broadcasts moved 256 MiB over gloo in 0.35–0.40 s where an all-gather of
-        all n rows took 0.9–2.0 s, 4 processes; see docs/ckpt.md.)"""
+        Each rank verifies every row it receives and reports the ones that failed (an
+        all-gather of bitmaps); the union of the reports only decides how many of the next
+        parity rows are broadcast (so every rank fetches what any rank misses, at most n rows
+        in all). Each rank decodes from rows it verified itself, and a row is named bad only
+        when at least t + 1 ranks report it: a lying report (from at most t ranks) can neither
+        block the restore nor get an honest rank named. (k broadcasts moved 256 MiB over gloo
+        in 0.35–0.40 s where an all-gather of all n rows took 0.9–2.0 s, 4 processes; see
+        docs/ckpt.md.)"""
         n, k, L = self.n, self.k, self.k * com.block_size
         rows = _Rows(n, L)  # pages of unused parity rows are never touched
-        valid: list[int] = []
-        bad: list[int] = []
-        sent = recv = 0
-        pending, spare = list(range(k)), list(range(k, n))
-        while pending:
-            if self.rank in pending:
-                rows.array[self.rank] = np.frombuffer(self._row_payload(frag), dtype=np.uint8)  # (L,)
-                sent += L * (n - 1)
-            recv += L * sum(i != self.rank for i in pending)
-            # all broadcasts queued at once; each row is verified as soon as it has arrived,
-            # while the next ones are still on the wire
-            works = [(i, dist.broadcast(rows.tensor[i], self._global(i), group=self.group, async_op=True))
-                     for i in pending]
-            failed = []
-            for i, work in works:
-                work.wait()
-                if i != self.rank and not self.code.verify_row(i, rows.array[i], com):
-                    failed.append(i)
-            flags = self._gather(_wire.bitmap(failed, n), n)  # one answer for every rank
-            failed = sorted({i for f in flags for i in _wire.unbitmap(f or b"") if i in pending})
-            bad += failed
-            valid += [i for i in pending if i not in failed]
-            pending, spare = spare[:len(failed)], spare[len(failed):]
-        if bad:
-            log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
-        if len(valid) < k:
-            rows.close()
-            self._raise_if_any(str(NotEnoughSymbols(len(valid), k, bad, "retrieve", "rows")), "retrieve")
-        return rows, sorted(valid), sent, recv, bad
+        try:
+            mine: list[int] = []  # rows this rank verified (its own counts: checked on disk)
+            reports = [0] * n  # how many ranks reported each row as bad
+            sent = recv = 0
+            pending, spare = list(range(k)), list(range(k, n))
+            payload = self._row_payload(frag)
+            while pending:
+                if self.rank in pending:
+                    rows.array[self.rank] = np.frombuffer(payload, dtype=np.uint8)  # (L,)
+                    sent += L * (n - 1)
+                recv += L * sum(i != self.rank for i in pending)
+                # all broadcasts queued at once; each row is verified as soon as it has arrived,
+                # while the next ones are still on the wire
+                works = [(i, dist.broadcast(rows.tensor[i], self._global(i), group=self.group,
+                                            async_op=True)) for i in pending]
+                failed = []
+                for i, work in works:
+                    work.wait()
+                    if i != self.rank and not self.code.verify_row(i, rows.array[i], com):
+                        failed.append(i)
+                if self.rank in pending and payload is not frag.row:  # (a test double sent other bytes:
+                    rows.array[self.rank] = np.frombuffer(frag.row, dtype=np.uint8)  # decode its own)
+                mine += [i for i in pending if i not in failed]
+                union: set[int] = set()
+                for f in self._gather(_wire.bitmap(self._row_report(failed), n), n):
+                    got = {i for i in _wire.unbitmap(f or b"") if i in pending}
+                    union |= got
+                    for i in got:
+                        reports[i] += 1
+                more = len(union)  # the same on every rank, and ≥ any rank's own failures
+                pending, spare = spare[:more], spare[more:]
+            bad = [i for i in range(n) if reports[i] > self.t]
+            if bad:
+                log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
+            err = None if len(mine) >= k else str(NotEnoughSymbols(len(mine), k, bad, "retrieve", "rows"))
+            self._raise_if_any(err, "retrieve")  # every rank takes part, whatever its own count
+        except BaseException:
+            rows.close()  # (the memfd and its pages are not left behind)
+            raise
+        return rows, sorted(mine)[:k], sent, recv, bad
+
+    def _row_report(self, failed: list[int]) -> list[int]:
+        """The rows this rank reports as failed (a test double of a bad rank overrides it)."""
+        return failed
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last save or restore: bytes moved (repair and retrieval, sent and

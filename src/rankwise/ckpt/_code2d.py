@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,20 +65,28 @@ _WARNED_V1: set[bytes] = set()  # v1 commitments already warned about (once each
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
+_POOL_LOCK = threading.Lock()
 
 
 def _parallel(fn: Callable, items) -> list:
     """``[fn(x) for x in items]`` on a pool of one thread per core (for work that releases the
-    GIL); in order, in this thread when there is one core. A forked child makes its own pool
-    (the parent's threads do not exist in it)."""
+    GIL); in order, in this thread when there is one core or the pool is gone (interpreter
+    shutdown). A forked child makes its own pool (the parent's threads do not exist in it)."""
     global _POOL
+    items = list(items)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    if cores == 1:
+    if cores == 1 or len(items) < 2:
         return [fn(x) for x in items]
-    if _POOL is None or _POOL[0] != os.getpid():
-        pool = ThreadPoolExecutor(max_workers=min(cores, 8), thread_name_prefix="rankwise-code2d")
-        _POOL = (os.getpid(), pool)
-    return list(_POOL[1].map(fn, items))
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            pool = ThreadPoolExecutor(max_workers=min(cores, 8), thread_name_prefix="rankwise-code2d")
+            _POOL = (os.getpid(), pool)
+        pool = _POOL[1]
+    try:
+        futures = [pool.submit(fn, x) for x in items]
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        return [fn(x) for x in items]
+    return [f.result() for f in futures]
 
 
 class Code2D:
@@ -191,8 +200,9 @@ class Code2D:
             M.append(part.reshape(k, B))
         if out is None:
             out = np.empty((2, n, B), np.uint8)
-        elif out.shape != (2, n, B) or out.dtype != np.uint8:
-            raise ValueError(f"`out` must be uint8 of shape {(2, n, B)}; got {out.dtype} {out.shape}")
+        elif out.shape != (2, n, B) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"`out` must be C-contiguous uint8 of shape {(2, n, B)}; got {out.dtype} "
+                             f"{out.shape}{'' if out.flags.c_contiguous else ', not contiguous'}")
         rowline, colline = out[0], out[1]
         if index < k:  # systematic: row and column of M itself
             rowline[:k] = M[index]

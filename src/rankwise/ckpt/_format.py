@@ -202,7 +202,9 @@ class Fragment:
         mv = memoryview(blob).cast("B")
         if len(mv) >= _HEAD.size:
             magic, version, kind = _HEAD.unpack_from(mv)
-            if magic == MAGIC and version == FRAGMENT_VERSION and kind == FRAGMENT:
+            if magic == MAGIC and version == FRAGMENT_VERSION:
+                if kind != FRAGMENT:
+                    raise ValueError(f"fragment: file holds kind {kind}, expected {FRAGMENT}")
                 return cls._from_v3(mv)
         r = Reader(unseal(mv, FRAGMENT, "fragment"), "fragment")
         index, nrow, ncol = r.unpack("IQQ")
@@ -245,8 +247,9 @@ class RepairSymbols:
 
     @property
     def wire_bytes(self) -> int:
-        """Everything sent: blocks, paths and two 4-byte indices."""
-        return self.nbytes + sum(map(len, self.col_path + self.row_path)) + 8
+        """Everything sent: the length of :meth:`to_bytes` (blocks, paths, indices, sizes,
+        header and its checksum)."""
+        return _HEAD.size + _SYM.size + sum(map(len, self.col_path + self.row_path)) + _DIGEST + self.nbytes
 
     def to_parts(self) -> list:
         """The wire form (version 3) as buffers, the blocks not copied: header, indices and
