@@ -194,11 +194,12 @@ class LowRankODEBlock(nn.Module):
                 state = _step(state, self.field, (i + j) * self.h, self.h)[0]
             if record is not None:  # δ of the segment's last step drives the controller
                 t_last = (i + length - 1) * self.h
-                counted = _Counted(self.field)
+                counted = _Counted(self.field) if planned is not None else self.field
                 back = ksl_reverse(state, counted, t_last, self.h)
-                rev_calls = counted.calls
-                _step(prev, counted, t_last, self.h)  # (the step again: its field evaluations)
-                reverse_cost = max(reverse_cost, rev_calls / max(1, counted.calls - rev_calls))
+                if planned is not None:  # what a reversed step costs, in forward steps (a budget's choice)
+                    rev_calls = counted.calls
+                    _step(prev, counted, t_last, self.h)  # (the step again: its field evaluations)
+                    reverse_cost = max(reverse_cost, rev_calls / max(1, counted.calls - rev_calls))
                 deltas.append(_rel(back, prev))
                 rhos.append(float(rank_ratio(state).min()))
                 c = ctl.next_spacing(c, deltas[-1])
@@ -291,7 +292,19 @@ class _Reversal(torch.autograd.Function):
         h, f, ctl = block.h, block.field, block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
         reloads, replay_bytes, recomputed, by_cost = 0, 0, 0, 0
-        peak = tape_bytes(tape)  # the checkpoints, plus what a replay holds on top (measured)
+        budget = any(sl is not None for sl in tape.replay_slots)
+
+        def stored() -> int:
+            """Bytes of the states the backward keeps for later: the tape's checkpoints, and the
+            end state of the segment being reversed once it has left the tape (not the output).
+            Working states (at most two while one step is reversed or recomputed) are not
+            counted, as revolve does not count its current state."""
+            kept = tape_bytes(tape)
+            if cur is not None and cur is not ctx.out and all(cur is not cp for cp in tape.checkpoints):
+                kept += _nbytes(cur)
+            return kept
+
+        peak = stored()  # the checkpoints, plus what a replay holds on top
         # carrying g across QR frames is exact only if the loss does not see the frame (it
         # depends on F and the spans); otherwise every segment is replayed in the forward's frames
         frame_free = _frame_invariant(ctx.out, g)
@@ -304,27 +317,34 @@ class _Reversal(torch.autograd.Function):
         for seg in reversed(range(len(tape.starts))):
             i0, n = tape.starts[seg], tape.lengths[seg]
             cp, event = tape.checkpoints[seg], tape.enrichments[seg]
+            if cp is None:
+                raise RuntimeError("LowRankODEBlock under a MemoryBudget frees its checkpoints as its "
+                                   "backward goes: backward through the same forward twice is not supported")
             with torch.no_grad():
                 seg_start = block._enrich(cp, i0, event) if event is not None else cp
             seg_g = [torch.zeros_like(p) for p in params]
             c, gc, reversed_ok = cur, g, frame_free
             slots = tape.replay_slots[seg]
-            chose_replay = (slots is not None and n > 1
-                            and recompute_cost(n, slots) < n * tape.stats["reverse_cost"])
+            # (a segment's first step starts from its checkpoint: n − 1 reverses)
+            chose_replay = (slots is not None and n > 1 and reversed_ok
+                            and recompute_cost(n, slots) < (n - 1) * tape.stats["reverse_cost"])
             if chose_replay:  # under a budget, replaying costs fewer field evaluations here
                 reversed_ok = False
                 by_cost += 1
+            elif reversed_ok and n > 1:
+                peak = max(peak, stored())
             for j in reversed(range(n) if reversed_ok else ()):  # reversal, in reconstructed frames
                 i = i0 + j
                 step = lambda st, i=i: _step(st, f, i * h, h)[0]  # noqa: E731
                 with torch.no_grad():
                     prev = seg_start if j == 0 else ksl_reverse(c, f, i * h, h)
-                _, gin, gp, local = _vjp(step, prev, gc, params, ref=c)
+                gin, gp, local = _vjp(step, prev, gc, params, ref=c)[1:]
                 # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
                 # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
                 # (a one-step segment is computed from its checkpoint: nothing to check)
                 if n > 1 and (ctl.reload(local) or not local <= _SAFE * _eps(c)):  # NaN fails too
                     reversed_ok = False
+                    c = prev = None  # (not held through the replay that follows)
                     break
                 add(seg_g, gp)
                 c, gc = prev, gin
@@ -332,8 +352,9 @@ class _Reversal(torch.autograd.Function):
                 add(pgrads, seg_g)
                 g = gc
             elif slots is not None:  # replay within the budget: binomial
-                reloads += frame_free and not chose_replay  # (a reload: the reverse was tried and failed)
-                held = tape_bytes(tape)
+                reloads += not chose_replay  # (the reverse failed, or the loss sees the frames)
+                cur = c = None  # a replay does not need the end state: its slot is free
+                held = stored()
                 g, extra, steps_done = _replay_binomial(seg_start, i0, n, slots, g, block, params, pgrads)
                 recomputed += steps_done
                 replay_bytes = max(replay_bytes, extra)
@@ -360,7 +381,8 @@ class _Reversal(torch.autograd.Function):
                 _, g, gp, _ = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
                 add(pgrads, gp)
             cur = cp
-            tape.checkpoints[seg] = None  # not needed any more: freed (a budget counts on it)
+            if budget:  # the next segment's slots come from here (other controllers keep the tape,
+                tape.checkpoints[seg] = None  # so that a retained graph can run its backward again)
         block.last_stats = {**tape.stats, "reloads": reloads, "replay_bytes": replay_bytes,
                             "recomputed": recomputed, "peak_tape_bytes": peak, "replayed_by_cost": by_cost}
         return (None, *g, *pgrads)
@@ -402,6 +424,7 @@ def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block:
         most = max(most, sum(held))
         g = sweep(mid, i + m, k - m, s - 1, g)
         held.pop()
+        del mid  # freed, as counted (the left part is reached from st again)
         return sweep(st, i, m, s, g)
 
     g = sweep(start, i0, n, slots, g)

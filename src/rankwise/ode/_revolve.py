@@ -53,8 +53,9 @@ def _checked(n: int, s: int) -> None:
 
 
 def recompute_cost(n: int, s: int) -> int:
-    """The fewest forward steps recomputed to reverse ``n`` steps from a stored initial state
-    with ``s`` further states storable (the steps of the first forward sweep not counted)."""
+    """The fewest forward steps computed to reverse ``n`` steps from a stored initial state
+    with ``s`` further states storable: every advance counts, including those that reach the
+    states the schedule stores (so ``recompute_cost(n, n − 1) = n − 1``)."""
     _checked(n, s)
     s = min(s, max(n - 1, 0))
     return _table(n, s)[0][n][s]
