@@ -91,7 +91,7 @@ def test_whole_run_reversed_without_replay_matches_autograd():
 
 
 def test_tape_keeps_only_checkpoints():
-    from rankwise.ode._block import tape_bytes
+    from rankwise.ode._tape import tape_bytes
 
     F0 = torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(8), dtype=F64)
     block = LowRankODEBlock(Field(10, 8), rank=4, steps=16, h=0.05, controller=FixedController(4, 4))

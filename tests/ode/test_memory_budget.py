@@ -118,7 +118,7 @@ def test_live_states_stay_within_the_budget_plus_working_states(monkeypatch):
     two working states."""
     import gc
 
-    from rankwise.ode import _block
+    from rankwise.ode import _backward as _block
 
     live: list[int] = []
     real = _block._vjp

@@ -2,8 +2,8 @@
 the KSL step and its exact reverse, reversal defect, rank enrichment, controllers, and
 LowRankODEBlock trained by reversal from checkpoints."""
 
+from ._audit import audit_gradients as audit_gradients
 from ._block import LowRankODEBlock as LowRankODEBlock
-from ._block import audit_gradients as audit_gradients
 from ._controller import AbstractController as AbstractController
 from ._controller import DefectController as DefectController
 from ._controller import FixedController as FixedController
