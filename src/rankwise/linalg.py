@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ._checks import check_unit_interval
 
-__all__ = ["orth_complement", "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
+__all__ = ["orth_against", "orth_complement", "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -22,10 +22,21 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def orthonormalize(Q: Tensor) -> tuple[Tensor, Tensor]:
-    """Thin QR ``Q = Q' R`` with ``diag(R) >= 0``: (m, k) -> Q' (m, k) orthonormal, R (k, k)."""
+    """Thin QR ``Q = Q' R`` with ``diag(R) >= 0``: (..., m, k) -> Q' (..., m, k) orthonormal,
+    R (..., k, k); batched over leading dimensions."""
     Qn, R = torch.linalg.qr(Q)
-    sign = torch.where(torch.diagonal(R) < 0, -1.0, 1.0).to(Q.dtype)
-    return Qn * sign, R * sign[:, None]
+    sign = torch.where(torch.diagonal(R, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(Q.dtype)
+    return Qn * sign[..., None, :], R * sign[..., :, None]
+
+
+def orth_against(Q0: Tensor, Y: Tensor) -> Tensor:
+    """Orthonormal columns spanning (I − Q0 Q0ᵀ) Y: Q0 (..., m, r) orthonormal, Y (..., m, c)
+    -> (..., m, c), batched; Q0 projected out twice (classical Gram–Schmidt, reorthogonalised),
+    then a QR. Unlike :func:`orth_complement` it keeps all c columns (a batch needs one shape),
+    so Y must have full rank after the projection."""
+    for _ in range(2):
+        Y = Y - Q0 @ (Q0.mT @ Y)
+    return torch.linalg.qr(Y)[0]
 
 
 def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tensor:
@@ -93,23 +104,25 @@ def tail_rank(s: Tensor, tol: float, *, min_rank: int = 1, max_rank: int | None 
 def truncated_svd(
     W: Tensor, *, rank: int | None = None, tau: float | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Truncated SVD ``W ~= U diag(s) V^T`` of a matrix (m, n).
+    """Truncated SVD ``W ~= U diag(s) V^T`` of a matrix (m, n), or of a batch (..., m, n) with
+    ``rank`` alone (a tolerance would give every matrix its own rank).
 
     With ``rank`` the first ``rank`` triplets are kept; with ``tau`` the smallest rank whose
     discarded tail satisfies ``||tail||_F <= tau * ||W||_F``; with both, the smaller of the two.
 
-    **Returns:** U (m, r), s (r,), V (n, r).
+    **Returns:** U (..., m, r), s (..., r), V (..., n, r).
     """
     if rank is None and tau is None:
         raise ValueError("give `rank` or `tau` (or both) for a truncated SVD")
     if tau is not None:
         check_unit_interval(tau, "tau")
-    m, n = W.shape
-    full = min(m, n)
+        if W.dim() != 2:
+            raise ValueError(f"`tau` needs a single matrix (m, n); got shape {tuple(W.shape)}")
+    full = min(W.shape[-2:])
     if rank is not None and rank < 1:
         raise ValueError(f"`rank` must be >= 1; got {rank}")
     U, s, Vh = torch.linalg.svd(W, full_matrices=False)
     r = full if rank is None else min(rank, full)
     if tau is not None:
         r = min(r, tail_rank(s, tau * float(torch.linalg.vector_norm(s))))
-    return U[:, :r], s[:r], Vh[:r].mT
+    return U[..., :r], s[..., :r], Vh[..., :r, :].mT

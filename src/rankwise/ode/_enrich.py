@@ -3,17 +3,10 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
 
+from ..linalg import orth_against
 from ._ksl import Field
 from ._state import LowRankState
-
-
-def _orth_against(Q0: Tensor, Y: Tensor) -> Tensor:
-    """Orthonormal columns spanning (I − Q0Q0ᵀ)Y, batched (B, m, c)."""
-    for _ in range(2):
-        Y = Y - Q0 @ (Q0.mT @ Y)
-    return torch.linalg.qr(Y)[0]
 
 
 def enrich(state: LowRankState, field: Field, t: float, delta_r: int, *, alpha: float,
@@ -41,7 +34,7 @@ def enrich(state: LowRankState, field: Field, t: float, delta_r: int, *, alpha: 
     p = min(delta_r + oversample, min(m, n) - r)
     Y = R @ torch.randn(B, n, p, generator=generator, **kw)
     Y = R @ (R.mT @ Y)  # one power iteration
-    Q = _orth_against(X, Y)
+    Q = orth_against(X, Y)
     Ub, _, Vh = torch.linalg.svd(Q.mT @ R, full_matrices=False)
     Xn, Vn = Q @ Ub[..., :delta_r], Vh[..., :delta_r, :].mT
     flat = torch.linalg.matrix_norm(R) <= 1e-12 * (torch.linalg.matrix_norm(G) + torch.finfo(X.dtype).tiny)
@@ -50,7 +43,7 @@ def enrich(state: LowRankState, field: Field, t: float, delta_r: int, *, alpha: 
         rv = torch.randn(B, n, delta_r, generator=generator, **kw)
         Xn = torch.where(flat[:, None, None], rx, Xn)
         Vn = torch.where(flat[:, None, None], rv, Vn)
-    Xn, Vn = _orth_against(X, Xn), _orth_against(V, Vn)
+    Xn, Vn = orth_against(X, Xn), orth_against(V, Vn)
     S_new = torch.zeros(B, r + delta_r, r + delta_r, **kw)
     S_new[:, :r, :r] = S
     S_new[:, r:, r:] = alpha * torch.eye(delta_r, **kw)

@@ -23,16 +23,11 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..linalg import orthonormalize
 from ._field import FactoredField
 from ._state import LowRankState
 
 Field = Callable[[float, Tensor], Tensor]  # field(t, F (B, m, n)) -> dF/dt (B, m, n), or a FactoredField
-
-
-def _qr(A: Tensor) -> tuple[Tensor, Tensor]:
-    Q, R = torch.linalg.qr(A)
-    sign = torch.where(torch.diagonal(R, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(A.dtype)
-    return Q * sign[..., None, :], R * sign[..., :, None]
 
 
 def _invert_euler(f: Callable[[Tensor], Tensor], y1: Tensor, h: float, *, max_iter: int = 200) -> Tensor:
@@ -71,13 +66,13 @@ def _step(state: LowRankState, field: Field, t: float, h: float) -> tuple[LowRan
     QR(X0 S0) = X0·Q_x·R and QR(V0 S̃0ᵀ) = V0·Q_v·R with Q_x, Q_v from QR(S0), QR(S̃0ᵀ)."""
     X0, S0, V0 = state.X, state.S, state.V
     K1 = X0 @ S0 + h * _k_rhs(field, t, V0)(X0 @ S0)
-    X1, S_hat = _qr(K1)
+    X1, S_hat = orthonormalize(K1)
     S_tilde = S_hat + h * _s_rhs(field, t + h, X1, V0)(S_hat)
     L0 = V0 @ S_tilde.mT
     L1 = L0 + h * _l_rhs(field, t, X1)(L0)
-    V1, St = _qr(L1)
+    V1, St = orthonormalize(L1)
     with torch.no_grad():
-        Qx, Qv = _qr(S0.detach())[0], _qr(S_tilde.detach().mT)[0]
+        Qx, Qv = orthonormalize(S0.detach())[0], orthonormalize(S_tilde.detach().mT)[0]
     return LowRankState(X1, St.mT, V1), Qx, Qv
 
 
@@ -94,14 +89,14 @@ def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *,
     X1, S1, V1 = state.X, state.S, state.V
     L1 = V1 @ S1.mT
     L0 = _invert_euler(_l_rhs(field, t, X1), L1, h)
-    V0, St = _qr(L0)  # L0 = V0' R with V0' = V0 Q_v
+    V0, St = orthonormalize(L0)  # L0 = V0' R with V0' = V0 Q_v
     S_tilde = St.mT
     if rotations is not None:
         V0, S_tilde = V0 @ rotations[1].mT, S_tilde @ rotations[1].mT
     S_hat = _invert_euler(_s_rhs(field, t + h, X1, V0), S_tilde, h)
     K1 = X1 @ S_hat
     K0 = _invert_euler(_k_rhs(field, t, V0), K1, h)
-    X0, S0 = _qr(K0)  # K0 = X0' R with X0' = X0 Q_x
+    X0, S0 = orthonormalize(K0)  # K0 = X0' R with X0' = X0 Q_x
     if rotations is not None:
         X0, S0 = X0 @ rotations[0].mT, rotations[0] @ S0
     return LowRankState(X0, S0, V0)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..linalg import truncated_svd
+
 
 @dataclass(frozen=True)
 class LowRankState:
@@ -37,5 +39,5 @@ class LowRankState:
     @staticmethod
     def from_dense(F: Tensor, rank: int) -> LowRankState:
         """Truncated SVD of each matrix in the batch F (B, m, n)."""
-        U, s, Vh = torch.linalg.svd(F, full_matrices=False)
-        return LowRankState(U[..., :rank], torch.diag_embed(s[..., :rank]), Vh[..., :rank, :].mT)
+        U, s, V = truncated_svd(F, rank=rank)
+        return LowRankState(U, torch.diag_embed(s), V)
