@@ -141,3 +141,19 @@ def test_nan_defect_counts_as_failure():
     nan = float("nan")
     ctl = DefectController.for_dtype(F64)
     assert ctl.next_spacing(8, nan) == 4 and ctl.reload(nan) and ctl.rank_increase(3, nan, 0.5) > 0
+
+
+def test_solve_returns_a_solution_whose_stats_the_backward_completes():
+    from rankwise.ode import OdeSolution
+
+    F0 = torch.randn(2, 10, 8, generator=torch.Generator().manual_seed(6), dtype=F64, requires_grad=True)
+    block = LowRankODEBlock(Field(10, 8, seed=7), rank=3, steps=8, h=0.05, controller=FixedController(3, 3))
+    sol = block.solve(F0)
+    assert isinstance(sol, OdeSolution) and sol.tape.lengths == [3, 3, 2] and "reloads" not in sol.stats
+    (sol.state.dense() ** 2).sum().backward()
+    assert sol.stats["reloads"] == 0 and sol.stats["checkpoints"] == 3  # completed in place
+    assert block.last_solution is sol and block.last_stats is sol.stats and block.last_tape is sol.tape
+    torch.testing.assert_close(block(F0).dense(), sol.state.dense())
+    block.reversible = False  # a plain-autograd pass has no tape and leaves last_solution alone
+    plain = block.solve(F0)
+    assert plain.tape is None and plain.stats == {} and block.last_solution is not plain

@@ -16,3 +16,4 @@ from ._ksl import ksl_step as ksl_step
 from ._ksl import rank_ratio as rank_ratio
 from ._ksl import reversal_defect as reversal_defect
 from ._state import LowRankState as LowRankState
+from ._tape import OdeSolution as OdeSolution

@@ -58,11 +58,9 @@ def _vjp(fn: Callable[[LowRankState], LowRankState], state: LowRankState,
 
 class _Reversal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block: LowRankODEBlock, X, S, V, *params):
-        tape = Tape()
+    def forward(ctx, block: LowRankODEBlock, tape: Tape, X, S, V, *params):
         with torch.no_grad():
             out = block.run(LowRankState(X.detach(), S.detach(), V.detach()), record=tape)
-        block.last_stats, block.last_tape = dict(tape.stats), tape
         log.info("LowRankODEBlock forward: %s", tape.stats)
         ctx.block, ctx.tape, ctx.out = block, tape, out
         return out.X, out.S, out.V
@@ -75,6 +73,7 @@ class _Reversal(torch.autograd.Function):
         h, f, ctl = block.h, block.field, block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
         reloads, replay_bytes, recomputed, by_cost = 0, 0, 0, 0
+        replayed = [False] * len(tape.starts)
         budget = any(sl is not None for sl in tape.replay_slots)
 
         def stored() -> int:
@@ -156,19 +155,17 @@ class _Reversal(torch.autograd.Function):
                     _, g, gp, _ = _vjp(lambda st, i=i: _step(st, f, i * h, h)[0], states[j], g, params)
                     add(pgrads, gp)
                 del states
-            if ctl.learns_from_replays():  # halve where a replay was needed, relax elsewhere
-                caps = block._caps
-                caps.update({k: max(1, n // 2) if not reversed_ok else 2 * caps[k]
-                             for k in range(i0, i0 + n) if not reversed_ok or k in caps})
+            replayed[seg] = not reversed_ok  # (the next forward's replay-aware caps read it)
             if event is not None:
                 _, g, gp, _ = _vjp(lambda st, i0=i0, ev=event: block._enrich(st, i0, ev), cp, g, params)
                 add(pgrads, gp)
             cur = cp
             if budget:  # the next segment's slots come from here (other controllers keep the tape,
                 tape.checkpoints[seg] = None  # so that a retained graph can run its backward again)
-        block.last_stats = {**tape.stats, "reloads": reloads, "replay_bytes": replay_bytes,
-                            "recomputed": recomputed, "peak_tape_bytes": peak, "replayed_by_cost": by_cost}
-        return (None, *g, *pgrads)
+        tape.replayed, tape.learned = replayed, False
+        tape.stats.update(reloads=reloads, replay_bytes=replay_bytes, recomputed=recomputed,
+                          peak_tape_bytes=peak, replayed_by_cost=by_cost)
+        return (None, None, *g, *pgrads)
 
 
 def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block: LowRankODEBlock,

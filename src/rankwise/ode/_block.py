@@ -32,7 +32,7 @@ from ._field import FactoredField
 from ._frames import _rel
 from ._ksl import _step, ksl_reverse, rank_ratio
 from ._state import LowRankState
-from ._tape import Tape, _nbytes, tape_bytes
+from ._tape import OdeSolution, Tape, _nbytes, tape_bytes
 
 
 class _Counted(FactoredField):
@@ -79,10 +79,10 @@ class LowRankODEBlock(nn.Module):
       replay the schedule of the last reversible forward.
     - `alpha`: diagonal value given to enriched directions; `seed`: enrichment seeds.
 
-    ``forward(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns the
-    final :class:`LowRankState`. ``last_stats``: rank, checkpoints stored, max/mean δ, min ρ
-    (after a backward pass also ``reloads``, segments replayed from their checkpoint, and
-    ``replay_bytes``, the largest replayed segment's states held at once).
+    ``solve(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns an
+    :class:`OdeSolution` (the final state, the tape, the statistics, which its backward pass
+    completes); ``forward(state)`` returns ``solve(state).state``. The last reversible pass's
+    solution is ``last_solution`` (``last_stats`` and ``last_tape`` read it).
     """
 
     def __init__(self, field: nn.Module, *, rank: int, steps: int, h: float,
@@ -93,8 +93,7 @@ class LowRankODEBlock(nn.Module):
             raise ValueError(f"need rank >= 1, steps >= 1, h > 0; got {rank}, {steps}, {h}")
         self.field, self.rank, self.steps, self.h = field, rank, steps, h
         self.controller, self.reversible, self.alpha, self.seed = controller, reversible, alpha, seed
-        self.last_stats: dict = {}
-        self.last_tape: Tape | None = None
+        self.last_solution: OdeSolution | None = None  # of the last reversible forward
         self._replay: Tape | None = None
         self._spacing: int | None = None  # where the last recorded forward left C
         self._caps: dict[int, int] = {}  # step -> longest segment allowed over it (replay-aware)
@@ -169,12 +168,40 @@ class LowRankODEBlock(nn.Module):
                                 reverse_cost=reverse_cost)
         return state
 
-    def forward(self, state: LowRankState | Tensor) -> LowRankState:
+    @property
+    def last_stats(self) -> dict:
+        """The statistics of the last reversible pass (empty before the first)."""
+        return self.last_solution.stats if self.last_solution is not None else {}
+
+    @property
+    def last_tape(self) -> Tape | None:
+        return self.last_solution.tape if self.last_solution is not None else None
+
+    def _learn_from_replays(self) -> None:
+        """Replay-aware caps (the controller's choice): halve the segments over steps where the
+        last backward had to replay, relax them where it did not."""
+        tape = self.last_tape
+        if tape is None or tape.learned or not tape.replayed or not self.controller.learns_from_replays():
+            return
+        caps = self._caps
+        for i0, n, replayed in zip(tape.starts, tape.lengths, tape.replayed, strict=True):
+            caps.update({k: max(1, n // 2) if replayed else 2 * caps[k]
+                         for k in range(i0, i0 + n) if replayed or k in caps})
+        tape.learned = True
+
+    def solve(self, state: LowRankState | Tensor) -> OdeSolution:
+        """Integrate from `state` -> :class:`OdeSolution`."""
         if isinstance(state, Tensor):
             state = LowRankState.from_dense(state, self.rank)
         if not self.reversible:  # plain autograd; the schedule only matters for reversal, so
             # no adaptive decisions are taken unless a recorded one is replayed (the audit)
-            return self.run(state, replay=self._replay)
+            return OdeSolution(self.run(state, replay=self._replay), None, {})
+        self._learn_from_replays()
         params = [p for p in self.field.parameters() if p.requires_grad]
-        X, S, V = _Reversal.apply(self, state.X, state.S, state.V, *params)
-        return LowRankState(X, S, V)
+        tape = Tape()
+        X, S, V = _Reversal.apply(self, tape, state.X, state.S, state.V, *params)
+        self.last_solution = OdeSolution(LowRankState(X, S, V), tape, tape.stats)
+        return self.last_solution
+
+    def forward(self, state: LowRankState | Tensor) -> LowRankState:
+        return self.solve(state).state
