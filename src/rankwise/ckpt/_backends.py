@@ -1,21 +1,29 @@
-"""GF(2^8) matrix backends: name -> (matmul, inverse). Both produce identical bytes."""
+"""GF(2^8) matrix backends, one table: name -> :class:`Backend`. Both give identical bytes."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
 from . import _gf, _isal
 
-MatMul = Callable[[np.ndarray, np.ndarray], np.ndarray]
-BACKENDS: dict[str, tuple[MatMul, Callable[[np.ndarray], np.ndarray]]] = {
-    "numpy": (_gf.matmul, _gf.inverse),
-    "isal": (_isal.matmul, _isal.inverse),
+
+class Backend(NamedTuple):
+    """A backend's four operations."""
+
+    matmul: Callable[[np.ndarray, np.ndarray], np.ndarray]  # A (a, b) @ X (b, L) -> (a, L)
+    inverse: Callable[[np.ndarray], np.ndarray]  # A (k, k) -> A⁻¹
+    matmul_into: Callable[..., None]  # (A, srcs, dsts, tables): dsts[i] = Σ_j A[i, j] srcs[j], in place
+    tables_for: Callable[[np.ndarray], object]  # A -> the tables matmul_into reuses
+
+
+BACKENDS: dict[str, Backend] = {
+    "numpy": Backend(_gf.matmul, _gf.inverse, _gf.matmul_into, _gf.tables_for),
+    "isal": Backend(_isal.matmul, _isal.inverse, _isal.matmul_into, _isal.tables_for),
 }
-# in place: (matmul_into(A, srcs, dsts, tables), tables_for(A))
-INTO = {"numpy": (_gf.matmul_into, _gf.tables_for), "isal": (_isal.matmul_into, _isal.tables_for)}
 _warned = False
 
 

@@ -103,8 +103,7 @@ class Code2D:
             raise ValueError(f"Code2D needs integers with 1 <= t and 3t < n <= 255; got n={n}, t={t}")
         self.n, self.t, self.k = n, t, n - t
         self.backend = _backends.resolve(backend)
-        self._mm, self._inv = _backends.BACKENDS[self.backend]
-        self._into, self._tables_for = _backends.INTO[self.backend]
+        self._mm, self._inv, self._into, self._tables_for = _backends.BACKENDS[self.backend]
         self.hash_name = hash
         self._h = _merkle.get_hash(hash)
         self.G = _gf.cauchy_generator(n, self.k)
