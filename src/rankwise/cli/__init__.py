@@ -12,14 +12,13 @@ from typing import Any
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line (see :func:`rankwise.cli._app.main`)."""
-    from .._extras import CLI_EXTRA
+    from .._extras import require
 
     for module in ("typer", "rich"):
         try:
-            __import__(module)
-        except ImportError:
-            print(f"rankwise: error: the command line needs the package {module!r}, which is not "
-                  f"installed ({CLI_EXTRA})", file=sys.stderr)
+            require(module, "the command line")
+        except ImportError as e:
+            print(f"rankwise: error: {e}", file=sys.stderr)
             return 1
     from ._app import main as _main
 
