@@ -227,6 +227,26 @@ def run(n: int, mib: int) -> dict:
     return dict(n=n, mib=mib, state_bytes=saved[0]["state_bytes"], methods=table)
 
 
+def _part_timer():
+    """(timed, rows): ``timed(name, fn)`` runs fn, appends (name, seconds) to rows, returns fn's result."""
+    rows: list[tuple[str, float]] = []
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        rows.append((name, time.perf_counter() - t0))
+        return out
+
+    return timed, rows
+
+
+def _print_parts(title: str, rows: list[tuple[str, float]]) -> None:
+    print(title + "\n")
+    print("| part | seconds |\n|---|---|")
+    for name, t in rows:
+        print(f"| {name} | {t:.2f} |")
+
+
 def profile_save(mib: int, n: int) -> None:
     """One rank's coded save, timed part by part in this process (no process group)."""
     import blake3
@@ -239,14 +259,7 @@ def profile_save(mib: int, n: int) -> None:
     torch.set_num_threads(1)
     state = _state(mib)
     code = Code2D(n, 1)
-    rows = []
-
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        out = fn()
-        rows.append((name, time.perf_counter() - t0))
-        return out
-
+    timed, rows = _part_timer()
     # the checkpointer's steady state: its serialisation and line buffers exist from the last save
     sink, obj = _Sink(), {"state": state, "per_rank": None}
     sink.dump(obj)
@@ -259,10 +272,7 @@ def profile_save(mib: int, n: int) -> None:
     sealed = timed("the fragment file's parts (header checksum only)", frag.to_parts)
     with tempfile.TemporaryDirectory() as tmp:
         timed("atomic write with fsync", lambda: _io.write_atomic(Path(tmp) / "f", sealed))
-    print(f"one rank's coded save of {mib} MiB (n = {n}), one process:\n")
-    print("| part | seconds |\n|---|---|")
-    for name, t in rows:
-        print(f"| {name} | {t:.2f} |")
+    _print_parts(f"one rank's coded save of {mib} MiB (n = {n}), one process:", rows)
 
 
 def profile_restore(mib: int, n: int) -> None:
@@ -284,13 +294,7 @@ def profile_restore(mib: int, n: int) -> None:
     for i in range(k):  # as received
         rows.array[i] = np.frombuffer(disp.fragments[i].row, np.uint8)
     del disp
-    times = []
-
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        out = fn()
-        times.append((name, time.perf_counter() - t0))
-        return out
+    timed, times = _part_timer()
 
     with tempfile.TemporaryDirectory() as tmp:
         write(Path(tmp) / "f", code.encode_share(blob, 0)[0])
@@ -301,10 +305,8 @@ def profile_restore(mib: int, n: int) -> None:
     where = "a memfd, torch.load(mmap=True)" if rows.fd is not None else "memory"
     timed(f"load the state from the rows ({where})",
           lambda: _load_rows(rows, list(range(k)), com.data_len, code, True))
-    print(f"one rank's coded restore of {mib} MiB (n = {n}), one process, besides moving the rows:\n")
-    print("| part | seconds |\n|---|---|")
-    for name, t in times:
-        print(f"| {name} | {t:.2f} |")
+    _print_parts(f"one rank's coded restore of {mib} MiB (n = {n}), one process, besides moving the rows:",
+                 times)
 
 
 def _transport(rank: int, n: int, init: str, mib: int, q) -> None:
