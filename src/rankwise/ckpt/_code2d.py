@@ -381,13 +381,19 @@ class Code2D:
         M = C if list(idx) == list(range(self.k)) else self._mm(self._inv(self.G[list(idx)]), C)
         return memoryview(np.ascontiguousarray(M).reshape(-1))[:data_len]
 
-    def retrieve(self, fragments: list[Fragment], commitment: Commitment) -> bytes:
-        """The original bytes from any k valid fragments (invalid ones are skipped)."""
+    def retrieve(self, fragments: list[Fragment], commitment: Commitment, *,
+                 rejected: list[int] | None = None) -> bytes:
+        """The original bytes from the first k valid fragments (invalid ones are skipped, and
+        their positions in `fragments` appended to `rejected` when given)."""
         self._check(commitment)
         valid: dict[int, Fragment] = {}
-        for f in fragments:
-            if f.index not in valid and self.verify(f, commitment):
+        for pos, f in enumerate(fragments):
+            if len(valid) == self.k or f.index in valid:
+                continue
+            if self.verify(f, commitment):
                 valid[f.index] = f
+            elif rejected is not None:
+                rejected.append(pos)
         if len(valid) < self.k:
             raise NotEnoughSymbols(len(valid), self.k, [], "retrieve", "fragments")
         return self._decode({i: f.row for i, f in valid.items()}, commitment.data_len)

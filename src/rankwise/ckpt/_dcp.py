@@ -206,20 +206,16 @@ class CodedStorageReader(StorageReader):
         if com is None:
             raise RuntimeError(f"rank {owner}'s data cannot be decoded: no location holds the commitment "
                                f"the metadata names (skipped: {self.skipped})")
+        rejected: list[int] = []  # fragments that fail the commitment: their locations are named
         code = Code2D(com.n, com.t, hash=com.hash)
-        rows: dict[int, bytes] = {}
-        for loc, f in frags:  # each checked against the commitment once; a bad one is named
-            if f.index in rows or len(rows) == code.k:
-                continue
-            if code.verify(f, com):
-                rows[f.index] = f.row
-            else:
-                skip(loc, "fragment does not match the commitment (corrupted or foreign)")
-        if len(rows) < code.k:
-            raise RuntimeError(f"rank {owner}'s data cannot be decoded: "
-                               f"{NotEnoughSymbols(len(rows), code.k, [], 'retrieve', 'fragments')} "
-                               f"(skipped: {self.skipped})")
-        return code._decode(rows, com.data_len)
+        try:
+            return code.retrieve([f for _, f in frags], com, rejected=rejected)
+        except NotEnoughSymbols as e:
+            err = e
+        finally:
+            for pos in rejected:
+                skip(frags[pos][0], "fragment does not match the commitment (corrupted or foreign)")
+        raise RuntimeError(f"rank {owner}'s data cannot be decoded: {err} (skipped: {self.skipped})") from err
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         blobs: dict[int, memoryview] = {}
