@@ -1,4 +1,5 @@
-"""``rankwise ode``: the layered matrix-memory ODE classifier, fixed vs adaptive control."""
+"""``rankwise ode``: the matrix-memory ODE classifiers under fixed, adaptive, replay-aware and
+memory-budget control, and the stored-graph baseline."""
 
 from __future__ import annotations
 
@@ -13,34 +14,38 @@ from rich.console import Console
 from ._common import MAX_WORKERS, Force, UserError, claim_output_dir
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
-            ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_tape_mib", "peak tape MiB", "{:.2f}"),
+            ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
+            ("mean_recomputed", "recomputed/iter", "{:.1f}"),
             ("max_delta", "max δ", "{:.1e}"), ("grad_cosine", "grad cosine", "{:.5f}"),
             ("mean_replays", "replays/iter", "{:.2f}"), ("loss_var_2nd_half", "loss var", "{:.3f}"),
             ("loss_spikes", "loss spikes", "{:.1f}"), ("seconds", "s/run", "{:.0f}"))
 ODE_OUTPUTS = (r"results\.json", r"traces\.csv", r"ode_traces\.png")  # regexes
 
 
-_ENTRY = re.compile(r"(fixed|adaptive|replay)(?::(\d+)(?:-(\d+))?)?(?::r(\d+))?")
+_ENTRY = re.compile(r"(fixed|adaptive|replay|budget|autograd)(?::(\d+)(?:-(\d+))?)?(?::r(\d+))?")
 
 
 def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
     """``controller[:C[-CMAX]][:rR]`` entries -> (controller, C, C_max or None, rank or None);
-    C defaults to 8."""
+    C defaults to 8; for ``budget`` it is the budget in states (default 12)."""
     out = []
     for item in grid.split(","):
         entry = item.strip()
         m = _ENTRY.fullmatch(entry)
         if m is None:
             what = "an empty entry" if not entry else repr(entry)
-            raise UserError(f"--grid entries are controller[:C[-CMAX]][:rR] with controller fixed, adaptive "
-                            f"or replay, e.g. fixed:8,adaptive:8-16:r4; got {what} in {grid!r}")
+            raise UserError(f"--grid entries are controller[:C[-CMAX]][:rR] with controller fixed, "
+                            f"adaptive, replay, budget (budget:STATES) or autograd, e.g. "
+                            f"fixed:8,adaptive:8-16:r4,budget:12; got {what} in {grid!r}")
         kind, c, cmax, r = m.groups()
-        if kind == "fixed" and cmax is not None:
-            raise UserError(f"--grid entry {entry!r}: a fixed controller has no CMAX (use fixed:{c})")
+        if kind in ("fixed", "budget", "autograd") and cmax is not None:
+            raise UserError(f"--grid entry {entry!r}: a {kind} controller has no CMAX")
+        if kind == "autograd" and c is not None:
+            raise UserError(f"--grid entry {entry!r}: autograd takes no C (use autograd or autograd:rR)")
         for value, name in ((c, "C"), (cmax, "CMAX"), (r, "rank R")):
             if value is not None and int(value) < 1:
                 raise UserError(f"--grid entry {entry!r}: {name} must be >= 1; got {value}")
-        out.append((kind, int(c) if c else 8, None if cmax is None else int(cmax),
+        out.append((kind, int(c) if c else 12 if kind == "budget" else 8, None if cmax is None else int(cmax),
                     None if r is None else int(r)))
     return out
 
@@ -58,15 +63,18 @@ def _run_one(cfg, report=None) -> dict:
 
 def ode_cmd(
     data: Annotated[str, typer.Option(help="digits (permuted, 64 steps) or mnist1d (40 steps).")] = "digits",
-    grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay")]
+    grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay|budget|"
+                                      "autograd (budget:STATES; autograd: the stored-graph baseline)")]
     = "fixed:8,adaptive:8",
+    model: Annotated[str, typer.Option(help="gated (a GRU-ODE on the memory's core, one block) or layered "
+                                       "(the first study's 6-layer model).")] = "gated",
     rank: Annotated[int, typer.Option(help="Initial rank of every layer (adaptive may grow it).", min=1)] = 8,
     max_rank: Annotated[int, typer.Option(help="Adaptive rank cap.", min=1)] = 32,
     c_max: Annotated[int, typer.Option(help="Adaptive spacing cap, unless an entry gives -CMAX.",
                                        min=1)] = 32,
-    layers: Annotated[int, typer.Option(help="ODE layers (1 reads the sequence, the rest are depth).",
-                                        min=1)] = 6,
-    depth_steps: Annotated[int, typer.Option(help="Steps of each depth block.", min=1)] = 8,
+    layers: Annotated[int, typer.Option(help="Layered model: ODE layers (1 reads the sequence, the rest "
+                                        "are depth).", min=1)] = 6,
+    depth_steps: Annotated[int, typer.Option(help="Layered model: steps of each depth block.", min=1)] = 8,
     epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 1,
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 1,
     jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
@@ -75,18 +83,21 @@ def ode_cmd(
                                       "earlier run's are replaced only with --force).")] = Path("runs/ode"),
     force: Force = False,
 ) -> None:
-    """The reversible low-rank ODE experiment: fixed vs adaptive checkpoint/rank control.
+    """The reversible low-rank ODE experiment: checkpoint/rank controllers compared.
 
     Trains the matrix-memory ODE classifier for each grid entry and seed, prints one table
     (mean ± std over seeds) and writes results, per-iteration traces and a δ/rank plot to
-    --out. The default (2 runs on digits) takes about 1.5 min on 2 cores."""
+    --out."""
     entries = _parse_grid(grid)
     if data not in ("digits", "mnist1d"):
         raise UserError(f"--data must be 'digits' or 'mnist1d'; got {data!r}")
+    if model not in ("gated", "layered"):
+        raise UserError(f"--model must be 'gated' or 'layered'; got {model!r}")
     from ..experiments.ode_seq import OdeRunConfig
 
     try:
-        cfgs = [OdeRunConfig(data=data, controller=k, c=c, c_max=c_max if cm is None else cm,
+        cfgs = [OdeRunConfig(data=data, model=model, controller=k, c=8 if k == "budget" else c,
+                             budget_states=c if k == "budget" else 12, c_max=c_max if cm is None else cm,
                              rank=rank if r is None else r, max_rank=max_rank, layers=layers,
                              depth_steps=depth_steps, epochs=epochs, seed=s)
                 for k, c, cm, r in entries for s in range(seeds)]
@@ -125,9 +136,10 @@ def ode_cmd(
              f"{t['checkpoints']},{t['max_delta']:.3g},{t['min_rho']:.3g},{t['tape_bytes']},{t['reloads']}"
              for r in results for t in r["trace"]]
     write_atomic(out / "traces.csv", ("\n".join(rows) + "\n").encode())
-    plot_traces(results, out / "ode_traces.png", title=f"{data}: {layers} layers, {epochs} epoch(s)")
+    what = f"{layers} layers" if model == "layered" else "gated"
+    plot_traces(results, out / "ode_traces.png", title=f"{data}: {what}, {epochs} epoch(s)")
 
-    table = Table(title=f"matrix-memory ODE on {data}: {layers} layers, {epochs} epoch(s), {seeds} seed(s)")
+    table = Table(title=f"matrix-memory ODE ({what}) on {data}: {epochs} epoch(s), {seeds} seed(s)")
     table.add_column("run")
     for _, head, _ in _COLUMNS:
         table.add_column(head)

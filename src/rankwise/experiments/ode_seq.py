@@ -1,7 +1,10 @@
-"""The seed's first cheap experiment, offline: a 6-layer low-rank matrix-memory neural ODE on
-sequences (permuted 8×8 digits, 64 steps; mnist1d, 40 steps), trained by reversal backprop.
+"""The seed's first cheap experiment, offline: a low-rank matrix-memory neural ODE on sequences
+(permuted 8×8 digits, 64 steps; mnist1d, 40 steps), trained by reversal backprop.
 
-**Model.** The state of every layer is an m×m matrix memory F, kept as X S Vᵀ.
+**Models.** ``model="gated"`` (the default) is :class:`rankwise.ode.SequenceClassifier`: one
+block whose field is a GRU-ODE on the memory's p×p core, read by an MLP. ``model="layered"`` is
+the first study's model, below. The state of every layer is an m×m matrix memory F, kept as
+X S Vᵀ.
 
 - Layer 1 reads the sequence: step i (one KSL step of size h) writes the input value u_i as the
   rank-1, position-specific term u_i·p_i q_iᵀ, and the memory evolves as
@@ -29,7 +32,15 @@ from torch import Tensor, nn
 from .._checks import check_training
 from .._io import write_atomic
 from ..data import load_digits, load_mnist1d
-from ..ode import AbstractController, DefectController, FixedController, LowRankODEBlock, audit_gradients
+from ..ode import (
+    AbstractController,
+    DefectController,
+    FixedController,
+    LowRankODEBlock,
+    MemoryBudget,
+    SequenceClassifier,
+    audit_gradients,
+)
 from ..train import Callback, Loop, accuracy, fit
 
 
@@ -100,8 +111,12 @@ class LayeredMemoryODE(nn.Module):
             state = b(state)
         return self.out(state.dense().flatten(1))
 
-    def forward(self, u: Tensor) -> Tensor:
+    def set_input(self, u: Tensor) -> None:
+        """The sequences u (B, T) the next integration reads."""
         self.seq.u = u.detach()
+
+    def forward(self, u: Tensor) -> Tensor:
+        self.set_input(u)
         return self.integrate(self.initial_state(u.shape[0]))
 
 
@@ -109,22 +124,36 @@ class FromInitialMemory(nn.Module):
     """``model`` on the fixed sequences ``u`` as a function of the initial memory F0: what
     :func:`audit_gradients` perturbs (its gradient covers F0 and every parameter)."""
 
-    def __init__(self, model: LayeredMemoryODE, u: Tensor) -> None:
+    def __init__(self, model: LayeredMemoryODE | SequenceClassifier, u: Tensor) -> None:
         super().__init__()
         self.model, self.u = model, u
 
     def forward(self, F0: Tensor) -> Tensor:
-        self.model.seq.u = self.u
-        return self.model.integrate(F0)
+        model = self.model
+        (model.field if isinstance(model, SequenceClassifier) else model).set_input(self.u)
+        return model.integrate(F0)
+
+
+CONTROLLERS = ("fixed", "adaptive", "replay", "budget", "autograd")
 
 
 @dataclass(frozen=True)
 class OdeRunConfig:
     """One training run. ``controller``: "fixed" (spacing ``c``, rank ``rank``), "adaptive"
-    (:meth:`DefectController.for_dtype` for float32 with ``c_init=c``, ``max_rank``, carry-over)
-    or "replay" (the same, replay-aware)."""
+    (:meth:`DefectController.for_dtype` for float32 with ``c_init=c``, ``max_rank``, carry-over),
+    "replay" (the same, replay-aware), "budget" (:class:`MemoryBudget` of ``budget_states``
+    states of the first batch's size, rank ``rank``) or "autograd" (the baseline: no reversal,
+    plain autograd through the stored graph at rank ``rank``; its memory is the bytes of the
+    tensors the graph saves, counted with saved-tensor hooks).
+
+    ``model``: "gated" (:class:`SequenceClassifier` with ``p``, ``window``, ``position_weights``,
+    step ``h``; Adam with a one-cycle schedule peaking at ``lr``) or "layered"
+    (:class:`LayeredMemoryODE` with ``layers``, ``depth_steps``; constant ``lr``). ``lr=None``:
+    3e-3 (gated) or 1e-2 (layered). ``position_weights=None``: on for permuted digits (positions
+    carry no order), off for mnist1d (one input map for all steps: the pattern may sit anywhere)."""
 
     data: str = "digits"  # "digits" (permuted, 64 steps) or "mnist1d" (40 steps)
+    model: str = "gated"
     controller: str = "fixed"
     c: int = 8
     rank: int = 8
@@ -133,18 +162,29 @@ class OdeRunConfig:
     layers: int = 6
     depth_steps: int = 8
     m: int = 32
+    p: int = 16
+    window: int = 3
+    position_weights: bool | None = None
+    h: float = 0.25
+    budget_states: int = 12
     epochs: int = 1
-    lr: float = 1e-2
+    lr: float | None = None
     batch_size: int = 64
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.data not in ("digits", "mnist1d"):
             raise ValueError(f"`data` must be 'digits' or 'mnist1d'; got {self.data!r}")
-        if self.controller not in ("fixed", "adaptive", "replay"):
-            raise ValueError(f"`controller` must be 'fixed', 'adaptive' or 'replay'; got {self.controller!r}")
-        check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, seed=self.seed)
-        for name in ("c", "rank", "layers", "depth_steps"):
+        if self.model not in ("gated", "layered"):
+            raise ValueError(f"`model` must be 'gated' or 'layered'; got {self.model!r}")
+        if self.controller not in CONTROLLERS:
+            raise ValueError(f"`controller` must be one of {', '.join(CONTROLLERS)}; got {self.controller!r}")
+        check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.learning_rate, seed=self.seed)
+        if not self.h > 0:
+            raise ValueError(f"`h` must be > 0; got {self.h}")
+        if not 1 <= self.p <= self.m:
+            raise ValueError(f"`p` must be in [1, m={self.m}]; got {self.p}")
+        for name in ("c", "rank", "layers", "depth_steps", "window", "budget_states"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1; got {getattr(self, name)}")
         if not 1 <= self.rank <= self.m:
@@ -156,9 +196,19 @@ class OdeRunConfig:
             raise ValueError(f"`c_max` must be >= c={self.c}; got {self.c_max}")
 
     @property
+    def learning_rate(self) -> float:
+        if self.lr is not None:
+            return self.lr
+        return 3e-3 if self.model == "gated" else 1e-2
+
+    @property
     def name(self) -> str:
         if self.controller == "fixed":
             return f"fixed C={self.c} r={self.rank}"
+        if self.controller == "budget":
+            return f"budget {self.budget_states} states r={self.rank}"
+        if self.controller == "autograd":
+            return f"autograd r={self.rank}"
         kind = "adaptive" if self.controller == "adaptive" else "replay-aware"
         return f"{kind} C={self.c}→{self.c_max} r={self.rank}→{self.max_rank}"
 
@@ -177,9 +227,16 @@ def load_sequences(data: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor
     raise ValueError(f"data must be 'digits' or 'mnist1d'; got {data!r}")
 
 
+def _state_bytes(cfg: OdeRunConfig) -> int:
+    """Bytes of one float32 state (X, S, V) of the first batch at rank ``cfg.rank``."""
+    return 4 * cfg.batch_size * (2 * cfg.m * cfg.rank + cfg.rank**2)
+
+
 def _controller(cfg: OdeRunConfig) -> AbstractController:
-    if cfg.controller == "fixed":
+    if cfg.controller in ("fixed", "autograd"):
         return FixedController(cfg.c, cfg.rank)
+    if cfg.controller == "budget":
+        return MemoryBudget(cfg.budget_states * _state_bytes(cfg))
     if cfg.controller in ("adaptive", "replay"):
         return DefectController.for_dtype(torch.float32, c_init=cfg.c, c_max=cfg.c_max,
                                           max_rank=cfg.max_rank, carry=True,
@@ -190,13 +247,18 @@ def _controller(cfg: OdeRunConfig) -> AbstractController:
 class _Trace(Callback):
     """Each iteration's loss, ranks, checkpoints, reversal defect and tape memory, from the blocks."""
 
-    def __init__(self, callback) -> None:
-        self.callback = callback
+    def __init__(self, callback, scheduler=None) -> None:
+        self.callback, self.scheduler = callback, scheduler
         self.trace: list[dict] = []
 
     def on_step_end(self, loop: Loop) -> None:
-        blocks = loop.model.blocks
-        st = [blk.last_stats for blk in blocks]
+        if isinstance(loop.model, _SavedBytes):  # the autograd baseline: the stored graph
+            blocks = _blocks(loop.model.model)
+            b = loop.model.last
+            st = [dict(rank=blk.rank, checkpoints=0, max_delta=0.0, min_rho=float("nan"), tape_bytes=b,
+                       peak_tape_bytes=b) for blk in blocks[:1]]
+        else:
+            st = [blk.last_stats for blk in _blocks(loop.model)]
         self.trace.append(dict(
             it=len(self.trace), epoch=loop.epoch - 1, loss=loop.loss,
             rank=sum(s["rank"] for s in st) / len(st), last_rank=st[-1]["rank"],
@@ -205,9 +267,56 @@ class _Trace(Callback):
             # held from forward to backward: every block's checkpoints, plus the largest
             # segment replay's transient states (blocks run their backward one at a time)
             tape_bytes=sum(s["tape_bytes"] for s in st) + max(s.get("replay_bytes", 0) for s in st),
+            # the same, from each backward's own measured peak (checkpoints, the segment end
+            # state being reversed, a replay's held states; what MemoryBudget bounds)
+            peak_bytes=sum(s["tape_bytes"] for s in st)
+            + max(s.get("peak_tape_bytes", s["tape_bytes"]) - s["tape_bytes"] for s in st),
+            recomputed=sum(s.get("recomputed", 0) for s in st),
             reloads=sum(s.get("reloads", 0) for s in st)))
+        if self.scheduler is not None:
+            self.scheduler.step()
         if self.callback:
             self.callback(len(self.trace), loop.epochs * loop.steps, loop.loss)
+
+
+def _blocks(model: nn.Module) -> list[LowRankODEBlock]:
+    return [model.block] if isinstance(model, SequenceClassifier) else list(model.blocks)
+
+
+def build_model(cfg: OdeRunConfig, T: int) -> LayeredMemoryODE | SequenceClassifier:
+    """The model ``cfg`` names, for sequences of length T, with its controller."""
+    ctl = _controller(cfg)
+    if cfg.model == "gated":
+        pw = cfg.data == "digits" if cfg.position_weights is None else cfg.position_weights
+        model = SequenceClassifier(T, 10, controller=ctl, m=cfg.m, rank=cfg.rank, p=cfg.p, h=cfg.h,
+                                   window=cfg.window, position_weights=pw, seed=cfg.seed)
+    else:
+        model = LayeredMemoryODE(ctl, T=T, m=cfg.m, rank=cfg.rank, layers=cfg.layers,
+                                 depth_steps=cfg.depth_steps, seed=cfg.seed)
+    for blk in _blocks(model):
+        blk.reversible = cfg.controller != "autograd"
+    return model
+
+
+class _SavedBytes(nn.Module):
+    """``model`` whose forward counts the bytes its autograd graph saves for the backward (each
+    storage once): the stored-graph baseline's memory, what reversal avoids holding."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model, self.last = model, 0
+
+    def forward(self, u: Tensor) -> Tensor:
+        seen: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self.model(u)
+        self.last = sum(seen.values())
+        return out
 
 
 def run(cfg: OdeRunConfig, callback=None) -> dict:
@@ -215,23 +324,27 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
 
     ``callback(it, total, loss)``, if given, is called after every iteration (1-based `it` of
     `total` = epochs × batches per epoch)."""
-    ctl = _controller(cfg)
     torch.manual_seed(cfg.seed)
     utr, ytr, ute, yte = load_sequences(cfg.data, cfg.seed)
-    model = LayeredMemoryODE(ctl, T=utr.shape[1], m=cfg.m, rank=cfg.rank, layers=cfg.layers,
-                             depth_steps=cfg.depth_steps, seed=cfg.seed)
-    opt = torch.optim.Adam(model.parameters(), cfg.lr)
-    tracer = _Trace(callback)
+    model = build_model(cfg, utr.shape[1])
+    trained = _SavedBytes(model) if cfg.controller == "autograd" else model
+    opt = torch.optim.Adam(model.parameters(), cfg.learning_rate)
+    sched = None
+    if cfg.model == "gated":
+        steps = cfg.epochs * -(-len(utr) // cfg.batch_size)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, cfg.learning_rate, total_steps=steps)
+    tracer = _Trace(callback, sched)
     t0 = time.perf_counter()
-    fit(model, opt, utr, ytr, epochs=cfg.epochs, batch_size=cfg.batch_size, callbacks=[tracer],
+    fit(trained, opt, utr, ytr, epochs=cfg.epochs, batch_size=cfg.batch_size, callbacks=[tracer],
         clip_grad_norm=1.0)  # shuffled with the global RNG (seeded above)
     seconds = time.perf_counter() - t0
     trace = tracer.trace
-    for blk in model.blocks:  # evaluation needs no reverse pass
+    blocks = _blocks(model)
+    for blk in blocks:  # evaluation needs no reverse pass
         blk.reversible = False
     test_acc, train_acc = accuracy(model, ute, yte), accuracy(model, utr[:1000], ytr[:1000])
-    for blk in model.blocks:
-        blk.reversible = True
+    for blk in blocks:
+        blk.reversible = cfg.controller != "autograd"
     cos = audit_gradients(FromInitialMemory(model, ute[:16]), model.initial_state(16),
                           lambda logits: nn.functional.cross_entropy(logits, yte[:16]))
     losses = [r["loss"] for r in trace]
@@ -244,6 +357,9 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                 mean_delta=sum(r["max_delta"] for r in trace) / len(trace),
                 min_rho=min(r["min_rho"] for r in trace),
                 peak_tape_mib=max(r["tape_bytes"] for r in trace) / 2**20,
+                peak_mib=max(r["peak_bytes"] for r in trace) / 2**20,
+                final_rank=trace[-1]["rank"],
+                mean_recomputed=sum(r["recomputed"] for r in trace) / len(trace),
                 grad_cosine=cos, mean_replays=sum(r["reloads"] for r in trace) / len(trace),
                 loss_var_2nd_half=sum((x - mean) ** 2 for x in tail) / len(tail),
                 loss_spikes=_spikes(losses),

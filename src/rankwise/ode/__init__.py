@@ -11,6 +11,8 @@ from ._controller import MemoryBudget as MemoryBudget
 from ._enrich import enrich as enrich
 from ._field import FactoredField as FactoredField
 from ._field import MemoryField as MemoryField
+from ._gated import GatedMemoryField as GatedMemoryField
+from ._gated import SequenceClassifier as SequenceClassifier
 from ._ksl import ksl_reverse as ksl_reverse
 from ._ksl import ksl_step as ksl_step
 from ._ksl import rank_ratio as rank_ratio

@@ -1,0 +1,153 @@
+r"""A sequence classifier on a low-rank matrix memory: a GRU-ODE on the memory's p×p core.
+
+The memory F (B, m, n) is kept as X S Vᵀ and read through two learned orthonormal frames,
+P (m, p) and T (n, p): its core is c = Pᵀ F T (B, p, p). Step i of the sequence holds the
+inputs x_i = (u_{i−w+1}, …, u_i) (zeros before the start) and
+
+.. math::
+
+    z = σ(A_z c B_zᵀ + W_z(x_i) + b_z + Z_z[i]),\quad
+    n = \tanh(A_n c B_nᵀ + W_n(x_i) + b_n + Z_n[i]),
+
+    \frac{dF}{dt} = −λ F + P\,(λ c + z ⊙ (n − c))\,Tᵀ,
+
+so the core follows the GRU-ODE dc/dt = z ⊙ (n − c) (De Brouwer et al., 2019) with the input as
+its drive, and whatever of F lies outside the frames decays at rate λ. W(x) = Σ_k x_k W[k] with
+one W (w, p, p) for all steps, or one per step (`position_weights`; useful where positions carry
+no order, as for permuted pixels). Every term acts on the factors: c = (Pᵀ K)(Vᵀ T) from K = X S,
+so a KSL step costs O((m + n)·r·p + p³) per sample, never O(m·n).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..linalg import orthonormalize
+from ._block import LowRankODEBlock
+from ._controller import AbstractController
+from ._field import FactoredField
+from ._state import LowRankState
+
+
+class GatedMemoryField(FactoredField):
+    """The gated field above, driven by the sequence set with :meth:`set_input`.
+
+    **Arguments:**
+    - `m`, `n`: the memory's shape; `p` (≤ m, n): the core's size.
+    - `steps`, `h`: the sequence length and the step the block integrates with (step i covers
+      [i·h, (i+1)·h); the input is constant on it).
+    - `window`: inputs u_{i−w+1..i} each step sees; `position_weights`: one input map per step.
+    - `decay`: λ. `generator`, `dtype`: of the initial parameters.
+    """
+
+    def __init__(self, m: int, n: int, p: int, *, steps: int, h: float, window: int = 1,
+                 position_weights: bool = False, decay: float = 1.0,
+                 generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if not 1 <= p <= min(m, n) or min(steps, window) < 1 or not h > 0:
+            raise ValueError(f"need 1 <= p <= min(m, n), steps >= 1, window >= 1, h > 0; got m={m}, n={n}, "
+                             f"p={p}, steps={steps}, window={window}, h={h}")
+
+        def rand(*shape: int) -> Tensor:
+            return torch.randn(*shape, generator=generator, dtype=dtype)
+
+        self.steps, self.h, self.window, self.decay = steps, h, window, decay
+        self.P = nn.Parameter(orthonormalize(rand(m, p))[0])
+        self.T = nn.Parameter(orthonormalize(rand(n, p))[0])
+        eye = torch.eye(p, dtype=dtype)
+        self.A = nn.Parameter(torch.stack([eye + 0.1 * rand(p, p) / p**0.5 for _ in range(2)]))  # (z, n)
+        self.B = nn.Parameter(torch.stack([eye + 0.1 * rand(p, p) / p**0.5 for _ in range(2)]))
+        shape = (steps, window) if position_weights else (window,)
+        self.W = nn.Parameter(rand(2, *shape, p, p) / window**0.5)
+        self.b = nn.Parameter(torch.stack([torch.full((p, p), -1.0, dtype=dtype),  # z starts near 0.27
+                                           torch.zeros(p, p, dtype=dtype)]))
+        self.Z = nn.Parameter(0.1 * rand(2, steps, p, p))
+        self._u: Tensor | None = None
+
+    def set_input(self, u: Tensor) -> None:
+        """The sequence the next integrations read: u (B, steps); held as data (no gradient)."""
+        if u.dim() != 2 or u.shape[1] != self.steps:
+            raise ValueError(f"`u` must be (batch, {self.steps}); got {tuple(u.shape)}")
+        self._u = nn.functional.pad(u.detach().to(self.P.dtype), (self.window - 1, 0))
+
+    def frames(self) -> tuple[Tensor, Tensor]:
+        """The orthonormal frames P (m, p), T (n, p)."""
+        return orthonormalize(self.P)[0], orthonormalize(self.T)[0]
+
+    def core(self, state: LowRankState) -> Tensor:
+        """c = Pᵀ X S Vᵀ T (B, p, p): what the classifier's head reads."""
+        P, T = self.frames()
+        return (P.mT @ state.X) @ state.S @ (state.V.mT @ T)
+
+    def _update(self, t: float, c: Tensor) -> Tensor:
+        """λ c + z ⊙ (n − c) (B, p, p) at time t."""
+        if self._u is None:
+            raise RuntimeError("GatedMemoryField has no input; call set_input(u) first")
+        i = min(int(t / self.h + 1e-6), self.steps - 1)
+        x = self._u[:, i:i + self.window]  # (B, w)
+        W = self.W[:, i] if self.W.dim() == 5 else self.W  # (2, w, p, p)
+        pre = self.A[:, None] @ c[None] @ self.B[:, None].mT + torch.einsum("bw,gwpq->gbpq", x, W)
+        pre = pre + (self.b + self.Z[:, i])[:, None]
+        z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
+        return self.decay * c + z * (n - c)
+
+    def forward(self, t: float, F: Tensor) -> Tensor:
+        P, T = self.frames()
+        return -self.decay * F + P @ self._update(t, P.mT @ F @ T) @ T.mT
+
+    def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
+        P, T = self.frames()
+        TV = T.mT @ V
+        return -self.decay * K @ (V.mT @ V) + P @ (self._update(t, (P.mT @ K) @ TV.mT) @ TV)
+
+    def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
+        P, T = self.frames()
+        PX = P.mT @ X
+        return -self.decay * L @ (X.mT @ X) + T @ (self._update(t, PX @ (L.mT @ T)).mT @ PX)
+
+
+class SequenceClassifier(nn.Module):
+    """Classify sequences u (B, steps) with one :class:`LowRankODEBlock` on a
+    :class:`GatedMemoryField` (one KSL step per element) and an MLP on the final core.
+
+    **Arguments:**
+    - `steps`: the sequence length; `classes`: output width.
+    - `controller`: the block's checkpoint/rank controller; `reversible`: reversal backprop
+      (``False``: plain autograd through the stored graph, the baseline).
+    - `m` (memory m×m), `rank`, `p`, `h`, `window`, `position_weights`, `decay`: of the field
+      and block; `hidden`: the head's width; `seed`: initial parameters and enrichment seeds.
+
+    ``forward(u)`` -> logits (B, classes). The memory starts from a fixed small random
+    F₀ (:meth:`initial_state`), so that every sequence starts with a rank-`rank` frame.
+    """
+
+    def __init__(self, steps: int, classes: int, *, controller: AbstractController, m: int = 32,
+                 rank: int = 8, p: int = 16, h: float = 0.25, window: int = 3,
+                 position_weights: bool = False, decay: float = 1.0, hidden: int = 128,
+                 reversible: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        if not 1 <= rank <= m:
+            raise ValueError(f"`rank` must be in [1, m={m}]; got {rank}")
+        g = torch.Generator().manual_seed(seed)
+        self.m = m
+        self.field = GatedMemoryField(m, m, p, steps=steps, h=h, window=window,
+                                      position_weights=position_weights, decay=decay, generator=g)
+        self.block = LowRankODEBlock(self.field, rank=rank, steps=steps, h=h, controller=controller,
+                                     reversible=reversible, seed=seed)
+        self.head = nn.Sequential(nn.Linear(p * p, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def initial_state(self, batch: int) -> Tensor:
+        """F₀ (batch, m, m): the same small random matrix for every sequence."""
+        g = torch.Generator().manual_seed(1)
+        F0 = 0.01 * torch.randn(1, self.m, self.m, generator=g, dtype=self.field.P.dtype)
+        return F0.expand(batch, -1, -1)
+
+    def integrate(self, F0: Tensor) -> Tensor:
+        """Logits from the initial memory F0 (B, m, m) for the input already set on the field."""
+        state = self.block(F0)
+        return self.head(self.field.core(state).flatten(1))
+
+    def forward(self, u: Tensor) -> Tensor:
+        self.field.set_input(u)
+        return self.integrate(self.initial_state(u.shape[0]))

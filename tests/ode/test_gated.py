@@ -1,0 +1,165 @@
+"""The gated matrix-memory field and the sequence classifier built on it."""
+
+import pytest
+import torch
+from torch import nn
+
+from rankwise.ode import (
+    FixedController,
+    GatedMemoryField,
+    LowRankState,
+    SequenceClassifier,
+    audit_gradients,
+    ksl_reverse,
+    ksl_step,
+)
+
+F64 = torch.float64
+
+
+class Dense(nn.Module):
+    """The same field seen only through f(t, F): the dense path."""
+
+    def __init__(self, field: nn.Module) -> None:
+        super().__init__()
+        self.inner = field
+
+    def forward(self, t, F):
+        return self.inner(t, F)
+
+
+def _field(position_weights, m=11, n=9, p=4, steps=5, seed=0):
+    f = GatedMemoryField(m, n, p, steps=steps, h=0.25, window=3, position_weights=position_weights,
+                         generator=torch.Generator().manual_seed(seed), dtype=F64)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # away from the initial values, so that every term matters
+        for prm in f.parameters():
+            prm.add_(0.3 * torch.randn(prm.shape, generator=g, dtype=F64))
+    f.set_input(torch.randn(3, steps, generator=torch.Generator().manual_seed(seed + 2), dtype=F64))
+    return f
+
+
+@pytest.mark.parametrize("position_weights", [False, True])
+def test_projections_equal_the_dense_field_for_any_factors(position_weights):
+    f = _field(position_weights)
+    g = torch.Generator().manual_seed(1)
+    X, K = torch.randn(3, 11, 5, generator=g, dtype=F64), torch.randn(3, 11, 5, generator=g, dtype=F64)
+    V, L = torch.randn(3, 9, 5, generator=g, dtype=F64), torch.randn(3, 9, 5, generator=g, dtype=F64)
+    S = torch.randn(3, 5, 5, generator=g, dtype=F64)
+    for t in (0.0, 0.3, 1.2):
+        torch.testing.assert_close(f.apply_right(t, K, V), f(t, K @ V.mT) @ V, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(f.apply_left(t, X, L), f(t, X @ L.mT).mT @ X, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(f.project(t, X, S, V), X.mT @ f(t, X @ S @ V.mT) @ V,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_the_core_follows_the_gru_ode_and_the_rest_decays():
+    """For F = P c Tᵀ + E with E outside the frames: Pᵀ f T = z ⊙ (n − c), with the gates written
+    out here from the documented formula, and the part outside the frames is −λ E."""
+    f = _field(True, steps=4)
+    P, T = f.frames()
+    g = torch.Generator().manual_seed(5)
+    c = torch.randn(3, 4, 4, generator=g, dtype=F64)
+    E = torch.randn(3, 11, 9, generator=g, dtype=F64)
+    E = E - P @ (P.mT @ E)  # columns outside span(P)
+    F = P @ c @ T.mT + E
+    i, t = 2, 2 * 0.25 + 0.1
+    u = f._u[:, i:i + 3]  # (B, w): u_{i-2..i}
+    pre = [f.A[k] @ c @ f.B[k].mT + torch.einsum("bw,wpq->bpq", u, f.W[k, i]) + f.b[k] + f.Z[k, i]
+           for k in range(2)]
+    z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
+    dF = f(t, F)
+    torch.testing.assert_close(P.mT @ dF @ T, z * (n - c), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dF - P @ (P.mT @ dF @ T) @ T.mT, -f.decay * (F - P @ c @ T.mT),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_window_reads_only_the_past():
+    """The input of step i is u_{i−w+1..i}: changing u_j for j > i leaves step i's field alone."""
+    f = _field(False, steps=6)
+    F = torch.randn(3, 11, 9, dtype=F64)
+    before, later = f(2 * 0.25, F), f(4 * 0.25, F)
+    u = f._u[:, 2:].clone()  # (the padded input; 2 zeros in front)
+    u[:, 3] += 1.0  # step 3 changes: seen by steps 3, 4, 5
+    f.set_input(u)
+    torch.testing.assert_close(f(2 * 0.25, F), before, rtol=0, atol=0)
+    assert (f(4 * 0.25, F) - later).abs().max() > 1e-3
+
+
+def test_steps_and_reverses_equal_the_dense_path():
+    f = _field(True)
+    g = torch.Generator().manual_seed(3)
+    state = LowRankState.from_dense(torch.randn(3, 11, 9, generator=g, dtype=F64), 4)
+    for t in (0.0, 0.5):
+        a, b = ksl_step(state, f, t, 0.25), ksl_step(state, Dense(f), t, 0.25)
+        torch.testing.assert_close(a.dense(), b.dense(), rtol=1e-12, atol=1e-12)
+        back = ksl_reverse(a, f, t, 0.25)
+        torch.testing.assert_close(back.dense(), state.dense(), rtol=1e-9, atol=1e-11)
+
+
+def _classifier(**kw):
+    kw = dict(controller=FixedController(3, 3), m=8, rank=3, p=4, h=0.25, window=2, hidden=16) | kw
+    model = SequenceClassifier(7, 4, **kw).double()
+    return model
+
+
+def test_reversal_gradients_equal_dense_autograd():
+    torch.manual_seed(0)
+    model = _classifier(position_weights=True)
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(5, 7, generator=g, dtype=F64)
+    y = torch.randint(0, 4, (5,), generator=g)
+    model.field.set_input(u)
+    cos = audit_gradients(_FromF0(model), model.initial_state(5),
+                          lambda logits: nn.functional.cross_entropy(logits, y))
+    assert cos > 1 - 1e-9
+
+    def grads(reversible):
+        model.block.reversible = reversible
+        model.zero_grad()
+        nn.functional.cross_entropy(model(u), y).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for a, b in zip(grads(True), grads(False), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
+
+
+class _FromF0(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, F0):
+        return self.model.integrate(F0)
+
+
+def test_tiny_classifier_learns():
+    """Two classes told apart by where a bump sits in the sequence: the loss falls."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 2, (64,), generator=g)
+    u = 0.1 * torch.randn(64, 7, generator=g)
+    u[torch.arange(64), 1 + 4 * y] += 2.0
+    model = SequenceClassifier(7, 2, controller=FixedController(4, 3), m=8, rank=3, p=4, window=1, hidden=16)
+    opt = torch.optim.Adam(model.parameters(), 1e-2)
+    losses = []
+    for _ in range(40):
+        loss = nn.functional.cross_entropy(model(u), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.2 * losses[0]
+    assert (model(u).argmax(1) == y).float().mean() > 0.95
+
+
+def test_bad_input_is_named():
+    f = GatedMemoryField(8, 8, 4, steps=5, h=0.25)
+    with pytest.raises(RuntimeError, match="set_input"):
+        f(0.0, torch.zeros(1, 8, 8))
+    with pytest.raises(ValueError, match=r"`u` must be \(batch, 5\)"):
+        f.set_input(torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="p <= min"):
+        GatedMemoryField(8, 3, 4, steps=5, h=0.25)
+    with pytest.raises(ValueError, match="`rank` must be in"):
+        SequenceClassifier(5, 2, controller=FixedController(2, 9), m=8, rank=9)
