@@ -64,6 +64,7 @@ class GatedMemoryField(FactoredField):
                                            torch.zeros(p, p, dtype=dtype)]))
         self.Z = nn.Parameter(0.1 * rand(2, steps, p, p))
         self._u: Tensor | None = None
+        self._frames: tuple[tuple[int, ...], tuple[Tensor, Tensor]] | None = None  # no-grad cache
 
     def set_input(self, u: Tensor) -> None:
         """The sequence the next integrations read: u (B, steps); held as data (no gradient)."""
@@ -72,8 +73,14 @@ class GatedMemoryField(FactoredField):
         self._u = nn.functional.pad(u.detach().to(self.P.dtype), (self.window - 1, 0))
 
     def frames(self) -> tuple[Tensor, Tensor]:
-        """The orthonormal frames P (m, p), T (n, p)."""
-        return orthonormalize(self.P)[0], orthonormalize(self.T)[0]
+        """The orthonormal frames P (m, p), T (n, p). Without autograd (the reverse pass's
+        fixed-point iterations) they are computed once per parameter update."""
+        if torch.is_grad_enabled():
+            return orthonormalize(self.P)[0], orthonormalize(self.T)[0]
+        key = (self.P._version, self.T._version, self.P.data_ptr(), self.T.data_ptr())
+        if self._frames is None or self._frames[0] != key:
+            self._frames = key, (orthonormalize(self.P)[0], orthonormalize(self.T)[0])
+        return self._frames[1]
 
     def core(self, state: LowRankState) -> Tensor:
         """c = Pᵀ X S Vᵀ T (B, p, p): what the classifier's head reads."""
