@@ -36,10 +36,12 @@ def test_run_end_to_end_tiny():
 
 
 @pytest.mark.parametrize(("field", "value"), [("layers", 0), ("rank", 0), ("rank", 9), ("depth_steps", 0),
-                                              ("c", 0), ("epochs", 0)])
+                                              ("c", 0), ("epochs", 0), ("p", 9), ("window", 0),
+                                              ("budget_states", 0), ("h", 0.0), ("model", "lstm"),
+                                              ("controller", "magic")])
 def test_run_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=f"`{field}` must be"):
-        OdeRunConfig(m=8, max_rank=8, **{field: value})
+        OdeRunConfig(**{"m": 8, "max_rank": 8, "p": 4, field: value})
 
 
 def test_ode_cli_rejects_unknown_controller():

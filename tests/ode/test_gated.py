@@ -163,3 +163,19 @@ def test_bad_input_is_named():
         GatedMemoryField(8, 3, 4, steps=5, h=0.25)
     with pytest.raises(ValueError, match="`rank` must be in"):
         SequenceClassifier(5, 2, controller=FixedController(2, 9), m=8, rank=9)
+
+
+def test_cached_frames_follow_parameter_updates():
+    """The no-grad frame cache is refreshed by an in-place update (an optimizer step) and by a
+    dtype change; with autograd on, the frames carry gradient to P and T."""
+    f = GatedMemoryField(8, 6, 3, steps=4, h=0.25)
+    with torch.no_grad():
+        first = f.frames()[0].clone()
+        f.P.add_(0.5)
+        Q, R = torch.linalg.qr(f.P)
+        torch.testing.assert_close(f.frames()[0], Q * R.diagonal().sign())
+        assert not torch.allclose(f.frames()[0], first)
+    f.double()
+    with torch.no_grad():
+        assert f.frames()[1].dtype == torch.float64
+    assert f.frames()[0].requires_grad

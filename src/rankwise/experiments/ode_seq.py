@@ -182,7 +182,7 @@ class OdeRunConfig:
         check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.learning_rate, seed=self.seed)
         if not self.h > 0:
             raise ValueError(f"`h` must be > 0; got {self.h}")
-        if not 1 <= self.p <= self.m:
+        if self.model == "gated" and not 1 <= self.p <= self.m:
             raise ValueError(f"`p` must be in [1, m={self.m}]; got {self.p}")
         for name in ("c", "rank", "layers", "depth_steps", "window", "budget_states"):
             if getattr(self, name) < 1:
@@ -190,9 +190,9 @@ class OdeRunConfig:
         if not 1 <= self.rank <= self.m:
             raise ValueError(f"`rank` must be in [1, m={self.m}] (the memory is {self.m}×{self.m}); "
                              f"got {self.rank}")
-        if self.controller != "fixed" and not self.rank <= self.max_rank <= self.m:
+        if self.controller in ("adaptive", "replay") and not self.rank <= self.max_rank <= self.m:
             raise ValueError(f"`max_rank` must be in [rank={self.rank}, m={self.m}]; got {self.max_rank}")
-        if self.controller != "fixed" and self.c_max < self.c:
+        if self.controller in ("adaptive", "replay") and self.c_max < self.c:
             raise ValueError(f"`c_max` must be >= c={self.c}; got {self.c_max}")
 
     @property
