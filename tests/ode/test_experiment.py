@@ -68,3 +68,15 @@ def test_gated_runs_under_a_budget_and_as_the_autograd_baseline():
     assert base["mean_checkpoints"] == 0 and base["peak_mib"] > 10 * budget["peak_mib"]
     # the same model and seed: the two losses start equal (reversal changes no forward value)
     assert base["trace"][0]["loss"] == pytest.approx(budget["trace"][0]["loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--grid", "budget:8-16"), "a budget controller has no CMAX"),
+    (("--grid", "autograd:8"), "autograd takes no C"),
+    (("--model", "lstm"), "--model must be 'gated' or 'layered'"),
+])
+def test_ode_cli_names_bad_entries(args, says, tmp_path):
+    from helpers import run_cli
+
+    r = run_cli("ode", *args, "--out", str(tmp_path / "out"))
+    assert r.exit_code == 2 and says in r.stderr and not (tmp_path / "out").exists()
