@@ -63,7 +63,7 @@ def test_gated_runs_under_a_budget_and_as_the_autograd_baseline():
     assert 0 < budget["peak_mib"] * 2**20 <= 4 * state
     assert budget["mean_recomputed"] > 0  # 40 steps in 3 spare slots: something was recomputed...
     assert budget["mean_replays"] == 0  # ...only where a replay was cheaper than the reverse
-    assert budget["grad_cosine"] > 0.98
+    assert budget["grad_cosine"] > 0.999
     base = run(_gated("autograd"))
     assert base["mean_checkpoints"] == 0 and base["peak_mib"] > 10 * budget["peak_mib"]
     # the same model and seed: the two losses start equal (reversal changes no forward value)

@@ -75,7 +75,7 @@ def test_the_core_follows_the_gru_ode_and_the_rest_decays():
 
 
 def test_window_reads_only_the_past():
-    """The input of step i is u_{i−w+1..i}: changing u_j for j > i leaves step i's field alone."""
+    """At time t the field reads u_{i−w+1..i}, i = ⌊t/h⌋: changing u_j, j > i, leaves it alone."""
     f = _field(False, steps=6)
     F = torch.randn(3, 11, 9, dtype=F64)
     before, later = f(2 * 0.25, F), f(4 * 0.25, F)
@@ -84,6 +84,21 @@ def test_window_reads_only_the_past():
     f.set_input(u)
     torch.testing.assert_close(f(2 * 0.25, F), before, rtol=0, atol=0)
     assert (f(4 * 0.25, F) - later).abs().max() > 1e-3
+
+
+def test_a_ksl_step_reads_one_element_ahead():
+    """KSL's S-substep runs at t + h, so step i depends on u_{i+1} (documented), not on u_{i+2}."""
+    f = _field(False, steps=6)
+    state = LowRankState.from_dense(torch.randn(3, 11, 9, generator=torch.Generator().manual_seed(4),
+                                                dtype=F64), 4)
+    base = ksl_step(state, f, 2 * 0.25, 0.25).dense()
+    u = f._u[:, 2:].clone()
+    u[:, 4] += 1.0
+    f.set_input(u)
+    assert torch.equal(ksl_step(state, f, 2 * 0.25, 0.25).dense(), base)
+    u[:, 3] += 1.0
+    f.set_input(u)
+    assert (ksl_step(state, f, 2 * 0.25, 0.25).dense() - base).abs().max() > 1e-4
 
 
 def test_steps_and_reverses_equal_the_dense_path():

@@ -131,9 +131,10 @@ def ode_cmd(
         results = map_runs(_run_one, cfgs, jobs=jobs, processes=jobs > 1, on_progress=on_progress,
                            on_done=on_done)
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
-    rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,reloads"]
+    rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,peak_bytes,recomputed,reloads"]
     rows += [f"{r['name']},{r['config']['seed']},{t['it']},{t['loss']:.6g},{t['rank']:.3g},"
-             f"{t['checkpoints']},{t['max_delta']:.3g},{t['min_rho']:.3g},{t['tape_bytes']},{t['reloads']}"
+             f"{t['checkpoints']},{t['max_delta']:.3g},{t['min_rho']:.3g},{t['tape_bytes']},{t['peak_bytes']},"
+             f"{t['recomputed']},{t['reloads']}"
              for r in results for t in r["trace"]]
     write_atomic(out / "traces.csv", ("\n".join(rows) + "\n").encode())
     what = f"{layers} layers" if model == "layered" else "gated"

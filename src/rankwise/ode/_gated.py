@@ -35,8 +35,10 @@ class GatedMemoryField(FactoredField):
 
     **Arguments:**
     - `m`, `n`: the memory's shape; `p` (≤ m, n): the core's size.
-    - `steps`, `h`: the sequence length and the step the block integrates with (step i covers
-      [i·h, (i+1)·h); the input is constant on it).
+    - `steps`, `h`: the sequence length and the step the block integrates with: at time t the
+      field reads element i = ⌊t/h⌋ (clamped to the last). A KSL step from t = i·h evaluates
+      its K- and L-substeps at t and its S-substep at t + h, so step i's S-substep reads
+      element i + 1: inside :class:`LowRankODEBlock` the model sees one element ahead.
     - `window`: inputs u_{i−w+1..i} each step sees; `position_weights`: one input map per step.
     - `decay`: λ. `generator`, `dtype`: of the initial parameters.
     """
@@ -45,9 +47,9 @@ class GatedMemoryField(FactoredField):
                  position_weights: bool = False, decay: float = 1.0,
                  generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        if not 1 <= p <= min(m, n) or min(steps, window) < 1 or not h > 0:
-            raise ValueError(f"need 1 <= p <= min(m, n), steps >= 1, window >= 1, h > 0; got m={m}, n={n}, "
-                             f"p={p}, steps={steps}, window={window}, h={h}")
+        if not 1 <= p <= min(m, n) or min(steps, window) < 1 or not h > 0 or not decay >= 0:
+            raise ValueError(f"need 1 <= p <= min(m, n), steps >= 1, window >= 1, h > 0, decay >= 0; got "
+                             f"m={m}, n={n}, p={p}, steps={steps}, window={window}, h={h}, decay={decay}")
 
         def rand(*shape: int) -> Tensor:
             return torch.randn(*shape, generator=generator, dtype=dtype)
@@ -70,14 +72,16 @@ class GatedMemoryField(FactoredField):
         """The sequence the next integrations read: u (B, steps); held as data (no gradient)."""
         if u.dim() != 2 or u.shape[1] != self.steps:
             raise ValueError(f"`u` must be (batch, {self.steps}); got {tuple(u.shape)}")
-        self._u = nn.functional.pad(u.detach().to(self.P.dtype), (self.window - 1, 0))
+        self._u = nn.functional.pad(u.detach().to(self.P), (self.window - 1, 0))
 
     def frames(self) -> tuple[Tensor, Tensor]:
         """The orthonormal frames P (m, p), T (n, p). Without autograd (the reverse pass's
-        fixed-point iterations) they are computed once per parameter update."""
+        fixed-point iterations) they are computed once per parameter update: an in-place update
+        of P or T (an optimizer step) renews them; one through ``.data`` is not seen."""
         if torch.is_grad_enabled():
             return orthonormalize(self.P)[0], orthonormalize(self.T)[0]
-        key = (self.P._version, self.T._version, self.P.data_ptr(), self.T.data_ptr())
+        P, T = self.P, self.T
+        key = (id(P), id(T), P._version, T._version, P.data_ptr(), T.data_ptr())
         if self._frames is None or self._frames[0] != key:
             self._frames = key, (orthonormalize(self.P)[0], orthonormalize(self.T)[0])
         return self._frames[1]
@@ -123,7 +127,8 @@ class SequenceClassifier(nn.Module):
     - `controller`: the block's checkpoint/rank controller; `reversible`: reversal backprop
       (``False``: plain autograd through the stored graph, the baseline).
     - `m` (memory m×m), `rank`, `p`, `h`, `window`, `position_weights`, `decay`: of the field
-      and block; `hidden`: the head's width; `seed`: initial parameters and enrichment seeds.
+      and block; `hidden`: the head's width; `seed`: the field's initial parameters and the
+      enrichment seeds (the head's ``nn.Linear`` layers draw from torch's global RNG).
 
     ``forward(u)`` -> logits (B, classes). The memory starts from a fixed small random
     F₀ (:meth:`initial_state`), so that every sequence starts with a rank-`rank` frame.
@@ -148,7 +153,7 @@ class SequenceClassifier(nn.Module):
         """F₀ (batch, m, m): the same small random matrix for every sequence."""
         g = torch.Generator().manual_seed(1)
         F0 = 0.01 * torch.randn(1, self.m, self.m, generator=g, dtype=self.field.P.dtype)
-        return F0.expand(batch, -1, -1)
+        return F0.to(self.field.P.device).expand(batch, -1, -1)
 
     def integrate(self, F0: Tensor) -> Tensor:
         """Logits from the initial memory F0 (B, m, m) for the input already set on the field."""
