@@ -2,22 +2,11 @@
 
 import pytest
 import torch
-from torch import nn
 
+from helpers import DenseField
 from rankwise.ode import FixedController, LowRankODEBlock, LowRankState, MemoryField, ksl_reverse, ksl_step
 
 F64 = torch.float64
-
-
-class Dense(nn.Module):
-    """The same field seen only through f(t, F): the dense path."""
-
-    def __init__(self, field: nn.Module) -> None:
-        super().__init__()
-        self.inner = field
-
-    def forward(self, t, F):
-        return self.inner(t, F)
 
 
 def _field(m=11, n=9, p=4, seed=0):
@@ -40,7 +29,7 @@ def test_steps_and_reverses_equal_the_dense_path_to_roundoff():
     f = _field(seed=2)
     F0 = torch.randn(2, 11, 9, generator=torch.Generator().manual_seed(3), dtype=F64)
     st = LowRankState.from_dense(F0, 4)
-    a, b = ksl_step(st, f, 0.0, 0.1), ksl_step(st, Dense(f), 0.0, 0.1)
+    a, b = ksl_step(st, f, 0.0, 0.1), ksl_step(st, DenseField(f), 0.0, 0.1)
     for x, y in ((a.X, b.X), (a.S, b.S), (a.V, b.V)):
         torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-13)
     back = ksl_reverse(a, f, 0.0, 0.1)
@@ -61,7 +50,7 @@ def test_block_gradients_through_the_factored_path_equal_the_dense_path_and_auto
         f.zero_grad()
         return out
 
-    fac, dense, auto = grads(f, True), grads(Dense(f), True), grads(f, False)
+    fac, dense, auto = grads(f, True), grads(DenseField(f), True), grads(f, False)
     for a, b, c_ in zip(fac, dense, auto, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(a, c_, rtol=1e-8, atol=1e-10)

@@ -4,6 +4,8 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import DenseField
+from rankwise.experiments.ode_seq import FromInitialMemory
 from rankwise.ode import (
     FixedController,
     GatedMemoryField,
@@ -15,17 +17,6 @@ from rankwise.ode import (
 )
 
 F64 = torch.float64
-
-
-class Dense(nn.Module):
-    """The same field seen only through f(t, F): the dense path."""
-
-    def __init__(self, field: nn.Module) -> None:
-        super().__init__()
-        self.inner = field
-
-    def forward(self, t, F):
-        return self.inner(t, F)
 
 
 def _field(position_weights, m=11, n=9, p=4, steps=5, seed=0):
@@ -106,7 +97,7 @@ def test_steps_and_reverses_equal_the_dense_path():
     g = torch.Generator().manual_seed(3)
     state = LowRankState.from_dense(torch.randn(3, 11, 9, generator=g, dtype=F64), 4)
     for t in (0.0, 0.5):
-        a, b = ksl_step(state, f, t, 0.25), ksl_step(state, Dense(f), t, 0.25)
+        a, b = ksl_step(state, f, t, 0.25), ksl_step(state, DenseField(f), t, 0.25)
         torch.testing.assert_close(a.dense(), b.dense(), rtol=1e-12, atol=1e-12)
         back = ksl_reverse(a, f, t, 0.25)
         torch.testing.assert_close(back.dense(), state.dense(), rtol=1e-9, atol=1e-11)
@@ -124,8 +115,7 @@ def test_reversal_gradients_equal_dense_autograd():
     g = torch.Generator().manual_seed(0)
     u = torch.randn(5, 7, generator=g, dtype=F64)
     y = torch.randint(0, 4, (5,), generator=g)
-    model.field.set_input(u)
-    cos = audit_gradients(_FromF0(model), model.initial_state(5),
+    cos = audit_gradients(FromInitialMemory(model, u), model.initial_state(5),
                           lambda logits: nn.functional.cross_entropy(logits, y))
     assert cos > 1 - 1e-9
 
@@ -137,15 +127,6 @@ def test_reversal_gradients_equal_dense_autograd():
 
     for a, b in zip(grads(True), grads(False), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-7, atol=1e-10)
-
-
-class _FromF0(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, F0):
-        return self.model.integrate(F0)
 
 
 def test_tiny_classifier_learns():

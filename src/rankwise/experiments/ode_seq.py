@@ -44,9 +44,8 @@ class FromInitialMemory(nn.Module):
         self.model, self.u = model, u
 
     def forward(self, F0: Tensor) -> Tensor:
-        model = self.model
-        (model.field if isinstance(model, SequenceClassifier) else model).set_input(self.u)
-        return model.integrate(F0)
+        self.model.set_input(self.u)
+        return self.model.integrate(F0)
 
 
 CONTROLLERS = ("fixed", "adaptive", "replay", "budget", "autograd")

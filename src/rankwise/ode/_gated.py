@@ -160,6 +160,10 @@ class SequenceClassifier(nn.Module):
         state = self.block(F0)
         return self.head(self.field.core(state).flatten(1))
 
-    def forward(self, u: Tensor) -> Tensor:
+    def set_input(self, u: Tensor) -> None:
+        """The sequences u (B, steps) the next integration reads (see :meth:`integrate`)."""
         self.field.set_input(u)
+
+    def forward(self, u: Tensor) -> Tensor:
+        self.set_input(u)
         return self.integrate(self.initial_state(u.shape[0]))
