@@ -16,6 +16,9 @@ directions (‖W − W_r‖_F / ‖W‖_F),
 - ``"error"``: ``(e_r − e_{r+1}) / (m + n)``: the greedy step for the smallest sum of the layers'
   relative errors (a first-order bound on the network's relative output error) per parameter;
 - ``"energy"``: ``σ_r² / (‖σ‖² (m + n))``, the share of the layer's squared norm per parameter;
+- ``"sensitivity"`` (training only: it reads the loss gradient): what removing the direction
+  would cost the loss, smoothed over steps, per parameter (:mod:`._sensitivity`); the
+  caller passes the scores;
 - ``"uniform"``: no spectrum: one rank for every layer (the lowest grows first, the cheapest
   of equals first; a layer whose rank is capped drops out), what a user who factorises every
   layer at one rank r does.
@@ -34,7 +37,7 @@ spectra are those of the augmented cores (at most 2r long), where this matters l
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -45,8 +48,17 @@ def factor_cost(m: int, n: int, r: int) -> int:
     return r * (m + n) + r * r
 
 
-RULES = ("error-sqrt", "error", "energy", "uniform")
-ALLOCATION_RULES = RULES  # public name (rankwise.lowrank.ALLOCATION_RULES)
+def layer_cost(m: int, n: int, r: int, *, buffer: bool = False) -> int:
+    """What a rank-r layer holds: :func:`factor_cost`, plus with `buffer` SDLRT's compensation
+    buffer at its largest (b = r directions, U_buf (m, r) and V_buf (n, r))."""
+    return factor_cost(m, n, r) + (r * (m + n) if buffer else 0)
+
+
+RULES = ("error-sqrt", "error", "energy", "uniform")  # rules that need only the spectra (one-shot)
+# rules a training budget may use: also "sensitivity", which reads the loss gradient
+# (rankwise.lowrank._sensitivity); public as rankwise.lowrank.ALLOCATION_RULES
+TRAINING_RULES = (*RULES, "sensitivity")
+ALLOCATION_RULES = TRAINING_RULES
 
 
 def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
@@ -67,8 +79,9 @@ def _scores(s: Tensor, m: int, n: int, rule: str) -> list[float]:
 
 
 def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int, int]], budget: float,
-                   *, min_rank: int = 1, max_ranks: Mapping[str, int] | None = None,
-                   rule: str = "error-sqrt") -> dict[str, int]:
+                   *, min_rank: int | Mapping[str, int] = 1, max_ranks: Mapping[str, int] | None = None,
+                   rule: str = "error-sqrt", scores: Mapping[str, Sequence[float]] | None = None,
+                   buffer: bool = False) -> dict[str, int]:
     """Ranks for every layer whose total :func:`factor_cost` fits in `budget`.
 
     **Arguments:**
@@ -76,9 +89,14 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
     - `shapes`: layer name -> (m, n) of its weight matrix.
     - `budget`: parameters available to these layers' factors (U, S, V).
     - `min_rank`: every layer keeps at least this many directions (if its spectrum has them),
-      whatever the budget; `max_ranks`: per-layer caps (default: the spectrum length).
+      whatever the budget; an int for every layer or a mapping (layer -> floor; missing
+      layers: 1). `max_ranks`: per-layer caps (default: the spectrum length).
     - `rule`: what a direction buys (module docstring): ``"error-sqrt"``, ``"error"``,
-      ``"energy"`` or ``"uniform"``.
+      ``"energy"`` or ``"uniform"``; ``"sensitivity"`` takes the scores from `scores`.
+    - `scores`: with ``rule="sensitivity"``, layer name -> the score of each of its
+      directions in the order they would be kept (e.g. :func:`._sensitivity.scores`), per
+      parameter already.
+    - `buffer`: cost each layer with SDLRT's buffer counted (:func:`layer_cost`).
 
     **Returns:** layer name -> rank. Repeatedly, of every layer's *next* direction the one with
     the highest score is added if it fits; one that does not fit closes its layer, and the
@@ -88,18 +106,24 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
     if set(spectra) != set(shapes):
         raise ValueError(f"`spectra` and `shapes` must name the same layers; got {sorted(spectra)} "
                          f"and {sorted(shapes)}")
-    if min_rank < 0:
+    floors = dict(min_rank) if isinstance(min_rank, Mapping) else dict.fromkeys(spectra, min_rank)
+    if any(f < 0 for f in floors.values()):
         raise ValueError(f"`min_rank` must be >= 0; got {min_rank}")
-    if rule not in RULES:
-        raise ValueError(f"`rule` must be one of {RULES}; got {rule!r}")
+    if rule not in TRAINING_RULES:
+        raise ValueError(f"`rule` must be one of {TRAINING_RULES}; got {rule!r}")
+    if (rule == "sensitivity") != (scores is not None):
+        raise ValueError("`scores` are given with rule='sensitivity', and only then")
     if budget != budget:  # NaN
         raise ValueError("`budget` is NaN")
     caps = {name: s.numel() for name, s in spectra.items()}
     if max_ranks is not None:
         caps = {name: min(c, max(int(max_ranks.get(name, c)), 0)) for name, c in caps.items()}
-    ranks = {name: min(min_rank, caps[name]) for name in spectra}
-    spent = sum(factor_cost(*shapes[name], r) for name, r in ranks.items())
-    scores = {name: _scores(s, *shapes[name], rule) for name, s in spectra.items()}
+    ranks = {name: min(floors.get(name, 1), caps[name]) for name in spectra}
+    spent = sum(layer_cost(*shapes[name], r, buffer=buffer) for name, r in ranks.items())
+    if scores is not None:
+        scores = {name: list(scores[name]) for name in spectra}
+    else:
+        scores = {name: _scores(s, *shapes[name], rule) for name, s in spectra.items()}
     heap = [(-scores[name][ranks[name]], name) for name in scores
             if ranks[name] < min(caps[name], len(scores[name]))]
     heapq.heapify(heap)
@@ -107,11 +131,11 @@ def allocate_ranks(spectra: Mapping[str, Tensor], shapes: Mapping[str, tuple[int
         _, name = heapq.heappop(heap)
         m, n = shapes[name]
         r = ranks[name]
-        extra = factor_cost(m, n, r + 1) - factor_cost(m, n, r)
+        extra = layer_cost(m, n, r + 1, buffer=buffer) - layer_cost(m, n, r, buffer=buffer)
         if spent + extra > budget:
             continue  # closed: larger ranks of this layer cost more still
         ranks[name], spent = r + 1, spent + extra
-        if r + 1 < caps[name]:
+        if r + 1 < min(caps[name], len(scores[name])):
             heapq.heappush(heap, (-scores[name][r + 1], name))
     return ranks
 

@@ -176,6 +176,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self.truncation, self.feedback = truncation, feedback
         self._budgeted = budget
+        self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
         self.rule = get_rule(optimizer)
         self.layers: dict[str, AbstractLowRankLayer] = {
             n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
@@ -188,19 +189,27 @@ class AugmentedBUG(torch.optim.Optimizer):
                         eps=eps, global_step=0, policies=f"{truncation!r}, feedback={feedback!r}, "
                                                          f"buffer={bool(buffer)}")
         if budget:
+            from ._budget import layer_cost
             from ._metrics import compression
 
             c = compression(model)
             factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
             self._dense_params = c["dense_params"]
             self._other_params = c["stored_params"] - factors  # biases, dense layers: fixed
-            if (1 - truncation.target) * self._dense_params <= self._other_params:
+            self._count_buffer = bool(truncation.count_buffer and buffer)
+            if truncation.target is not None and \
+                    (1 - truncation.target) * self._dense_params <= self._other_params:
                 raise ValueError(f"`target`={truncation.target} cannot be reached: the parameters outside "
                                  f"the low-rank factors (biases, dense layers) alone are "
                                  f"{self._other_params:,} of {self._dense_params:,}")
+            least = sum(layer_cost(m.out_features, m.in_features, min(min_rank, m.max_rank),
+                                   buffer=self._count_buffer) for m in self.layers.values())
+            if truncation.params is not None and truncation.params < least:
+                raise ValueError(f"`params`={truncation.params:,} cannot hold the low-rank layers at "
+                                 f"min_rank={min_rank}: that alone costs {least:,} parameters")
             # where the schedule starts is history, not derivable from a later model: it lives
             # in the param group, so it is saved and restored with the optimizer's state_dict
-            defaults["budget_start"] = c["stored_params"]
+            defaults["budget_start"] = self._other_params + self._held()
         super().__init__(list(model.parameters()), defaults)
         self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
                         adaptive=adaptive, update_every=update_every, buffer=buffer,
@@ -235,16 +244,27 @@ class AugmentedBUG(torch.optim.Optimizer):
         (``compression``, as :func:`rankwise.compression`'s ratio); ``None`` without a target."""
         if not self._budgeted:
             return None
-        stored = self._other_params + sum(m.U.numel() + m.S.numel() + m.V.numel()
-                                          for m in self.layers.values())
+        stored = self._other_params + self._held()
         return {"target": self.truncation.target, "budget_params": self._budget_now(),
-                "target_params": self.truncation.end_params(self._dense_params), "stored_params": stored,
-                "compression": 1 - stored / self._dense_params}
+                "target_params": self.truncation.end_params(self._dense_params, self._other_params),
+                "stored_params": stored, "compression": 1 - stored / self._dense_params,
+                "layer_params": self._held()}
+
+    def _held(self) -> int:
+        """What the low-rank layers hold, as the budget counts it (U, S, V; with a counted
+        buffer, its largest size b = r: :func:`._budget.layer_cost`)."""
+        from ._budget import layer_cost
+
+        return sum(layer_cost(m.out_features, m.in_features, m.rank, buffer=self._count_buffer)
+                   for m in self.layers.values())
+
+    def _augmentation(self) -> int:
+        return self._hp()["global_step"] // self.cfg["update_every"]
 
     def _budget_now(self) -> float:
         """The budget (stored parameters) at this augmentation (:meth:`Budget.params_at`)."""
-        t = self._hp()["global_step"] // self.cfg["update_every"]
-        return self.truncation.params_at(t, self._hp()["budget_start"], self._dense_params)
+        return self.truncation.params_at(self._augmentation(), self._hp()["budget_start"], self._dense_params,
+                                         self._other_params)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -477,7 +497,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         """Plan every layer's step, check it, then write. Optimizer states are new objects
         (the rules are pure) and are committed only in :meth:`_truncate`."""
         hp = self._hp()
-        plans = {}
+        plans, grads = {}, {}
         for name, layer in self.layers.items():
             f = self._factors(layer)
             if f is None:
@@ -496,6 +516,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             else:  # two-pass: the S rule runs on the augmented core in _second_pass
                 stS = _augmented_core_state(aug, st["S"], st["K"], st["L"])
             plans[name] = [aug, S_bar, {"K": stK, "L": stL, "S": stS}]
+            if self._budgeted and self.truncation.allocation == "sensitivity":
+                grads[name] = (f.G_K, f.G_S, f.G_L)
         originals = {n: tuple(t.clone() for t in (self.layers[n].U, self.layers[n].S, self.layers[n].V))
                      for n in plans} if closure is not None else {}
         done = False
@@ -504,13 +526,18 @@ class AugmentedBUG(torch.optim.Optimizer):
                 return False
             if not _all_finite([plan[1] for plan in plans.values()]):  # before any layer is written
                 return self._nonfinite("non-finite augmented core (overflow in the update)")
-            svds = ranks = {}
+            svds = ranks = smoothed = {}
             if self._budgeted:
                 svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
-                ranks = self._budget_ranks(plans, svds)
+                if grads:  # sensitivity: each layer's directions in the order of their scores
+                    svds, smoothed = self._by_sensitivity(plans, svds, grads)
+                ranks = self._budget_ranks(plans, svds, smoothed)
             for name, (aug, S_bar, states) in plans.items():
                 self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None,
                                rank=ranks.get(name), svd=svds.get(name))
+                if name in smoothed:
+                    r1 = self.layers[name].rank
+                    self.state[self.layers[name].S]["sensitivity"] = [t[:r1] for t in smoothed[name]]
             done = True
         finally:
             if not done:  # two-pass: the layers may hold the augmented factors; put W0 back
@@ -554,18 +581,51 @@ class AugmentedBUG(torch.optim.Optimizer):
         cfg = self.cfg
         return layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
 
-    def _budget_ranks(self, plans, svds) -> dict[str, int]:
-        """Every planned layer's rank under the current budget, allocated model-wide
-        (:func:`._budget.allocate_ranks`); layers not in this step keep their rank and cost."""
-        from ._budget import allocate_ranks, factor_cost
+    def _by_sensitivity(self, plans, svds, grads):
+        """Each layer's SVD reordered by its directions' smoothed sensitivity scores
+        (:mod:`._sensitivity`), and the smoothed values in that order."""
+        from . import _sensitivity as sens
 
-        fixed = self._other_params + sum(factor_cost(m.out_features, m.in_features, m.rank)
-                                            for n, m in self.layers.items() if n not in plans)
+        b = self.truncation
+        out, smoothed = {}, {}
+        for name, (aug, _, _) in plans.items():
+            P, s, Q = svds[name]
+            G_bar = sens.augmented_gradient(aug.U[:, aug.r0:], aug.V[:, aug.r0:], *grads[name])
+            prev = self.state[self.layers[name].S].get("sensitivity")
+            sm = sens.smooth(None if prev is None else sens.Smoothed(*prev), P, Q,
+                             sens.importance(P, s, Q, G_bar), beta1=b.beta1, beta2=b.beta2)
+            order = torch.argsort(sens.scores(sm), descending=True, stable=True)
+            out[name] = (P[:, order], s[order], Q[:, order])
+            smoothed[name] = sens.Smoothed(sm.I[order], sm.U[order])
+        return out, smoothed
+
+    def _budget_ranks(self, plans, svds, smoothed=None) -> dict[str, int]:
+        """Every planned layer's rank under the current budget, allocated model-wide
+        (:func:`._budget.allocate_ranks`); layers not in this step keep their rank and cost.
+        From `Budget.freeze_after` on, every layer keeps its rank."""
+        from . import _sensitivity as sens
+        from ._budget import allocate_ranks, layer_cost
+
+        if self.truncation.frozen(self._augmentation()):
+            return {n: min(self.layers[n].rank, svd[1].numel()) for n, svd in svds.items()}
+        buf = self._count_buffer
+        fixed = self._other_params + sum(layer_cost(m.out_features, m.in_features, m.rank, buffer=buf)
+                                         for n, m in self.layers.items() if n not in plans)
         spectra = {n: svd[1] for n, svd in svds.items()}
         shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in plans}
         caps = {n: self._rank_cap(self.layers[n]) for n in plans}
-        return allocate_ranks(spectra, shapes, self._budget_now() - fixed, min_rank=self.cfg["min_rank"],
-                              max_ranks=caps, rule=self.truncation.allocation)
+        budget = self._budget_now() - fixed
+        floors: int | dict[str, int] = self.cfg["min_rank"]
+        if self.truncation.floor > 0:  # a share of the rank a uniform allocation would give
+            uniform = allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=caps,
+                                     rule="uniform", buffer=buf)
+            floors = {n: max(self.cfg["min_rank"], math.ceil(self.truncation.floor * r))
+                      for n, r in uniform.items()}
+        scores = None
+        if smoothed:
+            scores = {n: (sens.scores(sm) / sum(shapes[n])).tolist() for n, sm in smoothed.items()}
+        return allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=caps,
+                              rule=self.truncation.allocation, scores=scores, buffer=buf)
 
     def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool, rank: int | None = None,
                   svd=None) -> None:

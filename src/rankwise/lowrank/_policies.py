@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from .._checks import check_unit_interval
 
@@ -53,47 +53,99 @@ class Tolerance:
         check_unit_interval(_real("tau", self.tau), "tau")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Budget:
-    """Reach the compression `target` in (0, 1) (``rankwise.compression(model)["ratio"]``,
-    e.g. 0.9 stores 10 % of the dense parameters), with ranks allocated model-wide.
+    """A global parameter budget for the low-rank layers, with ranks allocated model-wide.
 
-    The budget falls from the parameters stored when the optimizer is built to the target over
-    `ramp_steps` augmentations, cubically (AdaLoRA's schedule without its warm-up and final
-    phases: the run before and after the ramp plays their part), then stays at the target.
-    `allocation`: what a singular direction is worth per parameter it costs,
-    ``"error-sqrt"`` (default), ``"error"`` or ``"energy"`` (:mod:`rankwise.lowrank._budget`)."""
+    **Arguments** (give `target` or `params`):
+    - `target`: the compression to reach, in (0, 1) (``rankwise.compression(model)["ratio"]``,
+      e.g. 0.9 stores 10 % of the dense parameters, every parameter of the model counted).
+    - `params`: instead, the parameters the low-rank layers may hold (U, S, V, and with
+      `count_buffer` SDLRT's buffers at their largest, b = r), e.g. the trainable parameters
+      of LoRA at rank r for adapters.
+    - `ramp_steps`: the budget falls from what is stored when the optimizer is built to the
+      end budget over this many augmentations, cubically (AdaLoRA's schedule without its
+      warm-up and final phases: the run before and after the ramp plays their part), then
+      stays there. 0: the end budget from the first step.
+    - `allocation`: what a singular direction is worth per parameter it costs:
+      ``"error-sqrt"`` (default), ``"error"``, ``"energy"``, ``"uniform"``
+      (:mod:`rankwise.lowrank._budget`) or ``"sensitivity"`` (its smoothed importance to the
+      loss, :mod:`rankwise.lowrank._sensitivity`, with smoothing factors `beta1`, `beta2`).
+    - `floor`: every layer keeps at least this share of the rank a uniform allocation of the
+      current budget would give it (0: no floor beyond the optimizer's `min_rank`): no layer
+      becomes a one-dimensional bottleneck.
+    - `freeze_after`: from this augmentation on the ranks stay as they are (an end phase at
+      fixed ranks; must be >= `ramp_steps`); ``None``: they may move to the end.
+    - `count_buffer`: count SDLRT's buffer in the budget (see `params`).
+    """
 
-    target: float
+    target: float | None = None
     ramp_steps: int = 200
     allocation: str = "error-sqrt"
+    params: int | None = None
+    floor: float = 0.0
+    freeze_after: int | None = None
+    count_buffer: bool = False
+    beta1: float = 0.85
+    beta2: float = 0.85
 
     def __post_init__(self) -> None:
-        if not 0 < _real("target", self.target) < 1:
+        if (self.target is None) == (self.params is None):
+            raise ValueError("give a Budget exactly one of `target` (a compression, e.g. 0.9) or `params` "
+                             f"(a parameter count); got target={self.target!r}, params={self.params!r}")
+        if self.target is not None and not 0 < _real("target", self.target) < 1:
             raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9 for 10 % of the "
                              f"dense parameters; got {self.target!r}")
-        if isinstance(self.ramp_steps, bool) or not isinstance(self.ramp_steps, int) or self.ramp_steps < 0:
-            raise ValueError(f"`ramp_steps` must be an int >= 0; got {self.ramp_steps!r}")
-        from ._budget import RULES
+        if self.params is not None and (isinstance(self.params, bool) or not isinstance(self.params, int)
+                                        or self.params < 1):
+            raise ValueError(f"`params` must be an int >= 1 (a parameter count); got {self.params!r}")
+        for name in ("ramp_steps",):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"`{name}` must be an int >= 0; got {v!r}")
+        if self.freeze_after is not None and (isinstance(self.freeze_after, bool)
+                                              or not isinstance(self.freeze_after, int)
+                                              or self.freeze_after < self.ramp_steps):
+            raise ValueError(f"`freeze_after` must be None or an int >= ramp_steps ({self.ramp_steps}): "
+                             f"the ranks can only freeze once the budget has reached its end; "
+                             f"got {self.freeze_after!r}")
+        if not 0 <= _real("floor", self.floor) <= 1:
+            raise ValueError(f"`floor` must be in [0, 1]; got {self.floor!r}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= _real(name, getattr(self, name)) < 1:
+                raise ValueError(f"`{name}` must be in [0, 1); got {getattr(self, name)!r}")
+        from ._budget import TRAINING_RULES
 
-        if self.allocation not in RULES:
-            raise ValueError(f"`allocation` must be one of {RULES}; got {self.allocation!r}")
+        if self.allocation not in TRAINING_RULES:
+            raise ValueError(f"`allocation` must be one of {TRAINING_RULES}; got {self.allocation!r}")
 
-    def end_params(self, dense: float) -> float:
+    def __repr__(self) -> str:  # fields at their defaults left out (the optimizer's state records it)
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)
+                 if f.name in ("target", "ramp_steps", "allocation") or getattr(self, f.name) != f.default]
+        return f"Budget({', '.join(shown)})"
+
+    def end_params(self, dense: float, other: float = 0.0) -> float:
         """Parameters the model may store at the end: (1 − target)·`dense`, a whole count when
-        it is one up to roundoff."""
+        it is one up to roundoff; with `params`, `params` + `other` (the parameters outside the
+        low-rank layers, which the budget does not cover)."""
+        if self.params is not None:
+            return float(self.params + other)
         end = (1 - self.target) * dense
         return float(round(end)) if abs(end - round(end)) <= 1e-9 * max(1.0, end) else end
 
-    def params_at(self, augmentation: int, start: float, dense: float) -> float:
+    def params_at(self, augmentation: int, start: float, dense: float, other: float = 0.0) -> float:
         """Parameters the model may store at `augmentation` (0, 1, …), falling from `start`
-        to (1 − target)·`dense`."""
+        to :meth:`end_params`."""
         from ._budget import budget_schedule
 
-        end = self.end_params(dense)
+        end = self.end_params(dense, other)
         if self.ramp_steps == 0 or augmentation >= self.ramp_steps:
             return end
         return budget_schedule(augmentation, self.ramp_steps, start, end, warmup=0.0, final=0.0)
+
+    def frozen(self, augmentation: int) -> bool:
+        """Do the ranks stay as they are at this augmentation (`freeze_after`)?"""
+        return self.freeze_after is not None and augmentation >= self.freeze_after
 
 
 class Feedback(ABC):
