@@ -322,7 +322,7 @@ def test_ode_grid_entries_are_parsed_strictly(grid, message, tmp_path):
 def test_sweep_reports_a_damaged_record_before_running(tmp_path):
     out = tmp_path / "sw"
     (out / "runs").mkdir(parents=True)
-    (out / "runs" / "lenet-digits_dense_s0.json").write_text('{"spec": 5}')
+    (out / "runs" / "lenet-digits_dense_sgd-lr0.05_s0.json").write_text('{"spec": 5}')
     msg = _one_line_error(run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense", "--seeds", 1,
                                   "--epochs", 1, "--out", out), "sweep", code=1)
     assert "unreadable record" in msg and "--force" in msg

@@ -15,6 +15,7 @@ import torch
 
 from helpers import run_cli
 from rankwise.data import load_cifar, load_mnist, read_idx
+from rankwise.experiments._sweep_spec import TASK_LR
 
 TINY = ["sweep", "--tasks", "lenet-digits", "--methods", "dense,sdlrt", "--taus", "0.2,0.4",
         "--seeds", "1", "--epochs", "1"]
@@ -30,23 +31,23 @@ def test_sweep_end_to_end_and_resume(tmp_path):
     rows = (out / "runs.csv").read_text().splitlines()
     assert len(rows) == 4 and rows[0].startswith("key,task,method,tau")
     assert "| lenet-digits | sdlrt | 0.2 | 1 |" in (out / "summary.md").read_text()
-    before = (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes()
+    before = (out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_bytes()
 
     r = run_cli(*TINY, "--out", out)  # resumed: nothing recomputed
     assert r.exit_code == 0 and "3 runs (0 new)" in r.output
-    (out / "runs" / "lenet-digits_sdlrt_tau0.2_s0.json").unlink()
+    (out / "runs" / "lenet-digits_sdlrt_tau0.2_sgd-lr0.05_s0.json").unlink()
     r = run_cli(*TINY, "--out", out)  # only the missing run
     assert r.exit_code == 0 and "3 runs (1 new)" in r.output
-    assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes() == before
+    assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_bytes() == before
 
     # the same keys with other settings: refused before anything runs, then replaced with --force
     r = run_cli(*TINY, "--epochs", "2", "--out", out)
     assert r.exit_code == 1 and "with other settings (epochs 1 there, 2 now)" in r.output, r
     assert "--force" in r.stderr and r.stderr.count("\n") == 1
-    assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_bytes() == before
+    assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_bytes() == before
     r = run_cli(*TINY, "--epochs", "2", "--out", out, "--force")
     assert r.exit_code == 0 and "3 runs (3 new)" in r.output, r
-    stored = json.loads((out / "runs" / "lenet-digits_sdlrt_tau0.4_s0.json").read_text())
+    stored = json.loads((out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_text())
     assert stored["spec"]["epochs"] == 2
 
 
@@ -117,10 +118,11 @@ def test_sweep_with_targets_lands_on_them(tmp_path):
     out = tmp_path / "t"
     methods = ("dlrt", "sdlrt", "fixed", "dense-svd")
     r = run_cli("sweep", "--tasks", "mlp-mnist1d", "--methods", ",".join(methods), "--targets", "0.9",
-                "--seeds", "1", "--epochs", "1", "--out", out)
+                "--seeds", "1", "--epochs", "2", "--finetune-epochs", "1", "--out", out)
     assert r.exit_code == 0, r
     for method in methods:
-        rec = json.loads((out / "runs" / f"mlp-mnist1d_{method}_target0.9_s0.json").read_text())
+        lr = TASK_LR.get("mlp-mnist1d", 0.05)
+        rec = json.loads((out / "runs" / f"mlp-mnist1d_{method}_target0.9_sgd-lr{lr:g}_s0.json").read_text())
         assert abs(rec["compression"] - 0.9) <= 0.01 and rec["spec"]["target"] == 0.9
         assert rec["ranks"] and not rec["diverged"]
     assert "| mlp-mnist1d | dlrt | 0.9 | 1 |" in (out / "summary.md").read_text()
@@ -150,3 +152,53 @@ def test_stored_runs_conflict_only_on_settings_their_method_uses():
         RunSpec(method="sdlrt-seed", target=0.9)
     with pytest.raises(ValueError, match="alloc"):
         RunSpec(method="dlrt", target=0.9, alloc="sqrt")
+
+
+def test_validation_split_is_stratified_and_disjoint_from_training():
+    from rankwise.experiments.sweep import _split_validation
+
+    y = torch.arange(400) % 5
+    x = torch.arange(400, dtype=torch.float32)[:, None]  # each row names its index
+    xtr, ytr, xva, yva = _split_validation(x, y, 0.15, seed=3)
+    tr, va = set(xtr[:, 0].long().tolist()), set(xva[:, 0].long().tolist())
+    assert not tr & va and tr | va == set(range(400))
+    assert torch.equal(ytr, y[xtr[:, 0].long()]) and torch.equal(yva, y[xva[:, 0].long()])
+    assert torch.bincount(yva).tolist() == [12] * 5  # 15 % of each class
+    again = _split_validation(x, y, 0.15, seed=3)[2]
+    assert torch.equal(again, xva) and not torch.equal(_split_validation(x, y, 0.15, seed=4)[2], xva)
+
+
+def test_every_method_trains_the_same_steps_dense_svd_fine_tuning_included():
+    from rankwise.experiments._sweep_spec import RunSpec
+    from rankwise.experiments.sweep import run_one
+
+    common = dict(task="lenet-digits", seed=0, epochs=2, dt_every=0)
+    dense = run_one(RunSpec(method="dense", **common))
+    cut = run_one(RunSpec(method="dense-svd", target=0.9, finetune_epochs=1, **common))
+    warm = run_one(RunSpec(method="dlrt-warm", target=0.9, warm_epochs=1, **common))
+    assert dense["steps"] == cut["steps"] == warm["steps"] > 0
+    assert abs(cut["compression"] - 0.9) <= 0.01 and cut["ranks"]
+    assert warm["ranks"] and 0.0 < warm["val_acc"] <= 1.0
+    with pytest.raises(ValueError, match="finetune_epochs must be in"):
+        RunSpec(method="dense-svd", target=0.9, finetune_epochs=2, **common)
+
+
+def test_sweep_selects_each_method_on_validation(tmp_path):
+    out = tmp_path / "sel"
+    r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,fixed:uniform", "--targets", "0.9",
+                "--select", "0.9", "--grid", "sgd:0.03,0.1", "--widen", "0", "--seeds", "1",
+                "--epochs", "1", "--dt-every", "0", "--out", out)
+    assert r.exit_code == 0, r
+    sel = (out / "selection.md").read_text()
+    assert "| lenet-digits | dense |" in sel and "| lenet-digits | fixed-uniform |" in sel
+    # 2 grid points for each of the two methods, on seed 0: 4 runs, and the chosen ones are reused
+    assert len(list((out / "runs").glob("*.json"))) == 4
+    summary = (out / "summary.md").read_text()
+    assert "| lenet-digits | fixed-uniform | 0.9 | 1 |" in summary
+    assert "sgd 0.03" in summary or "sgd 0.1" in summary
+    r = run_cli("sweep", "--methods", "dlrt,dlrt", "--targets", "0.9")
+    assert r.exit_code == 2 and "names an entry twice" in r.stderr
+    r = run_cli("sweep", "--methods", "dlrt", "--targets", "0.9", "--select", "0.8")
+    assert r.exit_code == 2 and "must be one of the compression --targets" in r.stderr
+    r = run_cli("sweep", "--methods", "dlrt:bogus", "--targets", "0.9")
+    assert r.exit_code == 2 and "is none of the allocations" in r.stderr

@@ -157,6 +157,6 @@ def test_sweep_cli_applies_the_pretrained_tasks_rank_and_lr(tmp_path):
     r = run_cli("sweep", "--tasks", "cnn-digits-pretrained", "--methods", "dense", "--seeds", "1",
                 "--epochs", "1", "--out", out)
     assert r.exit_code == 0, r
-    spec = json.loads((out / "runs" / "cnn-digits-pretrained_dense_s0.json").read_text())["spec"]
+    spec = json.loads((out / "runs" / "cnn-digits-pretrained_dense_sgd-lr0.01_s0.json").read_text())["spec"]
     task = "cnn-digits-pretrained"
     assert spec["lr"] == TASK_LR[task] == 0.01 and spec["rank"] == TASK_RANK[task] == 256

@@ -13,6 +13,7 @@ from ..experiments._sweep_spec import (
     DEFAULT_METHODS,
     FILE_TASKS,
     METHODS,
+    OPTIMIZERS,
     PAPER_TAUS,
     TARGET_DEFAULT,
     TASK_LR,
@@ -32,8 +33,41 @@ def _split(text: str, allowed, option: str) -> list[str]:
     return items
 
 
-SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"equal_compression\.md", r"acc_vs_compression\.png",
-                   r"rank_vs_step\.png", r"dt_vs_step\.png", r"acc_vs_target\.png", r"ranks_per_layer\.png")
+def _entries(text: str) -> list[tuple[str, dict]]:
+    """--methods: ``METHOD[:ALLOC][:floorX][:freeze]`` entries -> (method, RunSpec settings)."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        method, *mods = item.split(":")
+        if method not in METHODS:
+            raise UserError(f"--methods must be a comma-separated list from {', '.join(METHODS)} (each "
+                            f"optionally :ALLOC, :floorX, :freeze); got {method}")
+        extra: dict = {}
+        for mod in mods:
+            if mod in ALLOCATIONS:
+                extra["alloc"] = mod
+            elif mod == "freeze":
+                extra["freeze"] = True
+            elif mod.startswith("floor"):
+                try:
+                    extra["floor"] = float(mod[5:])
+                except ValueError:
+                    raise UserError(f"--methods {item}: floor takes a share, e.g. floor0.5; "
+                                    f"got {mod}") from None
+                check_range(f"--methods {item}: floor", extra["floor"], 0, 1, hi_open=False)
+            else:
+                raise UserError(f"--methods {item}: {mod!r} is none of the allocations "
+                                f"({', '.join(ALLOCATIONS)}), floorX or freeze")
+        out.append((method, extra))
+    if not out:
+        raise UserError(f"--methods must be a comma-separated list from {', '.join(METHODS)}; got {text!r}")
+    if len({(m, tuple(sorted(e.items()))) for m, e in out}) != len(out):
+        raise UserError(f"--methods names an entry twice ({text}): each would train the same runs")
+    return out
+
+
+SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"selection\.md", r"equal_compression\.md",
+                   r"acc_vs_compression\.png", r"rank_vs_step\.png", r"dt_vs_step\.png",
+                   r"acc_vs_target\.png", r"ranks_per_layer\.png")
 
 
 def _numbers(text: str, option: str, what: str, example: str, *, lo_open: bool) -> list[float]:
@@ -73,7 +107,10 @@ def sweep_cmd(
                                       "grid).")]
     = ",".join(f"{t:g}" for t in PAPER_TAUS),
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 3,
-    epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 10,
+    epochs: Annotated[int, typer.Option(help="Training epochs per run (every method).", min=1)] = 10,
+    finetune_epochs: Annotated[int | None, typer.Option(
+        help="dense-svd: the last epochs, fine-tuning the factors after the SVD, counted inside "
+             "--epochs; default epochs // 5 (at least 1).", min=1)] = None,
     rank: Annotated[int | None, typer.Option(
         help="Initial rank of every low-rank layer (clamped per layer); default 32, full rank for "
              "cnn-digits-pretrained.", min=1)] = None,
@@ -94,6 +131,22 @@ def sweep_cmd(
     alloc: Annotated[str | None, typer.Option(
         help=f"With --targets: how the budget ranks singular directions, one of {', '.join(ALLOCATIONS)} "
              f"(rankwise.Budget); default {ALLOCATIONS[0]}.")] = None,
+    optimizer: Annotated[str, typer.Option(
+        help=f"Optimizer family of every method without --select: {' or '.join(OPTIMIZERS)} (SGD with "
+             "momentum 0.9).")] = "sgd",
+    select: Annotated[float | None, typer.Option(
+        help="Choose each task and method's optimizer family and learning rate on validation, from "
+             "--grid, on seed 0 at this target (e.g. 0.9; with --taus: seed 0 at the first τ), then run "
+             "every target and seed with its choice (the fair protocol; docs/sdlrt.md).")] = None,
+    grid: Annotated[str | None, typer.Option(
+        help="With --select: FAMILY:LR,LR,...;FAMILY:... (default: sgd:0.01,0.03,0.1,0.3;"
+             "adam:0.0003,0.001,0.003,0.01). A choice at an edge widens it by one value.")] = None,
+    widen: Annotated[int, typer.Option(help="With --select: how often a grid may grow at an edge.",
+                                       min=0, max=5)] = 1,
+    val: Annotated[float, typer.Option(help="Share of the training split held out for validation.")]
+    = 0.15,
+    dt_every: Annotated[int, typer.Option(help="Steps between d_t measurements of the dense shadow "
+                                          "(0: no shadow, faster).", min=0)] = 5,
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings "
                                         "differ from this sweep's (default: refuse).")] = False,
 ) -> None:
@@ -110,13 +163,32 @@ def sweep_cmd(
     records of this sweep every time."""
     task_list = _split(tasks, TASK_NAMES, "--tasks")
     default = DEFAULT_METHODS if targets is None else TARGET_DEFAULT
-    method_list = _split(",".join(default) if methods is None else methods, tuple(METHODS), "--methods")
+    entries = _entries(",".join(default) if methods is None else methods)
+    method_list = [m for m, _ in entries]
+    if optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    check_range("--val", val, 0, 1, hi_open=True)
+    from ..experiments._select import DEFAULT_GRID, parse_grid
+
+    if grid is not None and select is None:
+        raise UserError("--grid applies to --select: give --select too (or leave --grid out)")
+    try:
+        lr_grid = DEFAULT_GRID if grid is None else parse_grid(grid)
+    except ValueError as e:
+        raise UserError(f"--grid: {e}") from None
+    if set(lr_grid) - set(OPTIMIZERS):
+        raise UserError(f"--grid: families must be from {', '.join(OPTIMIZERS)}; got {', '.join(lr_grid)}")
+    if select is not None and lr is not None:
+        raise UserError("--select chooses the learning rate: leave --lr out")
     tau_list = _numbers(taus, "--taus", "τ", "0.1,0.2", lo_open=False)
     target_list = None if targets is None else _numbers(targets, "--targets", "target", "0.8,0.9",
                                                          lo_open=True)
     if lr is not None:
         check_range("--lr", lr, 0, None, lo_open=True)
     check_range("--omega", omega, 0, 1, lo_open=True)
+    if select is not None and (target_list is None or select not in target_list):
+        raise UserError(f"--select {select:g} must be one of the compression --targets (e.g. --targets "
+                        "0.8,0.9,0.95 --select 0.9)")
     for option, value in (("--ramp", ramp), ("--alloc", alloc)):
         if value is not None and target_list is None:
             raise UserError(f"{option} applies to compression targets: give --targets too "
@@ -146,12 +218,26 @@ def sweep_cmd(
     from ..experiments._sweep_spec import RunSpec
 
     levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
-    specs = [RunSpec(task=task, method=method, seed=seed, epochs=epochs,
-                     rank=rank if rank is not None else TASK_RANK.get(task, 32),
-                     lr=lr or TASK_LR.get(task, 0.05), omega=omega, ramp=ramp, alloc=alloc,
-                     data_dir=str(data_dir) if data_dir else None, **level)
-             for task in task_list for method in method_list
-             for level in ([{"tau": 0.0}] if method == "dense" else levels) for seed in range(seeds)]
+
+    def spec(task: str, i: int, level: dict, seed: int, **cfg) -> RunSpec:
+        method, extra = entries[i]
+        settings = dict(dict(alloc=alloc), **extra) if "target" in level else {}
+        return RunSpec(task=task, method=method, seed=seed, epochs=epochs,
+                       rank=rank if rank is not None else TASK_RANK.get(task, 32),
+                       lr=lr or TASK_LR.get(task, 0.05), omega=omega, ramp=ramp, optimizer=optimizer,
+                       val=val, dt_every=dt_every, finetune_epochs=finetune_epochs or max(1, epochs // 5),
+                       data_dir=str(data_dir) if data_dir else None,
+                       **settings, **level, **cfg)
+
+    def levels_of(method: str) -> list[dict]:
+        return [{"tau": 0.0}] if method == "dense" else levels
+
+    try:
+        plan = [(task, i, level, seed) for task in task_list for i, (method, _) in enumerate(entries)
+                for level in levels_of(method) for seed in range(seeds)]
+        specs = [spec(*p) for p in plan]
+    except ValueError as e:
+        raise UserError(str(e)) from None
     from rich.console import Console
     from rich.progress import Progress
 
@@ -177,14 +263,37 @@ def sweep_cmd(
             prog.console.print(f"[{count[0]}] {r['key']}: test acc {r['test_acc']:.4f}, "
                                f"compression {r['compression']:.3f}")
 
-        results = sweep(specs, out, jobs=jobs, overwrite=force, on_done=done, on_progress=on_progress)
+        def run(batch: list) -> list[dict]:
+            return sweep(batch, out, jobs=jobs, overwrite=force, on_done=done, on_progress=on_progress)
+
+        choices = {}
+        if select is not None:  # the configuration of each task and method, on seed 0 at --select
+            import dataclasses
+
+            from ..experiments._select import select as choose_on_validation
+
+            groups = {(task, i): spec(task, i, {"tau": 0.0} if m == "dense" else {"target": select}, 0)
+                      for task in task_list for i, (m, _) in enumerate(entries)}
+            choices = choose_on_validation(
+                groups, lr_grid, lambda s, family, rate: dataclasses.replace(s, optimizer=family, lr=rate),
+                run, widen=widen)
+            specs = [dataclasses.replace(s, optimizer=choices[(task, i)].optimizer, lr=choices[(task, i)].lr)
+                     for s, (task, i, _, _) in zip(specs, plan, strict=True)]
+        results = run(specs)
+    if choices:
+        from ..experiments._select import choices_markdown
+
+        rows = [(task, groups[(task, i)].label, c) for (task, i), c in choices.items()]
+        write_atomic(out / "selection.md", choices_markdown(rows, f"on validation, seed 0, target {select:g}")
+                     .encode())
     write_csv(results, out / "runs.csv")
     table = summary_markdown(results)
     write_atomic(out / "summary.md", table.encode())
-    if "dlrt" in method_list:
+    if "dlrt" in method_list and target_list is None:
         write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
     pngs = plot(results, out)
     console.print(table)
     console.print(f"{len(results)} runs ({count[0]} new); wrote {out}/runs.csv, summary.md"
-                  + (", equal_compression.md" if "dlrt" in method_list else "")
+                  + (", equal_compression.md" if "dlrt" in method_list and target_list is None else "")
+                  + (", selection.md" if choices else "")
                   + f" and {', '.join(p.name for p in pngs)}")

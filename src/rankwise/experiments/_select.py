@@ -122,3 +122,16 @@ def select(groups: Mapping[Hashable, S], grid: Mapping[str, Sequence[float]],
         if not pending:
             break
     return choices
+
+
+def choices_markdown(rows: Sequence[tuple[str, str, Choice]], where: str) -> str:
+    """A table of the choices: (setting, method, :class:`Choice`) per row; `where` says on
+    what they were made."""
+    lines = [f"Configuration chosen {where}: the best mean validation accuracy of the grid.", "",
+             "| setting | method | optimizer | lr | val acc | at grid edge | tried (optimizer lr: val acc) |",
+             "|---|---|---|---|---|---|---|"]
+    for setting, method, c in rows:
+        tried = ", ".join(f"{f} {lr:g}: {v:.3f}" for f, lr, v in c.tried)
+        lines.append(f"| {setting} | {method} | {c.optimizer} | {c.lr:g} | {c.val_acc:.4f} | "
+                     f"{c.at_edge or 'no'} | {tried} |")
+    return "\n".join(lines) + "\n"

@@ -24,18 +24,27 @@ METHODS: dict[str, dict[str, Any] | None] = {
     # momentum 0.9, 0.97 with Adam at lr 3e-3)
     "fixed": {"baseline": "fixed"},
     "dense-svd": {"baseline": "dense-svd"},
+    # a dense warm start: `warm_epochs` of dense training, then the integrator from full rank
+    # with the budget falling to the target over the rest (what dense-svd does in one cut)
+    "dlrt-warm": {"warm": True},
+    "sdlrt-warm": {"buffer": True, "warm": True},
 }
 # what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
 DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt-seed", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
 # the methods that stay distinct with a compression target (a target replaces SDLRT's τ
 # feedback, so sdlrt-seed and sdlrt-buffer would repeat sdlrt, sdlrt-feedback dlrt)
-TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd")
+TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd", "dlrt-warm",
+                                   "sdlrt-warm")
 TARGET_DEFAULT: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "fixed", "dense-svd")  # --targets' study
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
 # 2 (2026-11-30): sdlrt = two-sided feedback (was the seed's), the VGG has batch norm, the
 # budget's allocation rule and ramp, baselines trained with Adam
-SPEC_VERSION = 2
-ALLOCATIONS = ("error-sqrt", "error", "energy", "uniform")  # rankwise.lowrank._budget.RULES (torch-free copy)
+# 3 (2026-12-02): a validation split held out of the training split, `optimizer` and `lr` for every
+# method (baselines included), dense-svd's fine-tuning counted inside `epochs`
+SPEC_VERSION = 3
+# rankwise.lowrank.ALLOCATION_RULES (a torch-free copy); "sensitivity" only while training
+ALLOCATIONS = ("error-sqrt", "error", "energy", "uniform", "sensitivity")
+OPTIMIZERS = ("sgd", "adam")  # SGD with `momentum`, or Adam
 
 
 # the tasks of rankwise.experiments.sweep.TASKS (same order); those on files need --data-dir
@@ -59,7 +68,14 @@ TASK_RANK: dict[str, int] = {"cnn-digits-pretrained": 256}
 @dataclass(frozen=True)
 class RunSpec:
     """One run. ``rank``: initial rank of every low-rank layer (clamped per layer); all
-    low-rank methods start from the truncated SVD of the same dense initialisation."""
+    low-rank methods start from the truncated SVD of the same dense initialisation.
+    ``optimizer`` / ``lr`` / ``momentum`` train every method (a baseline's factors, DLRT's K, L,
+    S); ``val``: the share of the training split held out for validation (stratified, by the
+    run's seed; the test split is never touched). With a target: ``alloc``, ``floor`` and
+    ``freeze`` are the budget's allocation rule, rank floor and end phase at frozen ranks
+    (:class:`rankwise.Budget`); ``warm_epochs``: the dense epochs of the ``*-warm`` methods;
+    ``finetune_epochs``: dense-svd's fine-tuning epochs, inside ``epochs``. ``dt_every`` 0: no
+    dense shadow (and no d_t)."""
 
     task: str = "lenet-digits"
     method: str = "sdlrt"
@@ -76,11 +92,15 @@ class RunSpec:
     target: float | None = None  # a compression target (global budget) instead of τ
     ramp: float = RAMP_SHARE  # with a target: the share of the training steps over which it is reached
     alloc: str = ALLOCATIONS[0]  # with a target: the budget's allocation rule (rankwise.Budget.allocation)
-    factor_lr: float = 3e-3  # fixed, dense-svd: Adam's learning rate for the factors
     # what the settings mean: bumped when a method, task or default changes what it computes, so
     # that a record made before is not resumed as if it were this run (records without one: 1)
     version: int = SPEC_VERSION
     finetune_epochs: int = 2  # dense-svd: epochs of fine-tuning the factors after the SVD
+    optimizer: str = "sgd"
+    val: float = 0.15
+    floor: float = 0.0
+    freeze: bool = False
+    warm_epochs: int = 2
 
     def __post_init__(self) -> None:
         if self.task not in TASK_NAMES:
@@ -90,47 +110,66 @@ class RunSpec:
         check_unit_interval(self.tau, "tau")
         check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum,
                        seed=self.seed)
-        for name in ("rank", "dt_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.rank < 1:
+            raise ValueError(f"rank must be >= 1; got {self.rank}")
+        if self.dt_every < 0:
+            raise ValueError(f"dt_every must be >= 0 (0: no dense shadow); got {self.dt_every}")
         if not 0 < self.omega < 1:
             raise ValueError(f"omega must be in (0, 1); got {self.omega}")
         if self.target is not None and not 0 < self.target < 1:
             raise ValueError(f"target must be in (0, 1); got {self.target}")
-        if not self.factor_lr > 0:
-            raise ValueError(f"factor_lr must be > 0; got {self.factor_lr}")
         if not 0 <= self.ramp <= 1:
             raise ValueError(f"ramp must be in [0, 1]; got {self.ramp}")
         if self.alloc not in ALLOCATIONS:
             raise ValueError(f"alloc must be one of {', '.join(ALLOCATIONS)}; got {self.alloc!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}; got {self.optimizer!r}")
+        if not 0 <= self.val < 1:
+            raise ValueError(f"val must be in [0, 1) (the share of the training split held out); "
+                             f"got {self.val}")
+        if not 0 <= self.floor <= 1:
+            raise ValueError(f"floor must be in [0, 1]; got {self.floor}")
+        opts = METHODS[self.method] or {}
         if self.target is not None and self.method not in TARGET_METHODS:
             raise ValueError(f"method {self.method} differs from another only in its τ feedback, which a "
                              f"target replaces; with targets use {', '.join(TARGET_METHODS)}")
-        if (METHODS[self.method] or {}).get("baseline") and self.target is None:
-            raise ValueError(f"method {self.method} is a baseline at a compression target: give a target "
+        if (opts.get("baseline") or opts.get("warm")) and self.target is None:
+            raise ValueError(f"method {self.method} trains to a compression target: give a target "
                              "(--targets)")
+        if self.target is not None and self.alloc == "sensitivity" and opts.get("baseline"):
+            raise ValueError(f"method {self.method} allocates its ranks once, before training, where no "
+                             "loss gradient exists: alloc 'sensitivity' needs a training method")
+        if self.method == "dense-svd" and not 1 <= self.finetune_epochs < self.epochs:
+            raise ValueError(f"dense-svd fine-tunes inside `epochs` ({self.epochs}): finetune_epochs must be "
+                             f"in [1, epochs); got {self.finetune_epochs}")
+        if opts.get("warm") and not 1 <= self.warm_epochs < self.epochs:
+            raise ValueError(f"{self.method} trains dense for warm_epochs inside `epochs` ({self.epochs}): "
+                             f"warm_epochs must be in [1, epochs); got {self.warm_epochs}")
         if self.task in FILE_TASKS and not self.data_dir:
             raise ValueError(f"task {self.task} reads {FILE_TASKS[self.task]} files: give their folder "
                              "(data_dir / --data-dir)")
 
     def unused(self) -> set[str]:
         """The fields this run's method does not read (changing them changes nothing)."""
-        baseline = (METHODS[self.method] or {}).get("baseline")
+        opts = METHODS[self.method] or {}
+        baseline = opts.get("baseline")
         out = set()
         if self.method == "dense" or baseline:
             out |= {"tau", "rank", "omega", "ramp", "dt_every"}
         if self.method != "dense-svd":
             out.add("finetune_epochs")
-        if not baseline:
-            out.add("factor_lr")
-        if self.method == "fixed":  # trains the factors with Adam at factor_lr only
-            out |= {"lr", "momentum"}
+        if not opts.get("warm"):
+            out.add("warm_epochs")
+        if self.optimizer != "sgd":
+            out.add("momentum")
         if self.method == "dense":
-            out |= {"target", "alloc"}
+            out |= {"target", "alloc", "floor", "freeze"}
         elif self.target is not None:
             out.add("tau")
         else:
-            out |= {"ramp", "alloc"}
+            out |= {"ramp", "alloc", "floor", "freeze"}
+        if baseline:
+            out |= {"floor", "freeze"}
         if not self.method.startswith("sdlrt") or self.target is not None:  # (a budget has no feedback)
             out.add("omega")
         return out
@@ -145,11 +184,32 @@ class RunSpec:
                 if f.name not in unused and theirs[f.name] != mine[f.name]}
 
     @property
+    def label(self) -> str:
+        """The method with its budget variant, e.g. ``dlrt``, ``fixed-uniform``,
+        ``dlrt-sensitivity-floor0.5-freeze``: what a summary row compares."""
+        return label(asdict(self))
+
+    @property
     def key(self) -> str:
+        opt = f"_{self.optimizer}-lr{self.lr:g}"
         if self.method == "dense":
-            return f"{self.task}_{self.method}_s{self.seed}"
+            return f"{self.task}_{self.method}{opt}_s{self.seed}"
         level = f"_target{self.target:g}" if self.target is not None else f"_tau{self.tau:g}"
-        return f"{self.task}_{self.method}{level}_s{self.seed}"
+        return f"{self.task}_{self.label}{level}{opt}_s{self.seed}"
+
+
+def label(spec: dict[str, Any]) -> str:
+    """:attr:`RunSpec.label` of a run record's spec."""
+    out = spec["method"]
+    if spec["method"] == "dense" or spec.get("target") is None:
+        return out
+    if spec.get("alloc", ALLOCATIONS[0]) != ALLOCATIONS[0]:
+        out += f"-{spec['alloc']}"
+    if spec.get("floor", 0.0) and not (METHODS[spec["method"]] or {}).get("baseline"):
+        out += f"-floor{spec['floor']:g}"
+    if spec.get("freeze") and not (METHODS[spec["method"]] or {}).get("baseline"):
+        out += "-freeze"
+    return out
 
 
 def level(spec: dict[str, Any]) -> float | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import csv
 import io
-import json
 import math
 import resource
 import statistics
@@ -30,14 +29,17 @@ from ..lowrank import (
     DLRT,
     SDLRT,
     AbstractLowRankLayer,
+    AugmentedBUG,
+    Budget,
     compression,
     stability_distance,
     to_low_rank,
 )
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
 from ..train import Callback, Loop, accuracy, fit
+from . import _resume
 from ._stats import mean_sd, mean_std
-from ._sweep_spec import ALLOCATIONS, TASK_NAMES, RunSpec, level
+from ._sweep_spec import ALLOCATIONS, TASK_NAMES, RunSpec, label, level
 from ._sweep_spec import METHODS as METHODS
 from ._sweep_spec import PAPER_TAUS as PAPER_TAUS
 from ._sweep_spec import TASK_LR as TASK_LR
@@ -92,7 +94,7 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
     "cnn-digits-pretrained": (lambda: digit_cnn(pretrained=True), lambda s, d: _digits_mnist_like(s)),
 }
 assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
-assert ALLOCATIONS == ALLOCATION_RULES, "keep _sweep_spec.ALLOCATIONS in step with lowrank.ALLOCATION_RULES"
+assert tuple(ALLOCATION_RULES) == ALLOCATIONS, "keep _sweep_spec.ALLOCATIONS in step with ALLOCATION_RULES"
 
 
 def _state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -116,17 +118,40 @@ def _balanced(model: nn.Module) -> nn.Module:
     return model
 
 
-class _FineTune(Callback):
-    """dense-svd: after ``spec.epochs`` dense epochs, truncate to the target and fine-tune the
-    factors with Adam."""
+def _optimizer(params, spec: RunSpec) -> torch.optim.Optimizer:
+    """The run's optimizer family for plain parameters: SGD with momentum, or Adam."""
+    if spec.optimizer == "adam":
+        return torch.optim.Adam(params, lr=spec.lr)
+    return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum)
 
-    def __init__(self, spec: RunSpec) -> None:
-        self.spec = spec
+
+def _integrator(model: nn.Module, spec: RunSpec, steps: int):
+    """DLRT / SDLRT for `spec` (τ, or a budget ramped over ``spec.ramp`` of `steps`)."""
+    opts = dict(METHODS[spec.method])
+    opts.pop("warm", None)
+    family = dict(optimizer=spec.optimizer, momentum=spec.momentum if spec.optimizer == "sgd" else 0.0)
+    if spec.target is None:
+        cls = DLRT if spec.method.startswith("dlrt") else SDLRT
+        extra = opts if cls is DLRT else dict(opts, omega=spec.omega)
+        return cls(model, spec.lr, tau=spec.tau, **family, **extra)
+    ramp = int(spec.ramp * steps)  # a global budget (SDLRT's τ feedback does not apply)
+    budget = Budget(spec.target, ramp_steps=ramp, allocation=spec.alloc, floor=spec.floor,
+                    freeze_after=ramp if spec.freeze else None)
+    return AugmentedBUG(model, spec.lr, truncation=budget, buffer=bool(opts.get("buffer")),
+                        single_pass=opts.get("single_pass", True), **family)
+
+
+class _Switch(Callback):
+    """Two phases in one run: at the start of epoch `at` (1-based), `change(model, steps_left)`
+    returns the second phase's optimizer (dense-svd: truncate and fine-tune; *-warm: the
+    integrator from full rank)."""
+
+    def __init__(self, at: int, change: Callable[[nn.Module, int], torch.optim.Optimizer]) -> None:
+        self.at, self.change = at, change
 
     def on_epoch_start(self, loop: Loop) -> None:
-        if loop.epoch == self.spec.epochs + 1:
-            _balanced(to_low_rank(loop.model, target=self.spec.target, allocation=self.spec.alloc))
-            loop.optimizer = torch.optim.Adam(loop.model.parameters(), lr=self.spec.factor_lr)
+        if loop.epoch == self.at:
+            loop.optimizer = self.change(loop.model, (loop.epochs - self.at + 1) * loop.steps)
 
 
 class _Watch(Callback):
@@ -166,87 +191,95 @@ class _Watch(Callback):
                                    d_t=stability_distance(loop.model, self.shadow)))
 
 
+def _split_validation(x: Tensor, y: Tensor, share: float, seed: int) -> tuple[Tensor, ...]:
+    """(x_train, y_train, x_val, y_val): `share` of each class of the training split held out,
+    shuffled with `seed` (stratified; nothing of the test split is read)."""
+    if share == 0:
+        return x, y, x[:0], y[:0]
+    from ..data import stratified_split
+
+    parts = stratified_split(y.numpy(), {"train": 1 - share, "val": share}, seed=seed)
+    tr, va = torch.tensor(sorted(parts["train"])), torch.tensor(sorted(parts["val"]))
+    return x[tr], y[tr], x[va], y[va]
+
+
 def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = None) -> dict:
     """Train one :class:`RunSpec`; returns the metrics (JSON-ready). ``progress(step, steps,
     info)`` is called after every step."""
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     factory, loader = TASKS[spec.task]
     x, y, xt, yt = loader(spec.seed, spec.data_dir)
+    x, y, xv, yv = _split_validation(x, y, spec.val, spec.seed)
     torch.manual_seed(spec.seed)
     base = factory()
-    kind = (METHODS[spec.method] or {}).get("baseline")
-    low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT (with a dense shadow)
-    epochs = spec.epochs + (spec.finetune_epochs if kind == "dense-svd" else 0)
+    opts = METHODS[spec.method] or {}
+    kind = opts.get("baseline")
+    low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT
+    steps = spec.epochs * math.ceil(len(x) / spec.batch_size)
     shadow = shadow_opt = None  # low-rank runs: the dense model trained alongside
-    if kind == "fixed":  # the target's ranks from the SVD of the initialisation, then Adam
+    callbacks: list[Callback] = []
+    if kind == "fixed":  # the target's ranks from the SVD of the initialisation
         model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target, allocation=spec.alloc))
-        opt = torch.optim.Adam(model.parameters(), lr=spec.factor_lr)
+        opt = _optimizer(model.parameters(), spec)
+    elif kind == "dense-svd":  # dense, then the SVD to the target and fine-tuning, in `epochs`
+        model, opt = base, _optimizer(base.parameters(), spec)
+
+        def cut(m: nn.Module, _: int) -> torch.optim.Optimizer:
+            factors = _balanced(to_low_rank(m, target=spec.target, allocation=spec.alloc))
+            return _optimizer(factors.parameters(), spec)
+
+        callbacks.append(_Switch(spec.epochs - spec.finetune_epochs + 1, cut))
+    elif low and opts.get("warm"):  # dense, then the integrator from full rank down to the target
+        model, opt = base, _optimizer(base.parameters(), spec)
+
+        def start(m: nn.Module, left: int):
+            full = max(max(p.shape[:2], default=1) for p in m.parameters())  # clamped per layer: full rank
+            return _integrator(to_low_rank(m, rank=full), spec, left)
+
+        callbacks.append(_Switch(spec.warm_epochs + 1, start))
     elif low:
-        model = copy.deepcopy(base)
-        to_low_rank(model, rank=spec.rank)
-        cls = DLRT if spec.method.startswith("dlrt") else SDLRT
-        extra = dict(METHODS[spec.method]) if cls is DLRT else dict(METHODS[spec.method], omega=spec.omega)
-        if spec.target is not None:  # a global budget (SDLRT's τ feedback does not apply)
-            ramp = int(spec.ramp * spec.epochs * math.ceil(len(x) / spec.batch_size))
-            opt = cls(model, spec.lr, target=spec.target, ramp_steps=ramp, allocation=spec.alloc,
-                      momentum=spec.momentum, **extra)
-        else:
-            opt = cls(model, spec.lr, tau=spec.tau, momentum=spec.momentum, **extra)
-        shadow = copy.deepcopy(base)
-        shadow_opt = torch.optim.SGD(shadow.parameters(), lr=spec.lr, momentum=spec.momentum)
+        model = to_low_rank(copy.deepcopy(base), rank=spec.rank)
+        opt = _integrator(model, spec, steps)
+        if spec.dt_every > 0:
+            shadow = copy.deepcopy(base)
+            shadow_opt = _optimizer(shadow.parameters(), spec)
     else:
-        model, opt = base, torch.optim.SGD(base.parameters(), lr=spec.lr, momentum=spec.momentum)
+        model, opt = base, _optimizer(base.parameters(), spec)
     gen = torch.Generator().manual_seed(spec.seed)
     watch = _Watch(spec, shadow, shadow_opt, progress)
-    callbacks = [watch] if kind != "dense-svd" else [_FineTune(spec), watch]
     try:  # a diverged run is recorded as such (at its last finite weights), not lost
-        fit(model, opt, x, y, epochs=epochs, batch_size=spec.batch_size, shuffle=gen, callbacks=callbacks)
+        fit(model, opt, x, y, epochs=spec.epochs, batch_size=spec.batch_size, shuffle=gen,
+            callbacks=[*callbacks, watch])
     except FloatingPointError as e:
         watch.diverged = f"step {watch.loop.global_step + 1}: {e}"
-    opt = watch.loop.optimizer  # dense-svd: the fine-tuning optimizer
+    opt = watch.loop.optimizer  # two-phase methods: the second phase's optimizer
     trace, epoch_times, diverged = watch.trace, watch.epoch_times, watch.diverged
     factored = {n: m.rank for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
     comp = compression(model) if factored else dict(ratio=0.0, training_ratio=0.0)
-    return dict(spec=asdict(spec), key=spec.key, test_acc=accuracy(model, xt, yt, batch=512),
-                train_acc=accuracy(model, x, y, batch=512), compression=comp["ratio"],
+    integrated = isinstance(opt, AugmentedBUG)
+    return dict(spec=asdict(spec), key=spec.key, label=spec.label,
+                test_acc=accuracy(model, xt, yt, batch=512),
+                val_acc=accuracy(model, xv, yv, batch=512) if len(xv) else float("nan"),
+                train_acc=accuracy(model, x, y, batch=512), steps=watch.loop.global_step,
+                compression=comp["ratio"],
                 training_compression=comp["training_ratio"],
-                ranks=factored, taus=opt.taus() if low else {},
+                ranks=factored, taus=opt.taus() if integrated else {},
                 seconds_per_epoch=statistics.mean(epoch_times), state_mib=_state_bytes(model, opt) / 2**20,
                 peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
                 final_d_t=trace[-1]["d_t"] if trace else 0.0, diverged=diverged, trace=trace)
 
 
-def _run_and_store(spec: RunSpec, folder: str, report: Callable[[int, int, str], None] | None = None) -> dict:
+def _job(spec: RunSpec, report: Callable[[int, int, str], None] | None) -> dict:
+    """One run in a worker process: one thread (the sweep runs `jobs` of them side by side)."""
     torch.set_num_threads(1)
-    r = run_one(spec, progress=report)
-    write_atomic(Path(folder) / f"{spec.key}.json", json.dumps(r).encode())
-    return r
-
-
-def _job(args: tuple[RunSpec, str], report: Callable[[int, int, str], None] | None) -> dict:
-    return _run_and_store(*args, report)
+    return run_one(spec, progress=report)
 
 
 def stored_conflicts(specs: list[RunSpec], out: Path) -> dict[str, dict[str, tuple]]:
     """{key: differences} for the stored records in ``out/runs/`` whose key one of `specs` has
     but whose settings differ (see :meth:`RunSpec.differences`); unreadable records count as
     conflicts too (``{"record": ("unreadable", ...)}``)."""
-    conflicts: dict[str, dict[str, tuple]] = {}
-    for s in specs:
-        p = out / "runs" / f"{s.key}.json"
-        if not p.exists():
-            continue
-        try:
-            record = json.loads(p.read_text())
-            stored = record["spec"] if isinstance(record, dict) else None
-            if not isinstance(stored, dict):
-                raise ValueError("no run settings in it")
-            diff = s.differences(stored)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            diff = {"record": ("unreadable", f"{type(e).__name__}: {e}")}
-        if diff:
-            conflicts[s.key] = diff
-    return conflicts
+    return _resume.stored_conflicts(specs, out / "runs", differences=RunSpec.differences)
 
 
 def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = False,
@@ -259,40 +292,9 @@ def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = F
     not silently replaced: ``FileExistsError`` names it and the differing settings, before any
     run starts, unless `overwrite`, which reruns and replaces it. ``on_progress(key, step,
     steps, info)`` reports within each run; ``on_done(result)`` after each."""
-    folder = out / "runs"
-    conflicts = stored_conflicts(specs, out)
-    if conflicts and not overwrite:
-        key, diff = next(iter(conflicts.items()))
-        if "record" in diff:
-            what = f"an unreadable record: {diff['record'][1]}"
-        else:
-            changes = ", ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
-            what = f"other settings ({changes})"
-        more = f" (and {len(conflicts) - 1} more)" if len(conflicts) > 1 else ""
-        raise FileExistsError(f"{folder} holds run {key}{more} with {what}; rerun with --force to "
-                              "replace them, or choose another --out")
-    folder.mkdir(parents=True, exist_ok=True)
-    done: dict[str, dict] = {}
-    for s in specs:
-        p = folder / f"{s.key}.json"
-        if p.exists() and s.key not in conflicts:
-            done[s.key] = json.loads(p.read_text())
-    todo = [s for s in specs if s.key not in done]
-    if todo:
-        from ._pool import map_runs
-
-        def progress(i: int, step: int, steps: int, info: str) -> None:
-            if on_progress:
-                on_progress(todo[i].key, step, steps, info)
-
-        def finished(i: int, r: dict) -> None:
-            done[r["key"]] = r
-            if on_done:
-                on_done(r)
-
-        map_runs(_job, [(s, str(folder)) for s in todo], jobs=jobs, processes=True, fresh_process=True,
-                 on_progress=progress if on_progress else None, on_done=finished)
-    return [done[s.key] for s in specs]
+    return _resume.run_resumable(specs, out / "runs", _job, differences=RunSpec.differences, jobs=jobs,
+                                 overwrite=overwrite, on_done=on_done, on_progress=on_progress,
+                                 hint="rerun with --force to replace them, or choose another --out")
 
 
 # ------------------------------------------------------------------------- reporting
@@ -306,7 +308,7 @@ def write_csv(results: list[dict], path: Path) -> None:
     w.writerow(_CSV)
     for r in results:
         s = r["spec"]
-        w.writerow([r["key"], s["task"], s["method"], level(s) if s["method"] != "dense" else "",
+        w.writerow([r["key"], s["task"], label(s), level(s) if s["method"] != "dense" else "",
                     s["seed"], *(f"{r[k]:.6g}" for k in _CSV[5:13]),
                     " ".join(f"{k}:{v}" for k, v in r["ranks"].items())])
     write_atomic(path, buf.getvalue().encode())
@@ -316,19 +318,26 @@ def _groups(results: list[dict]) -> dict[tuple, list[dict]]:
     g: dict[tuple, list[dict]] = {}
     for r in results:
         s = r["spec"]
-        g.setdefault((s["task"], s["method"], level(s)), []).append(r)
+        g.setdefault((s["task"], label(s), level(s)), []).append(r)
     return g
 
 
+def _config(spec: dict) -> str:
+    return f"{spec.get('optimizer', 'sgd')} {spec['lr']:g}"
+
+
 def summary_markdown(results: list[dict]) -> str:
-    """Mean ± std over seeds per (task, method, τ)."""
-    lines = ["| task | method | τ or target | seeds | diverged | test acc | compression "
-             "| training compression | final d_t | s/epoch | state MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    """Mean ± std over seeds per (task, method, τ): with the optimizer and learning rate (a
+    row mixing several lists each), validation and test accuracy."""
+    lines = ["| task | method | τ or target | seeds | diverged | optimizer, lr | val acc | test acc "
+             "| compression | training compression | final d_t | s/epoch | state MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (task, method, tau), rs in sorted(_groups(results).items(), key=lambda kv: (kv[0][0], kv[0][1],
                                                                                       kv[0][2] or 0)):
         lines.append(f"| {task} | {method} | {'' if tau is None else tau} | {len(rs)} | "
                      f"{sum(1 for r in rs if r.get('diverged'))} | "
+                     f"{', '.join(sorted({_config(r['spec']) for r in rs}))} | "
+                     f"{mean_std([r.get('val_acc', math.nan) for r in rs], '{:.4f}')} | "
                      f"{mean_std([r['test_acc'] for r in rs], '{:.4f}')} | "
                      f"{mean_std([r['compression'] for r in rs], '{:.3f}')} | "
                      f"{mean_std([r['training_compression'] for r in rs], '{:.3f}')} | "
@@ -353,7 +362,7 @@ def plot(results: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     tasks = sorted({r["spec"]["task"] for r in results})
-    methods = [m for m in METHODS if any(r["spec"]["method"] == m for r in results)]
+    methods = list(dict.fromkeys(label(r["spec"]) for r in results))  # methods with their budget variants
     paths = []
     groups = _groups(results)
 
@@ -389,7 +398,7 @@ def plot(results: list[dict], out: Path) -> list[Path]:
                 s = r["spec"]
                 if s["task"] == task and s["seed"] == 0 and s["method"] != "dense" and level(s) == mid:
                     ax.plot([p["step"] for p in r["trace"]], [p[key] for p in r["trace"]],
-                            label=s["method"], lw=1)
+                            label=label(s), lw=1)
             ax.set_title(f"{task}, τ or target = {mid}", fontsize=9)
             ax.set_xlabel("step")
             ax.set_ylabel(ylabel)
@@ -416,7 +425,7 @@ def _target_plots(results: list[dict], tasks: list[str], methods: list[str], sav
             ax.axhline(mu, color="k", lw=1, label="dense")
         for i, m in enumerate(x for x in methods if x != "dense"):
             pts = [(t, [r["test_acc"] for r in results if r["spec"]["task"] == task
-                        and r["spec"]["method"] == m and r["spec"].get("target") == t]) for t in targets]
+                        and label(r["spec"]) == m and r["spec"].get("target") == t]) for t in targets]
             pts = [(t, a) for t, a in pts if a]
             if pts:
                 ax.errorbar([100 * t + 0.15 * (i - 2) for t, _ in pts], [statistics.mean(a) for _, a in pts],
@@ -433,11 +442,11 @@ def _target_plots(results: list[dict], tasks: list[str], methods: list[str], sav
     for ax, task in zip(axes[0], tasks, strict=True):
         runs = [r for r in results
                 if r["spec"]["task"] == task and r["spec"].get("target") == mid and r["ranks"]]
-        shown = [m for m in methods if any(r["spec"]["method"] == m for r in runs)]
+        shown = [m for m in methods if any(label(r["spec"]) == m for r in runs)]
         layers = list(runs[0]["ranks"]) if runs else []
         width = 0.8 / max(len(shown), 1)
         for i, m in enumerate(shown):
-            rs = [r["ranks"] for r in runs if r["spec"]["method"] == m]
+            rs = [r["ranks"] for r in runs if label(r["spec"]) == m]
             ax.bar([j + (i - (len(shown) - 1) / 2) * width for j in range(len(layers))],
                    [statistics.mean(x[name] for x in rs) for name in layers], width, label=m)
         ax.set_xticks(range(len(layers)), layers, fontsize=7)
