@@ -12,6 +12,7 @@ from torch import nn
 
 from .._io import write_atomic
 from ..lowrank._convert import _set_submodule
+from ._budget import budget_params, uniform_rank
 from ._config import AdapterConfig
 from ._layer import AdapterLinear
 
@@ -30,8 +31,11 @@ def get_adapter_model(model: nn.Module, config: AdapterConfig) -> nn.Module:
     `config.modules_to_save`. Returns `model`, whose output is unchanged (the adapters start at
     a zero product). ``model.adapter_config`` holds `config`.
 
-    Raises ``ValueError`` naming the model's Linear layers when no target matches, and when the
-    model already has adapters."""
+    With ``config.budget`` every adapter starts at the largest rank, the same for all (clamped
+    to min(out, in) per layer), whose cost fits the budget (:class:`AdapterConfig`).
+
+    Raises ``ValueError`` naming the model's Linear layers when no target matches, when the
+    model already has adapters, and when the budget cannot hold every target at rank 1."""
     if not isinstance(config, AdapterConfig):
         raise TypeError(f"`config` must be a rankwise.peft.AdapterConfig; got {type(config).__name__}")
     if any(True for _ in adapters(model)):
@@ -45,10 +49,16 @@ def get_adapter_model(model: nn.Module, config: AdapterConfig) -> nn.Module:
     saved = [n for n, _ in model.named_modules() if n and config.saves(n)]
     if config.modules_to_save and not saved:
         raise ValueError(f"modules_to_save {list(config.modules_to_save)} matches no module of the model")
+    rank = config.r
+    if config.budget is not None:
+        shapes = [_shape(model.get_submodule(n)) for n in targets]
+        rank = uniform_rank(shapes, budget_params(config.budget, shapes), buffer=config.method == "sdlrt")
+        if config.max_rank is not None:
+            rank = min(rank, config.max_rank)
     for p in model.parameters():
         p.requires_grad_(False)
     for name in targets:
-        layer = AdapterLinear(model.get_submodule(name), config.r, max_rank=config.max_rank,
+        layer = AdapterLinear(model.get_submodule(name), rank, max_rank=config.max_rank,
                               alpha=config.alpha, dropout=config.dropout)
         _set_submodule(model, name, layer)
     for name in saved:
@@ -56,6 +66,19 @@ def get_adapter_model(model: nn.Module, config: AdapterConfig) -> nn.Module:
             p.requires_grad_(True)
     model.adapter_config = config
     return model
+
+
+def _shape(layer: nn.Module) -> tuple[int, int]:
+    return layer.out_features, layer.in_features
+
+
+def adapter_budget(model: nn.Module) -> int | None:
+    """The trainable parameters the adapters of `model` may hold (its ``AdapterConfig.budget``
+    as a count: U, S, V of every adapter, SDLRT's buffer included); ``None`` without a budget."""
+    config = _config_of(model)
+    if config.budget is None:
+        return None
+    return budget_params(config.budget, [_shape(m) for _, m in adapters(model)])
 
 
 def _config_of(model: nn.Module) -> AdapterConfig:
@@ -66,16 +89,49 @@ def _config_of(model: nn.Module) -> AdapterConfig:
     return config
 
 
-def adapter_optimizer(model: nn.Module, lr: float, **kwargs) -> torch.optim.Optimizer:
-    """The integrator the model's :class:`AdapterConfig` asks for: ``rankwise.SDLRT`` (τ, ω) or
-    ``rankwise.DLRT`` (τ); `kwargs` go to it (``momentum``, ``optimizer="adam"``,
-    ``update_every``, ``tau_min``, …)."""
-    from ..lowrank import DLRT, SDLRT
+def adapter_optimizer(model: nn.Module, lr: float, *, allocation: str = "error-sqrt",
+                      **kwargs) -> torch.optim.Optimizer:
+    """The integrator the model's :class:`AdapterConfig` asks for; `kwargs` go to it
+    (``momentum``, ``optimizer="adam"``, ``update_every``, ``tau_min``, …).
+
+    - Without a budget: ``rankwise.SDLRT`` (τ, ω) or ``rankwise.DLRT`` (τ).
+    - With ``config.budget``: ``rankwise.AugmentedBUG`` with ``rankwise.Budget(params=B,
+      ramp_steps=0, count_buffer=True, allocation=allocation)``, B = :func:`adapter_budget`,
+      and SDLRT's buffer for ``method="sdlrt"`` (no τ feedback: the budget sets the ranks).
+      The adapters' U, S, V (and buffer) then stay within B at every step, the ranks moving
+      between modules; `min_rank` defaults to 1.
+
+    Only what is trained is registered with the optimizer: the adapters' U, S, V and the
+    parameters that require grad (the `modules_to_save`); the frozen base weights are not in
+    its ``param_groups``, so its ``state_dict`` holds nothing of them.
+    """
+    from ..lowrank import DLRT, SDLRT, AugmentedBUG, Budget
 
     config = _config_of(model)
-    if config.method == "sdlrt":
-        return SDLRT(model, lr, tau=config.tau, omega=config.omega, **kwargs)
-    return DLRT(model, lr, tau=config.tau, **kwargs)
+    if config.budget is not None:
+        budget = Budget(params=adapter_budget(model), ramp_steps=0, allocation=allocation, count_buffer=True)
+        kwargs.setdefault("min_rank", 1)
+        opt = AugmentedBUG(model, lr, truncation=budget, buffer=config.method == "sdlrt", **kwargs)
+    elif allocation != "error-sqrt":
+        raise ValueError(f"`allocation`={allocation!r} applies to adapters with a budget; this model's "
+                         "AdapterConfig has budget=None")
+    elif config.method == "sdlrt":
+        opt = SDLRT(model, lr, tau=config.tau, omega=config.omega, **kwargs)
+    else:
+        opt = DLRT(model, lr, tau=config.tau, **kwargs)
+    _drop_frozen(opt, model)
+    return opt
+
+
+def _drop_frozen(opt: torch.optim.Optimizer, model: nn.Module) -> None:
+    """Take the frozen parameters (no ``requires_grad``, not a low-rank factor) out of `opt`'s
+    param groups. (AugmentedBUG registers all of ``model.parameters()``; the integrator skips
+    parameters without a gradient, so this changes no update, only what the optimizer holds.)"""
+    from ..lowrank._base import AbstractLowRankLayer
+
+    factors = {id(p) for m in model.modules() if isinstance(m, AbstractLowRankLayer) for p in (m.U, m.S, m.V)}
+    for group in opt.param_groups:
+        group["params"] = [p for p in group["params"] if p.requires_grad or id(p) in factors]
 
 
 def _saved_state(model: nn.Module, config: AdapterConfig) -> dict[str, torch.Tensor]:
