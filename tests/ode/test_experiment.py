@@ -80,3 +80,35 @@ def test_ode_cli_names_bad_entries(args, says, tmp_path):
 
     r = run_cli("ode", *args, "--out", str(tmp_path / "out"))
     assert r.exit_code == 2 and says in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_ode_cli_resumes_from_its_run_records(tmp_path, monkeypatch):
+    """`rankwise ode` stores one record per run (experiments._resume): a second call reuses it,
+    a changed setting is refused before anything runs, --force replaces it."""
+    import json
+
+    from helpers import run_cli
+    from rankwise.experiments import ode_seq
+
+    full = ode_seq.load_sequences
+
+    def small(data, seed):  # the real sequences, few of them: a run takes a second
+        utr, ytr, ute, yte = full(data, seed)
+        return utr[:96], ytr[:96], ute[:32], yte[:32]
+
+    monkeypatch.setattr(ode_seq, "load_sequences", small)
+    out = tmp_path / "ode"
+    args = ("ode", "--data", "mnist1d", "--grid", "fixed:8:r2", "--out", out)
+    r = run_cli(*args)
+    assert r.exit_code == 0, r.output
+    record = out / "runs" / "mnist1d_gated_fixed_C8_r2_s0.json"
+    before = record.read_bytes()
+    assert json.loads(before)["spec"]["rank"] == 2 and (out / "results.json").exists()
+    calls = []
+    monkeypatch.setattr(ode_seq, "run", lambda *a, **k: calls.append(a))
+    assert run_cli(*args).exit_code == 0 and not calls and record.read_bytes() == before  # reused
+    r = run_cli(*args, "--epochs", "2")
+    assert r.exit_code == 1 and "epochs 1 there, 2 now" in r.stderr and "--force" in r.stderr
+    assert record.read_bytes() == before and not calls
+    r = run_cli("ode", "--grid", "fixed:8,fixed:8", "--out", tmp_path / "twice")
+    assert r.exit_code == 2 and "names a run twice" in r.stderr

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import MAX_WORKERS, Force, UserError, claim_output_dir
+from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, holds_records
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
@@ -51,14 +51,21 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
 
 
 def _run_one(cfg, report=None) -> dict:
+    """One run, as a study record (``runs/<key>.json``): its settings under ``"spec"``."""
     import torch
 
     from ..experiments.ode_seq import run
 
     torch.set_num_threads(1)
-    if report is None:
-        return run(cfg)
-    return run(cfg, callback=lambda i, n, loss: report(i, n, f"loss {loss:.3f}"))
+    r = run(cfg) if report is None else run(cfg, callback=lambda i, n, loss: report(i, n, f"loss {loss:.3f}"))
+    return dict(r, spec=r["config"])
+
+
+def _key(cfg) -> str:
+    """A run's record name: data, model, controller settings and seed, e.g.
+    ``digits_gated_adaptive_C8-32_r8-32_s0``."""
+    name = cfg.name.replace("→", "-").replace("=", "")
+    return "_".join([cfg.data, cfg.model, *re.sub(r"[^A-Za-z0-9.-]+", " ", name).split(), f"s{cfg.seed}"])
 
 
 def ode_cmd(
@@ -79,8 +86,9 @@ def ode_cmd(
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 1,
     jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
-    out: Annotated[Path, typer.Option(help="Folder for results.json, traces.csv and ode_traces.png (an "
-                                      "earlier run's are replaced only with --force).")] = Path("runs/ode"),
+    out: Annotated[Path, typer.Option(help="Folder for runs/*.json (one record per run: a run stored there "
+                                      "with the same settings is reused, not rerun), results.json, "
+                                      "traces.csv and ode_traces.png.")] = Path("runs/ode"),
     force: Force = False,
 ) -> None:
     """The reversible low-rank ODE experiment: checkpoint/rank controllers compared.
@@ -107,29 +115,37 @@ def ode_cmd(
         for f in ("max_rank", "depth_steps", "layers", "epochs"):
             msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
         raise UserError(msg) from e
-    claim_output_dir(out, produced=ODE_OUTPUTS, force=force, what="ode experiment")
+    keys = [_key(c) for c in cfgs]
+    if len(set(keys)) != len(keys):
+        raise UserError(f"--grid names a run twice ({grid}): each would train the same runs")
+    # a folder of this command's run records is resumed, its summaries rewritten from them;
+    # summary-named files without such records are someone else's: replaced only with --force
+    claim_output_dir(out, produced=ODE_OUTPUTS, force=force or holds_records(out, "controller"),
+                     what="ode experiment")
 
     from rich.progress import Progress
     from rich.table import Table
 
     from .._io import write_atomic
-    from ..experiments._pool import map_runs
+    from ..experiments._resume import run_resumable
     from ..experiments._stats import mean_std
     from ..experiments.ode_seq import plot_traces
     from ._common import progress_columns
 
     console = Console()
     with Progress(*progress_columns(), console=console) as prog:
-        bars = [prog.add_task(f"{c.name} s{c.seed}", total=None, info="waiting") for c in cfgs]
+        bars = {k: prog.add_task(f"{c.name} s{c.seed}", total=None, info="waiting")
+                for k, c in zip(keys, cfgs, strict=True)}
 
-        def on_progress(i: int, done: int, total: int, info: str) -> None:
-            prog.update(bars[i], completed=done, total=total, info=f"it {done}/{total} {info}")
+        def on_progress(key: str, done: int, total: int, info: str) -> None:
+            prog.update(bars[key], completed=done, total=total, info=f"it {done}/{total} {info}")
 
-        def on_done(i: int, r: dict) -> None:
-            prog.update(bars[i], info=f"test acc {r['test_acc']:.3f}")
+        def on_done(r: dict) -> None:
+            prog.update(bars[_key(OdeRunConfig(**r["spec"]))], info=f"test acc {r['test_acc']:.3f}")
 
-        results = map_runs(_run_one, cfgs, jobs=jobs, processes=jobs > 1, on_progress=on_progress,
-                           on_done=on_done)
+        results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
+                                overwrite=force, on_progress=on_progress, on_done=on_done,
+                                hint="rerun with --force to replace them, or choose another --out")
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
     rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,peak_bytes,recomputed,reloads"]
     rows += [f"{r['name']},{r['config']['seed']},{t['it']},{t['loss']:.6g},{t['rank']:.3g},"
