@@ -1,16 +1,17 @@
 """What a rank-adaptive adapter step costs against a LoRA step: every ``rankwise peft`` method on
-MiniLM-L6 (query/key/value, starting rank 10, classifier head trained), side by side in one run.
+MiniLM-L6 (query/key/value, classifier head trained), side by side in one run.
 
 The models and optimizers are the comparison's own (``rankwise.experiments.peft_compare``):
 LoRA, LoRA at rank 20, AdaLoRA (with ``update_and_allocate``) and LoRA+ through ``peft``;
-DLRT / SDLRT adapters (τ = 0.02, capped at rank 20) with the integrator's Adam; SDLRT with
-``tau_min``; and, with ``--update-every K``, DLRT / SDLRT running the basis update and truncation
-every K-th step only. One step = zero_grad, forward, backward, optimizer step (and AdaLoRA's
-hook), on BBC News batches of ``--batch`` articles × ``--max-len`` tokens.
+DLRT / SDLRT adapters on LoRA r10's parameter budget and, as ``*-cap2r``, at τ = 0.02 capped at
+rank 20, all with the integrator's Adam; and, with ``--update-every K``, DLRT / SDLRT running
+the basis update and truncation every K-th step only. One step = zero_grad, forward, backward,
+optimizer step (and AdaLoRA's hook), on BBC News batches of ``--batch`` articles × ``--max-len``
+tokens.
 
-Every configuration first takes ``--warmup`` steps (the adapters reach their cap), then the
-timed blocks are interleaved (lora, lora-2r, …, lora, …) and each figure is the median over
-``--repeats`` blocks of ``--steps`` steps. Usage: ``python benchmarks/peft_step.py``.
+Every configuration first takes ``--warmup`` steps, then the timed blocks are interleaved
+(lora, lora-2r, …, lora, …) and each figure is the median over ``--repeats`` blocks of
+``--steps`` steps. Usage: ``python benchmarks/peft_step.py``.
 """
 
 from __future__ import annotations

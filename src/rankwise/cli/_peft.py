@@ -7,43 +7,87 @@ from typing import Annotated
 
 import typer
 
-from ..experiments._peft_spec import METHODS, SETTINGS
+from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, progress_columns
-from ._sweep import _numbers, _split
+from ._sweep import _split
 
-PEFT_OUTPUTS = (r"summary\.md", r"peft_acc\.png", r"bbc_tokens_\d+\.pt")  # what it writes besides runs/
+# what it writes besides runs/
+PEFT_OUTPUTS = (r"summary\.md", r"selection\.md", r"peft_acc\.png", r"bbc_tokens_\d+\.pt")
+GRID_DEFAULT = "adam:0.0003,0.001,0.003,0.01"
 
 
 def peft_cmd(
-    methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
+    methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)} (dlrt, sdlrt: at "
+                                         "LoRA r's trainable parameters; *-cap2r: τ, capped at 2r).")]
     = ",".join(METHODS),
     settings: Annotated[str, typer.Option(help="Training articles: full (70 % split), 100 or 25 (balanced "
                                           "per class, drawn with each seed).")] = "100",
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 3,
-    lrs: Annotated[str, typer.Option(help="Learning rates to try (each method's best on the validation "
-                                     "split is reported).")] = "0.001",
-    steps: Annotated[int, typer.Option(help="Optimizer steps per run.", min=1)] = 100,
+    select: Annotated[str, typer.Option(
+        help="Choose each method's optimizer family and learning rate on validation, on seed 0 of this "
+             "setting (one of --settings), from --grid; then run every setting and seed with it. 'none': "
+             "every run uses --optimizer and --lr.")] = "100",
+    grid: Annotated[str | None, typer.Option(
+        help=f"With --select: FAMILY:LR,LR,...;FAMILY:... (families: {', '.join(OPTIMIZERS)}; default "
+             f"{GRID_DEFAULT}). A choice at an edge widens it by one value.")] = None,
+    widen: Annotated[int, typer.Option(help="With --select: how often a grid may grow at an edge.",
+                                       min=0, max=5)] = 1,
+    optimizer: Annotated[str | None, typer.Option(
+        help=f"With --select none: the optimizer family, {' or '.join(OPTIMIZERS)} (default adam).")] = None,
+    lr: Annotated[float | None, typer.Option(help="With --select none: the learning rate (default "
+                                             "0.001).")] = None,
+    steps: Annotated[int | None, typer.Option(
+        help="Optimizer steps per run; default " + ", ".join(f"{n} ({s})" for s, n in STEPS.items()) + ".",
+        min=1)] = None,
     batch_size: Annotated[int, typer.Option(help="Articles per step.", min=1)] = 16,
-    max_len: Annotated[int, typer.Option(help="Tokens per article (truncated).", min=8, max=512)] = 64,
+    max_len: Annotated[int, typer.Option(help="Tokens per article (truncated).", min=8, max=512)] = 128,
+    rank: Annotated[int, typer.Option(help="LoRA's rank r, whose trainable parameters every method gets.",
+                                      min=1)] = 10,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
-    out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, peft_acc.png.")]
-    = Path("runs/peft"),
+    out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, selection.md, "
+                                      "peft_acc.png.")] = Path("runs/peft"),
+    force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings differ "
+                                        "(default: refuse).")] = False,
 ) -> None:
     """Fine-tune MiniLM-L6 on BBC News with rank-adaptive adapters and with PEFT's LoRA, AdaLoRA and
-    LoRA+ (query/key/value, rank 10, classifier head trained); resumable; writes summary.md."""
+    LoRA+ (query/key/value, classifier head trained) at equal trainable parameters; each method's
+    configuration chosen on validation; resumable; writes summary.md and selection.md."""
     method_list = _split(methods, METHODS, "--methods")
+    if len(set(method_list)) != len(method_list):
+        raise UserError(f"--methods names a method twice ({methods}): each would train the same runs")
     setting_list = _split(settings, SETTINGS, "--settings")
-    lr_list = _numbers(lrs, "--lrs", "learning rate", "0.001,0.003", lo_open=True)
-    check_range("--steps", steps, 1)
-    check_output_dir(out, produced=PEFT_OUTPUTS, force=holds_records(out, "setting"), what="peft comparison")
+    chosen_on = None if select == "none" else select
+    if chosen_on is not None and chosen_on not in setting_list:
+        raise UserError(f"--select {select} must be one of --settings ({', '.join(setting_list)}) or 'none'")
+    from ..experiments._select import parse_grid
+
+    if chosen_on is None and grid is not None:
+        raise UserError("--grid applies to --select: give --select SETTING too (or leave --grid out)")
+    if chosen_on is not None and (optimizer is not None or lr is not None):
+        raise UserError("--select chooses the optimizer and learning rate: leave --optimizer and --lr out, "
+                        "or give --select none")
+    try:
+        lr_grid = parse_grid(GRID_DEFAULT if grid is None else grid)
+    except ValueError as e:
+        raise UserError(f"--grid: {e}") from None
+    if set(lr_grid) - set(OPTIMIZERS):
+        raise UserError(f"--grid: families must be from {', '.join(OPTIMIZERS)}; got {', '.join(lr_grid)}")
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
+    if lr is not None:
+        check_range("--lr", lr, 0, None, lo_open=True)
+    small = [s for s in setting_list if SETTINGS[s] is not None and batch_size > SETTINGS[s]]
+    if small:
+        raise UserError(f"--batch-size {batch_size} is larger than the {small[0]} training articles")
+    check_output_dir(out, produced=PEFT_OUTPUTS, force=force or holds_records(out, "setting"),
+                     what="peft comparison")
     try:  # everything it needs, before anything runs
         import peft  # noqa: F401
         import transformers  # noqa: F401
 
         from ..data._bbc import bbc_news_dir
-        from ..experiments._peft_spec import PeftRunSpec
-        from ..experiments.peft_compare import compare, model_path, plot, study_records, summary_markdown
+        from ..experiments.peft_compare import model_path
 
         model_path()
         bbc_news_dir()
@@ -54,10 +98,9 @@ def peft_cmd(
     from rich.progress import Progress
 
     from .._io import write_atomic
+    from ..experiments._select import choices_markdown
+    from ..experiments.peft_compare import plot, study, study_records, summary_markdown
 
-    specs = [PeftRunSpec(method=m, setting=s, seed=seed, lr=lr, steps=steps, batch_size=batch_size,
-                         max_len=max_len)
-             for s in setting_list for m in method_list for lr in lr_list for seed in range(seeds)]
     console = Console()
     with Progress(*progress_columns(), console=console) as prog:
         bars: dict[str, int] = {}
@@ -73,10 +116,24 @@ def peft_cmd(
             prog.console.print(f"{r['key']}: val {r['val_acc']:.3f}, test {r['test_acc']:.3f}, "
                                f"{r['step_seconds']:.2f} s/step")
 
-        results = compare(specs, out, jobs=jobs, on_done=done, on_progress=on_progress)
-    records = study_records(out, specs[0])  # with the study's runs from earlier commands
-    table = summary_markdown(records)
+        result = study(method_list, setting_list, seeds, out,
+                       steps=None if steps is None else dict.fromkeys(SETTINGS, steps), select=chosen_on,
+                       grid=lr_grid, widen=widen, optimizer=optimizer or "adam", lr=lr or 1e-3, jobs=jobs,
+                       overwrite=force, on_done=done, on_progress=on_progress, batch_size=batch_size,
+                       max_len=max_len, rank=rank)
+    from ..experiments._peft_spec import PeftRunSpec
+
+    records = study_records(out, PeftRunSpec(batch_size=batch_size, max_len=max_len, rank=rank,
+                                             setting=setting_list[0]))  # with earlier commands' runs
+    wrote = ["summary.md"]
+    if result.choices:
+        rows = [(chosen_on, m, c) for m, c in result.choices.items()]
+        where = f"on validation, seed 0, setting {chosen_on}"
+        write_atomic(out / "selection.md", choices_markdown(rows, where).encode())
+        wrote.append("selection.md")
+    table = summary_markdown(records, result.choices, chosen_on)
     write_atomic(out / "summary.md", table.encode())
-    png = plot(records, out)
+    png = plot(records, out, result.choices)
     console.print(table)
-    console.print(f"{len(results)} runs now, {len(records)} in the study; wrote {out}/summary.md and {png}")
+    console.print(f"{len(result.records)} runs now, {len(records)} in the study; wrote "
+                  f"{', '.join(f'{out}/{w}' for w in wrote)} and {png}")

@@ -3,12 +3,24 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from .._checks import check_training
 
-METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "sdlrt-taumin")
+# Every method at LoRA r10's trainable parameters (r = PeftRunSpec.rank), unless its name says
+# otherwise: LoRA; LoRA at 2r; AdaLoRA with the final budget of LoRA at r (target_r = r, from
+# init_r = 1.5 r, PEFT's default ratio 12 → 8); LoRA+; DLRT and SDLRT adapters holding the
+# trainable parameters of LoRA at r (AdapterConfig.budget "lora:r", SDLRT's buffer counted).
+# The *-cap2r methods are the first study's: τ = 0.02 from rank r, capped at 2r (up to 2× LoRA
+# r's parameters, SDLRT 4× with its buffer).
+METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r")
+PEFT_METHODS = ("lora", "lora-2r", "adalora", "loraplus")  # through the peft library
+BUDGET_METHODS = ("dlrt", "sdlrt")
 SETTINGS = {"full": None, "100": 100, "25": 25}  # training articles (None: the whole training split)
+STEPS = {"full": 200, "100": 150, "25": 150}  # default optimizer steps per setting
+OPTIMIZERS = ("adam", "sgd")  # Adam (AdamW without weight decay for PEFT's methods); SGD, momentum 0.9
+VERSION = 2  # 1: before issue 24 (methods dlrt/sdlrt were the capped ones, no optimizer field)
 
 
 @dataclass(frozen=True)
@@ -16,25 +28,42 @@ class PeftRunSpec:
     method: str = "sdlrt"
     setting: str = "100"
     seed: int = 0
+    optimizer: str = "adam"
     lr: float = 1e-3
-    steps: int = 100
+    steps: int = 150
     batch_size: int = 16
-    max_len: int = 64
+    max_len: int = 128
     rank: int = 10
-    tau: float = 0.02
-    max_rank: int = 20  # DLRT/SDLRT adapters: a cap (from a zero start with τ = 0.02 the ranks
-    # double at every augmentation: 209–323 after 10 steps without one, docs/peft.md)
+    tau: float = 0.02  # the *-cap2r methods' truncation tolerance
+    version: int = VERSION
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}; got {self.method!r}")
         if self.setting not in SETTINGS:
             raise ValueError(f"setting must be one of {list(SETTINGS)}; got {self.setting!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}; got {self.optimizer!r}")
         check_training(steps=self.steps, batch_size=self.batch_size, lr=self.lr, seed=self.seed)
         if SETTINGS[self.setting] is not None and self.batch_size > SETTINGS[self.setting]:
             raise ValueError(f"`batch_size` {self.batch_size} is larger than the {self.setting} training "
                              "articles of this setting")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise ValueError(f"`rank` must be an int >= 1; got {self.rank!r}")
 
     @property
     def key(self) -> str:
-        return f"{self.method}_{self.setting}_lr{self.lr:g}_s{self.seed}"
+        return f"{self.method}_{self.setting}_{self.optimizer}-lr{self.lr:g}_s{self.seed}"
+
+    @property
+    def budget(self) -> str | None:
+        """The DLRT/SDLRT adapters' ``AdapterConfig.budget`` (``None``: a capped method or PEFT's)."""
+        return f"lora:{self.rank}" if self.method in BUDGET_METHODS else None
+
+    def differences(self, stored: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+        """{field: (stored value, this value)} where the stored spec `stored` (a run record's
+        ``"spec"``) differs; a field the record predates counts as its default, and a record
+        without ``version`` is of version 1 (the protocol before issue 24)."""
+        mine = asdict(self)
+        theirs = {f.name: stored.get(f.name, 1 if f.name == "version" else f.default) for f in fields(self)}
+        return {k: (theirs[k], mine[k]) for k in mine if theirs[k] != mine[k]}

@@ -1,34 +1,48 @@
 """The PEFT comparison behind ``rankwise peft``: rank-adaptive adapters (DLRT, SDLRT) against
 LoRA, AdaLoRA and LoRA+ (through ``peft`` itself) on MiniLM-L6 fine-tuned on BBC News.
 
-Every method adapts query/key/value of every attention layer starting at rank 10 and trains the
-classifier head; one fixed stratified split (70 / 10 / 20 %, seed 0) is shared by all runs; the
-low-data settings draw their training articles (balanced per class) from its training part
-with the run's seed.
+Every method adapts query/key/value of every attention layer and trains the classifier head;
+the methods are compared at LoRA r10's trainable parameters (:mod:`._peft_spec`), and all at the
+same effective scale 1.0 of the adapter's product (LoRA's lora_alpha = r, AdaLoRA's = init_r,
+rankwise's alpha = 1). One fixed stratified split (70 / 10 / 20 %, seed 0) is shared by all
+runs; the low-data settings draw their training articles (balanced per class) from its
+training part with the run's seed. Each method's optimizer family and learning rate are chosen
+on validation (:func:`study`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import os
 import resource
 import time
 import warnings
-from dataclasses import asdict, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
-# lora-2r: LoRA at twice the rank, the rank the DLRT/SDLRT adapters may grow to (max_rank)
 from ..train import Callback, Loop, accuracy, fit
+from ._peft_report import best_by_validation as best_by_validation
+from ._peft_report import plot as plot
+from ._peft_report import study_records as study_records
+from ._peft_report import summary_markdown as summary_markdown
 from ._peft_spec import METHODS as METHODS
+from ._peft_spec import PEFT_METHODS, VERSION
 from ._peft_spec import SETTINGS as SETTINGS
+from ._peft_spec import STEPS as STEPS
 from ._peft_spec import PeftRunSpec as PeftRunSpec
+from ._select import Choice
 
 TARGETS = ["query", "key", "value"]
+GRID: dict[str, tuple[float, ...]] = {"adam": (3e-4, 1e-3, 3e-3, 1e-2)}  # the default selection grid
+LORAPLUS_RATIO = 16  # LoRA+'s lr(B) / lr(A), the paper's recommendation
+MOMENTUM = 0.9  # the "sgd" family
 
 
 def model_path() -> Path:
@@ -73,6 +87,19 @@ def _data(max_len: int, cache_dir: Path | None = None):
     return _CACHE[max_len]
 
 
+def _peft_optimizer(model: nn.Module, spec: PeftRunSpec) -> torch.optim.Optimizer:
+    """The run's optimizer family for a PEFT model: AdamW without weight decay (= Adam, the HF
+    Trainer's default decay 0) or SGD with momentum; LoRA+ with its lr ratio for B."""
+    cls, extra = ((torch.optim.AdamW, {"weight_decay": 0.0}) if spec.optimizer == "adam"
+                  else (torch.optim.SGD, {"momentum": MOMENTUM}))
+    if spec.method == "loraplus":
+        from peft.optimizers import create_loraplus_optimizer
+
+        return create_loraplus_optimizer(model, optimizer_cls=cls, lr=spec.lr,
+                                         loraplus_lr_ratio=LORAPLUS_RATIO, **extra)
+    return cls([p for p in model.parameters() if p.requires_grad], lr=spec.lr, **extra)
+
+
 def _build(spec: PeftRunSpec, total_steps: int):
     """(model, optimizer, per-step hook) for `spec.method`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -86,37 +113,37 @@ def _build(spec: PeftRunSpec, total_steps: int):
     torch.manual_seed(spec.seed)
     model = AutoModelForSequenceClassification.from_pretrained(str(model_path()), num_labels=5)
     hook = None
-    if spec.method in ("lora", "lora-2r", "loraplus", "adalora"):
+    r = spec.rank
+    if spec.method in PEFT_METHODS:
         import peft
 
-        r = 2 * spec.rank if spec.method == "lora-2r" else spec.rank
-        if spec.method == "adalora":
-            cfg = peft.AdaLoraConfig(init_r=spec.rank, target_r=max(spec.rank // 2, 1),
-                                     total_step=total_steps, tinit=total_steps // 10,
-                                     tfinal=total_steps // 5, deltaT=5,
+        if spec.method == "adalora":  # the final budget of LoRA at r: target_r = r, from 1.5 r
+            init_r = max(round(1.5 * r), r)  # (scale lora_alpha / init_r = 1, as every method's)
+            cfg = peft.AdaLoraConfig(init_r=init_r, target_r=r, lora_alpha=init_r, total_step=total_steps,
+                                     tinit=total_steps // 10, tfinal=total_steps // 5, deltaT=5,
                                      target_modules=TARGETS, modules_to_save=["classifier"])
         else:
-            cfg = peft.LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS, modules_to_save=["classifier"])
+            rank = 2 * r if spec.method == "lora-2r" else r  # scale lora_alpha / r = 1
+            cfg = peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=TARGETS,
+                                  modules_to_save=["classifier"])
         model = peft.get_peft_model(model, cfg)
-        if spec.method == "loraplus":
-            from peft.optimizers import create_loraplus_optimizer
-
-            opt = create_loraplus_optimizer(model, optimizer_cls=torch.optim.AdamW, lr=spec.lr,
-                                            loraplus_lr_ratio=16)
-        else:
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=spec.lr)
+        opt = _peft_optimizer(model, spec)
         if spec.method == "adalora":
             def hook(step: int) -> None:  # the call PEFT users forget
                 model.base_model.update_and_allocate(step)
     else:
         from ..peft import AdapterConfig, adapter_optimizer, get_adapter_model
 
-        method = "dlrt" if spec.method == "dlrt" else "sdlrt"
-        config = AdapterConfig(TARGETS, r=spec.rank, tau=spec.tau, method=method, max_rank=spec.max_rank,
-                               modules_to_save=["classifier"])
+        method = spec.method.split("-")[0]
+        if spec.budget is not None:  # at LoRA r's trainable parameters, SDLRT's buffer counted
+            config = AdapterConfig(TARGETS, r=r, method=method, budget=spec.budget,
+                                   modules_to_save=["classifier"])
+        else:  # *-cap2r: τ from rank r, capped at 2r
+            config = AdapterConfig(TARGETS, r=r, tau=spec.tau, method=method, max_rank=2 * r,
+                                   modules_to_save=["classifier"])
         model = get_adapter_model(model, config)
-        extra = {"tau_min": spec.tau / 10} if spec.method == "sdlrt-taumin" else {}
-        opt = adapter_optimizer(model, spec.lr, optimizer="adam", **extra)
+        family = {"optimizer": "adam"} if spec.optimizer == "adam" else {"momentum": MOMENTUM}
+        opt = adapter_optimizer(model, spec.lr, **family)  # (the integrator's default rule: SGD)
     return model, opt, hook
 
 
@@ -133,29 +160,35 @@ class _Logits(nn.Module):
 
 
 class _StepLog(Callback):
-    """Each step's time and loss, AdaLoRA's rank-allocation hook, and the progress report."""
+    """Each step's time and loss, the most trainable parameters held, AdaLoRA's rank-allocation
+    hook, and the progress report."""
 
     def __init__(self, hook, progress) -> None:
         self.hook, self.progress = hook, progress
         self.times: list[float] = []
         self.losses: list[float] = []
+        self.most_trainable = 0
 
     def on_step_end(self, loop: Loop) -> None:
+        from ..peft import trainable_parameters
+
         t0 = time.perf_counter()
         if self.hook is not None:
             self.hook(loop.global_step - 1)
         self.times.append(loop.step_seconds + time.perf_counter() - t0)
         self.losses.append(loop.loss)
+        self.most_trainable = max(self.most_trainable, trainable_parameters(loop.model)[0])
         if self.progress is not None:
             self.progress(loop.global_step, loop.max_steps, f"loss {loop.loss:.3f}")
 
 
 def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], int]:
-    """Final rank per adapted module and the trainable parameters, buffers counted."""
-    from ..peft import adapters
+    """Final rank per adapted module, and the trainable parameters
+    (:func:`rankwise.peft.trainable_parameters`: SDLRT's buffer counted)."""
+    from ..peft import adapters, trainable_parameters
 
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    if method in ("lora", "lora-2r", "loraplus", "adalora"):
+    trainable = trainable_parameters(model)[0]
+    if method in PEFT_METHODS:
         ranks = {}
         for name, m in model.named_modules():
             if hasattr(m, "lora_A") and "default" in getattr(m, "lora_A", {}):
@@ -165,10 +198,7 @@ def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], in
                     r = int((m.lora_E["default"] != 0).sum())
                 ranks[name.split("model.", 2)[-1]] = r
         return ranks, trainable
-    ranks = {n: m.rank for n, m in adapters(model)}
-    head = sum(p.numel() for n, p in model.named_parameters() if n.startswith("classifier."))
-    factors = sum(t.numel() for _, m in adapters(model) for t in (m.U, m.S, m.V, m.U_buf, m.V_buf))
-    return ranks, head + factors  # (the integrator switches U, V's requires_grad off between steps)
+    return {n: m.rank for n, m in adapters(model)}, trainable
 
 
 def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> dict:
@@ -192,158 +222,116 @@ def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> 
         max_steps=spec.steps, shuffle=torch.Generator().manual_seed(spec.seed), callbacks=[log])
     times, losses = log.times, log.losses
     ranks, trainable = _ranks_and_params(model, spec.method)
+    budget = None
+    if spec.budget is not None:
+        from ..peft import adapter_budget
+
+        budget = adapter_budget(model)
     val, test = torch.tensor(split["val"]), torch.tensor(split["test"])
     return dict(spec=asdict(spec), key=spec.key, val_acc=accuracy(logits, val, y[val], batch=64),
                 test_acc=accuracy(logits, test, y[test], batch=64),
-                final_loss=float(np.mean(losses[-10:])),
-                step_seconds=float(np.median(times[1:] or times)), trainable_params=trainable, ranks=ranks,
+                final_loss=float(np.mean(losses[-10:])), steps=len(losses),
+                step_seconds=float(np.median(times[1:] or times)), trainable_params=trainable,
+                trainable_params_max=log.most_trainable, adapter_budget=budget, ranks=ranks,
                 peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
                 train_articles=len(train))
 
 
-def _job(args, report=None) -> dict:
-    spec, folder = args
-    from .._io import write_atomic
-
+def _job(spec: PeftRunSpec, report=None, *, cache_dir: str | None = None) -> dict:
+    """One run in a worker process (one thread: runs go side by side)."""
     torch.set_num_threads(1)
-    r = run_one(spec, progress=report, cache_dir=Path(folder).parent)
-    write_atomic(Path(folder) / f"{spec.key}.json", json.dumps(r).encode())
-    return r
+    return run_one(spec, progress=report, cache_dir=None if cache_dir is None else Path(cache_dir))
 
 
-def compare(specs: list[PeftRunSpec], out: Path, *, jobs: int = 1, on_done=None,
-            on_progress=None) -> list[dict]:
-    """Run every spec not already in ``out/runs/`` (resumable: same key and settings), in `jobs`
-    processes; returns all records. A stored record whose settings differ raises
-    ``FileExistsError`` before anything runs."""
+def _tokenise(todo: list[PeftRunSpec], out: Path) -> None:
+    """Before the workers start: every sequence length's tokens, cached in `out`."""
+    for max_len in sorted({s.max_len for s in todo}):
+        _data(max_len, out)
+
+
+def _older_protocol(folder: Path) -> list[str]:
+    """Names of the records in `folder` written before this protocol (no or an older ``version``)."""
+    old = []
+    for p in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            spec = json.loads(p.read_text()).get("spec")
+        except (OSError, ValueError, AttributeError):
+            continue  # (run_resumable reports an unreadable record of this study's own keys)
+        if isinstance(spec, dict) and "setting" in spec and spec.get("version", 1) < VERSION:
+            old.append(p.name)
+    return old
+
+
+def compare(specs: Sequence[PeftRunSpec], out: Path, *, jobs: int = 1, overwrite: bool = False,
+            on_done: Callable[[dict], None] | None = None,
+            on_progress: Callable[[str, int, int, str], None] | None = None) -> list[dict]:
+    """Run every spec not already in ``out/runs/`` (resumable, :func:`._resume.run_resumable`),
+    in `jobs` fresh processes; returns all records, in `specs` order.
+
+    Refused with ``FileExistsError`` before anything runs, unless `overwrite`: a stored record
+    of one of `specs` with other settings or unreadable (`overwrite` reruns it), and a folder
+    holding records of the protocol before issue 24 (`overwrite` runs beside them; they stay out
+    of the tables)."""
     folder = out / "runs"
-    done: dict[str, dict] = {}
-    for s in specs:
-        p = folder / f"{s.key}.json"
-        if p.exists():
-            rec = json.loads(p.read_text())
-            if rec.get("spec") != asdict(s):
-                raise FileExistsError(f"{p} holds run {s.key} with other settings; choose another --out")
-            done[s.key] = rec
-    folder.mkdir(parents=True, exist_ok=True)
-    todo = [s for s in specs if s.key not in done]
-    if todo:
-        from ._pool import map_runs
+    old = _older_protocol(folder)
+    if old and not overwrite:
+        raise FileExistsError(f"{folder} holds {len(old)} run records of the protocol before equal "
+                              f"budgets (issue 24; e.g. {old[0]}); rerun with --force to run beside them "
+                              "(they stay out of the tables), or choose another --out")
+    from ._resume import run_resumable
 
-        for max_len in {s.max_len for s in todo}:  # tokenise once, before the workers start
-            _data(max_len, out)
-
-        def finished(i: int, r: dict) -> None:
-            done[r["key"]] = r
-            if on_done:
-                on_done(r)
-
-        def progress(i: int, step: int, steps: int, info: str) -> None:
-            if on_progress:
-                on_progress(todo[i].key, step, steps, info)
-
-        map_runs(_job, [(s, str(folder)) for s in todo], jobs=jobs, processes=True, fresh_process=True,
-                 on_progress=progress if on_progress else None, on_done=finished)
-    return [done[s.key] for s in specs]
+    return run_resumable(list(specs), folder, partial(_job, cache_dir=str(out)),
+                         differences=PeftRunSpec.differences, jobs=jobs, overwrite=overwrite,
+                         hint="rerun with --force to replace them, or choose another --out",
+                         before_start=partial(_tokenise, out=out), on_done=on_done, on_progress=on_progress)
 
 
-_PER_RUN = ("method", "setting", "seed", "lr")  # what varies within one study
+@dataclasses.dataclass(frozen=True)
+class PeftStudy:
+    """What :func:`study` produced: this call's records (every setting and seed, at each
+    method's chosen configuration), the choices (method -> :class:`._select.Choice`; empty
+    without selection) and the setting they were made on."""
+
+    records: list[dict]
+    choices: dict[str, Choice]
+    select: str | None
 
 
-def study_records(out: Path, like: PeftRunSpec) -> list[dict]:
-    """Every record in ``out/runs/`` of the study `like` belongs to: same steps, batch, sequence
-    length, rank, τ and cap, any method, setting, seed and learning rate (so that a study run
-    by several commands, e.g. other seed counts per setting, has one table)."""
-    shared = {f.name: getattr(like, f.name) for f in fields(PeftRunSpec) if f.name not in _PER_RUN}
-    records = []
-    for p in sorted((out / "runs").glob("*.json")):
-        rec = json.loads(p.read_text())
-        if all(rec["spec"].get(k) == v for k, v in shared.items()):
-            records.append(rec)
-    return records
+def study(methods: Sequence[str], settings: Sequence[str], seeds: int, out: Path, *,
+          steps: Mapping[str, int] | None = None, select: str | None = "100",
+          grid: Mapping[str, Sequence[float]] = GRID, widen: int = 1, optimizer: str = "adam",
+          lr: float = 1e-3, jobs: int = 1, overwrite: bool = False,
+          on_done: Callable[[dict], None] | None = None,
+          on_progress: Callable[[str, int, int, str], None] | None = None, **fixed) -> PeftStudy:
+    """The comparison: every method on every setting with `seeds` seeds.
 
+    **Arguments:**
+    - `steps`: optimizer steps per setting (default :data:`._peft_spec.STEPS`).
+    - `select`: a setting of `settings`: each method's optimizer family and learning rate are
+      chosen on validation, on seed 0 of it, from `grid` (family -> learning rates; widened at
+      an edge up to `widen` times, :func:`._select.select`), then used for every setting and
+      seed. ``None``: every run uses `optimizer` and `lr`.
+    - `fixed`: the other :class:`PeftRunSpec` fields (``batch_size``, ``max_len``, ``rank``, ``tau``).
+    - `jobs`, `overwrite`, `on_done`, `on_progress`: as :func:`compare`.
+    """
+    if select is not None and select not in settings:
+        raise ValueError(f"the selection setting {select!r} must be one of the settings {list(settings)}")
+    steps = {**STEPS, **(steps or {})}
 
-def best_by_validation(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    """Per (setting, method): the runs at the learning rate with the best mean validation
-    accuracy."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in results:
-        s = r["spec"]
-        groups.setdefault((s["setting"], s["method"], s["lr"]), []).append(r)
-    best: dict[tuple, tuple[float, list[dict]]] = {}
-    for (setting, method, _), rs in groups.items():
-        v = float(np.mean([r["val_acc"] for r in rs]))
-        if (setting, method) not in best or v > best[(setting, method)][0]:
-            best[(setting, method)] = (v, rs)
-    return {k: rs for k, (_, rs) in best.items()}
+    def spec(method: str, setting: str, seed: int, **cfg) -> PeftRunSpec:
+        return PeftRunSpec(method=method, setting=setting, seed=seed, steps=steps[setting],
+                           **{"optimizer": optimizer, "lr": lr, **cfg}, **fixed)
 
+    def run(batch: list[PeftRunSpec]) -> list[dict]:
+        return compare(batch, out, jobs=jobs, overwrite=overwrite, on_done=on_done, on_progress=on_progress)
 
-def _ordered(best: dict[tuple[str, str], list[dict]]):
-    for setting in SETTINGS:
-        for method in METHODS:
-            if (setting, method) in best:
-                yield setting, method, best[(setting, method)]
+    choices: dict[str, Choice] = {}
+    if select is not None:
+        from ._select import select as choose_on_validation
 
-
-def summary_markdown(results: list[dict]) -> str:
-    """Per (setting, method), at the learning rate with the best mean validation accuracy: test
-    accuracy, trainable parameters, ranks, step time relative to LoRA and peak memory."""
-    from ._stats import mean_std
-
-    best = best_by_validation(results)
-    lines = ["| setting | method | lr (best val) | seeds | val acc | test acc | trainable params | "
-             "ranks (min–max) | step / LoRA step | peak RSS growth (MiB) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for setting, method, rs in _ordered(best):
-        lora = best.get((setting, "lora"))
-        lora_t = float(np.mean([r["step_seconds"] for r in lora])) if lora else math.nan
-        ranks = [v for r in rs for v in r["ranks"].values()]
-        t = float(np.mean([r["step_seconds"] for r in rs]))
-        lines.append(f"| {setting} | {method} | {rs[0]['spec']['lr']:g} | {len(rs)} | "
-                     f"{mean_std([r['val_acc'] for r in rs], '{:.3f}')} | "
-                     f"{mean_std([r['test_acc'] for r in rs], '{:.3f}')} | "
-                     f"{int(np.mean([r['trainable_params'] for r in rs])):,} | "
-                     f"{min(ranks) if ranks else ''}–{max(ranks) if ranks else ''} | {t / lora_t:.2f} | "
-                     f"{np.mean([r['peak_rss_mib'] for r in rs]):.0f} |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(results: list[dict], out: Path) -> Path:
-    """``peft_acc.png``: test accuracy (mean ± std over seeds, each run a dot) per method at its
-    best validation learning rate, one panel per setting."""
-    import io
-
-    from .._extras import require
-
-
-    matplotlib = require("matplotlib", "the plots")
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .._io import write_atomic
-    from .._provenance import source_commit
-    from ._stats import mean_sd
-
-    best = best_by_validation(results)
-    settings = [s for s in SETTINGS if any(k[0] == s for k in best)]
-    fig, axes = plt.subplots(1, len(settings), figsize=(3.6 * len(settings), 3.4), squeeze=False)
-    for ax, setting in zip(axes[0], settings, strict=True):
-        rows = [(m, rs) for s, m, rs in _ordered(best) if s == setting]
-        for x, (method, rs) in enumerate(rows):
-            accs = [r["test_acc"] for r in rs]
-            m, sd = mean_sd(accs)
-            color = "C1" if method in ("dlrt", "sdlrt", "sdlrt-taumin") else "C0"
-            ax.errorbar([x], [m], yerr=[sd], fmt="o", color=color, capsize=3)
-            ax.plot([x] * len(accs), accs, ".", color="0.6", ms=3)
-        ax.set_xticks(range(len(rows)), [m for m, _ in rows], rotation=45, ha="right", fontsize=8)
-        n = rows[0][1][0]["train_articles"] if rows and setting != "full" else None
-        ax.set_title(f"{setting} training articles" if n else "full training split", fontsize=9)
-        ax.set_ylabel("test accuracy")
-    fig.text(0.01, 0.01, f"rankwise peft, {out.name}, commit {source_commit()}", fontsize=6, color="0.4")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    write_atomic(out / "peft_acc.png", buf.getvalue())
-    return out / "peft_acc.png"
+        groups = {m: spec(m, select, 0) for m in methods}
+        choices = choose_on_validation(groups, grid, lambda s, family, rate: dataclasses.replace(
+            s, optimizer=family, lr=rate), run, widen=widen)
+    specs = [spec(m, s, seed, **({"optimizer": choices[m].optimizer, "lr": choices[m].lr} if choices else {}))
+             for s in settings for m in methods for seed in range(seeds)]
+    return PeftStudy(run(specs), choices, select)
