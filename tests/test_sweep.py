@@ -202,3 +202,21 @@ def test_sweep_selects_each_method_on_validation(tmp_path):
     assert r.exit_code == 2 and "must be one of the compression --targets" in r.stderr
     r = run_cli("sweep", "--methods", "dlrt:bogus", "--targets", "0.9")
     assert r.exit_code == 2 and "is none of the allocations" in r.stderr
+
+
+def test_versus_baselines_picks_on_validation_and_reports_test():
+    from rankwise.experiments.sweep_report import versus_baselines_markdown
+
+    def r(method, label, val, test, seed, target=0.9):
+        return {"spec": {"task": "t", "method": method, "target": target, "seed": seed}, "label": label,
+                "val_acc": val, "test_acc": test}
+
+    rs = [r("dlrt", "dlrt", 0.90, 0.80, 0), r("dlrt", "dlrt", 0.90, 0.82, 1),  # best val, worse test
+          r("dlrt", "dlrt-uniform", 0.85, 0.99, 0), r("dlrt", "dlrt-uniform", 0.85, 0.99, 1),
+          r("fixed", "fixed-uniform", 0.88, 0.70, 0), r("fixed", "fixed-uniform", 0.88, 0.72, 1),
+          r("dense-svd", "dense-svd", 0.80, 0.95, 0), r("dense", "dense", 0.99, 0.99, 0, None)]
+    md = versus_baselines_markdown(rs)
+    # rankwise: dlrt by validation (not dlrt-uniform's better test); baseline: fixed-uniform
+    assert ("| t | 0.9 | dlrt | 0.8100 ± 0.0141 | fixed-uniform | 0.7100 ± 0.0141 | +0.1000 | yes | yes |"
+            in md), md
+    assert md.count("\n") == 3

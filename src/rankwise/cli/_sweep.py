@@ -66,6 +66,7 @@ def _entries(text: str) -> list[tuple[str, dict]]:
 
 
 SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"selection\.md", r"equal_compression\.md",
+                   r"versus_baselines\.md",
                    r"acc_vs_compression\.png", r"rank_vs_step\.png", r"dt_vs_step\.png",
                    r"acc_vs_target\.png", r"ranks_per_layer\.png")
 
@@ -243,7 +244,7 @@ def sweep_cmd(
 
     from .._io import write_atomic
     from ..experiments.sweep import plot, summary_markdown, sweep, write_csv
-    from ..experiments.sweep_report import equal_compression_markdown
+    from ..experiments.sweep_report import RANKWISE, equal_compression_markdown, versus_baselines_markdown
     from ._common import progress_columns
 
     console = Console()
@@ -291,9 +292,13 @@ def sweep_cmd(
     write_atomic(out / "summary.md", table.encode())
     if "dlrt" in method_list and target_list is None:
         write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
+    versus = target_list is not None and bool(set(method_list) & set(RANKWISE)) and bool(
+        {m for m in method_list if (METHODS[m] or {}).get("baseline")})
+    if versus:
+        write_atomic(out / "versus_baselines.md", versus_baselines_markdown(results).encode())
     pngs = plot(results, out)
     console.print(table)
     console.print(f"{len(results)} runs ({count[0]} new); wrote {out}/runs.csv, summary.md"
                   + (", equal_compression.md" if "dlrt" in method_list and target_list is None else "")
-                  + (", selection.md" if choices else "")
+                  + (", selection.md" if choices else "") + (", versus_baselines.md" if versus else "")
                   + f" and {', '.join(p.name for p in pngs)}")

@@ -6,6 +6,7 @@ import statistics
 
 import numpy as np
 
+from ._stats import mean_sd
 from ._sweep_spec import level
 
 
@@ -47,4 +48,42 @@ def equal_compression_markdown(results: list[dict], reference: str = "dlrt") -> 
                 else:
                     lines.append(f"| {task} | {m} | {tau:g} | {c:.3f} | {a:.4f} ± {sd:.4f} | outside "
                                  f"[{xs.min():.3f}, {xs.max():.3f}] | |")
+    return "\n".join(lines) + "\n"
+
+
+RANKWISE = ("dlrt", "sdlrt", "dlrt-warm", "sdlrt-warm")
+"""The rank-adaptive methods; the other methods with a target (fixed, dense-svd) are baselines."""
+
+
+def versus_baselines_markdown(results: list[dict]) -> str:
+    """Per task and compression target: the rankwise variant (any allocation) and the baseline
+    with the best mean *validation* accuracy, their test accuracies (mean ± sample std over
+    seeds) and whether the rankwise one is ahead, and by more than one std (the larger of the
+    two). Test accuracy decides nothing here: it is only reported for what validation chose."""
+    groups: dict[tuple[str, float, str], list[dict]] = {}
+    for r in results:
+        s = r["spec"]
+        if s["method"] != "dense" and s.get("target") is not None:
+            groups.setdefault((s["task"], s["target"], r["label"]), []).append(r)
+
+    def stats(rs: list[dict], key: str) -> tuple[float, float]:
+        return mean_sd([r[key] for r in rs])
+
+    lines = ["| task | target | rankwise (best val) | test acc | baseline (best val) | test acc | Δ test | "
+             "ahead | by > 1 std |", "|---|---|---|---|---|---|---|---|---|"]
+    for task, target in sorted({(t, g) for t, g, _ in groups}):
+        picks = []
+        for side in (True, False):
+            cands = {lab: rs for (t, g, lab), rs in groups.items() if t == task and g == target
+                     and (rs[0]["spec"]["method"] in RANKWISE) == side}
+            if not cands:
+                break
+            lab = max(cands, key=lambda k: stats(cands[k], "val_acc")[0])
+            picks.append((lab, *stats(cands[lab], "test_acc")))
+        if len(picks) < 2:
+            continue
+        (a, ma, sa), (b, mb, sb) = picks
+        d = ma - mb
+        lines.append(f"| {task} | {target:g} | {a} | {ma:.4f} ± {sa:.4f} | {b} | {mb:.4f} ± {sb:.4f} | "
+                     f"{d:+.4f} | {'yes' if d > 0 else 'no'} | {'yes' if d > max(sa, sb) else 'no'} |")
     return "\n".join(lines) + "\n"
