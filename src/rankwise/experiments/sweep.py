@@ -275,13 +275,6 @@ def _job(spec: RunSpec, report: Callable[[int, int, str], None] | None) -> dict:
     return run_one(spec, progress=report)
 
 
-def stored_conflicts(specs: list[RunSpec], out: Path) -> dict[str, dict[str, tuple]]:
-    """{key: differences} for the stored records in ``out/runs/`` whose key one of `specs` has
-    but whose settings differ (see :meth:`RunSpec.differences`); unreadable records count as
-    conflicts too (``{"record": ("unreadable", ...)}``)."""
-    return _resume.stored_conflicts(specs, out / "runs", differences=RunSpec.differences)
-
-
 def sweep(specs: list[RunSpec], out: Path, *, jobs: int = 1, overwrite: bool = False,
           on_done: Callable[[dict], None] | None = None,
           on_progress: Callable[[str, int, int, str], None] | None = None) -> list[dict]:

@@ -66,9 +66,6 @@ def versus_baselines_markdown(results: list[dict]) -> str:
         if s["method"] != "dense" and s.get("target") is not None:
             groups.setdefault((s["task"], s["target"], r["label"]), []).append(r)
 
-    def stats(rs: list[dict], key: str) -> tuple[float, float]:
-        return mean_sd([r[key] for r in rs])
-
     lines = ["| task | target | rankwise (best val) | test acc | baseline (best val) | test acc | Δ test | "
              "ahead | by > 1 std |", "|---|---|---|---|---|---|---|---|---|"]
     for task, target in sorted({(t, g) for t, g, _ in groups}):
@@ -78,8 +75,8 @@ def versus_baselines_markdown(results: list[dict]) -> str:
                      and (rs[0]["spec"]["method"] in RANKWISE) == side}
             if not cands:
                 break
-            lab = max(cands, key=lambda k: stats(cands[k], "val_acc")[0])
-            picks.append((lab, *stats(cands[lab], "test_acc")))
+            lab = max(cands, key=lambda k: mean_sd([r["val_acc"] for r in cands[k]])[0])
+            picks.append((lab, *mean_sd([r["test_acc"] for r in cands[lab]])))
         if len(picks) < 2:
             continue
         (a, ma, sa), (b, mb, sb) = picks
