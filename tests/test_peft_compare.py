@@ -158,6 +158,23 @@ def test_every_method_has_scale_one_and_the_budgeted_ones_train_no_more_than_lor
     assert {m.rank for _, m in adapters(built["dlrt-cap2r"][0])} == {10}
 
 
+def test_adalora_trains_with_peft_s_own_orthogonality_regulariser(built):
+    import torch
+    import torch.nn.functional as F
+
+    model = built["adalora"][0]
+    model.eval()  # (no dropout: one forward gives PEFT's loss and the logits it came from)
+    ids = torch.randint(1000, 2000, (2, 16), generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([1, 3])
+    with torch.no_grad():
+        out = model.base_model(input_ids=ids, labels=y)  # AdaLoraModel.forward adds the term
+        ours = pc._loss_fn(model, "adalora")(out.logits, y)
+        plain = F.cross_entropy(out.logits, y)
+    assert float(out.loss - plain) > 0.1  # the regulariser is there and not small at init
+    assert float(ours) == pytest.approx(float(out.loss), rel=1e-6)
+    assert pc._loss_fn(built["lora"][0], "lora") is F.cross_entropy
+
+
 # ------------------------------------------------------------------------- the command
 def test_peft_command_checks_its_arguments(tmp_path):
     from test_cli_errors import _one_line_error

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ..train import Callback, Loop, accuracy, fit
 from ._peft_report import best_by_validation as best_by_validation
@@ -147,6 +148,27 @@ def _build(spec: PeftRunSpec, total_steps: int):
     return model, opt, hook
 
 
+def _loss_fn(model: nn.Module, method: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """The training loss (logits (B, C), labels (B,) -> scalar): cross-entropy, plus for AdaLoRA
+    its orthogonality regulariser, ``orth_reg_weight`` times the mean over its factors of
+    ‖P Pᵀ − I‖_F (A) and ‖Qᵀ Q − I‖_F (B). PEFT adds that term in ``AdaLoraModel.forward``, only
+    when the model computes the loss from labels, which the training loop here does not (and a
+    ``PeftModel`` without a task type does not call that forward at all)."""
+    if method != "adalora":
+        return F.cross_entropy
+    weight = model.peft_config["default"].orth_reg_weight
+    factors = [(p, ".lora_A." in n) for n, p in model.named_parameters()
+               if (".lora_A." in n or ".lora_B." in n) and n.endswith(".default")]
+
+    def loss(out: Tensor, y: Tensor) -> Tensor:
+        reg = sum(torch.linalg.matrix_norm((p @ p.T if is_a else p.T @ p)
+                                           - torch.eye(p.shape[0] if is_a else p.shape[1]))
+                  for p, is_a in factors) / len(factors)
+        return F.cross_entropy(out, y) + weight * reg
+
+    return loss
+
+
 class _Logits(nn.Module):
     """A Hugging Face sequence classifier as a function of article indices: j (B,) int64 ->
     logits (B, classes), reading the articles' token ids and masks."""
@@ -219,7 +241,8 @@ def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> 
     articles = torch.tensor(train)
     # epochs of whole batches over the shuffled articles (a short last batch is left out)
     fit(logits, opt, articles, y[articles], epochs=None, batch_size=spec.batch_size, drop_last=True,
-        max_steps=spec.steps, shuffle=torch.Generator().manual_seed(spec.seed), callbacks=[log])
+        max_steps=spec.steps, shuffle=torch.Generator().manual_seed(spec.seed), callbacks=[log],
+        loss_fn=_loss_fn(model, spec.method))
     times, losses = log.times, log.losses
     ranks, trainable = _ranks_and_params(model, spec.method)
     budget = None
