@@ -253,6 +253,18 @@ def test_to_low_rank_twice_raises_naming_the_layers():
     assert model[0].rank == 2 and model[3].rank == 2
 
 
+@pytest.mark.parametrize("kw", [dict(rank=1.5), dict(rank=True), dict(rank=0), dict(rank="4"),
+                                dict(rank=2, max_rank=2.0), dict(rank=2, max_rank=False)])
+def test_to_low_rank_refuses_a_rank_that_is_not_an_int_at_least_1(kw):
+    model = _dense()
+    before = _snapshot(model)
+    name = "max_rank" if "max_rank" in kw else "rank"
+    with pytest.raises(ValueError, match=rf"`{name}` must be an int >= 1; got {re.escape(repr(kw[name]))}"):
+        rankwise.to_low_rank(model, **kw)
+    _assert_unchanged(model, before)
+    assert isinstance(model[0], nn.Conv2d) and isinstance(model[3], nn.Linear)
+
+
 def test_to_low_rank_on_a_low_rank_root_module_raises():
     with pytest.raises(ValueError, match=r"<root module> \(LowRankLinear, rank 2\)"):
         rankwise.to_low_rank(LowRankLinear(4, 4, 2), rank=3)

@@ -9,6 +9,15 @@ def check_unit_interval(value, name: str = "tau") -> None:
         raise ValueError(f"`{name}` must be in [0, 1); got {value}")
 
 
+def check_rank(value, name: str = "rank") -> None:
+    """Raise ``ValueError`` unless `value` is an int >= 1 (a rank or rank cap; ``True``, ``1.5``
+    and numpy floats refused rather than truncated or read as 1)."""
+    import numbers
+
+    if not (isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1):
+        raise ValueError(f"`{name}` must be an int >= 1; got {value!r}")
+
+
 _COUNTS = ("epochs", "steps", "max_steps", "batch_size")
 
 

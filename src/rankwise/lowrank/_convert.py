@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from .._checks import check_rank
 from ..linalg import work_dtype
 from ._base import AbstractLowRankLayer
 from ._conv import LowRankConv2d
@@ -70,8 +71,9 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     if target is None and allocation != RULES[0]:
         raise ValueError(f"`allocation`={allocation!r} needs a `target` (it decides how the target's "
                          "parameters are shared out)")
-    if rank is not None and rank < 1:
-        raise ValueError(f"`rank` must be >= 1; got {rank}")
+    for name, value in (("rank", rank), ("max_rank", max_rank)):
+        if value is not None:
+            check_rank(value, name)
     # a one-shot iterator (e.g. a generator) would be used up by the first module name
     include = include if include is None or isinstance(include, str) else list(include)
     exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)
