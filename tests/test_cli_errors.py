@@ -76,6 +76,23 @@ def test_ckpt_user_errors_are_one_line(tmp_path):
     msg = _one_line_error(run_cli("ckpt", "encode", tmp_path / "empty.bin", "--n", 3, "--t", 1,
                                   "--out", tmp_path / "e"), "ckpt encode")
     assert "3t < n" in msg and "n=3" in msg
+    msg = _one_line_error(run_cli("ckpt", "encode", tmp_path / "empty.bin", "--n", 4, "--t", 0,
+                                  "--out", tmp_path / "e"), "ckpt encode")
+    assert "t must be at least 1" in msg and "lower" not in msg  # (t = 0 was told "or lower --t")
+    assert not (tmp_path / "e").exists()
+
+
+@pytest.mark.parametrize("n, t, hint", [
+    (4, 0, "(t must be at least 1)"), (4, -2, "(t must be at least 1)"),
+    (6, 2, "(with t=2, n must be at least 7; or lower t to at most 1)"),
+    (3, 1, "(n must be at least 4 (t = 1))"),
+    (256, 1, "(n must be at most 255; with n=255, t can be at most 84)"),
+    (4.0, 1, "n and t must be integers"), (4, True, "n and t must be integers")])
+def test_the_code_geometry_problem_says_which_bound_to_move(n, t, hint):
+    from rankwise._checks import code_geometry_problem
+
+    assert hint in code_geometry_problem(n, t)
+    assert all(code_geometry_problem(n, t) is None for n, t in [(4, 1), (7, 2), (255, 84)])
 
 
 def test_sweep_and_ode_user_errors_are_one_line(tmp_path):

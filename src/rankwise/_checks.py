@@ -18,6 +18,20 @@ def check_rank(value, name: str = "rank") -> None:
         raise ValueError(f"`{name}` must be an int >= 1; got {value!r}")
 
 
+def code_geometry_problem(n, t) -> str | None:
+    """Why (n, t) is not a geometry of the 2-D code (``None`` when it is one): integers with
+    1 <= t and 3t < n <= 255, the hint saying which bound to move."""
+    if not (_is_int(n) and _is_int(t)):
+        return f"n and t must be integers; got n={n!r}, t={t!r}"
+    if t >= 1 and 3 * t < n <= 255:
+        return None
+    hint = ("t must be at least 1" if t < 1 else
+            "n must be at most 255; with n=255, t can be at most 84" if n > 255 else
+            f"with t={t}, n must be at least {3 * t + 1}; or lower t to at most {max((n - 1) // 3, 0)}"
+            if n >= 4 else "n must be at least 4 (t = 1)")
+    return f"need 1 <= t and 3t < n <= 255; got n={n}, t={t} ({hint})"
+
+
 _COUNTS = ("epochs", "steps", "max_steps", "batch_size")
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .._checks import code_geometry_problem
 from . import _backends, _gf, _merkle
 from ._format import CODEC, Commitment, Fragment, RepairSymbols, block_size, check_consistent, commitment_root
 
@@ -99,8 +100,8 @@ class Code2D:
     """
 
     def __init__(self, n: int, t: int, *, backend: str = "auto", hash: str = "blake3") -> None:
-        if not (isinstance(n, int) and isinstance(t, int) and t >= 1 and 3 * t < n <= 255):
-            raise ValueError(f"Code2D needs integers with 1 <= t and 3t < n <= 255; got n={n}, t={t}")
+        if (problem := code_geometry_problem(n, t)) is not None:
+            raise ValueError(f"Code2D {problem}")
         self.n, self.t, self.k = n, t, n - t
         self.backend = _backends.resolve(backend)
         self._mm, self._inv, self._into, self._tables_for = _backends.BACKENDS[self.backend]

@@ -18,6 +18,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .._checks import code_geometry_problem
 from ._common import Command, Force, UserError, check_new_file, check_range, claim_output_dir, new_app
 
 app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
@@ -71,10 +72,8 @@ def encode_cmd(
     """Write one fragment file per worker and the commitment."""
     if not file.is_file():
         raise UserError(f"FILE {file} " + ("is not a file" if file.exists() else "does not exist"))
-    if t < 1 or not 3 * t < n <= 255:
-        hint = ("n must be at most 255" if n > 255 else
-                f"with t={max(t, 1)}, n must be at least {3 * max(t, 1) + 1}; or lower --t")
-        raise UserError(f"--n and --t need 1 <= t and 3t < n <= 255; got n={n}, t={t} ({hint})")
+    if (problem := code_geometry_problem(n, t)) is not None:
+        raise UserError(f"--n and --t: {problem}")
     if hash not in ("blake3", "sha256"):
         raise UserError(f"--hash must be blake3 or sha256; got {hash!r}")
     if backend not in ("auto", "isal", "numpy"):
