@@ -116,6 +116,22 @@ def test_sweep_and_ode_user_errors_are_one_line(tmp_path):
     assert "--rank (or :rR in --grid) must be in [1, m=32]" in msg and "got 40" in msg
 
 
+@pytest.mark.parametrize("args, said", [
+    (("sweep", "--tasks", "lenet-digits,mlp-mnist1d,lenet-digits"), "--tasks names lenet-digits twice"),
+    (("sweep", "--methods", "dlrt:freeze:uniform,dlrt:uniform:freeze"), "names dlrt:uniform:freeze twice"),
+    (("sweep", "--targets", "0.9,0.90"), "--targets names 0.9 twice"),
+    (("sweep", "--taus", "0.1,0.2,0.1"), "--taus names 0.1 twice"),
+    (("sweep", "--targets", "0.9", "--select", "0.9", "--grid", "adam:0.001,0.01;adam:0.1,0.3"),
+     "adam is given twice"),
+    (("ode", "--grid", "fixed,fixed:8"), "--grid names fixed:8 twice"),
+    (("peft", "--settings", "100,25,100"), "--settings names 100 twice"),
+    (("peft", "--methods", "lora,dlrt,lora"), "--methods names lora twice")])
+def test_a_comma_list_that_names_a_value_twice_is_refused(tmp_path, args, said):
+    msg = _one_line_error(run_cli(*args, "--out", tmp_path / "out"), args[0])
+    assert said in msg
+    assert not (tmp_path / "out").exists()  # refused before anything is created or run
+
+
 def test_bad_choice_is_one_line_with_the_value():
     msg = _one_line_error(run_cli("train", "--method", "bogus"), "train")
     assert "'--method'" in msg and "'bogus'" in msg and "dense" in msg

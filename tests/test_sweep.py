@@ -197,7 +197,7 @@ def test_sweep_selects_each_method_on_validation(tmp_path):
     assert "| lenet-digits | fixed-uniform | 0.9 | 1 |" in summary
     assert "sgd 0.03" in summary or "sgd 0.1" in summary
     r = run_cli("sweep", "--methods", "dlrt,dlrt", "--targets", "0.9")
-    assert r.exit_code == 2 and "names an entry twice" in r.stderr
+    assert r.exit_code == 2 and "names dlrt twice" in r.stderr
     r = run_cli("sweep", "--methods", "dlrt", "--targets", "0.9", "--select", "0.8")
     assert r.exit_code == 2 and "must be one of the compression --targets" in r.stderr
     r = run_cli("sweep", "--methods", "dlrt:bogus", "--targets", "0.9")

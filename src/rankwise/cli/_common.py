@@ -232,3 +232,12 @@ def progress_columns() -> tuple[Any, ...]:
 
     return (TextColumn("{task.description}"), BarColumn(bar_width=16),
             TextColumn("{task.fields[info]}"), TimeElapsedColumn())
+
+
+def no_repeats(items: list, text: str, option: str, keys: list | None = None) -> None:
+    """A comma list that names one value twice (equal `keys`, default the items themselves)
+    would run or report the same thing twice: a UserError naming the repeated items."""
+    keys = items if keys is None else keys
+    twice = [str(x) for i, x in enumerate(items) if keys[i] in keys[:i]]
+    if twice:
+        raise UserError(f"{option} names {', '.join(twice)} twice ({text}); give each once")

@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, holds_records
+from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, holds_records, no_repeats
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
@@ -47,6 +47,7 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
                 raise UserError(f"--grid entry {entry!r}: {name} must be >= 1; got {value}")
         out.append((kind, int(c) if c else 12 if kind == "budget" else 8, None if cmax is None else int(cmax),
                     None if r is None else int(r)))
+    no_repeats([x.strip() for x in grid.split(",")], grid, "--grid", keys=out)
     return out
 
 

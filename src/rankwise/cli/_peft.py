@@ -54,8 +54,6 @@ def peft_cmd(
     LoRA+ (query/key/value, classifier head trained) at equal trainable parameters; each method's
     configuration chosen on validation; resumable; writes summary.md and selection.md."""
     method_list = _split(methods, METHODS, "--methods")
-    if len(set(method_list)) != len(method_list):
-        raise UserError(f"--methods names a method twice ({methods}): each would train the same runs")
     setting_list = _split(settings, SETTINGS, "--settings")
     chosen_on = None if select == "none" else select
     if chosen_on is not None and chosen_on not in setting_list:

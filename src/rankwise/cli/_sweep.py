@@ -21,7 +21,15 @@ from ..experiments._sweep_spec import (
     TASK_RANK,
 )
 from ..train_config import RAMP_SHARE
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, require_dir
+from ._common import (
+    MAX_WORKERS,
+    UserError,
+    check_output_dir,
+    check_range,
+    holds_records,
+    no_repeats,
+    require_dir,
+)
 
 
 def _split(text: str, allowed, option: str) -> list[str]:
@@ -30,13 +38,14 @@ def _split(text: str, allowed, option: str) -> list[str]:
     if bad or not items:
         raise UserError(f"{option} must be a comma-separated list from {', '.join(allowed)}; "
                         f"got {', '.join(bad) if bad else repr(text)}")
+    no_repeats(items, text, option)
     return items
 
 
 def _entries(text: str) -> list[tuple[str, dict]]:
     """--methods: ``METHOD[:ALLOC][:floorX][:freeze]`` entries -> (method, RunSpec settings)."""
-    out = []
-    for item in (x.strip() for x in text.split(",") if x.strip()):
+    out, items = [], [x.strip() for x in text.split(",") if x.strip()]
+    for item in items:
         method, *mods = item.split(":")
         if method not in METHODS:
             raise UserError(f"--methods must be a comma-separated list from {', '.join(METHODS)} (each "
@@ -60,8 +69,7 @@ def _entries(text: str) -> list[tuple[str, dict]]:
         out.append((method, extra))
     if not out:
         raise UserError(f"--methods must be a comma-separated list from {', '.join(METHODS)}; got {text!r}")
-    if len({(m, tuple(sorted(e.items()))) for m, e in out}) != len(out):
-        raise UserError(f"--methods names an entry twice ({text}): each would train the same runs")
+    no_repeats(items, text, "--methods", keys=[(m, sorted(e.items())) for m, e in out])
     return out
 
 
@@ -79,6 +87,7 @@ def _numbers(text: str, option: str, what: str, example: str, *, lo_open: bool) 
         raise UserError(f"{option} must be comma-separated numbers, e.g. {example}; got {text!r}") from e
     if not values:
         raise UserError(f"{option} is empty; give at least one {what}")
+    no_repeats(values, text, option)
     for v in values:
         check_range(f"{option}: every {what}", v, 0, 1, lo_open=lo_open)
     return values

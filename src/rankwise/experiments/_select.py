@@ -48,6 +48,8 @@ def parse_grid(text: str) -> dict[str, tuple[float, ...]]:
         if len(lrs) < 2 or not all(math.isfinite(v) and v > 0 for v in lrs) or len(set(lrs)) != len(lrs):
             raise ValueError(f"{family.strip()}: give at least two distinct positive learning rates; "
                              f"got {values!r}")
+        if family.strip() in grid:
+            raise ValueError(f"{family.strip()} is given twice; give each family once")
         grid[family.strip()] = tuple(lrs)
     if not grid:
         raise ValueError("the grid is empty")
