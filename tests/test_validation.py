@@ -333,3 +333,42 @@ def test_train_config_dict_round_trip(tmp_path):
     c = TrainConfig(method="sdlrt", exclude=("fc2",), out=tmp_path / "o", checkpoint_every=5,
                     checkpoint_dir=tmp_path / "ck")
     assert TrainConfig.from_dict(c.to_dict()) == c
+
+
+def _xent_closure(model, opt):
+    x, y = torch.randn(64, 20, generator=torch.Generator().manual_seed(1)), torch.arange(64) % 5
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("family", [dict(optimizer="adam"), dict(momentum=0.9)])
+def test_optimizer_state_saved_at_other_ranks_is_refused_before_anything_loads(cls, family):
+    def trained(rank, steps):
+        torch.manual_seed(0)
+        model = rankwise.to_low_rank(nn.Sequential(nn.Linear(20, 20), nn.ReLU(), nn.Linear(20, 5)), rank=rank)
+        opt = cls(model, lr=0.05, tau=0.05, **family)
+        for _ in range(steps):
+            opt.step(_xent_closure(model, opt))
+        return model, opt
+
+    model, opt = trained(4, 3)
+    saved, rank = opt.state_dict(), model[0].rank
+    assert rank != 2
+    other, other_opt = trained(2, 1)
+    before = copy.deepcopy(other_opt.state_dict())
+    with pytest.raises(ValueError, match=rf"layer '0' at rank {rank} \(its K moments are 20×{rank}\), "
+                                         r"but the layer is at rank 2 now: load the model's state_dict"):
+        other_opt.load_state_dict(saved)
+    _assert_same_state(other_opt.state_dict(), before)  # nothing loaded
+    other_opt.step(_xent_closure(other, other_opt))  # and it still trains
+    other.load_state_dict(model.state_dict())  # in the right order the same state is taken
+    fresh = cls(other, lr=0.05, tau=0.05, **family)
+    fresh.load_state_dict(saved)
+    fresh.step(_xent_closure(other, fresh))

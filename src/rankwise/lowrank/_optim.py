@@ -366,6 +366,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                           f"with {self._hp()['policies']}; the step count, moments and each layer's τ "
                           "carry over, the policies are this optimizer's", UserWarning, stacklevel=2)
         policies = self._hp()["policies"]
+        self._check_saved_ranks(state_dict)
         super().load_state_dict(state_dict)
         self._hp().setdefault("policies", policies)  # a state saved before they were recorded
         if start is not None:  # a state saved without a target: the schedule starts here
@@ -378,6 +379,25 @@ class AugmentedBUG(torch.optim.Optimizer):
                 st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in st.get(key, {}).items()}
         self._set_modes()
+
+    def _check_saved_ranks(self, state_dict: dict) -> None:
+        """Refuse (``ValueError``, nothing loaded) a state whose K/L/S moments were saved at other
+        ranks than the layers have now: the next step would fail on a shape mismatch."""
+        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = state_dict.get("state", {})
+        by_param = {id(p): saved.get(i) for i, p in zip(saved_ids, params, strict=False)}
+        for name, layer in self.layers.items():
+            st = by_param.get(id(layer.S)) or {}
+            want = {"K": tuple(layer.U.shape), "L": tuple(layer.V.shape), "S": tuple(layer.S.shape)}
+            for key, shape in want.items():
+                got = [tuple(v.shape) for v in (st.get(key) or {}).values()
+                       if torch.is_tensor(v) and v.ndim == 2]
+                if any(g != shape for g in got):
+                    raise ValueError(
+                        f"the optimizer state was saved with layer {name!r} at rank {got[0][1]} (its {key} "
+                        f"moments are {got[0][0]}×{got[0][1]}), but the layer is at rank {layer.rank} now: "
+                        "load the model's state_dict (it carries the ranks) before the optimizer's")
 
     def _evaluate(self, closure):
         if closure is None:
