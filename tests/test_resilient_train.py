@@ -48,6 +48,22 @@ def test_a_checkpoint_folder_of_another_run_is_refused_before_starting(tmp_path)
     assert sorted(p.name for p in ck.iterdir()) == ["run.json"]
 
 
+@pytest.mark.parametrize("case", ["a file", "another run"])
+def test_a_bad_checkpoint_folder_is_refused_before_out_is_created(tmp_path, case):
+    from helpers import run_cli
+
+    ck, out = tmp_path / "ck", tmp_path / "out"
+    if case == "a file":
+        ck.write_bytes(b"not a folder")
+    else:
+        ck.mkdir()
+        (ck / "run.json").write_text('{"method": "dlrt", "nproc": 4}')
+    r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", ck, "--out", out)
+    said = "is a file, not a folder" if case == "a file" else "holds checkpoints of another run"
+    assert r.exit_code in (1, 2) and said in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "File exists" not in r.stderr and not out.exists()
+
+
 def test_batch_norm_is_refused_by_the_data_parallel_optimizer():
     from torch import nn
 

@@ -128,6 +128,10 @@ def train_cmd(
     if checkpoint_every is not None and nproc < 4:
         raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
                         f"process with n > 3t); got --nproc {nproc}")
+    if config.checkpoint_dir is not None and nproc > 1:
+        from ._train_dp import check_checkpoint_dir
+
+        check_checkpoint_dir(config, nproc)  # before --out is created
     if out is not None:
         claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
     from rich.console import Console

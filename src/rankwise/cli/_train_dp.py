@@ -13,16 +13,19 @@ import sys
 from pathlib import Path
 
 
-def claim_checkpoint_dir(config, nproc: int) -> None:
-    """The run's identity in ``checkpoint_dir/run.json`` (written on the first start): a later
-    start with other settings or another number of processes is refused here, before any
-    process starts, naming what differs."""
-    from .._io import write_atomic
+def check_checkpoint_dir(config, nproc: int) -> None:
+    """Refuse (``UserError``) a ``checkpoint_dir`` that is not a folder, or that holds the
+    checkpoints of a run with other settings or another number of processes (its
+    ``run.json``), naming what differs; creates nothing."""
     from ..train._checkpoints import mismatch as resume_mismatch
     from ..train._run import _resumable
     from ._common import UserError
 
-    manifest = config.checkpoint_dir / "run.json"
+    folder = config.checkpoint_dir
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--checkpoint-dir {folder} is a file, not a folder; give a folder (created if "
+                        "missing)")
+    manifest = folder / "run.json"
     mine = {**_resumable(config), "nproc": nproc}
     if manifest.exists():
         try:
@@ -32,9 +35,21 @@ def claim_checkpoint_dir(config, nproc: int) -> None:
         if saved != mine:
             raise UserError(f"--checkpoint-dir {config.checkpoint_dir} holds checkpoints of another run ("
                             f"{resume_mismatch(saved, mine)}); choose another folder", 1)
+
+
+def claim_checkpoint_dir(config, nproc: int) -> None:
+    """The run's identity in ``checkpoint_dir/run.json`` (written on the first start), after
+    :func:`check_checkpoint_dir`: a later start with other settings is refused before any
+    process starts."""
+    from .._io import write_atomic
+    from ..train._run import _resumable
+
+    check_checkpoint_dir(config, nproc)
+    manifest = config.checkpoint_dir / "run.json"
+    if manifest.exists():
         return
     config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(manifest, json.dumps(mine, indent=1).encode())
+    write_atomic(manifest, json.dumps({**_resumable(config), "nproc": nproc}, indent=1).encode())
 
 
 def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: float | None = None) -> dict:
