@@ -66,3 +66,22 @@ def test_rewritten_or_forged_commitment_is_refused(tmp_path):
     (folder / "commitment.rwck").write_bytes(pristine)
     r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "c.bin", "--root", root)
     assert r.exit_code == 0 and (tmp_path / "c.bin").read_bytes() == data
+
+
+def test_a_folder_with_no_commitment_is_refused_before_torch_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    from rankwise.ckpt._store import COMMITMENT_FILE
+    from rankwise.cli._ckpt import COMMITMENT
+
+    assert COMMITMENT == COMMITMENT_FILE
+    code = ("import sys; from rankwise.cli import main; "
+            "rcs = [main(['ckpt', *c.split(), sys.argv[1]]) for c in "
+            "('verify', 'inspect', 'repair --worker 0', 'retrieve --out ' + sys.argv[1] + '/x.bin')]; "
+            "print(rcs, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[1, 1, 1, 1] False"
+    assert out.stderr.count(f"no commitment.rwck in {tmp_path}") == 4
+    assert list(tmp_path.iterdir()) == []

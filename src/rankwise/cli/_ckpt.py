@@ -29,12 +29,19 @@ Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and wo
 CODED_OUTPUTS = (r"commitment\.rwck", r"worker\d+\.rwck")  # regexes
 
 
-def _open(folder: Path):
-    """(code, commitment, found fragments, problems) of a folder, or a one-line UserError."""
-    from ..ckpt import Code2D, load_commitment, load_fragments
+COMMITMENT = "commitment.rwck"  # = rankwise.ckpt._store.COMMITMENT_FILE (importing that imports torch)
 
+
+def _open(folder: Path):
+    """(code, commitment, found fragments, problems) of a folder, or a one-line UserError. A
+    folder with no commitment is refused before the codec (and torch) is imported."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
+    if not (folder / COMMITMENT).exists():
+        raise UserError(f"no {COMMITMENT} in {folder}; is this a folder written by `rankwise ckpt "
+                        "encode`?", 1)
+    from ..ckpt import Code2D, load_commitment, load_fragments
+
     try:
         com = load_commitment(folder)
         code = Code2D(com.n, com.t, hash=com.hash)
@@ -122,9 +129,9 @@ def repair_cmd(folder: Folder,
                force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
                                                    "if the present one is valid.")] = False) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
+    code, com, found, _ = _open(folder)
     from ..ckpt import NotEnoughSymbols, _store, fragment_path
 
-    code, com, found, _ = _open(folder)
     if not 0 <= worker < com.n:
         raise UserError(f"--worker must be in 0 … {com.n - 1} for this {com.n}-worker checkpoint; "
                         f"got {worker}")
@@ -154,9 +161,6 @@ def retrieve_cmd(folder: Folder,
                                                           "refused (a commitment forged whole).")] = None,
                  ) -> None:
     """Decode the original file from any k valid fragments."""
-    from .. import _io
-    from ..ckpt import NotEnoughSymbols
-
     if root is not None:
         try:
             pinned = bytes.fromhex(root)
@@ -166,6 +170,9 @@ def retrieve_cmd(folder: Folder,
             raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
     check_new_file(out, force=force)
     code, com, found, _ = _open(folder)
+    from .. import _io
+    from ..ckpt import NotEnoughSymbols
+
     if root is not None and com.root != pinned:
         raise UserError(f"{folder}'s commitment has root {com.root.hex()}, not the --root given; "
                         "the commitment was replaced", 1)
