@@ -115,6 +115,7 @@ def comparison_markdown(summaries: list[dict[str, Any]]) -> str:
     note = (f"*Produced by `rankwise demo --epochs {cfg['epochs']} {level} --rank {rank} "
             f"--seed {cfg['seed']}` (`make docs-figures`) at commit {source_commit()}; final ranks of "
             f"{'/'.join(layers)}; train acc is the final model on the whole training split in eval "
-            "mode. Accuracies, compressions and ranks are identical from run to run; wall times "
-            "depend on the machine's load.*")
+            "mode. Accuracies, compressions and ranks repeat exactly from run to run on one machine; "
+            "on another CPU the float rounding differs and they move (by about 2 points of accuracy "
+            "and a rank or two, as seeds do); wall times depend on the machine and its load.*")
     return "\n".join(lines) + "\n\n" + note + "\n"
