@@ -9,7 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 
 
-def _worker(rank: int, n: int, init_file: str, fn, args, queue) -> None:
+def _worker(rank: int, n: int, init_file: str, fn, args, queue, pg_timeout: float = 60.0) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -17,7 +17,7 @@ def _worker(rank: int, n: int, init_file: str, fn, args, queue) -> None:
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=n,
-                                timeout=timedelta(seconds=60))
+                                timeout=timedelta(seconds=pg_timeout))
         out = fn(rank, *args)
         queue.put((rank, "ok", out))
     except BaseException:
@@ -27,13 +27,14 @@ def _worker(rank: int, n: int, init_file: str, fn, args, queue) -> None:
             dist.destroy_process_group()
 
 
-def run_world(fn, n: int, tmp: Path, *args, timeout: float = 120.0) -> list:
-    """``fn(rank, *args)`` on ranks 0..n−1 (``fn`` must be importable: a module-level function);
-    returns the results by rank, or raises with every failing rank's traceback."""
+def run_world(fn, n: int, tmp: Path, *args, timeout: float = 120.0, pg_timeout: float = 60.0) -> list:
+    """``fn(rank, *args)`` on ranks 0..n−1 (``fn`` must be importable: a module-level function)
+    in a gloo group whose collectives time out after `pg_timeout` s; returns the results by
+    rank, or raises with every failing rank's traceback (all within `timeout` s)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = str(Path(tmp) / f"pg_init_{os.getpid()}_{id(fn)}")
-    procs = [ctx.Process(target=_worker, args=(r, n, init, fn, args, queue)) for r in range(n)]
+    procs = [ctx.Process(target=_worker, args=(r, n, init, fn, args, queue, pg_timeout)) for r in range(n)]
     for p in procs:
         p.start()
     results: dict[int, tuple] = {}

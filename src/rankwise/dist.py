@@ -116,3 +116,20 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def group_timeout(group: dist.ProcessGroup | None = None) -> timedelta:
+    """The collective timeout `group` (default: the default group) was created with, for a
+    group derived from it: ``dist.new_group`` otherwise gives torch's default (30 min), so one
+    rank's failure would block its peers for that long. Read from the group's CPU (else CUDA)
+    backend options; torch's default when neither says."""
+    pg = dist.group.WORLD if group is None else group
+    for device in ("cpu", "cuda"):
+        try:
+            options = getattr(pg._get_backend(torch.device(device)), "options", None)
+            timeout = getattr(options, "_timeout", None)
+        except (RuntimeError, ValueError, AttributeError):  # no backend for that device
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.default_pg_timeout

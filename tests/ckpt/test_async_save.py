@@ -154,3 +154,39 @@ def test_fit_with_background_checkpoints_resumes_bitwise(tmp_path):
     for r, (step, restored, digest, ranks) in enumerate(resumed):
         assert step == 12 and restored["step"] == 5
         assert digest == ref[r][2] and ranks == ref[r][3]
+
+
+class _FailsOnRank1(CodedCheckpointer):
+    def _save(self, state, step, extra, t0):
+        if self.rank == 1:
+            raise OSError("disk full (planted)")
+        super()._save(state, step, extra, t0)
+
+
+def _one_rank_fails_its_background_save(rank: int, store: str):
+    import time
+
+    from rankwise.dist import group_timeout
+
+    ck = _FailsOnRank1(t=1, store_dir=store)
+    fut = ck.save(_state(1), 1, blocking=False)
+    t0 = time.perf_counter()
+    try:
+        fut.result()
+        error = None
+    except Exception as e:  # rank 1: its own error; the others: their collective timed out
+        error = type(e).__name__
+    waited = time.perf_counter() - t0
+    timeout = group_timeout(ck._bg_group).total_seconds()
+    ck._executor.shutdown()
+    return dict(error=error, waited=waited, timeout=timeout)
+
+
+def test_a_background_save_failing_on_one_rank_frees_the_others_within_the_group_timeout(tmp_path):
+    """The background group inherits the training group's timeout (4 s here), not torch's
+    default 30 min: the ranks waiting for the failed one get an error in seconds."""
+    out = run_world(_one_rank_fails_its_background_save, 4, tmp_path, str(tmp_path / "store"), pg_timeout=4.0)
+    assert all(r["timeout"] == 4.0 for r in out)
+    assert out[1]["error"] == "OSError"
+    for r in out[:1] + out[2:]:
+        assert r["error"] is not None and r["waited"] < 30, r

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..dist import group_timeout
 from . import _store, _wire
 from ._code2d import Code2D, Lines, NotEnoughSymbols
 from ._format import CODEC, Commitment, Fragment, RepairSymbols, check_consistent
@@ -310,6 +311,7 @@ class CodedCheckpointer:
         self.wait()  # one in flight at a time
         if self._bg_group is None:  # collective: every rank reaches its first async save together
             self._bg_group = dist.new_group(ranks=dist.get_process_group_ranks(self.group), backend="gloo",
+                                            timeout=group_timeout(self.group),  # not torch's 30 min
                                             use_local_synchronization=True)  # only this group's ranks
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwise-ckpt")
         blocked = time.perf_counter() - t0  # the snapshot, and waiting for the save before
