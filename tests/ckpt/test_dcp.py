@@ -66,6 +66,34 @@ def test_single_process_round_trip_tolerates_t_lost_locations(tmp_path):
         dcp.load(_fresh(sd), storage_reader=CodedStorageReader(locs))
 
 
+class _Planted:
+    """A non-tensor value whose unpickling writes a marker file (stands for planted code)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path(self.marker).write_text, ("unpickled",))
+
+
+def test_non_tensor_entries_load_with_weights_only_and_planted_objects_never_run(tmp_path):
+    locs = [tmp_path / f"disk{i}" for i in range(4)]
+    sd = {**_sd(0), "meta": {"epoch": 3, "name": "run", "lrs": [0.1, 0.01]}}
+    dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+    got = {**_fresh(sd), "meta": {"epoch": 0, "name": "", "lrs": [0.0, 0.0]}}
+    dcp.load(got, storage_reader=CodedStorageReader(locs))
+    assert got["meta"] == {"epoch": 3, "name": "run", "lrs": [0.1, 0.01]} and _same(got, sd)
+
+    marker = tmp_path / "ran"
+    other = [tmp_path / f"other{i}" for i in range(4)]  # a writer that stored an object
+    dcp.save({**_sd(0), "meta": _Planted(str(marker))}, storage_writer=CodedStorageWriter(other, t=1))
+    assert not marker.exists()
+    with pytest.raises(CheckpointException, match=r"DCP entry 'meta' is a non-tensor value that "
+                                                  r"torch.load\(weights_only=True\) refuses"):
+        dcp.load({**_fresh(sd), "meta": None}, storage_reader=CodedStorageReader(other))
+    assert not marker.exists()  # DCP's default planner would have run it (weights_only=False)
+
+
 def test_checkpoint_id_selects_a_subfolder(tmp_path):
     locs = [tmp_path / f"disk{i}" for i in range(4)]
     dcp.save(_sd(1), checkpoint_id="step_1", storage_writer=CodedStorageWriter(locs, t=1))

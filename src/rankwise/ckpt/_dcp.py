@@ -59,6 +59,25 @@ def _subfolders(roots: list[Path], checkpoint_id) -> list[Path]:
     return [r / sub for r in roots]
 
 
+def _weights_only(chunk: io.BytesIO, fqn: str) -> io.BytesIO:
+    """A non-tensor entry's bytes as DCP's load planner may unpickle them: torch's default
+    planner calls ``torch.load(weights_only=False)`` on them, so they are loaded here with
+    ``weights_only=True`` (refused, naming the entry, if they hold anything else) and the planner
+    gets them re-saved: the bytes read from disk never reach an unrestricted unpickler."""
+    try:
+        value = torch.load(chunk, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(f"DCP entry {fqn!r} is a non-tensor value that torch.load(weights_only=True) "
+                           f"refuses ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                           "rankwise's reader loads only what weights_only allows: store plain Python "
+                           "values (numbers, strings, lists, dicts, tensors) or register the type with "
+                           "torch.serialization.add_safe_globals") from None
+    out = io.BytesIO()
+    torch.save(value, out)
+    out.seek(0)
+    return out
+
+
 def _done(value) -> Future:
     fut: Future = Future()
     fut.set_result(value)
@@ -225,7 +244,7 @@ class CodedStorageReader(StorageReader):
                 blobs[owner] = memoryview(self._blob(owner, root))
             chunk = io.BytesIO(blobs[owner][offset:offset + length].tobytes())
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, chunk)
+                planner.load_bytes(req, _weights_only(chunk, req.storage_index.fqn))
                 continue
             t = torch.load(chunk, map_location="cpu", weights_only=True)
             for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
