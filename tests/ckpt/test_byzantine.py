@@ -164,16 +164,50 @@ def _lying_rank(rank: int, store: str, marker: str, liar: int, lost: int):
     return step, serialize(state) == serialize(_state(5)), ck.stats()
 
 
-def test_one_lying_rank_is_named_and_excluded_and_runs_no_code(tmp_path):
+def test_one_lying_rank_is_reported_and_excluded_and_runs_no_code(tmp_path):
     """n = 7, t = 2: rank 3 lost its disk; rank 0 — the lowest holder of the commitment — sends a
     pickle as its copy and, as a helper, symbols announcing a 1 TiB block. Nothing is
-    unpickled or allocated from them; rank 0 is named; the state restores on every rank."""
+    unpickled or allocated from them; rank 3's report against rank 0 is recorded; the state
+    restores on every rank."""
     marker = str(tmp_path / MARKER)
     out = run_world(_lying_rank, 7, tmp_path, str(tmp_path / "store"), marker, 0, 3, timeout=180)
     assert not Path(marker).exists()
     for step, same, stats in out:
         assert step == 5 and same
-        assert stats["repaired"] == [3] and 0 in stats["bad_helpers"]
+        assert stats["repaired"] == [3]
+        # its symbols were bad, but only rank 3 saw them: reported by one rank, named by none
+        # (t = 2; its rows were good, so retrieval had nothing against it)
+        assert stats["reported"] == {0: [3]} and stats["bad_helpers"] == []
+
+
+class _AccusingTarget(CodedCheckpointer):
+    """A bad rank that claims its fragment is missing (so it is repaired) and then reports
+    every helper's symbols as bad."""
+
+    def _check_local(self, d, com):
+        return "missing", None, None
+
+    def _repair_report(self, failed):
+        return [r for r in range(self.n) if r != self.rank]
+
+
+def _accusing_target(rank: int, store: str, n: int, t: int, liar: int):
+    cls = _AccusingTarget if rank == liar else CodedCheckpointer
+    ck = cls(t=t, store_dir=store)
+    ck.save(_state(5), 5)
+    state, step = ck.restore()
+    return step, serialize(state) == serialize(_state(5)), ck.stats()
+
+
+@pytest.mark.parametrize("n, t", [(4, 1), (7, 2)])
+def test_a_repair_target_that_accuses_every_helper_gets_no_honest_rank_named(tmp_path, n, t):
+    liar = n - 1
+    out = run_world(_accusing_target, n, tmp_path, str(tmp_path / "store"), n, t, liar, timeout=180)
+    honest = [r for r in range(n) if r != liar]
+    for step, same, stats in out:
+        assert step == 5 and same and stats["repaired"] == [liar]
+        assert stats["bad_helpers"] == []  # one rank's word names nobody
+        assert stats["reported"] == {h: [liar] for h in honest}  # but what it said is on record
 
 
 def test_v1_commitment_still_restores_with_a_warning(caplog):

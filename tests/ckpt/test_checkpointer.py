@@ -91,13 +91,23 @@ def test_lost_or_corrupted_fragment_is_repaired_from_peers(tmp_path, damage):
     assert (Path(tmp_path) / "store" / "rank2" / "step_0000000003" / "fragment.rwck").exists()
 
 
-def test_lying_helper_is_detected_named_and_excluded(tmp_path):
+def test_lying_helper_is_detected_reported_and_excluded(tmp_path):
     """n = 7, t = 2: rank 3 lost its store and rank 5 serves corrupted symbols and rows; the
-    other five helpers are enough (k = 5)."""
+    other five helpers are enough (k = 5). Only rank 3 sees rank 5's symbols, and rank 5's
+    parity row is never needed for retrieval: one report, so rank 5 is recorded as reported by
+    rank 3, not named (that takes more than t reports)."""
     out = run_world(_save_then_restore, 7, tmp_path, str(tmp_path / "store"), 2, {3: "wipe"}, 5,
                     timeout=180)
     assert all(r["ok"] for r in out)
-    assert all(r["stats"]["bad_helpers"] == [5] for r in out)
+    assert all(r["stats"]["reported"] == {5: [3]} and r["stats"]["bad_helpers"] == [] for r in out)
+
+
+def test_a_lying_systematic_row_is_named_on_the_word_of_more_than_t_ranks(tmp_path):
+    """n = 4, t = 1: rank 1 serves a corrupted row in retrieval; the three others verify it,
+    report it, and name it (3 > t reports); they decode from the parity row instead."""
+    out = run_world(_save_then_restore, 4, tmp_path, str(tmp_path / "store"), 1, {}, 1, timeout=180)
+    for r in out[:1] + out[2:]:  # (rank 1 decodes from its own row, which it holds intact)
+        assert r["ok"] and r["stats"]["bad_helpers"] == [1] and r["stats"]["reported"] == {1: [0, 2, 3]}
 
 
 def _restore_fresh(rank: int, store: str):

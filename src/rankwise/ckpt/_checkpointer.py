@@ -442,13 +442,14 @@ class CodedCheckpointer:
             log.warning("restore step %d: rank(s) %s need repair (%s)", step, targets,
                         {r: statuses[r] for r in targets})
         sent = recv = 0
-        bad_helpers: set[int] = set()
+        reporters: dict[int, set[int]] = {}  # rank -> the ranks that reported its symbols or row bad
         t_rep = time.perf_counter()
         check_seconds = t_rep - t0
         for target in targets:
             frag_or_none, s, rc, bad = self._repair(target, helpers, lines, com)
             sent, recv = sent + s, recv + rc
-            bad_helpers |= set(bad)
+            for h in bad:  # the target's word alone: evidence, not a verdict
+                reporters.setdefault(h, set()).add(target)
             if target == self.rank:
                 frag = frag_or_none
         repair_seconds = time.perf_counter() - t_rep
@@ -466,8 +467,11 @@ class CodedCheckpointer:
         self._raise_if_any(err, "repair")
         t_ret = time.perf_counter()
         write_seconds = t_ret - t_rep - repair_seconds
-        rows, idx, s, rc, bad = self._retrieve(frag, com)
-        bad_helpers |= set(bad)
+        rows, idx, s, rc, row_reporters = self._retrieve(frag, com)
+        for i, by in row_reporters.items():
+            reporters.setdefault(i, set()).update(by)
+        # named only on the word of more than t ranks: at most t bad ones cannot name an honest rank
+        bad_helpers = sorted(r for r, by in reporters.items() if len(by) > self.t)
         t_load = time.perf_counter()
         saved = _load_rows(rows, idx, com.data_len, self.code, self.weights_only)  # verified rows
         state = saved["state"]
@@ -476,7 +480,8 @@ class CodedCheckpointer:
         self._stats = dict(op="restore", step=step, repaired=targets, helpers=helpers,
                            repair_bytes_sent=sent, repair_bytes_received=recv,
                            retrieve_bytes_sent=s, retrieve_bytes_received=rc,
-                           bad_helpers=sorted(bad_helpers), check_seconds=check_seconds,
+                           bad_helpers=bad_helpers, check_seconds=check_seconds,
+                           reported={r: sorted(by) for r, by in sorted(reporters.items())},
                            repair_seconds=repair_seconds, write_seconds=write_seconds,
                            retrieve_seconds=t_load - t_ret, load_seconds=time.perf_counter() - t_load,
                            restore_seconds=time.perf_counter() - t0, state_bytes=com.data_len,
@@ -592,14 +597,16 @@ class CodedCheckpointer:
             except Exception as e:  # reported to every rank below instead of a lone raise
                 err = f"{type(e).__name__}: {e}"
         self._raise_if_any(err, f"repair of rank {target}")
-        named = torch.frombuffer(bytearray(_wire.bitmap(bad if self.rank == target else [], self.n)),
-                                 dtype=torch.uint8)
+        named = torch.frombuffer(bytearray(_wire.bitmap(self._repair_report(bad) if self.rank == target
+                                                        else [], self.n)), dtype=torch.uint8)
         dist.broadcast(named, self._global(target), group=self.group)
         return out, sent, recv, _wire.unbitmap(named.numpy().tobytes())
 
-    def _retrieve(self, frag: Fragment, com: Commitment) -> tuple[_Rows, list[int], int, int, list[int]]:
+    def _retrieve(self, frag: Fragment, com: Commitment
+                  ) -> tuple[_Rows, list[int], int, int, dict[int, set[int]]]:
         """Collective: k rows C[i, :] (|m|/k bytes each) that this rank verified itself ->
-        (the rows, their indices, bytes sent, bytes received, rows named bad).
+        (the rows, their indices, bytes sent, bytes received, the ranks that reported each
+        row that any rank reported bad).
 
         The systematic rows 0..k−1 are broadcast by their holders into one (n, k·B) buffer, so
         that when they all verify the data is that buffer's first k rows (no decode, no copy).
@@ -615,7 +622,7 @@ class CodedCheckpointer:
         rows = _Rows(n, L)  # pages of unused parity rows are never touched
         try:
             mine: list[int] = []  # rows this rank verified (its own counts: checked on disk)
-            reports = [0] * n  # how many ranks reported each row as bad
+            reporters: dict[int, set[int]] = {}  # row -> the ranks that reported it bad
             sent = recv = 0
             pending, spare = list(range(k)), list(range(k, n))
             payload = self._row_payload(frag)
@@ -637,14 +644,14 @@ class CodedCheckpointer:
                     rows.array[self.rank] = np.frombuffer(frag.row, dtype=np.uint8)  # decode its own)
                 mine += [i for i in pending if i not in failed]
                 union: set[int] = set()
-                for f in self._gather(_wire.bitmap(self._row_report(failed), n), n):
+                for r, f in enumerate(self._gather(_wire.bitmap(self._row_report(failed), n), n)):
                     got = {i for i in _wire.unbitmap(f or b"") if i in pending}
                     union |= got
                     for i in got:
-                        reports[i] += 1
+                        reporters.setdefault(i, set()).add(r)
                 more = len(union)  # the same on every rank, and ≥ any rank's own failures
                 pending, spare = spare[:more], spare[more:]
-            bad = [i for i in range(n) if reports[i] > self.t]
+            bad = sorted(i for i, by in reporters.items() if len(by) > self.t)
             if bad:
                 log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
             err = None if len(mine) >= k else str(NotEnoughSymbols(len(mine), k, bad, "retrieve", "rows"))
@@ -652,7 +659,11 @@ class CodedCheckpointer:
         except BaseException:
             rows.close()  # (the memfd and its pages are not left behind)
             raise
-        return rows, sorted(mine)[:k], sent, recv, bad
+        return rows, sorted(mine)[:k], sent, recv, reporters
+
+    def _repair_report(self, failed: list[int]) -> list[int]:
+        """The helpers this repair target reports as bad (a test double of a bad rank overrides it)."""
+        return failed
 
     def _row_report(self, failed: list[int]) -> list[int]:
         """The rows this rank reports as failed (a test double of a bad rank overrides it)."""
@@ -660,6 +671,8 @@ class CodedCheckpointer:
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last save or restore: bytes moved (repair and retrieval, sent and
-        received by this rank), times, repaired ranks, helpers, and helpers that sent bad
-        symbols (``bad_helpers``)."""
+        received by this rank), times, repaired ranks, helpers; ``reported``: each rank whose
+        repair symbols or row some rank found bad -> the ranks that said so; ``bad_helpers``: the
+        ranks reported by more than t ranks (excluded and named: t bad ranks cannot name an
+        honest one)."""
         return dict(self._stats, rank=self.rank, n=self.n, t=self.t, k=self.k)
