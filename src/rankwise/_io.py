@@ -38,3 +38,35 @@ def write_atomic(path: str | os.PathLike, data: bytes | list) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+    """The bytes of `path`, which must be a regular file (links are followed to one) of at
+    most `limit` bytes. Opened without blocking, so a FIFO, a device (``/dev/zero``) or a socket
+    is refused at once instead of hanging or reading without end; a file over `limit` (a 1 TiB
+    sparse file) is refused before anything is allocated. Raises ``ValueError`` naming the
+    problem for those, ``OSError`` when the file cannot be opened or read."""
+    import stat
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise ValueError(f"{path} is {kind}, not a regular file")
+        if st.st_size > limit:
+            raise ValueError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} it can hold")
+        buf = bytearray(st.st_size)
+        view, got = memoryview(buf), 0
+        while got < st.st_size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                raise ValueError(f"{path} shrank while it was read ({got:,} of {st.st_size:,} bytes)")
+            got += n
+        if os.read(fd, 1):
+            raise ValueError(f"{path} grew while it was read (beyond {st.st_size:,} bytes)")
+        return bytes(buf)
+    finally:
+        os.close(fd)

@@ -268,7 +268,7 @@ class CodedCheckpointer:
                 if not _self_consistent(com):
                     continue
                 out[step] = com.root
-            except (ValueError, OSError):
+            except (ValueError, OSError, MemoryError):
                 continue
         return out
 
@@ -453,17 +453,17 @@ class CodedCheckpointer:
             if target == self.rank:
                 frag = frag_or_none
         repair_seconds = time.perf_counter() - t_rep
-        err = None
-        try:
-            if self.rank in targets:
-                if frag is None:
-                    err = "repair did not produce a fragment"
-                else:
+        err = None if self.rank not in targets or frag is not None else "repair did not produce a fragment"
+        if err is None:  # write back the rebuilt fragment and this rank's copy of the commitment
+            try:
+                if self.rank in targets:
                     _store.write(d / _store.STEP_FRAGMENT, frag)
-            if err is None and not _store.holds(d / _store.STEP_COMMITMENT, com):
-                _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) this rank's vote
-        except OSError as e:
-            err = f"writing {d}: {e}"
+                if not _store.holds(d / _store.STEP_COMMITMENT, com):
+                    _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) its vote
+            except OSError as e:  # (e.g. a folder in the file's place): this restore has what it
+                # needs in memory, so a disk that refuses the write-back does not stop it
+                log.warning("restore step %d: could not write %s back (%s); the state is restored, "
+                            "but this rank's disk still lacks it", step, d, e)
         self._raise_if_any(err, "repair")
         t_ret = time.perf_counter()
         write_seconds = t_ret - t_rep - repair_seconds
@@ -540,8 +540,8 @@ class CodedCheckpointer:
         if not path.exists():
             return "missing", None, None
         try:
-            frag = _store.read_fragment(path)
-        except (ValueError, OSError) as e:  # any local failure is a status, never a lone raise
+            frag = _store.read_fragment(path, com)  # a regular file of the size com allows
+        except (ValueError, OSError, MemoryError) as e:  # a local failure is a status, not a raise
             return f"unreadable ({e})", None, None
         if frag.index != self.rank:
             return f"holds rank {frag.index}'s fragment", None, None

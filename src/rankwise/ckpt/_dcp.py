@@ -177,7 +177,7 @@ class CodedStorageReader(StorageReader):
             except OSError as e:
                 problems.append(f"{loc}: {e.strerror or e}")
                 continue
-            except ValueError as e:
+            except (ValueError, MemoryError) as e:
                 problems.append(f"{loc}: {e}")
                 continue
             held.setdefault(body, []).append(loc)
@@ -219,8 +219,8 @@ class CodedStorageReader(StorageReader):
                 if c.root != root:
                     raise ValueError("its commitment belongs to another save")
                 com = c
-                frags.append((loc, _store.read_fragment(_store.dcp_fragment(loc, owner))))
-            except (OSError, ValueError) as e:
+                frags.append((loc, _store.read_fragment(_store.dcp_fragment(loc, owner), c)))
+            except (OSError, ValueError, MemoryError) as e:
                 skip(loc, str(e))
         if com is None:
             raise RuntimeError(f"rank {owner}'s data cannot be decoded: no location holds the commitment "

@@ -14,6 +14,7 @@ atomically: temporary file, fsync, rename, directory fsync):
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -23,6 +24,12 @@ from ._format import METADATA, Commitment, Fragment, seal, unseal
 COMMITMENT_FILE = "commitment.rwck"
 STEP_FRAGMENT, STEP_COMMITMENT = "fragment.rwck", "commitment.rwck"
 DCP_METADATA = ".metadata.rwck"
+# what a file may hold before it is read (a larger one is a bad file, never allocated): a
+# commitment has 2n ≤ 510 line roots of ≤ 64 bytes; a fragment two lines of k blocks
+# (fragment_limit); DCP metadata names every tensor of the state
+MAX_COMMITMENT = 1 << 20
+MAX_METADATA = 256 << 20
+_FRAGMENT_SLACK = 1 << 12  # header, sizes, digest (any format version)
 
 
 # ------------------------------------------------------------------ sealed files
@@ -33,19 +40,32 @@ def write(path: str | Path, record: Fragment | Commitment) -> None:
     _io.write_atomic(path, record.to_parts() if isinstance(record, Fragment) else record.to_bytes())
 
 
+def fragment_limit(com: Commitment) -> int:
+    """The most bytes a fragment file of `com`'s geometry can take: its row and column of
+    k = n − t blocks each, plus the header."""
+    return 2 * (com.n - com.t) * com.block_size + _FRAGMENT_SLACK
+
+
 def read_commitment(path: str | Path) -> Commitment:
-    return Commitment.from_bytes(Path(path).read_bytes())
+    """The commitment at `path` (``ValueError`` if it is not one, or not a regular file of at
+    most ``MAX_COMMITMENT`` bytes: :func:`rankwise._io.read_regular`)."""
+    return Commitment.from_bytes(_io.read_regular(path, MAX_COMMITMENT))
 
 
-def read_fragment(path: str | Path) -> Fragment:
-    return Fragment.from_bytes(Path(path).read_bytes())
+def read_fragment(path: str | Path, com: Commitment | None = None) -> Fragment:
+    """The fragment at `path`, read only if it is a regular file of a size that `com`'s
+    geometry allows (:func:`fragment_limit`; without `com`, any size: for files you wrote);
+    ``ValueError`` otherwise or if it does not parse."""
+    limit = fragment_limit(com) if com is not None else sys.maxsize
+    return Fragment.from_bytes(_io.read_regular(path, limit))
 
 
 def holds(path: str | Path, record: Fragment | Commitment) -> bool:
     """Does `path` hold exactly `record` (byte for byte)?"""
+    want = record.to_bytes()
     try:
-        return Path(path).read_bytes() == record.to_bytes()
-    except OSError:
+        return _io.read_regular(path, len(want)) == want
+    except (OSError, ValueError):
         return False
 
 
@@ -59,7 +79,7 @@ def write_metadata(path: str | Path, body: bytes) -> None:
 def read_metadata(path: str | Path) -> bytes:
     """The body of :func:`write_metadata` (``ValueError`` if it is not one, e.g. the pickled
     metadata of the first format, which is never read)."""
-    blob = Path(path).read_bytes()
+    blob = _io.read_regular(path, MAX_METADATA)
     if blob[:8] == b"RWDCPMD1":
         raise ValueError("metadata of format 1 (pickled), which is not read")
     return bytes(unseal(blob, METADATA, "DCP metadata"))
@@ -86,18 +106,22 @@ def load_commitment(folder: str | Path) -> Commitment:
     return read_commitment(path)
 
 
-def load_fragments(folder: str | Path, n: int) -> tuple[dict[int, Fragment], dict[int, str]]:
-    """Readable fragments by worker index, and a reason for each worker that has none."""
+def load_fragments(folder: str | Path, com: Commitment | int
+                   ) -> tuple[dict[int, Fragment], dict[int, str]]:
+    """Readable fragments by worker index, and a reason for each worker that has none. With
+    the folder's commitment `com`, each file is read only if its geometry allows its size
+    (:func:`read_fragment`); an int `com` is the number of workers n, any size read."""
     found: dict[int, Fragment] = {}
     problems: dict[int, str] = {}
+    n, bound = (com, None) if isinstance(com, int) else (com.n, com)
     for i in range(n):
         path = fragment_path(folder, i)
         if not path.exists():
             problems[i] = "missing"
             continue
         try:
-            f = read_fragment(path)
-        except ValueError as e:
+            f = read_fragment(path, bound)
+        except (ValueError, MemoryError) as e:
             problems[i] = str(e)
             continue
         except OSError as e:  # unreadable (a folder, no permission): this worker is missing

@@ -50,7 +50,7 @@ def _open(folder: Path):
         raise UserError(f"{e}; is this a folder written by `rankwise ckpt encode`?", 1) from e
     except ValueError as e:
         raise UserError(f"{folder}: {e}", 1) from e
-    found, problems = load_fragments(folder, com.n)
+    found, problems = load_fragments(folder, com)
     return code, com, found, problems
 
 

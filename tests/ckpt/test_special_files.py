@@ -1,0 +1,137 @@
+"""Files from disk are read only when they are regular files of a size the geometry allows: a
+FIFO, a device, a 1 TiB sparse file or a folder in place of a checkpoint file is a bad file of
+that worker, rank or location, never a hang, an unbounded allocation or a stopped restore."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rankwise._io import read_regular
+
+
+def _plant(path: Path, kind: str) -> None:
+    """Replace `path` by a special or oversized file."""
+    if path.exists() or path.is_symlink():
+        path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "sparse":
+        with open(path, "wb") as f:
+            f.truncate(1 << 40)  # 1 TiB, no blocks on disk
+    elif kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        raise ValueError(kind)
+
+
+KINDS = ["fifo", "sparse", "dev-zero", "folder"]
+SAID = {"fifo": "is a FIFO, not a regular file", "sparse": "is 1,099,511,627,776 bytes, more than",
+        "dev-zero": "is a device, not a regular file", "folder": "is a folder, not a regular file"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_read_regular_refuses_special_and_oversized_files_at_once(tmp_path, kind):
+    path = tmp_path / "f"
+    _plant(path, kind)
+    with pytest.raises(ValueError, match=SAID[kind]):
+        read_regular(path, 1 << 20)
+
+
+def test_read_regular_reads_a_regular_file_or_a_link_to_one(tmp_path):
+    data = os.urandom(70_000)
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "link").symlink_to(tmp_path / "f")
+    assert read_regular(tmp_path / "f", len(data)) == data == read_regular(tmp_path / "link", len(data))
+    with pytest.raises(ValueError, match="70,000 bytes, more than the 69,999"):
+        read_regular(tmp_path / "f", len(data) - 1)
+    with pytest.raises(FileNotFoundError):
+        read_regular(tmp_path / "missing", 10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ckpt_verify_reports_a_special_worker_file_and_retrieve_still_decodes(tmp_path, kind):
+    data = os.urandom(20_000)
+    (tmp_path / "ck.bin").write_bytes(data)
+    folder = tmp_path / "d"
+    cli = [sys.executable, "-m", "rankwise"]
+    subprocess.run([*cli, "ckpt", "encode", str(tmp_path / "ck.bin"), "--n", "4", "--t", "1", "--out",
+                    str(folder)], check=True, capture_output=True, timeout=120)
+    _plant(folder / "worker2.rwck", kind)
+    r = subprocess.run([*cli, "ckpt", "verify", str(folder)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
+    assert "2" in r.stdout and SAID[kind].split(",")[0] in " ".join(r.stdout.split()), r.stdout
+    r = subprocess.run([*cli, "ckpt", "retrieve", str(folder), "--out", str(tmp_path / "out.bin")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out.bin").read_bytes() == data
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ckpt_verify_refuses_a_special_commitment_in_one_line(tmp_path, kind):
+    folder = tmp_path / "d"
+    folder.mkdir()
+    _plant(folder / "commitment.rwck", kind)
+    r = subprocess.run([sys.executable, "-m", "rankwise", "ckpt", "verify", str(folder)], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert SAID[kind].split(",")[0] in r.stderr and "internal error" not in r.stderr
+
+
+def _restore_with_planted(rank: int, store: str, which: str, kind: str):
+    import torch
+    import torch.distributed as dist
+
+    from rankwise.ckpt import CodedCheckpointer
+
+    ck = CodedCheckpointer(t=1, store_dir=store)
+    state = {"w": torch.arange(3000.0), "step": 7}
+    ck.save(state, 7)
+    dist.barrier()
+    if rank == 2:
+        _plant(Path(store) / "rank2" / "step_0000000007" / f"{which}.rwck", kind)
+    dist.barrier()
+    got, step = ck.restore()
+    return step, torch.equal(got["w"], state["w"]), ck.stats()["repaired"]
+
+
+@pytest.mark.parametrize("which, kind", [("fragment", "fifo"), ("fragment", "sparse"),
+                                         ("fragment", "dev-zero"), ("commitment", "fifo"),
+                                         ("commitment", "sparse"), ("commitment", "folder")])
+def test_a_special_file_on_one_rank_neither_hangs_nor_stops_a_restore(tmp_path, which, kind):
+    from distributed import run_world
+
+    out = run_world(_restore_with_planted, 4, tmp_path, str(tmp_path / "store"), which, kind, timeout=120)
+    for step, same, repaired in out:
+        assert step == 7 and same
+        assert repaired == ([2] if which == "fragment" else [])  # a bad commitment copy costs a vote only
+
+
+@pytest.mark.parametrize("name, kind", [(".metadata.rwck", "fifo"), (".metadata.rwck", "sparse"),
+                                        ("__0.frag.rwck", "fifo"), ("__0.frag.rwck", "sparse"),
+                                        ("__0.commit.rwck", "dev-zero")])
+def test_a_special_file_at_one_dcp_location_neither_hangs_nor_stops_a_load(tmp_path, name, kind):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from rankwise.ckpt import CodedStorageReader, CodedStorageWriter
+
+    locs = [tmp_path / f"disk{i}" for i in range(4)]
+    sd = {"w": torch.arange(5000.0), "b": torch.ones(7)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+        _plant(locs[1] / name, kind)
+        got = {"w": torch.zeros(5000), "b": torch.zeros(7)}
+        reader = CodedStorageReader(locs)
+        dcp.load(got, storage_reader=reader)
+    assert torch.equal(got["w"], sd["w"]) and torch.equal(got["b"], sd["b"])
+    assert any("disk1" in k or "disk1" in v for k, v in reader.skipped.items())
