@@ -210,6 +210,34 @@ def test_a_repair_target_that_accuses_every_helper_gets_no_honest_rank_named(tmp
         assert stats["reported"] == {h: [liar] for h in honest}  # but what it said is on record
 
 
+def _v1_downgrade(rank: int, store: str, liar: int, n: int, t: int):
+    import torch.distributed as dist
+
+    ck = CodedCheckpointer(t=t, store_dir=store)
+    ck.save(_state(5), 5)
+    dist.barrier()
+    path = Path(store) / f"rank{rank}" / "step_0000000005" / "commitment.rwck"
+    v1 = read_commitment(path)
+    v1 = Commitment.from_bytes(_reseal(v1, version=1))  # every rank holds format 1 (root recomputed)
+    path.write_bytes(v1.to_bytes())
+    if rank == liar:  # the lowest holder cuts the data short and keeps the root (v1 does not bind it),
+        k = n - t  # as far as the block size still fits, so that the copy is self-consistent
+        short = (v1.block_size - 1) * k * k + 1
+        assert short < v1.data_len
+        path.write_bytes(_reseal(v1, data_len=short, keep_root=True))
+    dist.barrier()
+    state, step = ck.restore()
+    return step, serialize(state) == serialize(_state(5)), path.read_bytes() == v1.to_bytes()
+
+
+@pytest.mark.parametrize("n, t", [(4, 1), (7, 2)])
+def test_a_forged_format_1_commitment_is_outvoted_and_never_copied_to_honest_disks(tmp_path, n, t):
+    out = run_world(_v1_downgrade, n, tmp_path, str(tmp_path / "store"), 0, n, t, timeout=180)
+    for step, same, disk_holds_the_honest_copy in out:
+        assert step == 5 and same
+        assert disk_holds_the_honest_copy  # the liar's disk repaired, no honest disk rewritten
+
+
 def test_v1_commitment_still_restores_with_a_warning(caplog):
     code = Code2D(4, 1)
     data = os.urandom(5000)

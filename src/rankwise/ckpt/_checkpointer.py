@@ -504,6 +504,7 @@ class CodedCheckpointer:
                 err = f"reading the commitment of step {step}: {e}"
         self._raise_if_any(err, "restore")
         copies = self._gather(mine, self._commitment_bytes())
+        v1: dict[bytes, list[int]] = {}  # format-1 copies by their bytes -> the holders that sent them
         for r in holders:
             try:
                 com = Commitment.from_bytes(copies[r] or b"")
@@ -511,11 +512,25 @@ class CodedCheckpointer:
             except ValueError:
                 log.warning("restore step %d: rank %d sent an invalid commitment; ignored", step, r)
                 continue
-            if com.root == root:
+            if com.root != root:
+                log.warning("restore step %d: rank %d sent a commitment with another root; ignored", step, r)
+            elif com.version >= 2:  # the root binds every field: any copy with it is the commitment
                 return com
-            log.warning("restore step %d: rank %d sent a commitment with another root; ignored", step, r)
+            else:
+                v1.setdefault(bytes(copies[r]), []).append(r)
+        # format 1 binds only the line roots: a bad holder can rewrite data_len or block_size and
+        # keep the root. Take a copy only when more than t holders sent it byte for byte (at least
+        # one of them honest; the ≥ k − t honest holders always are enough).
+        for blob, senders in v1.items():
+            if len(senders) > self.t:
+                if len(v1) > 1:
+                    log.warning("restore step %d: format-1 commitments differ among holders %s; took the "
+                                "one %d holders sent", step, holders, len(senders))
+                return Commitment.from_bytes(blob)
         raise RuntimeError(f"restore: no valid commitment of step {step} with the agreed root among its "
-                           f"holders {holders}")
+                           f"holders {holders}" + (f" (format-1 copies, which do not bind their header, "
+                                                   f"agree on at most {max(map(len, v1.values()))} "
+                                                   f"holders; more than t={self.t} needed)" if v1 else ""))
 
     # what this rank sends its peers (test doubles of a bad rank override these three)
     def _helper_payload(self, lines: Lines, target: int) -> list:
