@@ -85,3 +85,29 @@ def test_a_folder_with_no_commitment_is_refused_before_torch_is_imported(tmp_pat
     assert out.stdout.strip() == "[1, 1, 1, 1] False"
     assert out.stderr.count(f"no commitment.rwck in {tmp_path}") == 4
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_format_1_folder_is_refused_unless_the_user_says_it_is_not_tamper_evident(tmp_path):
+    from test_byzantine import _reseal
+
+    from rankwise.ckpt import Commitment, read_commitment
+
+    data = random.Random(9).randbytes(20_000)
+    (tmp_path / "ck.bin").write_bytes(data)
+    folder = tmp_path / "d"
+    r = run_cli("ckpt", "encode", str(tmp_path / "ck.bin"), "--n", "4", "--t", "1", "--out", str(folder))
+    assert r.exit_code == 0
+    com_path = folder / "commitment.rwck"
+    v1 = Commitment.from_bytes(_reseal(read_commitment(com_path), version=1))
+    k = 3
+    short = (v1.block_size - 1) * k * k + 1  # the attack: data cut short, root kept
+    com_path.write_bytes(_reseal(v1, data_len=short, keep_root=True))
+    for args in (("verify",), ("retrieve", "--out", str(tmp_path / "out.bin")), ("repair", "--worker", "1")):
+        r = run_cli("ckpt", *args[:1], str(folder), *args[1:])
+        assert r.exit_code == 1 and "has format 1" in r.stderr and "--v1-not-tamper-evident" in r.stderr, r
+    assert not (tmp_path / "out.bin").exists()
+    r = run_cli("ckpt", "inspect", str(folder))
+    assert r.exit_code == 0 and "not detected" in " ".join(r.stdout.split())
+    r = run_cli("ckpt", "retrieve", str(folder), "--out", str(tmp_path / "out.bin"),
+                "--v1-not-tamper-evident")
+    assert r.exit_code == 0 and (tmp_path / "out.bin").read_bytes() == data[:short]  # what format 1 allows

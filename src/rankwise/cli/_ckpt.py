@@ -32,9 +32,16 @@ CODED_OUTPUTS = (r"commitment\.rwck", r"worker\d+\.rwck")  # regexes
 COMMITMENT = "commitment.rwck"  # = rankwise.ckpt._store.COMMITMENT_FILE (importing that imports torch)
 
 
-def _open(folder: Path):
+V1Ok = Annotated[bool, typer.Option(
+    "--v1-not-tamper-evident", help="Read a folder whose commitment has format 1 anyway: its root does "
+    "not bind n, t, the data length or the block size, so a rewritten header (e.g. the data cut short) "
+    "is not detected.")]
+
+
+def _open(folder: Path, *, v1_ok: bool = True):
     """(code, commitment, found fragments, problems) of a folder, or a one-line UserError. A
-    folder with no commitment is refused before the codec (and torch) is imported."""
+    folder with no commitment is refused before the codec (and torch) is imported; one whose
+    commitment has format 1 unless `v1_ok`."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not (folder / COMMITMENT).exists():
@@ -50,6 +57,10 @@ def _open(folder: Path):
         raise UserError(f"{e}; is this a folder written by `rankwise ckpt encode`?", 1) from e
     except ValueError as e:
         raise UserError(f"{folder}: {e}", 1) from e
+    if com.version < 2 and not v1_ok:
+        raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
+                        "header (n, t, data length, block size): a rewritten header is not detected. "
+                        "Re-encode the data to upgrade, or pass --v1-not-tamper-evident to read it anyway", 1)
     found, problems = load_fragments(folder, com)
     return code, com, found, problems
 
@@ -109,11 +120,11 @@ def encode_cmd(
 
 
 @app.command("verify", cls=Command)
-def verify_cmd(folder: Folder) -> None:
+def verify_cmd(folder: Folder, v1: V1Ok = False) -> None:
     """Check every fragment against the commitment; exit 1 if any is missing or bad."""
     from rich.table import Table
 
-    code, com, found, problems = _open(folder)
+    code, com, found, problems = _open(folder, v1_ok=v1)
     status = _check(code, com, found, problems)
     table = Table("worker", "status")
     for i, s in status.items():
@@ -127,9 +138,10 @@ def verify_cmd(folder: Folder) -> None:
 def repair_cmd(folder: Folder,
                worker: Annotated[int, typer.Option(help="The worker to rebuild (0 … n−1).")],
                force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
-                                                   "if the present one is valid.")] = False) -> None:
+                                                   "if the present one is valid.")] = False,
+               v1: V1Ok = False) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    code, com, found, _ = _open(folder)
+    code, com, found, _ = _open(folder, v1_ok=v1)
     from ..ckpt import NotEnoughSymbols, _store, fragment_path
 
     if not 0 <= worker < com.n:
@@ -159,7 +171,7 @@ def retrieve_cmd(folder: Folder,
                  root: Annotated[str | None, typer.Option(help="The commitment root `encode` printed (hex): "
                                                           "a folder whose commitment has another root is "
                                                           "refused (a commitment forged whole).")] = None,
-                 ) -> None:
+                 v1: V1Ok = False) -> None:
     """Decode the original file from any k valid fragments."""
     if root is not None:
         try:
@@ -169,7 +181,7 @@ def retrieve_cmd(folder: Folder,
         if len(pinned) != 32:
             raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
     check_new_file(out, force=force)
-    code, com, found, _ = _open(folder)
+    code, com, found, _ = _open(folder, v1_ok=v1)
     from .. import _io
     from ..ckpt import NotEnoughSymbols
 
@@ -194,6 +206,10 @@ def inspect_cmd(folder: Folder) -> None:
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "
                   f"block {com.block_size:,} bytes, hash {com.hash}, codec {com.codec}, "
                   f"format {com.version}, root {com.root.hex()}")
+    if com.version < 2:
+        console.print(f"[yellow]format {com.version}: the root does not bind the header (n, t, data length, "
+                      "block size), so a rewritten header is not detected; verify, repair and retrieve "
+                      "refuse it without --v1-not-tamper-evident[/yellow]")
     console.print(f"fragments present: {sorted(found)}; matching the commitment: "
                   f"{sorted(i for i, s in status.items() if s == 'ok')}")
     console.print("problems: " + ("; ".join(f"worker {i}: {s}" for i, s in bad.items()) if bad else "none"))
