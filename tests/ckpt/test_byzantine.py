@@ -238,6 +238,64 @@ def test_a_forged_format_1_commitment_is_outvoted_and_never_copied_to_honest_dis
         assert disk_holds_the_honest_copy  # the liar's disk repaired, no honest disk rewritten
 
 
+class _LyingSaver(CodedCheckpointer):
+    """A bad writer: from step 6 on it sends other leaf hashes for its lines than it computed
+    ("row": its whole row; "diagonal": only block P[r, r], in its row and its column alike,
+    which no peer holds)."""
+
+    def __init__(self, *args, lie: str, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.lie, self.step_now = lie, 0
+
+    def _save(self, state, step, extra, t0):
+        self.step_now = step
+        super()._save(state, step, extra, t0)
+
+    def _leaves_sent(self, row, col):
+        if self.step_now < 6:
+            return row, col
+        bogus = hashlib.sha256(b"bogus").digest()[:len(row[0])]
+        if self.lie == "row":
+            return [bogus] * len(row), col
+        row, col = list(row), list(col)
+        row[self.rank] = col[self.rank] = bogus
+        return row, col
+
+
+def _lying_saver(rank: int, store: str, liar: int, t: int, lie: str):
+    cls = _LyingSaver if rank == liar else CodedCheckpointer
+    ck = cls(t=t, store_dir=store, **({"lie": lie} if rank == liar else {}))
+    ck.save(_state(5), 5)
+    try:
+        ck.save(_state(6), 6)
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    state, step = ck.restore()
+    return error, step, serialize(state) == serialize(_state(step)), ck.stats()
+
+
+@pytest.mark.parametrize("n, t", [(4, 1), (7, 2)])
+def test_a_saver_lying_about_its_line_is_named_and_the_step_not_committed(tmp_path, n, t):
+    liar = 1
+    out = run_world(_lying_saver, n, tmp_path, str(tmp_path / "store"), liar, t, "row", timeout=180)
+    for error, step, same, _ in out:
+        assert error is not None and f"rank(s) [{liar}] sent line hashes that disagree" in error
+        assert step == 5 and same  # the previous step is the newest, and restores
+
+
+@pytest.mark.parametrize("n, t", [(4, 1), (7, 2)])
+def test_a_saver_lying_where_no_peer_can_check_leaves_a_restorable_step(tmp_path, n, t):
+    """The one block no peer hashes, P[r, r], forged in both of rank r's lines: the save
+    commits, rank r's own fragment then fails its line, its rebuild fails too, and every rank
+    (rank r included) restores from the k rows that verify."""
+    liar = 1
+    out = run_world(_lying_saver, n, tmp_path, str(tmp_path / "store"), liar, t, "diagonal", timeout=180)
+    for error, step, same, stats in out:
+        assert error is None and step == 6 and same
+        assert stats["repaired"] == [liar]
+
+
 def test_v1_commitment_still_restores_with_a_warning(caplog):
     code = Code2D(4, 1)
     data = os.urandom(5000)

@@ -359,24 +359,29 @@ class CodedCheckpointer:
                                "not data)")
         extras = self._gather(extra, max(sizes)) if flags[0] else None
         blob = self._sink.dump({"state": _to_cpu(state), "per_rank": extras})
-        # each rank encodes only its own share; the 2n line roots are gathered (with a digest
-        # of the bytes, which catches ranks whose states diverged)
+        # each rank encodes only its own share; the leaf hashes of its two lines are gathered
+        # (with a digest of the bytes, which catches ranks whose states diverged), checked
+        # against the peers' at every crossing, and the line roots computed from them
         self._lines = self.code.share_buffer(len(blob), self._lines)
-        frag, row_root, col_root = self.code.encode_share(blob, self.rank, out=self._lines)
+        frag, row_leaves, col_leaves = self.code.encode_share_leaves(blob, self.rank, out=self._lines)
+        row_leaves, col_leaves = self._leaves_sent(row_leaves, col_leaves)
         digest = blake3.blake3(blob).digest()
-        d = len(row_root)
-        got = self._gather(digest + row_root + col_root, 32 + 2 * d)
-        if any(g is None or len(g) != 32 + 2 * d for g in got):
-            raise RuntimeError(f"save(step={step}): malformed roots from rank(s) "
-                               f"{[r for r, g in enumerate(got) if g is None or len(g) != 32 + 2 * d]}")
-        shared = [(g[:32], g[32:32 + d], g[32 + d:]) for g in got]
+        n, d = self.n, len(row_leaves[0])
+        size = 32 + 2 * n * d
+        got = self._gather(digest + b"".join(row_leaves) + b"".join(col_leaves), size)
+        if any(g is None or len(g) != size for g in got):
+            raise RuntimeError(f"save(step={step}): malformed line hashes from rank(s) "
+                               f"{[r for r, g in enumerate(got) if g is None or len(g) != size]}")
+        shared = [(g[:32], [g[32 + j * d:32 + (j + 1) * d] for j in range(n)],
+                   [g[32 + (n + j) * d:32 + (n + j + 1) * d] for j in range(n)]) for g in got]
         if len({x[0] for x in shared}) != 1:
             groups: dict[bytes, list[int]] = {}
             for r, x in enumerate(shared):
                 groups.setdefault(x[0], []).append(r)
             raise RuntimeError(f"save(step={step}): the ranks hold different states "
                                f"(ranks grouped by state digest: {sorted(groups.values())})")
-        com = self.code.commitment_from_roots(len(blob), [x[1] for x in shared], [x[2] for x in shared])
+        self._check_crossings(step, [x[1] for x in shared], [x[2] for x in shared])
+        com = self.code.commitment_from_leaves(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
         try:
             self._publish(d, frag, com)
@@ -388,6 +393,23 @@ class CodedCheckpointer:
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
                            stored_bytes=frag.file_size() + len(com.to_bytes()),
                            save_seconds=time.perf_counter() - t0)
+
+    def _check_crossings(self, step: int, rows: list[list[bytes]], cols: list[list[bytes]]) -> None:
+        """Every block P[i, j] is hashed twice, by worker i in its row and by worker j in its
+        column: a save commits only when all n(n − 1) pairs agree. Otherwise it fails on every
+        rank (the previous step stays the newest restorable one), naming a rank that disagrees
+        with more than t peers (at most t ranks are bad, so an honest one never does)."""
+        cells = self.code.crossing_mismatches(rows, cols)
+        if not cells:
+            return
+        peers: dict[int, set[int]] = {}
+        for i, j in cells:
+            peers.setdefault(i, set()).add(j)
+            peers.setdefault(j, set()).add(i)
+        liars = sorted(r for r, p in peers.items() if len(p) > self.t)
+        who = (f"rank(s) {liars} sent line hashes that disagree with more than t={self.t} peers'" if liars
+               else f"ranks disagree about the blocks {cells[:8]} (row owner, column owner)")
+        raise RuntimeError(f"save(step={step}): {who}; the step is not committed")
 
     def _publish(self, d: Path, frag: Fragment, com: Commitment) -> None:
         """This rank's files of a step: the fragment, then the commitment (the step is complete)."""
@@ -453,8 +475,7 @@ class CodedCheckpointer:
             if target == self.rank:
                 frag = frag_or_none
         repair_seconds = time.perf_counter() - t_rep
-        err = None if self.rank not in targets or frag is not None else "repair did not produce a fragment"
-        if err is None:  # write back the rebuilt fragment and this rank's copy of the commitment
+        if self.rank not in targets or frag is not None:  # write back the fragment and the commitment
             try:
                 if self.rank in targets:
                     _store.write(d / _store.STEP_FRAGMENT, frag)
@@ -464,10 +485,10 @@ class CodedCheckpointer:
                 # needs in memory, so a disk that refuses the write-back does not stop it
                 log.warning("restore step %d: could not write %s back (%s); the state is restored, "
                             "but this rank's disk still lacks it", step, d, e)
-        self._raise_if_any(err, "repair")
+        have = [bool(b and b[0]) for b in self._gather(bytes([frag is not None]), 1)]
         t_ret = time.perf_counter()
         write_seconds = t_ret - t_rep - repair_seconds
-        rows, idx, s, rc, row_reporters = self._retrieve(frag, com)
+        rows, idx, s, rc, row_reporters = self._retrieve(frag, com, have)
         for i, by in row_reporters.items():
             reporters.setdefault(i, set()).update(by)
         # named only on the word of more than t ranks: at most t bad ones cannot name an honest rank
@@ -532,12 +553,15 @@ class CodedCheckpointer:
                                                    f"agree on at most {max(map(len, v1.values()))} "
                                                    f"holders; more than t={self.t} needed)" if v1 else ""))
 
-    # what this rank sends its peers (test doubles of a bad rank override these three)
+    # what this rank sends its peers (test doubles of a bad rank override these four)
     def _helper_payload(self, lines: Lines, target: int) -> list:
         return self.code.helper_symbols(lines, target).to_parts()
 
     def _commitment_copy(self, com: Commitment) -> bytes:
         return com.to_bytes()
+
+    def _leaves_sent(self, row: list[bytes], col: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        return row, col
 
     def _row_payload(self, frag: Fragment) -> bytes:
         return frag.row
@@ -568,8 +592,10 @@ class CodedCheckpointer:
     def _repair(self, target: int, helpers: list[int], lines: Lines | None,
                 com: Commitment) -> tuple[Fragment | None, int, int, list[int]]:
         """Collective over the helpers and the target: each helper sends its two symbols (with
-        Merkle paths) to the target. Returns (rebuilt fragment on the target, bytes sent, bytes
-        received, helpers whose symbols failed verification)."""
+        Merkle paths) to the target. Returns (rebuilt fragment on the target, or None when it
+        could not be rebuilt, bytes sent, bytes received, helpers whose symbols failed
+        verification). A failed rebuild is the target's alone (e.g. its line was committed
+        wrong): it restores from its peers' rows like everybody else."""
         sent = recv = 0
         err, out, bad = None, None, []
         size = self.code.symbols_size(target, com.block_size)  # exactly this much from each helper
@@ -609,19 +635,21 @@ class CodedCheckpointer:
                     err = str(NotEnoughSymbols(len(good), self.k, bad))
                 else:
                     out = self.code.rebuild(target, good, com)
-            except Exception as e:  # reported to every rank below instead of a lone raise
+            except Exception as e:  # the target goes on without a fragment (see restore)
                 err = f"{type(e).__name__}: {e}"
-        self._raise_if_any(err, f"repair of rank {target}")
+            if err is not None:
+                log.warning("repair of rank %d failed (%s); it restores from its peers' rows", target, err)
         named = torch.frombuffer(bytearray(_wire.bitmap(self._repair_report(bad) if self.rank == target
                                                         else [], self.n)), dtype=torch.uint8)
         dist.broadcast(named, self._global(target), group=self.group)
         return out, sent, recv, _wire.unbitmap(named.numpy().tobytes())
 
-    def _retrieve(self, frag: Fragment, com: Commitment
+    def _retrieve(self, frag: Fragment | None, com: Commitment, have: list[bool]
                   ) -> tuple[_Rows, list[int], int, int, dict[int, set[int]]]:
         """Collective: k rows C[i, :] (|m|/k bytes each) that this rank verified itself ->
         (the rows, their indices, bytes sent, bytes received, the ranks that reported each
-        row that any rank reported bad).
+        row that any rank reported bad). Only ranks that hold a fragment (`have`, the same on
+        every rank) send rows.
 
         The systematic rows 0..k−1 are broadcast by their holders into one (n, k·B) buffer, so
         that when they all verify the data is that buffer's first k rows (no decode, no copy).
@@ -639,8 +667,9 @@ class CodedCheckpointer:
             mine: list[int] = []  # rows this rank verified (its own counts: checked on disk)
             reporters: dict[int, set[int]] = {}  # row -> the ranks that reported it bad
             sent = recv = 0
-            pending, spare = list(range(k)), list(range(k, n))
-            payload = self._row_payload(frag)
+            holders = [i for i in range(n) if have[i]]
+            pending, spare = holders[:k], holders[k:]
+            payload = self._row_payload(frag) if frag is not None else b""
             while pending:
                 if self.rank in pending:
                     rows.array[self.rank] = np.frombuffer(payload, dtype=np.uint8)  # (L,)
@@ -655,8 +684,9 @@ class CodedCheckpointer:
                     work.wait()
                     if i != self.rank and not self.code.verify_row(i, rows.array[i], com):
                         failed.append(i)
-                if self.rank in pending and payload is not frag.row:  # (a test double sent other bytes:
-                    rows.array[self.rank] = np.frombuffer(frag.row, dtype=np.uint8)  # decode its own)
+                if self.rank in pending and frag is not None and payload is not frag.row:
+                    # (a test double sent other bytes: it decodes its own)
+                    rows.array[self.rank] = np.frombuffer(frag.row, dtype=np.uint8)
                 mine += [i for i in pending if i not in failed]
                 union: set[int] = set()
                 for r, f in enumerate(self._gather(_wire.bitmap(self._row_report(failed), n), n)):

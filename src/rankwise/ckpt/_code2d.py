@@ -187,6 +187,21 @@ class Code2D:
         The two lines P[index, :] and P[:, index] (n blocks each) are computed in place in one
         (2, n, B) buffer, `out` when given (a caller that saves repeatedly reuses it: see
         :meth:`share_buffer`); the fragment's row and column are views of their first k blocks."""
+        frag, lines = self._share(data, index, out)
+        return frag, _merkle.root(self._h, lines[0]), _merkle.root(self._h, lines[1])
+
+    def encode_share_leaves(self, data: bytes | bytearray | memoryview, index: int, *,
+                            out: np.ndarray | None = None) -> tuple[Fragment, list[bytes], list[bytes]]:
+        """:meth:`encode_share` with the Merkle leaf hashes (n each) of the row and column lines
+        instead of their roots. Leaf j of worker i's row and leaf i of worker j's column hash
+        the same block P[i, j]: :meth:`crossing_mismatches` checks each worker's lines against
+        the others' before anything is committed (:meth:`commitment_from_leaves`)."""
+        frag, lines = self._share(data, index, out)
+        row, col = ([_merkle.leaf(self._h, b) for b in line] for line in lines)
+        return frag, row, col
+
+    def _share(self, data, index: int, out: np.ndarray | None) -> tuple[Fragment, np.ndarray]:
+        """Worker `index`'s fragment and its (2, n, B) lines buffer (see :meth:`encode_share`)."""
         if not 0 <= index < self.n:
             raise ValueError(f"`index` must be in [0, {self.n}); got {index}")
         mv = memoryview(data).cast("B")
@@ -218,7 +233,24 @@ class Code2D:
         self._into(G, list(rowline[:k]), list(rowline[k:]), tab)  # P[i, k:] from C[i, :]
         self._into(G, list(colline[:k]), list(colline[k:]), tab)  # P[k:, i] from R[:, i]
         frag = Fragment(index, memoryview(rowline[:k].reshape(-1)), memoryview(colline[:k].reshape(-1)))
-        return frag, _merkle.root(self._h, rowline), _merkle.root(self._h, colline)
+        return frag, out
+
+    def crossing_mismatches(self, row_leaves: list[list[bytes]], col_leaves: list[list[bytes]]
+                            ) -> list[tuple[int, int]]:
+        """The cells (i, j), i ≠ j, where worker i's row leaf j differs from worker j's column
+        leaf i: the two workers disagree about block P[i, j], so one of them is wrong."""
+        return [(i, j) for i in range(self.n) for j in range(self.n)
+                if i != j and row_leaves[i][j] != col_leaves[j][i]]
+
+    def commitment_from_leaves(self, data_len: int, row_leaves: list[list[bytes]],
+                               col_leaves: list[list[bytes]]) -> Commitment:
+        """:meth:`commitment_from_roots` with every line root computed here from the line's
+        leaves (so a worker's root is whatever its cross-checked leaves give)."""
+        def root(leaves: list[bytes]) -> bytes:
+            return _merkle.levels_from_leaves(self._h, leaves)[-1][0]
+
+        return self.commitment_from_roots(data_len, [root(r) for r in row_leaves],
+                                          [root(c) for c in col_leaves])
 
     def share_buffer(self, data_len: int, reuse: np.ndarray | None = None) -> np.ndarray:
         """A buffer for :meth:`encode_share` of `data_len` bytes: `reuse` when it has the right
