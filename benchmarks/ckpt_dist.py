@@ -72,7 +72,7 @@ def _save_all(rank: int, root: str, mib: int) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from rankwise.ckpt import CodedCheckpointer
-    from rankwise.ckpt._checkpointer import _to_cpu
+    from rankwise.ckpt._serial import _to_cpu
     from rankwise.ckpt._store import step_dir
 
     out: dict = {}
@@ -254,7 +254,7 @@ def profile_save(mib: int, n: int) -> None:
 
     from rankwise import _io
     from rankwise.ckpt import Code2D
-    from rankwise.ckpt._checkpointer import _Sink
+    from rankwise.ckpt._serial import _Sink
 
     torch.set_num_threads(1)
     state = _state(mib)
@@ -282,7 +282,7 @@ def profile_restore(mib: int, n: int) -> None:
     import torch
 
     from rankwise.ckpt import Code2D
-    from rankwise.ckpt._checkpointer import _load_rows, _Rows, serialize
+    from rankwise.ckpt._serial import _load_rows, _Rows, serialize
     from rankwise.ckpt._store import read_fragment, write
 
     torch.set_num_threads(1)

@@ -21,8 +21,8 @@ training script is::
     ck = CodedCheckpointer(t=1, store_dir="/local/ckpt")
     restored = ck.restore()               # repairs this rank from its peers if its store is gone
     if restored is not None:
-        state, step = restored
-        ...                               # load model / optimizer; ck.per_rank holds RNG states
+        state, step = restored.state, restored.step
+        ...                               # load model / optimizer; restored.per_rank: RNG states
     ...
     ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, step,
             per_rank={"torch_rng": torch.get_rng_state()})

@@ -14,7 +14,7 @@ import torch
 
 from distributed import run_world
 from rankwise.ckpt import CodedCheckpointer
-from rankwise.ckpt._checkpointer import serialize
+from rankwise.ckpt._serial import serialize
 
 
 def _state(step: int) -> dict:
@@ -157,10 +157,10 @@ def test_fit_with_background_checkpoints_resumes_bitwise(tmp_path):
 
 
 class _FailsOnRank1(CodedCheckpointer):
-    def _save(self, state, step, extra, t0):
+    def _save(self, state, step, extra, t0, group):
         if self.rank == 1:
             raise OSError("disk full (planted)")
-        super()._save(state, step, extra, t0)
+        super()._save(state, step, extra, t0, group)
 
 
 def _one_rank_fails_its_background_save(rank: int, store: str):

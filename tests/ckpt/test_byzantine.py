@@ -17,9 +17,9 @@ import torch
 
 from distributed import run_world
 from rankwise.ckpt import Code2D, CodedCheckpointer, Commitment, _format, read_commitment
-from rankwise.ckpt._checkpointer import serialize
 from rankwise.ckpt._format import commitment_root
 from rankwise.ckpt._merkle import get_hash
+from rankwise.ckpt._serial import serialize
 from rankwise.ckpt._store import read_metadata
 
 MARKER = "pwned"  # a file the planted pickles create when (and only when) they are unpickled
@@ -247,9 +247,9 @@ class _LyingSaver(CodedCheckpointer):
         super().__init__(*args, **kwargs)
         self.lie, self.step_now = lie, 0
 
-    def _save(self, state, step, extra, t0):
+    def _save(self, state, step, extra, t0, group):
         self.step_now = step
-        super()._save(state, step, extra, t0)
+        super()._save(state, step, extra, t0, group)
 
     def _leaves_sent(self, row, col):
         if self.step_now < 6:

@@ -11,7 +11,7 @@ from torch import nn
 
 from distributed import run_world
 from rankwise.ckpt import CodedCheckpointer
-from rankwise.ckpt._checkpointer import serialize
+from rankwise.ckpt._serial import serialize
 from rankwise.ckpt.testing import LyingCheckpointer
 
 
@@ -143,7 +143,7 @@ def test_the_reused_serialisation_buffer_gives_torch_saves_bytes_and_loads_back(
     against plain ``torch.save`` / ``torch.load`` through BytesIO."""
     import io
 
-    from rankwise.ckpt._checkpointer import _Sink, deserialize
+    from rankwise.ckpt._serial import _Sink, deserialize
 
     def plain(obj) -> bytes:
         buf = io.BytesIO()
@@ -163,7 +163,7 @@ def test_the_reused_serialisation_buffer_gives_torch_saves_bytes_and_loads_back(
 
 
 def test_sparse_tensors_are_sized_and_the_buffer_grows_by_quarters():
-    from rankwise.ckpt._checkpointer import _Sink, deserialize
+    from rankwise.ckpt._serial import _Sink, deserialize
 
     sparse = {"x": torch.eye(50).to_sparse(), "w": torch.randn(10)}
     assert _equal(deserialize(serialize(sparse), weights_only=False), sparse)
@@ -224,3 +224,27 @@ def test_false_row_reports_neither_block_the_restore_nor_name_honest_ranks(tmp_p
     out = run_world(_false_reports, 4, tmp_path, str(tmp_path / "store"), 1)
     assert all(r["ok"] and r["bad"] == [] for r in out)
     assert [r["received"] for r in out] == [3 * r["L"] for r in out]  # rows 0-2 and the parity row 3
+
+
+def _restored_object(rank: int, store: str):
+    import shutil as _sh
+
+    import torch.distributed as dist
+
+    ck = CodedCheckpointer(t=1, store_dir=store)
+    ck.save(_state(4), 4, per_rank={"rank": rank})
+    dist.barrier()
+    if rank == 2:
+        _sh.rmtree(Path(store) / "rank2")
+    dist.barrier()
+    got = ck.restore()
+    state, step = got  # (still unpacks as the tuple of before)
+    return (type(got).__name__, step == got.step == 4, _equal(state, _state(4)), got.per_rank, got.repaired,
+            got.bad_helpers, got.reported, got.stats["op"], got.stats["restore_seconds"] > 0)
+
+
+def test_restore_returns_one_result_object(tmp_path):
+    out = run_world(_restored_object, 4, tmp_path, str(tmp_path / "store"))
+    for rank, (name, same_step, same, per_rank, repaired, bad, reported, op, timed) in enumerate(out):
+        assert name == "Restored" and same_step and same and timed and op == "restore"
+        assert per_rank == {"rank": rank} and repaired == [2] and bad == [] and reported == {}

@@ -1,6 +1,7 @@
 """Two-dimensional coded checkpoints with peer repair: codec, commitments, on-disk format."""
 
 from ._checkpointer import CodedCheckpointer as CodedCheckpointer
+from ._checkpointer import Restored as Restored
 from ._code2d import Code2D as Code2D
 from ._code2d import Dispersal as Dispersal
 from ._code2d import NotEnoughSymbols as NotEnoughSymbols

@@ -15,15 +15,12 @@ data-parallel case.
 
 from __future__ import annotations
 
-import copy as _copy
-import io
 import logging
-import os
 import shutil
 import struct
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,159 +33,32 @@ from ..dist import group_timeout
 from . import _store, _wire
 from ._code2d import Code2D, Lines, NotEnoughSymbols
 from ._format import CODEC, Commitment, Fragment, RepairSymbols, check_consistent
+from ._serial import _load_rows, _Rows, _Sink, _to_cpu, deserialize, serialize
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`CodedCheckpointer.restore` restored: the saved `state` and its `step`, this
+    rank's `per_rank` object (RNG states, ...; ``None`` if the save had none), the ranks whose
+    fragments were rebuilt (`repaired`), the ranks named bad by more than t ranks
+    (`bad_helpers`), who reported whom (`reported`: rank -> reporting ranks), and the figures
+    of :meth:`CodedCheckpointer.stats` (`stats`: bytes moved, seconds per phase).
 
-def serialize(state: Any) -> bytes:
-    """Deterministic bytes of a state dict (``torch.save``; same state, same bytes)."""
-    return bytes(_Sink().dump(state))
+    Unpacks as ``state, step = restored`` (the tuple the method returned before)."""
 
+    state: Any
+    step: int
+    per_rank: Any
+    repaired: list[int]
+    bad_helpers: list[int]
+    reported: dict[int, list[int]]
+    stats: dict[str, Any]
 
-class _Sink:
-    """A write-only stream for ``torch.save`` into one reusable buffer: sized from the state's
-    tensors on first use and kept, so that a checkpointer that saves every few steps neither
-    grows a ``BytesIO`` by copies nor faults in fresh pages at every save."""
+    def __iter__(self):
+        return iter((self.state, self.step))
 
-    def __init__(self) -> None:
-        self.buf, self.size = np.empty(0, np.uint8), 0
-
-    def dump(self, state: Any) -> memoryview:
-        """``torch.save(state)`` into the buffer -> a view of the bytes (valid until the next dump)."""
-        self.size = 0
-        nbytes, count = _tensor_bytes(state)
-        self._reserve(nbytes + 2**20 + 1024 * count)  # (torch.save adds about 300 bytes a tensor)
-        torch.save(state, self)
-        return memoryview(self.buf[:self.size])
-
-    def _reserve(self, total: int) -> None:
-        if total > len(self.buf):
-            new = np.empty(total, np.uint8)
-            new[:self.size] = self.buf[:self.size]
-            self.buf = new
-
-    def write(self, b) -> int:
-        b = memoryview(b).cast("B")
-        if self.size + len(b) > len(self.buf):
-            self._reserve(max(self.size + len(b), len(self.buf) + len(self.buf) // 4))
-        self.buf[self.size:self.size + len(b)] = np.frombuffer(b, np.uint8)
-        self.size += len(b)
-        return len(b)
-
-    def flush(self) -> None:
-        pass
-
-
-def _tensor_bytes(obj: Any) -> tuple[int, int]:
-    """(bytes, count) of the tensors in a state: a size hint for :class:`_Sink`."""
-    if isinstance(obj, torch.Tensor):
-        try:
-            return obj.untyped_storage().nbytes(), 1
-        except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
-            return obj.numel() * obj.element_size(), 1
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    sizes = [_tensor_bytes(v) for v in items]
-    return sum(b for b, _ in sizes), sum(c for _, c in sizes)
-
-
-class _ViewReader(io.RawIOBase):
-    """A seekable read-only stream over a buffer (``io.BytesIO`` would copy it first)."""
-
-    def __init__(self, data) -> None:
-        self.mv, self.pos = memoryview(data).cast("B"), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        got = self.mv[self.pos:self.pos + len(b)]
-        memoryview(b).cast("B")[:len(got)] = got
-        self.pos += len(got)
-        return len(got)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: len(self.mv)}[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-
-def deserialize(blob: bytes | memoryview, *, weights_only: bool = True) -> Any:
-    """``torch.load`` from a buffer, reading the tensors straight out of it."""
-    return torch.load(_ViewReader(blob), weights_only=weights_only)
-
-
-def _to_cpu(obj: Any, *, copy: bool = False) -> Any:
-    """Tensors moved to the CPU (``torch.save`` records devices, so GPU ranks would otherwise
-    serialise the same state to different bytes). Containers are rebuilt only where something
-    moved, keeping a state dict's ``_metadata``; CPU-only states come back as they are.
-
-    With `copy`, every tensor is copied to host memory and every container rebuilt (other
-    leaves deep-copied): the snapshot a background save encodes while training goes on
-    changing the originals."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True) if copy or obj.device.type != "cpu" else obj
-    if isinstance(obj, dict):
-        new = {k: _to_cpu(v, copy=copy) for k, v in obj.items()}
-        if not copy and all(new[k] is v for k, v in obj.items()):
-            return obj
-        out = type(obj)(new.items())
-        if hasattr(obj, "_metadata"):
-            out._metadata = _copy.deepcopy(obj._metadata) if copy else obj._metadata
-        return out
-    if type(obj) in (list, tuple):
-        new = [_to_cpu(v, copy=copy) for v in obj]
-        return obj if not copy and all(a is b for a, b in zip(new, obj, strict=True)) else type(obj)(new)
-    return _copy.deepcopy(obj) if copy else obj
-
-
-class _Rows:
-    """The (n, L) buffer a restore receives rows into. On Linux it is a memfd (an anonymous
-    in-memory file, gone with its last mapping) so that ``torch.load(mmap=True)`` can map the
-    state's tensors from the received pages; elsewhere plain memory."""
-
-    def __init__(self, n: int, L: int) -> None:
-        self.fd: int | None = None
-        if hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd"):
-            try:
-                self.fd = os.memfd_create("rankwise-restore", os.MFD_CLOEXEC)
-                os.ftruncate(self.fd, n * L)
-                storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{self.fd}", True, n * L)
-                self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage).view(n, L)
-            except (OSError, RuntimeError):
-                self.close()
-        if self.fd is None:
-            self.tensor = torch.empty((n, L), dtype=torch.uint8)
-        self.array = self.tensor.numpy()
-
-    def close(self) -> None:
-        """Drop this buffer's mapping and descriptor (tensors mapped from it stay valid)."""
-        self.tensor = self.array = None
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _load_rows(rows: _Rows, idx: list[int], data_len: int, code: Code2D, weights_only: bool) -> Any:
-    """The saved object from k verified rows ``rows[idx]`` (then `rows` is closed). From the
-    systematic rows in a memfd, the tensors are mapped from the received bytes
-    (``torch.load(mmap=True)``: no second copy of the state); otherwise decoded and read from
-    memory."""
-    k = code.k
-    try:
-        if idx == list(range(k)) and rows.fd is not None:
-            os.ftruncate(rows.fd, data_len)  # the file is now exactly the torch.save bytes
-            return torch.load(f"/proc/self/fd/{rows.fd}", mmap=True, weights_only=weights_only)
-        C = rows.array[:k] if idx == list(range(k)) else rows.array[idx]
-        return deserialize(code.decode_rows(C, idx, data_len), weights_only=weights_only)
-    finally:
-        rows.close()
 
 
 def _self_consistent(com: Commitment) -> bool:
@@ -234,7 +104,6 @@ class CodedCheckpointer:
         self.keep, self.weights_only = keep, weights_only
         self._stats: dict[str, Any] = {}
         self.per_rank: Any = None  # this rank's ``per_rank`` object after restore()
-        self._comm = threading.local()  # .group: the background thread's process group
         self._bg_group = None  # created (collectively) by the first save(blocking=False)
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
@@ -245,9 +114,9 @@ class CodedCheckpointer:
     def _global(self, r: int) -> int:
         return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
 
-    def _gather(self, payload: bytes, size: int) -> list[bytes | None]:
+    def _gather(self, payload: bytes, size: int, group: dist.ProcessGroup) -> list[bytes | None]:
         # a background save gathers on its own process group (see save(blocking=False))
-        return _wire.all_gather_fixed(payload, size, getattr(self._comm, "group", self.group))
+        return _wire.all_gather_fixed(payload, size, group)
 
     def _step_dir(self, step: int) -> Path:
         return _store.step_dir(self.root_dir, self.rank, step)
@@ -272,9 +141,9 @@ class CodedCheckpointer:
                 continue
         return out
 
-    def _raise_if_any(self, err: str | None, what: str) -> None:
+    def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup) -> None:
         """Collective: every rank raises if any rank failed (so none is left waiting)."""
-        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES)]
+        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
         bad = {r: e for r, e in enumerate(errs) if e}
         if bad:
             raise RuntimeError(f"{what} failed on rank(s) {sorted(bad)}: "
@@ -288,8 +157,8 @@ class CodedCheckpointer:
         ``state`` must be identical on every rank (as under DDP); if the ranks' states differ
         (their commitment roots disagree) every rank raises. Per-rank extras that legitimately
         differ, such as RNG states, go in ``per_rank``: they are all-gathered (small) and coded
-        with the state, so a lost rank gets its own back; after :meth:`restore` this rank's
-        is ``self.per_rank``.
+        with the state, so a lost rank gets its own back; :meth:`restore` returns this rank's
+        as ``Restored.per_rank``.
 
         With ``blocking=False`` it copies every tensor of `state` to host memory (a snapshot:
         training may change the originals as soon as it returns), then returns a
@@ -305,7 +174,7 @@ class CodedCheckpointer:
         extra = None if per_rank is None else serialize(per_rank)
         if blocking:
             self.wait()
-            self._save(state, step, extra, t0)
+            self._save(state, step, extra, t0, self.group)
             return None
         snapshot = _to_cpu(state, copy=True)
         self.wait()  # one in flight at a time
@@ -334,17 +203,16 @@ class CodedCheckpointer:
             self._bg_group = None
 
     def _background(self, state: Any, step: int, extra: bytes | None, t0: float, blocked: float) -> None:
-        self._comm.group = self._bg_group
-        self._save(state, step, extra, t0)
+        self._save(state, step, extra, t0, self._bg_group)  # training's collectives stay apart
         self._stats["blocked_seconds"] = blocked
 
-    def _save(self, state: Any, step: int, extra: bytes | None, t0: float) -> None:
+    def _save(self, state: Any, step: int, extra: bytes | None, t0: float, group: dist.ProcessGroup) -> None:
         per_rank = extra
         extra = extra or b""
         # always gathered (ranks must make the same collective calls), with the step; the
         # per-rank extras travel as torch.save bytes and are loaded (weights_only) by their own
         # rank only, after a restore verified them
-        heads = self._gather(struct.pack("<QBQ", step, per_rank is not None, len(extra)), 17)
+        heads = self._gather(struct.pack("<QBQ", step, per_rank is not None, len(extra)), 17, group)
         if any(h is None or len(h) != 17 for h in heads):
             raise RuntimeError(f"save(step={step}): malformed message from rank(s) "
                                f"{[r for r, h in enumerate(heads) if h is None or len(h) != 17]}")
@@ -357,7 +225,7 @@ class CodedCheckpointer:
             raise RuntimeError(f"save(step={step}): per_rank of {max(sizes)} bytes on rank "
                                f"{sizes.index(max(sizes))}; at most {_wire.MAX_PER_RANK} (RNG states, "
                                "not data)")
-        extras = self._gather(extra, max(sizes)) if flags[0] else None
+        extras = self._gather(extra, max(sizes), group) if flags[0] else None
         blob = self._sink.dump({"state": _to_cpu(state), "per_rank": extras})
         # each rank encodes only its own share; the leaf hashes of its two lines are gathered
         # (with a digest of the bytes, which catches ranks whose states diverged), checked
@@ -368,7 +236,7 @@ class CodedCheckpointer:
         digest = blake3.blake3(blob).digest()
         n, d = self.n, len(row_leaves[0])
         size = 32 + 2 * n * d
-        got = self._gather(digest + b"".join(row_leaves) + b"".join(col_leaves), size)
+        got = self._gather(digest + b"".join(row_leaves) + b"".join(col_leaves), size, group)
         if any(g is None or len(g) != size for g in got):
             raise RuntimeError(f"save(step={step}): malformed line hashes from rank(s) "
                                f"{[r for r, g in enumerate(got) if g is None or len(g) != size]}")
@@ -388,7 +256,7 @@ class CodedCheckpointer:
             err = None
         except OSError as e:
             err = f"writing {d}: {e}"
-        self._raise_if_any(err, f"save(step={step})")  # every rank has written: now prune
+        self._raise_if_any(err, f"save(step={step})", group)  # every rank has written: now prune
         self._prune(step)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
                            stored_bytes=frag.file_size() + len(com.to_bytes()),
@@ -427,16 +295,19 @@ class CodedCheckpointer:
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ restore
-    def restore(self) -> tuple[Any, int] | None:
+    def restore(self) -> Restored | None:
         """Collective. Find the newest step whose commitment at least k ranks agree on, check
         this rank's fragment against it, rebuild missing or corrupted fragments from peers'
-        repair symbols, decode the state from any k rows and return ``(state, step)``; None when
-        no step is restorable (a fresh start). A background save in flight is waited for."""
+        repair symbols, decode the state from any k rows and return a :class:`Restored` (state,
+        step, this rank's per-rank extras, what was repaired and reported, timings; it unpacks
+        as ``state, step``); None when no step is restorable (a fresh start). A background save
+        in flight is waited for."""
         self.wait()
         t0 = time.perf_counter()
         digest = len(self.code._h(b""))
         held = [_wire.unvotes(b, digest)
-                for b in self._gather(_wire.votes(self._local_steps(), digest), _wire.votes_size(digest))]
+                for b in self._gather(_wire.votes(self._local_steps(), digest), _wire.votes_size(digest),
+                                      self.group)]
         votes: dict[tuple[int, bytes], list[int]] = {}
         for r, steps in enumerate(held):
             for s, root in steps.items():
@@ -457,7 +328,7 @@ class CodedCheckpointer:
         com = self._agreed_commitment(d, step, root, holders)
         status, frag, lines = self._check_local(d, com)
         statuses = [_wire.untext(b) or "(empty status)"
-                    for b in self._gather(_wire.text(status), _wire.TEXT_BYTES)]
+                    for b in self._gather(_wire.text(status), _wire.TEXT_BYTES, self.group)]
         targets = [r for r, s in enumerate(statuses) if s != "ok"]
         helpers = [r for r, s in enumerate(statuses) if s == "ok"]
         if targets:
@@ -485,7 +356,7 @@ class CodedCheckpointer:
                 # needs in memory, so a disk that refuses the write-back does not stop it
                 log.warning("restore step %d: could not write %s back (%s); the state is restored, "
                             "but this rank's disk still lacks it", step, d, e)
-        have = [bool(b and b[0]) for b in self._gather(bytes([frag is not None]), 1)]
+        have = [bool(b and b[0]) for b in self._gather(bytes([frag is not None]), 1, self.group)]
         t_ret = time.perf_counter()
         write_seconds = t_ret - t_rep - repair_seconds
         rows, idx, s, rc, row_reporters = self._retrieve(frag, com, have)
@@ -507,7 +378,8 @@ class CodedCheckpointer:
                            retrieve_seconds=t_load - t_ret, load_seconds=time.perf_counter() - t_load,
                            restore_seconds=time.perf_counter() - t0, state_bytes=com.data_len,
                            block_size=com.block_size)
-        return state, step
+        return Restored(state, step, self.per_rank, list(targets), bad_helpers, self._stats["reported"],
+                        self.stats())
 
     def _agreed_commitment(self, d: Path, step: int, root: bytes, holders: list[int]) -> Commitment:
         """Collective: the commitment of `step` whose root `root` k ranks voted for. Every
@@ -523,8 +395,8 @@ class CodedCheckpointer:
                 err = f"step {step} was saved with another code: {e}"
             except OSError as e:
                 err = f"reading the commitment of step {step}: {e}"
-        self._raise_if_any(err, "restore")
-        copies = self._gather(mine, self._commitment_bytes())
+        self._raise_if_any(err, "restore", self.group)
+        copies = self._gather(mine, self._commitment_bytes(), self.group)
         v1: dict[bytes, list[int]] = {}  # format-1 copies by their bytes -> the holders that sent them
         for r in holders:
             try:
@@ -689,7 +561,7 @@ class CodedCheckpointer:
                     rows.array[self.rank] = np.frombuffer(frag.row, dtype=np.uint8)
                 mine += [i for i in pending if i not in failed]
                 union: set[int] = set()
-                for r, f in enumerate(self._gather(_wire.bitmap(self._row_report(failed), n), n)):
+                for r, f in enumerate(self._gather(_wire.bitmap(self._row_report(failed), n), n, self.group)):
                     got = {i for i in _wire.unbitmap(f or b"") if i in pending}
                     union |= got
                     for i in got:
@@ -700,7 +572,7 @@ class CodedCheckpointer:
             if bad:
                 log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
             err = None if len(mine) >= k else str(NotEnoughSymbols(len(mine), k, bad, "retrieve", "rows"))
-            self._raise_if_any(err, "retrieve")  # every rank takes part, whatever its own count
+            self._raise_if_any(err, "retrieve", self.group)  # every rank takes part, whatever its count
         except BaseException:
             rows.close()  # (the memfd and its pages are not left behind)
             raise

@@ -51,7 +51,7 @@ class CodedCheckpoints(Callback):
         got = self.checkpointer.restore()
         if got is None:
             return
-        state, _ = got
+        state = got.state
         if not isinstance(state, dict) or not set(state) >= _LAYOUT:
             raise ValueError(f"{self.checkpointer.root_dir} holds a checkpoint of another layout (written by "
                              "another version of rankwise or another program); choose another folder")
@@ -65,11 +65,9 @@ class CodedCheckpoints(Callback):
         for key, cb in self._others(loop).items():
             if key in state["callbacks"]:
                 cb.load_state_dict(state["callbacks"][key])
-        per_rank = self.checkpointer.per_rank
-        torch.set_rng_state(per_rank["torch_rng"])
-        random.setstate(per_rank["py_rng"])
-        stats = self.checkpointer.stats()
-        self.restored = {"step": stats["step"], "repaired_ranks": stats["repaired"]}
+        torch.set_rng_state(got.per_rank["torch_rng"])
+        random.setstate(got.per_rank["py_rng"])
+        self.restored = {"step": got.step, "repaired_ranks": got.repaired}
 
     def on_step_end(self, loop: Loop) -> None:
         if loop.global_step % self.every:
