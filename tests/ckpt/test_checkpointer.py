@@ -183,7 +183,7 @@ def test_rows_in_plain_memory_when_there_is_no_memfd(monkeypatch):
     import numpy as np
 
     from rankwise.ckpt import Code2D
-    from rankwise.ckpt import _checkpointer as ckm
+    from rankwise.ckpt import _serial as ckm
 
     def no_memfd(*a, **k):
         raise OSError("no memfd here")
