@@ -17,8 +17,8 @@ def check_checkpoint_dir(config, nproc: int) -> None:
     """Refuse (``UserError``) a ``checkpoint_dir`` that is not a folder, or that holds the
     checkpoints of a run with other settings or another number of processes (its
     ``run.json``), naming what differs; creates nothing."""
+    from ..experiments.train_run import _resumable
     from ..train._checkpoints import mismatch as resume_mismatch
-    from ..train._run import _resumable
     from ._common import UserError
 
     folder = config.checkpoint_dir
@@ -42,7 +42,7 @@ def claim_checkpoint_dir(config, nproc: int) -> None:
     :func:`check_checkpoint_dir`: a later start with other settings is refused before any
     process starts."""
     from .._io import write_atomic
-    from ..train._run import _resumable
+    from ..experiments.train_run import _resumable
 
     check_checkpoint_dir(config, nproc)
     manifest = config.checkpoint_dir / "run.json"

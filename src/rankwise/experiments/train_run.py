@@ -22,9 +22,8 @@ from torch import Tensor, nn
 from .._io import write_atomic
 from ..lowrank import DLRT, SDLRT, compression, to_low_rank
 from ..models import get_model
+from ..train import Callback, CodedCheckpoints, Loop, accuracy, fit
 from ..train_config import FORMAT_VERSION, RAMP_SHARE, TrainConfig
-from ._checkpoints import CodedCheckpoints
-from ._loop import Callback, Loop, accuracy, fit
 
 
 class EpochRecord(NamedTuple):
