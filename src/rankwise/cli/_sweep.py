@@ -73,6 +73,19 @@ def _entries(text: str) -> list[tuple[str, dict]]:
     return out
 
 
+_OPTIONS = {"lr": "--lr", "omega": "--omega", "ramp": "--ramp", "alloc": "--alloc", "val": "--val",
+            "optimizer": "--optimizer", "epochs": "--epochs", "rank": "--rank", "dt_every": "--dt-every",
+            "finetune_epochs": "--finetune-epochs", "data_dir": "--data-dir"}
+
+
+def _as_option(message: str) -> str:
+    """A run spec's message about a field (``"omega must be …"``, ``"`lr` must be …"``) as one
+    about the option that sets it (``"--omega must be …"``)."""
+    head, sep, rest = message.partition(" ")
+    field = head.strip("`")
+    return f"{_OPTIONS[field]} {rest}" if sep and field in _OPTIONS else message
+
+
 SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"selection\.md", r"equal_compression\.md",
                    r"versus_baselines\.md",
                    r"acc_vs_compression\.png", r"rank_vs_step\.png", r"dt_vs_step\.png",
@@ -175,9 +188,6 @@ def sweep_cmd(
     default = DEFAULT_METHODS if targets is None else TARGET_DEFAULT
     entries = _entries(",".join(default) if methods is None else methods)
     method_list = [m for m, _ in entries]
-    if optimizer not in OPTIMIZERS:
-        raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
-    check_range("--val", val, 0, 1, hi_open=True)
     from ..experiments._select import DEFAULT_GRID, parse_grid
 
     if grid is not None and select is None:
@@ -193,9 +203,6 @@ def sweep_cmd(
     tau_list = _numbers(taus, "--taus", "τ", "0.1,0.2", lo_open=False)
     target_list = None if targets is None else _numbers(targets, "--targets", "target", "0.8,0.9",
                                                          lo_open=True)
-    if lr is not None:
-        check_range("--lr", lr, 0, None, lo_open=True)
-    check_range("--omega", omega, 0, 1, lo_open=True)
     if select is not None and (target_list is None or select not in target_list):
         raise UserError(f"--select {select:g} must be one of the compression --targets (e.g. --targets "
                         "0.8,0.9,0.95 --select 0.9)")
@@ -205,9 +212,30 @@ def sweep_cmd(
                             f"(or leave {option} out)")
     ramp = RAMP_SHARE if ramp is None else ramp
     alloc = ALLOCATIONS[0] if alloc is None else alloc
-    check_range("--ramp", ramp, 0, 1, hi_open=False)
-    if alloc not in ALLOCATIONS:
-        raise UserError(f"--alloc must be one of {', '.join(ALLOCATIONS)}; got {alloc!r}")
+    from ..experiments._sweep_spec import RunSpec
+
+    levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
+
+    def spec(task: str, i: int, level: dict, seed: int, **cfg) -> RunSpec:
+        method, extra = entries[i]
+        settings = dict(dict(alloc=alloc), **extra) if "target" in level else {}
+        return RunSpec(task=task, method=method, seed=seed, epochs=epochs,
+                       rank=rank if rank is not None else TASK_RANK.get(task, 32),
+                       lr=lr if lr is not None else TASK_LR.get(task, 0.05), omega=omega, ramp=ramp,
+                       optimizer=optimizer,
+                       val=val, dt_every=dt_every, finetune_epochs=finetune_epochs or max(1, epochs // 5),
+                       data_dir=str(data_dir) if data_dir else None,
+                       **settings, **level, **cfg)
+
+    def levels_of(method: str) -> list[dict]:
+        return [{"tau": 0.0}] if method == "dense" else levels
+
+    try:
+        plan = [(task, i, level, seed) for task in task_list for i, (method, _) in enumerate(entries)
+                for level in levels_of(method) for seed in range(seeds)]
+        specs = [spec(*p) for p in plan]
+    except ValueError as e:  # the run spec checks every setting; the message names the option
+        raise UserError(_as_option(str(e))) from None
     if data_dir is not None:
         require_dir(data_dir, "--data-dir")
     need = sorted({FILE_TASKS[t] for t in task_list if t in FILE_TASKS})
@@ -225,29 +253,6 @@ def sweep_cmd(
     # a sweep folder is resumed (its summaries rewritten from its records); summary-named files
     # in a folder without records are someone else's: replaced only with --force
     check_output_dir(out, produced=SWEEP_SUMMARIES, force=force or holds_records(out, "task"), what="sweep")
-    from ..experiments._sweep_spec import RunSpec
-
-    levels = [{"tau": t} for t in tau_list] if target_list is None else [{"target": t} for t in target_list]
-
-    def spec(task: str, i: int, level: dict, seed: int, **cfg) -> RunSpec:
-        method, extra = entries[i]
-        settings = dict(dict(alloc=alloc), **extra) if "target" in level else {}
-        return RunSpec(task=task, method=method, seed=seed, epochs=epochs,
-                       rank=rank if rank is not None else TASK_RANK.get(task, 32),
-                       lr=lr or TASK_LR.get(task, 0.05), omega=omega, ramp=ramp, optimizer=optimizer,
-                       val=val, dt_every=dt_every, finetune_epochs=finetune_epochs or max(1, epochs // 5),
-                       data_dir=str(data_dir) if data_dir else None,
-                       **settings, **level, **cfg)
-
-    def levels_of(method: str) -> list[dict]:
-        return [{"tau": 0.0}] if method == "dense" else levels
-
-    try:
-        plan = [(task, i, level, seed) for task in task_list for i, (method, _) in enumerate(entries)
-                for level in levels_of(method) for seed in range(seeds)]
-        specs = [spec(*p) for p in plan]
-    except ValueError as e:
-        raise UserError(str(e)) from None
     from rich.console import Console
     from rich.progress import Progress
 
