@@ -111,4 +111,4 @@ def test_ode_cli_resumes_from_its_run_records(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "epochs 1 there, 2 now" in r.stderr and "--force" in r.stderr
     assert record.read_bytes() == before and not calls
     r = run_cli("ode", "--grid", "fixed:8,fixed:8", "--out", tmp_path / "twice")
-    assert r.exit_code == 2 and "names a run twice" in r.stderr
+    assert r.exit_code == 2 and "--grid names fixed:8 twice" in r.stderr
