@@ -377,3 +377,15 @@ def test_encode_in_a_forked_child_after_the_parent_encoded():
 
 def _encode_root(data: bytes) -> bytes:
     return Code2D(7, 2).encode(data).commitment.root
+
+
+def test_shares_leaves_cross_check_and_give_encodes_commitment():
+    code = Code2D(7, 2)
+    data = random.Random(11).randbytes(9_999)
+    shares = [code.encode_share_leaves(data, i) for i in range(7)]
+    rows, cols = [s[1] for s in shares], [s[2] for s in shares]
+    assert code.crossing_mismatches(rows, cols) == []
+    assert code.commitment_from_leaves(len(data), rows, cols) == code.encode(data).commitment  # the reference
+    rows[3] = list(rows[3])
+    rows[3][5] = bytes(len(rows[3][5]))  # worker 3's row disagrees with worker 5's column about P[3, 5]
+    assert code.crossing_mismatches(rows, cols) == [(3, 5)]

@@ -234,14 +234,14 @@ class CodedCheckpointer:
         frag, row_leaves, col_leaves = self.code.encode_share_leaves(blob, self.rank, out=self._lines)
         row_leaves, col_leaves = self._leaves_sent(row_leaves, col_leaves)
         digest = blake3.blake3(blob).digest()
-        n, d = self.n, len(row_leaves[0])
-        size = 32 + 2 * n * d
+        n, h = self.n, len(row_leaves[0])  # h: bytes per leaf hash
+        size = 32 + 2 * n * h
         got = self._gather(digest + b"".join(row_leaves) + b"".join(col_leaves), size, group)
         if any(g is None or len(g) != size for g in got):
             raise RuntimeError(f"save(step={step}): malformed line hashes from rank(s) "
                                f"{[r for r, g in enumerate(got) if g is None or len(g) != size]}")
-        shared = [(g[:32], [g[32 + j * d:32 + (j + 1) * d] for j in range(n)],
-                   [g[32 + (n + j) * d:32 + (n + j + 1) * d] for j in range(n)]) for g in got]
+        leaves = [[g[o:o + h] for o in range(32, size, h)] for g in got]  # 2n per rank: row, then column
+        shared = [(g[:32], lv[:n], lv[n:]) for g, lv in zip(got, leaves, strict=True)]
         if len({x[0] for x in shared}) != 1:
             groups: dict[bytes, list[int]] = {}
             for r, x in enumerate(shared):
