@@ -24,6 +24,9 @@ _LAZY: dict[str, str] = {
     "SeedFeedback": "rankwise.lowrank",
     "Tolerance": "rankwise.lowrank",
     "TwoSidedFeedback": "rankwise.lowrank",
+    "Sgd": "rankwise.lowrank",
+    "Adam": "rankwise.lowrank",
+    "Settings": "rankwise.lowrank",
     "SDLRT": "rankwise.lowrank",
     "AbstractLowRankLayer": "rankwise.lowrank",
     "LowRankConv2d": "rankwise.lowrank",
@@ -44,12 +47,15 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import DLRT as DLRT
     from .lowrank import SDLRT as SDLRT
     from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
+    from .lowrank import Adam as Adam
     from .lowrank import AugmentedBUG as AugmentedBUG
     from .lowrank import Budget as Budget
     from .lowrank import Feedback as Feedback
     from .lowrank import LowRankConv2d as LowRankConv2d
     from .lowrank import LowRankLinear as LowRankLinear
     from .lowrank import SeedFeedback as SeedFeedback
+    from .lowrank import Settings as Settings
+    from .lowrank import Sgd as Sgd
     from .lowrank import Tolerance as Tolerance
     from .lowrank import TwoSidedFeedback as TwoSidedFeedback
     from .lowrank import compression as compression

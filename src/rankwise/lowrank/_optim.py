@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +19,8 @@ from . import _dp
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
-from ._rules import RULES, State, apply_rule, get_rule, transport
+from ._rules import State, apply_rule, transport
+from ._settings import Settings, pop_rule, settings_from
 
 
 def _all_finite(tensors: list[Tensor]) -> bool:
@@ -29,43 +29,6 @@ def _all_finite(tensors: list[Tensor]) -> bool:
     for t in tensors:
         by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
     return all(bool(torch.stack(flags).all()) for flags in by_device.values())
-
-
-def _check_hyperparameters(*, lr, momentum, weight_decay, optimizer, betas, eps) -> None:
-    """Reject values of the rule's hyperparameters that cannot train, naming the argument."""
-    def real(name: str, value) -> float:
-        return _real(name, value, finite=False)  # (each check below says what "finite" means)
-
-    if not isinstance(optimizer, str):
-        raise TypeError(f"`optimizer` must be the name of an update rule, one of {sorted(RULES)}; "
-                        f"got {optimizer!r} ({type(optimizer).__name__}); DLRT/SDLRT apply the "
-                        "rule themselves, so pass e.g. optimizer='adam', not torch.optim.Adam")
-    if optimizer not in RULES:
-        raise ValueError(f"`optimizer` must be one of {sorted(RULES)}; got {optimizer!r} "
-                         "(names are lower case)")
-    if not (math.isfinite(v := real("lr", lr)) and v >= 0):
-        raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
-    # torch.optim.SGD accepts any momentum >= 0, but m ← μ m + g (no dampening) is a
-    # geometric series: the effective step lr/(1 − μ) is unbounded at μ = 1 (m sums all past
-    # gradients, never forgetting any) and grows as μᵗ for μ > 1, so training always diverges.
-    if not 0 <= real("momentum", momentum) < 1:
-        raise ValueError(
-            f"`momentum` must be in [0, 1); got {momentum}: with momentum μ >= 1 the buffer "
-            "m ← μ·m + g never forgets old gradients (μ = 1) or grows geometrically (μ > 1), so "
-            "training diverges; use a value such as 0.9 or 0.99, or 0 for plain SGD")
-    if not (math.isfinite(v := real("weight_decay", weight_decay)) and v >= 0):
-        raise ValueError(f"`weight_decay` must be a finite number >= 0 (L2 coefficient; 0 "
-                         f"switches it off); got {weight_decay}")
-    if (isinstance(betas, str | bytes) or not hasattr(betas, "__len__") or len(betas) != 2):
-        raise TypeError(f"`betas` must be a pair (beta1, beta2) of Adam's moment decay rates; "
-                        f"got {betas!r}")
-    for i, b in enumerate(betas):
-        if not 0 <= real(f"betas[{i}]", b) < 1:
-            raise ValueError(f"`betas[{i}]` must be in [0, 1); got betas={tuple(betas)!r}; "
-                             "the default is (0.9, 0.999)")
-    if not (math.isfinite(v := real("eps", eps)) and v > 0):
-        raise ValueError(f"`eps` must be a finite number > 0 (Adam's denominator term, "
-                         f"default 1e-8); got {eps}")
 
 
 def _augmented_core_state(aug: bug.Augmented, st_S: State, st_K: State, st_L: State) -> State:
@@ -124,79 +87,71 @@ class AugmentedBUG(torch.optim.Optimizer):
     L = VSᵀ, ``Ū = orth[U0, ΔK(, U_buf)]``, ``V̄ = orth[V0, ΔL(, V_buf)]``, the Galerkin core
     ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, its SVD and a truncation chosen by `truncation`.
 
-    **Arguments** (besides those documented under :class:`DLRT`):
+    **Arguments:** `model`, `lr`, `process_group` as documented under :class:`DLRT`, and the
+    settings, either as one :class:`Settings` object (`settings`) or as its fields by keyword
+    (validated once, in :class:`Settings`; held as :attr:`settings` and saved, as plain data,
+    in the ``state_dict``):
     - `truncation`: :class:`Tolerance` (τ per layer) or :class:`Budget` (a compression target,
       ranks allocated model-wide).
     - `feedback`: ``None``, :class:`SeedFeedback` or :class:`TwoSidedFeedback` (or your own
       :class:`Feedback`): adjusts each layer's τ after every truncation; only with a
       :class:`Tolerance` (a budget sets the ranks itself).
     - `buffer`: SDLRT's compensation buffer of recently discarded directions.
+    - `rule`: :class:`Sgd` (``momentum``, ``weight_decay``) or :class:`Adam` (``betas``,
+      ``eps``, ``weight_decay``), applied to K, L, S and every other trainable parameter; the
+      presets' ``optimizer=``, ``momentum=``, ... are accepted instead. Their values start the
+      param group, where torch's schedulers may change them.
+    - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
+      under :class:`DLRT`.
+
+    The optimizer holds the low-rank factors and every parameter that requires grad; frozen
+    parameters (a PEFT base model) are left out, as a torch optimizer built from the trainable
+    parameters would.
 
     Example: ``AugmentedBUG(model, 0.05, truncation=Budget(0.9, ramp_steps=300), buffer=True,
-    momentum=0.9)``.
+    rule=Sgd(momentum=0.9))``.
     """
 
-    def __init__(self, model: nn.Module, lr: float, *, truncation: Tolerance | Budget,
-                 feedback: Feedback | None = None, buffer: bool = False, momentum: float = 0.0,
-                 optimizer: str = "sgd", weight_decay: float = 0.0, single_pass: bool = True,
-                 min_rank: int = 2, max_rank: int | None = None, adaptive: bool = True,
-                 update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 on_nonfinite: Literal["raise", "skip"] = "raise", process_group=None) -> None:
+    def __init__(self, model: nn.Module, lr: float, settings: Settings | None = None, *,
+                 process_group=None, **kwargs) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
-        _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                               optimizer=optimizer, betas=betas, eps=eps)
-        if not isinstance(truncation, Tolerance | Budget):
-            raise TypeError(f"`truncation` must be rankwise.Tolerance(tau) or rankwise.Budget(target); "
-                            f"got {truncation!r}")
-        if feedback is not None and not isinstance(feedback, Feedback):
-            raise TypeError(f"`feedback` must be None, rankwise.SeedFeedback(...) or "
-                            f"rankwise.TwoSidedFeedback(...); got {feedback!r}")
-        budget = isinstance(truncation, Budget)
-        if budget and feedback is not None:
-            raise ValueError("a feedback adjusts τ, and a Budget has none: it sets every rank itself; "
-                             "pass feedback=None with a Budget")
-        if budget and not adaptive:
-            raise ValueError("a compression target (Budget) needs adaptive=True: the budget sets the ranks")
-        tau = 0.0 if budget else truncation.tau
-        if feedback is not None and not feedback.tau_min <= tau:
-            raise ValueError(f"`tau_min` must be in [0, tau={tau}]; got {feedback.tau_min}")
-        if update_every < 1:
-            raise ValueError(f"`update_every` must be >= 1; got {update_every}")
-        if min_rank < 1 or (max_rank is not None and max_rank < min_rank):
-            raise ValueError(f"need 1 <= min_rank <= max_rank; got {min_rank}, {max_rank}")
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {on_nonfinite!r}")
+        if not (math.isfinite(v := _real("lr", lr, finite=False)) and v >= 0):
+            raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
+        if settings is None:
+            settings = settings_from(kwargs)
+        elif kwargs:
+            raise TypeError(f"give `settings` or the settings as keyword arguments, not both "
+                            f"(got {sorted(kwargs)})")
+        elif not isinstance(settings, Settings):
+            raise TypeError(f"`settings` must be rankwise.lowrank.Settings; got {type(settings).__name__}")
         if process_group is not None and not torch.distributed.is_initialized():
             raise ValueError("`process_group` given but torch.distributed is not initialised: call "
                              "rankwise.dist.init_process_group() (under torchrun) first")
         if process_group is not None:
             _dp.check_model(model)
+        self.settings = settings
         self.process_group = process_group
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
-        self.truncation, self.feedback = truncation, feedback
-        self._budgeted = budget
         self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
-        self.rule = get_rule(optimizer)
         self.layers: dict[str, AbstractLowRankLayer] = {
             n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
         }
         if not self.layers:
             warnings.warn("no low-rank layers in `model`; every parameter is updated densely "
                           "(use rankwise.to_low_rank first)", stacklevel=3)
-        # the policies, as text: load_state_dict refuses a state saved under other policies
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, betas=betas,
-                        eps=eps, global_step=0, policies=f"{truncation!r}, feedback={feedback!r}, "
-                                                         f"buffer={bool(buffer)}")
-        if budget:
+        # the settings as plain data: load_state_dict warns on a state saved under other policies
+        defaults = dict(lr=lr, **settings.rule.hyper(), global_step=0, settings=settings.to_dict())
+        if settings.budgeted:
             from ._budget import layer_cost
             from ._metrics import compression
 
+            truncation, min_rank = settings.truncation, settings.min_rank
             c = compression(model)
             factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
             self._dense_params = c["dense_params"]
             self._other_params = c["stored_params"] - factors  # biases, dense layers: fixed
-            self._count_buffer = bool(truncation.count_buffer and buffer)
+            self._count_buffer = bool(truncation.count_buffer and settings.buffer)
             if truncation.target is not None and \
                     (1 - truncation.target) * self._dense_params <= self._other_params:
                 raise ValueError(f"`target`={truncation.target} cannot be reached: the parameters outside "
@@ -210,20 +165,33 @@ class AugmentedBUG(torch.optim.Optimizer):
             # where the schedule starts is history, not derivable from a later model: it lives
             # in the param group, so it is saved and restored with the optimizer's state_dict
             defaults["budget_start"] = self._other_params + self._held()
-        super().__init__(list(model.parameters()), defaults)
-        self.cfg = dict(tau=tau, single_pass=single_pass, min_rank=min_rank, max_rank=max_rank,
-                        adaptive=adaptive, update_every=update_every, buffer=buffer,
-                        on_nonfinite=on_nonfinite)
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
+        # the factors (U and V are moved by the integrator, not autograd, so they may not
+        # require grad) and every trainable parameter; frozen ones (a PEFT base) are not held
+        params = [p for p in model.parameters() if p.requires_grad or id(p) in self._factor_ids]
+        super().__init__(params, defaults)
         for layer in self.layers.values():
             self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
-            if not budget:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
-                self.state[layer.S]["tau"] = tau
+            if not settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
+                self.state[layer.S]["tau"] = settings.tau
         self._set_modes()
         if process_group is not None:  # as DDP does: every replica starts from rank 0's model
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             _dp.check_shapes(named, process_group)
             _dp.broadcast_from_first(list(named.values()), process_group)
+
+    @property
+    def truncation(self) -> Tolerance | Budget:
+        return self.settings.truncation
+
+    @property
+    def feedback(self) -> Feedback | None:
+        return self.settings.feedback
+
+    @property
+    def rule(self):
+        """The update rule's function ``(grad, param, state, hyper) -> (delta, state)``."""
+        return self.settings.rule.update
 
     # ----------------------------------------------------------------- public queries
     def ranks(self) -> dict[str, int]:
@@ -234,7 +202,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         """{layer name: current truncation tolerance τ} (SDLRT's feedback lowers it); with a
         :class:`Budget`, the relative tail ‖σ_discarded‖/‖σ‖ of each layer's last truncation
         (the τ that would have given its rank; 0 before the first)."""
-        key = "tail" if self._budgeted else "tau"
+        key = "tail" if self.settings.budgeted else "tau"
         return {n: self.state[m.S].get(key, 0.0) for n, m in self.layers.items()}
 
     def budget(self) -> dict[str, float] | None:
@@ -242,7 +210,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         ``target_params``; U, S, V of every low-rank layer plus all other parameters), the
         parameters stored now (``stored_params``) and the compression they give
         (``compression``, as :func:`rankwise.compression`'s ratio); ``None`` without a target."""
-        if not self._budgeted:
+        if not self.settings.budgeted:
             return None
         stored = self._other_params + self._held()
         return {"target": self.truncation.target, "budget_params": self._budget_now(),
@@ -259,7 +227,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                    for m in self.layers.values())
 
     def _augmentation(self) -> int:
-        return self._hp()["global_step"] // self.cfg["update_every"]
+        return self._hp()["global_step"] // self.settings.update_every
 
     def _budget_now(self) -> float:
         """The budget (stored parameters) at this augmentation (:meth:`Budget.params_at`)."""
@@ -273,7 +241,7 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
     def _augment_now(self) -> bool:
-        return self.param_groups[0]["global_step"] % self.cfg["update_every"] == 0
+        return self.param_groups[0]["global_step"] % self.settings.update_every == 0
 
     def _set_modes(self) -> None:
         mode = "factors" if self._augment_now() else "core"
@@ -302,7 +270,7 @@ class AugmentedBUG(torch.optim.Optimizer):
           tensors (``zero_grad(set_to_none=False)``) count as gradients.
         """
         augment = self._augment_now()
-        two_pass = augment and not self.cfg["single_pass"] and self.layers
+        two_pass = augment and not self.settings.single_pass and self.layers
         if closure is None and two_pass:
             raise ValueError("two-pass DLRT (`single_pass=False`) needs `step(closure)`")
         try:
@@ -359,22 +327,30 @@ class AugmentedBUG(torch.optim.Optimizer):
         integrator's working precision (torch casts them to the dtype of ``S``) and the
         layers' gradient modes are re-synchronised with the loaded step count."""
         start = self._hp().get("budget_start")
-        saved = next((g.get("policies") for g in state_dict.get("param_groups", [])), None)
-        if saved is not None and saved != self._hp()["policies"]:  # allowed (e.g. τ first, then a
-            # budget), but more often a mistake: say so
-            warnings.warn(f"loading an optimizer state saved under other policies ({saved}) into one "
-                          f"with {self._hp()['policies']}; the step count, moments and each layer's τ "
+        group = next(iter(state_dict.get("param_groups", [])), {})
+        mine = self.settings.to_dict()
+        if "settings" in group:  # the policies: truncation, feedback, buffer
+            saved = {k: group["settings"].get(k) for k in ("truncation", "feedback", "buffer")}
+            differ = saved != {k: mine[k] for k in saved}
+            saved_text = ", ".join(f"{k}={v!r}" for k, v in saved.items())
+        else:  # saved before the settings objects: the policies as text, or nothing
+            saved_text = group.get("policies")
+            differ = saved_text is not None and saved_text != self.settings.policies()
+        if differ:  # allowed (e.g. τ first, then a budget), but more often a mistake: say so
+            warnings.warn(f"loading an optimizer state saved under other policies ({saved_text}) into one "
+                          f"with {self.settings.policies()}; the step count, moments and each layer's τ "
                           "carry over, the policies are this optimizer's", UserWarning, stacklevel=2)
-        policies = self._hp()["policies"]
         self._check_saved_ranks(state_dict)
         super().load_state_dict(state_dict)
-        self._hp().setdefault("policies", policies)  # a state saved before they were recorded
+        for g in self.param_groups:  # the settings are this optimizer's, whatever was saved
+            g.pop("policies", None)
+            g["settings"] = mine
         if start is not None:  # a state saved without a target: the schedule starts here
             self._hp().setdefault("budget_start", start)
         for layer in self.layers.values():
             st, dt = self.state[layer.S], work_dtype(layer.S.dtype)
-            if not self._budgeted:
-                st.setdefault("tau", self.cfg["tau"])  # a state saved under a budget has none
+            if not self.settings.budgeted:
+                st.setdefault("tau", self.settings.tau)  # a state saved under a budget has none
             for key in ("K", "L", "S"):
                 st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
                            for k, v in st.get(key, {}).items()}
@@ -483,7 +459,7 @@ class AugmentedBUG(torch.optim.Optimizer):
     def _nonfinite(self, what: str) -> bool:
         """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
         msg = what + "; no weights were changed"
-        if self.cfg["on_nonfinite"] == "raise":
+        if self.settings.on_nonfinite == "raise":
             raise FloatingPointError(msg + "; pass on_nonfinite='skip' to skip such steps")
         warnings.warn(msg + "; step skipped", RuntimeWarning, stacklevel=3)
         return False
@@ -505,7 +481,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if gk is None or layer.S.grad is None:
             return None  # layer unused by this forward pass
         dt = work_dtype(layer.U.dtype)
-        buf = self.cfg["buffer"]
+        buf = self.settings.buffer
         f = bug.Factors(*(t.detach().to(dt) for t in (
             layer.U, layer.S, layer.V, gk, layer.S.grad, gl,
             layer.U_buf if buf else layer.U_buf[:, :0], layer.V_buf if buf else layer.V_buf[:, :0])))
@@ -536,7 +512,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             else:  # two-pass: the S rule runs on the augmented core in _second_pass
                 stS = _augmented_core_state(aug, st["S"], st["K"], st["L"])
             plans[name] = [aug, S_bar, {"K": stK, "L": stL, "S": stS}]
-            if self._budgeted and self.truncation.allocation == "sensitivity":
+            if self.settings.budgeted and self.truncation.allocation == "sensitivity":
                 grads[name] = (f.G_K, f.G_S, f.G_L)
         originals = {n: tuple(t.clone() for t in (self.layers[n].U, self.layers[n].S, self.layers[n].V))
                      for n in plans} if closure is not None else {}
@@ -547,7 +523,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not _all_finite([plan[1] for plan in plans.values()]):  # before any layer is written
                 return self._nonfinite("non-finite augmented core (overflow in the update)")
             svds = ranks = smoothed = {}
-            if self._budgeted:
+            if self.settings.budgeted:
                 svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
                 if grads:  # sensitivity: each layer's directions in the order of their scores
                     svds, smoothed = self._by_sensitivity(plans, svds, grads)
@@ -598,8 +574,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         return True
 
     def _rank_cap(self, layer) -> int:
-        cfg = self.cfg
-        return layer.max_rank if cfg["max_rank"] is None else min(cfg["max_rank"], layer.max_rank)
+        cap = self.settings.max_rank
+        return layer.max_rank if cap is None else min(cap, layer.max_rank)
 
     def _by_sensitivity(self, plans, svds, grads):
         """Each layer's SVD reordered by its directions' smoothed sensitivity scores
@@ -635,11 +611,11 @@ class AugmentedBUG(torch.optim.Optimizer):
         shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in plans}
         caps = {n: self._rank_cap(self.layers[n]) for n in plans}
         budget = self._budget_now() - fixed
-        floors: int | dict[str, int] = self.cfg["min_rank"]
+        floors: int | dict[str, int] = self.settings.min_rank
         if self.truncation.floor > 0:  # a share of the rank a uniform allocation would give
             uniform = allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=caps,
                                      rule="uniform", buffer=buf)
-            floors = {n: max(self.cfg["min_rank"], math.ceil(self.truncation.floor * r))
+            floors = {n: max(self.settings.min_rank, math.ceil(self.truncation.floor * r))
                       for n, r in uniform.items()}
         scores = None
         if smoothed:
@@ -649,22 +625,22 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool, rank: int | None = None,
                   svd=None) -> None:
-        cfg, st = self.cfg, self.state[layer.S]
+        cfg, st = self.settings, self.state[layer.S]
         hi = self._rank_cap(layer)
-        lo = min(cfg["min_rank"], hi)
+        lo = min(cfg.min_rank, hi)
         if rank is not None:  # chosen by the budget
-            out = bug.truncate(aug, S_bar, rank=rank, buffer=cfg["buffer"], svd=svd)
+            out = bug.truncate(aug, S_bar, rank=rank, buffer=cfg.buffer, svd=svd)
             s = svd[1].double()  # the relative tail this rank discards: the τ that would give it
             total = float(s.norm())
             st["tail"] = float(s[rank:].norm()) / total if total > 0 else 0.0
-        elif cfg["adaptive"]:
+        elif cfg.adaptive:
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
-                               buffer=cfg["buffer"])
+                               buffer=cfg.buffer)
         else:
-            out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg["buffer"])
+            out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg.buffer)
         r1 = out.S.shape[0]
         if rank is None and self.feedback is not None:
-            st["tau"] = self.feedback(st["tau"], r1, st["r_init"], cfg["tau"])
+            st["tau"] = self.feedback(st["tau"], r1, st["r_init"], cfg.tau)
         TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
         st["K"] = transport(states["K"], None, TV)
         st["L"] = transport(states["L"], None, TU)
@@ -724,6 +700,14 @@ _COMMON_DOC = """
 """
 
 
+def _refuse(name: str, kwargs: dict, keys: tuple[str, ...]) -> None:
+    """A preset sets these itself: refuse them as Python refuses an unknown keyword."""
+    for k in keys:
+        if k in kwargs:
+            raise TypeError(f"{name}() got an unexpected keyword argument {k!r} (it sets {k} itself; "
+                            "use rankwise.AugmentedBUG to choose it)")
+
+
 def _truncation(tau: float | None, target: float | None, ramp_steps: int,
                 allocation: str) -> Tolerance | Budget:
     """The presets' `tau` / `target` as a truncation policy."""
@@ -750,19 +734,10 @@ class DLRT(AugmentedBUG):
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
                  target: float | None = None, ramp_steps: int = 200, allocation: str = "error-sqrt",
-                 momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
-                 single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
-                 adaptive: bool = True, update_every: int = 1, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, on_nonfinite: Literal["raise", "skip"] = "raise",
-                 process_group=None) -> None:
-        _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                               optimizer=optimizer, betas=betas, eps=eps)
+                 process_group=None, **settings) -> None:
+        _refuse(type(self).__name__, settings, ("truncation", "feedback", "buffer"))
         super().__init__(model, lr, truncation=_truncation(tau, target, ramp_steps, allocation),
-                         momentum=momentum,
-                         optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
-                         min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
-                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite,
-                         process_group=process_group)
+                         process_group=process_group, **settings)
 
 
 class SDLRT(AugmentedBUG):
@@ -787,15 +762,10 @@ class SDLRT(AugmentedBUG):
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
                  target: float | None = None, ramp_steps: int = 200, allocation: str = "error-sqrt",
-                 omega: float = 0.8,
-                 buffer: bool = True, feedback: bool | str = True, tau_min: float = 0.0,
-                 momentum: float = 0.0, optimizer: str = "sgd", weight_decay: float = 0.0,
-                 single_pass: bool = True, min_rank: int = 2, max_rank: int | None = None,
-                 adaptive: bool = True, update_every: int = 1,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 on_nonfinite: Literal["raise", "skip"] = "raise", process_group=None) -> None:
-        _check_hyperparameters(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                               optimizer=optimizer, betas=betas, eps=eps)
+                 omega: float = 0.8, buffer: bool = True, feedback: bool | str = True,
+                 tau_min: float = 0.0, process_group=None, **settings) -> None:
+        _refuse(type(self).__name__, settings, ("truncation",))
+        rule = pop_rule(settings)  # its arguments checked before the policies', as before
         truncation = _truncation(tau, target, ramp_steps, allocation)
         if feedback not in (True, False, "seed", "two-sided"):
             raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "
@@ -807,8 +777,5 @@ class SDLRT(AugmentedBUG):
             fb = _FEEDBACK[feedback](omega=omega, tau_min=tau_min)
         elif not 0 < omega < 1:
             raise ValueError(f"`omega` must be in (0, 1); got {omega}")
-        super().__init__(model, lr, truncation=truncation, feedback=fb, buffer=buffer, momentum=momentum,
-                         optimizer=optimizer, weight_decay=weight_decay, single_pass=single_pass,
-                         min_rank=min_rank, max_rank=max_rank, adaptive=adaptive,
-                         update_every=update_every, betas=betas, eps=eps, on_nonfinite=on_nonfinite,
-                         process_group=process_group)
+        super().__init__(model, lr, truncation=truncation, feedback=fb, buffer=buffer, rule=rule,
+                         process_group=process_group, **settings)

@@ -45,16 +45,6 @@ def adam(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tu
     return -hp["lr"] * mhat / (vhat.sqrt() + hp["eps"]), {**state, "m": m, "v": v, "step": step}
 
 
-RULES: dict[str, Rule] = {"sgd": sgd, "adam": adam}
-
-
-def get_rule(name: str) -> Rule:
-    try:
-        return RULES[name]
-    except KeyError:
-        raise ValueError(f"`optimizer` must be one of {sorted(RULES)}; got {name!r}") from None
-
-
 def transport(state: State, left: Tensor | None, right: Tensor | None) -> State:
     """Move a rule's state into new coordinates: ``X ↦ leftᵀ X right``.
 

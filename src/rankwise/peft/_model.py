@@ -111,27 +111,13 @@ def adapter_optimizer(model: nn.Module, lr: float, *, allocation: str = "error-s
     if config.budget is not None:
         budget = Budget(params=adapter_budget(model), ramp_steps=0, allocation=allocation, count_buffer=True)
         kwargs.setdefault("min_rank", 1)
-        opt = AugmentedBUG(model, lr, truncation=budget, buffer=config.method == "sdlrt", **kwargs)
-    elif allocation != "error-sqrt":
+        return AugmentedBUG(model, lr, truncation=budget, buffer=config.method == "sdlrt", **kwargs)
+    if allocation != "error-sqrt":
         raise ValueError(f"`allocation`={allocation!r} applies to adapters with a budget; this model's "
                          "AdapterConfig has budget=None")
-    elif config.method == "sdlrt":
-        opt = SDLRT(model, lr, tau=config.tau, omega=config.omega, **kwargs)
-    else:
-        opt = DLRT(model, lr, tau=config.tau, **kwargs)
-    _drop_frozen(opt, model)
-    return opt
-
-
-def _drop_frozen(opt: torch.optim.Optimizer, model: nn.Module) -> None:
-    """Take the frozen parameters (no ``requires_grad``, not a low-rank factor) out of `opt`'s
-    param groups. (AugmentedBUG registers all of ``model.parameters()``; the integrator skips
-    parameters without a gradient, so this changes no update, only what the optimizer holds.)"""
-    from ..lowrank._base import AbstractLowRankLayer
-
-    factors = {id(p) for m in model.modules() if isinstance(m, AbstractLowRankLayer) for p in (m.U, m.S, m.V)}
-    for group in opt.param_groups:
-        group["params"] = [p for p in group["params"] if p.requires_grad or id(p) in factors]
+    if config.method == "sdlrt":
+        return SDLRT(model, lr, tau=config.tau, omega=config.omega, **kwargs)
+    return DLRT(model, lr, tau=config.tau, **kwargs)
 
 
 def _saved_state(model: nn.Module, config: AdapterConfig) -> dict[str, torch.Tensor]:

@@ -1,0 +1,238 @@
+r"""The optimizer's settings, validated once and held once.
+
+:class:`Sgd` and :class:`Adam` are the update rules (with their hyperparameters' starting
+values; the live values sit in ``param_groups`` so that torch's LR and momentum schedulers
+work); :class:`Settings` holds every choice of an :class:`~rankwise.AugmentedBUG`:
+truncation, feedback, buffer, rule and the integrator's switches. All are frozen dataclasses
+that check their values on construction, and :meth:`Settings.to_dict` /
+:meth:`Settings.from_dict` carry them through an optimizer's ``state_dict`` as plain data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, ClassVar, Literal
+
+from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
+from ._rules import Rule, adam, sgd
+
+
+def _nonnegative(name: str, value: object, what: str) -> None:
+    if not (math.isfinite(v := _real(name, value, finite=False)) and v >= 0):
+        raise ValueError(f"`{name}` must be a finite number >= 0 ({what}); got {value}")
+
+
+@dataclass(frozen=True)
+class Sgd:
+    """SGD with momentum μ in [0, 1) and L2 `weight_decay` (as ``torch.optim.SGD`` without
+    dampening): ``m ← μ m + g + wd·p``, ``Δ = −lr·m``."""
+
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    name: ClassVar[str] = "sgd"
+    update: ClassVar[Rule] = staticmethod(sgd)
+
+    def __post_init__(self) -> None:
+        # torch.optim.SGD accepts any momentum >= 0, but m ← μ m + g (no dampening) is a
+        # geometric series: the effective step lr/(1 − μ) is unbounded at μ = 1 and grows as
+        # μᵗ for μ > 1, so training always diverges.
+        if not 0 <= _real("momentum", self.momentum, finite=False) < 1:
+            raise ValueError(
+                f"`momentum` must be in [0, 1); got {self.momentum}: with momentum μ >= 1 the buffer "
+                "m ← μ·m + g never forgets old gradients (μ = 1) or grows geometrically (μ > 1), so "
+                "training diverges; use a value such as 0.9 or 0.99, or 0 for plain SGD")
+        _nonnegative("weight_decay", self.weight_decay, "L2 coefficient; 0 switches it off")
+
+    def hyper(self) -> dict[str, Any]:
+        """The hyperparameters a param group holds (and a scheduler may change)."""
+        return {"momentum": float(self.momentum), "weight_decay": float(self.weight_decay)}
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam with moment decay rates `betas` (each in [0, 1)), denominator term `eps` > 0 and
+    L2 `weight_decay` added to the gradient (as ``torch.optim.Adam``)."""
+
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    name: ClassVar[str] = "adam"
+    update: ClassVar[Rule] = staticmethod(adam)
+
+    def __post_init__(self) -> None:
+        betas = self.betas
+        if isinstance(betas, str | bytes) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise TypeError(f"`betas` must be a pair (beta1, beta2) of Adam's moment decay rates; "
+                            f"got {betas!r}")
+        for i, b in enumerate(betas):
+            if not 0 <= _real(f"betas[{i}]", b, finite=False) < 1:
+                raise ValueError(f"`betas[{i}]` must be in [0, 1); got betas={tuple(betas)!r}; "
+                                 "the default is (0.9, 0.999)")
+        object.__setattr__(self, "betas", (float(betas[0]), float(betas[1])))
+        if not (math.isfinite(v := _real("eps", self.eps, finite=False)) and v > 0):
+            raise ValueError(f"`eps` must be a finite number > 0 (Adam's denominator term, "
+                             f"default 1e-8); got {self.eps}")
+        _nonnegative("weight_decay", self.weight_decay, "L2 coefficient; 0 switches it off")
+
+    def hyper(self) -> dict[str, Any]:
+        return {"betas": self.betas, "eps": float(self.eps), "weight_decay": float(self.weight_decay)}
+
+
+RULES: dict[str, type[Sgd] | type[Adam]] = {"sgd": Sgd, "adam": Adam}
+
+
+def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: float = 0.0,
+              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Sgd | Adam:
+    """The rule object for the presets' keyword arguments (``optimizer="adam"``, ``betas=...``).
+    Every value is checked; those of the other rule (``momentum`` under Adam, ``betas`` and
+    ``eps`` under SGD) are not used, as before the settings objects."""
+    if not isinstance(optimizer, str):
+        raise TypeError(f"`optimizer` must be the name of an update rule, one of {sorted(RULES)}; "
+                        f"got {optimizer!r} ({type(optimizer).__name__}); DLRT/SDLRT apply the "
+                        "rule themselves, so pass e.g. optimizer='adam', not torch.optim.Adam")
+    if optimizer not in RULES:
+        raise ValueError(f"`optimizer` must be one of {sorted(RULES)}; got {optimizer!r} "
+                         "(names are lower case)")
+    if optimizer == "sgd":
+        Adam(betas, eps)  # checked even where unused, as before
+        return Sgd(momentum, weight_decay)
+    Sgd(momentum)
+    return Adam(betas, eps, weight_decay)
+
+
+_POLICIES: dict[str, type] = {c.__name__: c for c in (Tolerance, Budget, SeedFeedback, TwoSidedFeedback)}
+
+
+def _policy_dict(policy: object) -> dict[str, Any] | None:
+    if policy is None:
+        return None
+    if type(policy).__name__ in _POLICIES and type(policy) is _POLICIES[type(policy).__name__]:
+        return {"kind": type(policy).__name__, **asdict(policy)}  # type: ignore[call-overload]
+    return {"kind": "custom", "repr": repr(policy)}  # a Feedback of the user's own
+
+
+def _policy(d: dict[str, Any] | None) -> Any:
+    if d is None:
+        return None
+    if d.get("kind") not in _POLICIES:
+        raise ValueError(f"cannot rebuild the policy {d.get('repr', d)!r}: only rankwise's own policies "
+                         f"({', '.join(_POLICIES)}) are recorded by value; pass it again")
+    return _POLICIES[d["kind"]](**{k: v for k, v in d.items() if k != "kind"})
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every choice of an :class:`~rankwise.AugmentedBUG` (see its docstring for each).
+
+    **Arguments:** `truncation` (:class:`Tolerance` or :class:`Budget`), `feedback`
+    (``None`` or a :class:`Feedback`; only with a Tolerance), `buffer` (SDLRT's compensation
+    buffer), `rule` (:class:`Sgd` or :class:`Adam`), `single_pass`, `min_rank`, `max_rank`,
+    `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``).
+    """
+
+    truncation: Tolerance | Budget
+    feedback: Feedback | None = None
+    buffer: bool = False
+    rule: Sgd | Adam = field(default_factory=Sgd)
+    single_pass: bool = True
+    min_rank: int = 2
+    max_rank: int | None = None
+    adaptive: bool = True
+    update_every: int = 1
+    on_nonfinite: Literal["raise", "skip"] = "raise"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.truncation, Tolerance | Budget):
+            raise TypeError(f"`truncation` must be rankwise.Tolerance(tau) or rankwise.Budget(target); "
+                            f"got {self.truncation!r}")
+        if self.feedback is not None and not isinstance(self.feedback, Feedback):
+            raise TypeError(f"`feedback` must be None, rankwise.SeedFeedback(...) or "
+                            f"rankwise.TwoSidedFeedback(...); got {self.feedback!r}")
+        if not isinstance(self.rule, Sgd | Adam):
+            raise TypeError(f"`rule` must be rankwise.Sgd(momentum=...) or "
+                            f"rankwise.Adam(betas=..., eps=...); got {self.rule!r}")
+        for name in ("buffer", "single_pass", "adaptive"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"`{name}` must be True or False; got {getattr(self, name)!r}")
+        if self.budgeted and self.feedback is not None:
+            raise ValueError("a feedback adjusts τ, and a Budget has none: it sets every rank itself; "
+                             "pass feedback=None with a Budget")
+        if self.budgeted and not self.adaptive:
+            raise ValueError("a compression target (Budget) needs adaptive=True: the budget sets the ranks")
+        if self.feedback is not None and not self.feedback.tau_min <= self.tau:
+            raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.feedback.tau_min}")
+        for name, least in (("update_every", 1), ("min_rank", 1)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"`{name}` must be an int >= {least}; got {v!r}")
+        cap = self.max_rank
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < self.min_rank):
+            raise ValueError(f"need 1 <= min_rank <= max_rank; got {self.min_rank}, {self.max_rank}")
+        if self.on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {self.on_nonfinite!r}")
+
+    @property
+    def budgeted(self) -> bool:
+        """Does a :class:`Budget` set the ranks (rather than a tolerance τ)?"""
+        return isinstance(self.truncation, Budget)
+
+    @property
+    def tau(self) -> float:
+        """The initial tolerance (0 under a Budget, which has none)."""
+        return 0.0 if self.budgeted else self.truncation.tau
+
+    def policies(self) -> str:
+        """The policies as text (how a state saved before :class:`Settings` recorded them)."""
+        return f"{self.truncation!r}, feedback={self.feedback!r}, buffer={self.buffer}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (str, numbers, bools, None, tuples, dicts) for a ``state_dict``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["truncation"] = _policy_dict(self.truncation)
+        out["feedback"] = _policy_dict(self.feedback)
+        out["rule"] = {"kind": self.rule.name, **asdict(self.rule)}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Settings:
+        """Inverse of :meth:`to_dict` (a custom Feedback cannot be rebuilt: ``ValueError``)."""
+        d = dict(d)
+        rule = dict(d.pop("rule"))
+        kind = rule.pop("kind")
+        if kind not in RULES:
+            raise ValueError(f"unknown update rule {kind!r} in saved settings; "
+                             f"expected one of {sorted(RULES)}")
+        if "betas" in rule:
+            rule["betas"] = tuple(rule["betas"])
+        return cls(truncation=_policy(d.pop("truncation")), feedback=_policy(d.pop("feedback")),
+                   rule=RULES[kind](**rule), **d)
+
+
+RULE_ARGS = ("optimizer", "momentum", "weight_decay", "betas", "eps")
+
+
+def pop_rule(kwargs: dict[str, Any]) -> Sgd | Adam:
+    """Take the update rule out of keyword arguments (in place): `rule`, or the presets'
+    ``optimizer=``, ``momentum=``, ``weight_decay=``, ``betas=``, ``eps=`` (checked here), or
+    the default ``Sgd()``."""
+    legacy = {k: kwargs.pop(k) for k in RULE_ARGS if k in kwargs}
+    rule = kwargs.pop("rule", None)
+    if legacy and rule is not None:
+        raise TypeError(f"give `rule` or the rule's keyword arguments "
+                        f"({', '.join(sorted(legacy))}), not both")
+    return rule if rule is not None else rule_from(**legacy)
+
+
+def settings_from(kwargs: dict[str, Any]) -> Settings:
+    """:class:`Settings` from an optimizer's keyword arguments (its fields; instead of `rule`,
+    optionally the presets' rule arguments, :func:`pop_rule`); unknown names are refused."""
+    kwargs = dict(kwargs)
+    rule = pop_rule(kwargs)
+    names = {f.name for f in fields(Settings)}
+    if unknown := sorted(set(kwargs) - names):
+        raise TypeError(f"unexpected keyword argument(s) {', '.join(map(repr, unknown))}; the settings are "
+                        f"{', '.join(sorted(names))} (or, instead of rule, {', '.join(RULE_ARGS)})")
+    if "truncation" not in kwargs:
+        raise TypeError("missing `truncation`: rankwise.Tolerance(tau) or rankwise.Budget(target)")
+    return Settings(rule=rule, **kwargs)
