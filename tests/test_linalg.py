@@ -41,3 +41,19 @@ def test_orth_against_spans_the_projected_columns():
     for b in range(3):  # the same subspace as the (unbatched, rank-revealing) orth_complement
         ref = orth_complement(Q0[b], Y[b])
         torch.testing.assert_close(Q[b] @ Q[b].mT, ref @ ref.mT)
+
+
+def test_one_thread_runs_the_block_on_one_thread_and_restores_the_setting():
+    from rankwise.linalg import one_thread
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError, match="inside"), one_thread():
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2  # restored on an error too
+    finally:
+        torch.set_num_threads(before)

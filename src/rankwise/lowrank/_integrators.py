@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..linalg import orth_complement, orthonormalize, tail_rank
+from ..linalg import one_thread, orth_complement, orthonormalize, tail_rank
 
 
 class Augmented(NamedTuple):
@@ -132,10 +132,11 @@ def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     occasionally fails to converge on finite matrices; retry once in float64."""
     if not bool(torch.isfinite(S).all()):
         raise FloatingPointError("the augmented core S̄ is not finite; no weights were changed")
-    try:
-        P, s, Qh = torch.linalg.svd(S, full_matrices=False)
-    except torch.linalg.LinAlgError:
-        P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
+    with one_thread():  # a small factorisation: see rankwise.linalg.one_thread
+        try:
+            P, s, Qh = torch.linalg.svd(S, full_matrices=False)
+        except torch.linalg.LinAlgError:
+            P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
     return P, s, Qh.mT
 
 
