@@ -120,6 +120,7 @@ class Config:
     opt: torch.optim.Optimizer | None = None
     closure: Callable[[], torch.Tensor] | None = None
     block: int = 1  # steps per timed block
+    flops: float | None = None  # counted per step (counted_flops)
     times: list[float] = field(default_factory=list)  # mean s/step of each block
 
     @property
@@ -224,6 +225,47 @@ def measure(configs: list[Config], repeats: int, seed: int) -> None:
         print(f"  repeat {rep + 1}/{repeats} done in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+# ----------------------------------------------------------------------------- flop floor
+def _lapack_formulas() -> dict:
+    """Operation counts of the factorisations (LAPACK Working Note 41 / Golub–Van Loan), for
+    torch's FlopCounterMode, which counts only matrix products by itself. Shapes only."""
+    aten = torch.ops.aten
+
+    def qr(a, *args, out_shape=None, **kw):  # thin QR with Q formed: 4mn² − 4n³/3
+        m, n = a[-2], a[-1]
+        k = min(m, n)
+        return int(4 * max(m, n) * k * k - 4 * k**3 / 3)
+
+    def eigh(a, *args, out_shape=None, **kw):  # tridiagonalisation + QR iteration with vectors: ~9n³
+        return 9 * a[-1] ** 3
+
+    def svd(a, *args, out_shape=None, **kw):  # thin R-SVD with vectors: 6mn² + 20n³ (m ≥ n)
+        m, n = max(a[-2], a[-1]), min(a[-2], a[-1])
+        return 6 * m * n * n + 20 * n**3
+
+    def cholesky(a, *args, out_shape=None, **kw):
+        return a[-1] ** 3 // 3
+
+    def trsm(a, b, *args, out_shape=None, **kw):  # A (n×n) against B: n²·(other side of B)
+        n = a[-1]
+        return n * n * (b[-1] if b[-2] == n else b[-2])
+
+    return {aten.linalg_qr: qr, aten._linalg_eigh: eigh, aten._linalg_svd: svd,
+            aten.linalg_cholesky_ex: cholesky, aten.linalg_solve_triangular: trsm}
+
+
+def counted_flops(cfg: Config) -> float:
+    """Floating-point operations per step, averaged over one ``update_every`` period: matrix
+    products (torch's FlopCounterMode) plus the factorisations (:func:`_lapack_formulas`);
+    elementwise work is not counted. Runs (and so advances) the configuration's training."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False, custom_mapping=_lapack_formulas()) as counter:
+        for _ in range(cfg.update_every):
+            cfg.opt.step(cfg.closure)
+    return counter.get_total_flops() / cfg.update_every
+
+
 # ----------------------------------------------------------------------------- contention
 CONTENDER = """
 import torch
@@ -285,7 +327,8 @@ def _fmt(v: float | None) -> str:
 
 def table_rows(configs: list[Config]) -> tuple[list[str], list[list[str]]]:
     by_key = {cfg.key: cfg for cfg in configs}
-    dense_ms = by_key[("dense", None, True, 1, False, False)].median_ms()
+    dense = by_key[("dense", None, True, 1, False, False)]
+    dense_ms = dense.median_ms()
 
     def ratio(cfg: Config, **change) -> float | None:
         k = dict(zip(("method", "compression", "single_pass", "update_every", "adaptive", "budget"),
@@ -293,7 +336,7 @@ def table_rows(configs: list[Config]) -> tuple[list[str], list[list[str]]]:
         other = by_key.get(tuple({**k, **change}.values()))
         return None if other is None or other is cfg else cfg.median_ms() / other.median_ms()
 
-    head = ["config", "compr.", "rank", "ratio", "ms/step", "min..max", "×dense", "SDLRT/DLRT",
+    head = ["config", "compr.", "rank", "ratio", "ms/step", "min..max", "×dense", "flop floor", "SDLRT/DLRT",
             "1-pass/2-pass", "ue10/ue1", "budget/τ"]
     rows = []
     for cfg in configs:
@@ -308,6 +351,7 @@ def table_rows(configs: list[Config]) -> tuple[list[str], list[list[str]]]:
             f"{rankwise.compression(cfg.model)['ratio']:.3f}" if lr else "0",
             f"{cfg.median_ms():.1f}", f"{min(ms):.0f}..{max(ms):.0f}",
             _fmt(cfg.median_ms() / dense_ms),
+            _fmt(cfg.flops / dense.flops) if cfg.flops and dense.flops else "",
             _fmt(ratio(cfg, method="DLRT")) if cfg.method == "SDLRT" and not cfg.adaptive else "",
             _fmt(ratio(cfg, single_pass=False)) if lr and cfg.single_pass and not (cfg.adaptive or cfg.budget)
             else "",
@@ -477,11 +521,15 @@ def main(argv: list[str] | None = None) -> None:
     configs = build_configs(args, x, y)
     print(f"built {len(configs)} configurations in {time.perf_counter() - t_start:.1f} s", flush=True)
     warm_up(configs, args)
+    for cfg in configs:  # after the warm-up: the augmentation's shapes have settled
+        cfg.flops = counted_flops(cfg)
     measure(configs, args.repeats, args.seed)
 
     head, rows = table_rows(configs)
     checks = target_checks(configs)
-    note = (f"median of {args.repeats} interleaved blocks; ×dense = ms / dense ms; fixed rank "
+    note = (f"median of {args.repeats} interleaved blocks; ×dense = ms / dense ms; flop floor = the "
+            "step's counted arithmetic (matrix products and factorisations, per step over an "
+            "update_every period) / dense's; fixed rank "
             f"(--pin {args.pin}) except the 'adaptive' row (tau={ADAPTIVE_TAU}, max_rank=2r, "
             "rank shown as start→final) and the 'budget' row (target = the pinned ranks' compression, "
             "ramp_steps=0); ratio = rankwise.compression()['ratio'].")
