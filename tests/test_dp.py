@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ CASES = {  # name: (preset, lr, kwargs); each sees its ranks change within STEPS
     "sdlrt-every-2": ("SDLRT", 2.0, dict(tau=0.01, update_every=2, momentum=0.5)),
     "sdlrt-adam": ("SDLRT", 0.05, dict(tau=0.02, optimizer="adam")),
     "sdlrt-two-pass-adam": ("SDLRT", 0.02, dict(tau=0.05, single_pass=False, optimizer="adam")),
+    "dlrt-budget-sensitivity": ("DLRT", 2.0, dict(target=0.3, ramp_steps=4, allocation="sensitivity")),
 }
 # Summing half-batch gradients rounds differently from the full batch (~1e-16). SGD's trajectory
 # is smooth in it; Adam's less so: it divides each coordinate by its own running |g|, in bases
@@ -44,8 +46,10 @@ def _data():
                                                                                        generator=g)
 
 
-def _train(case: str, rank: int = 0, world: int = 1, group=None) -> dict:
+def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: str = "replicated") -> dict:
     preset, lr, kw = CASES[case]
+    if group is not None:
+        kw = dict(kw, data_parallel=data_parallel)
     model = _model()
     if group is not None and rank == 1:  # a different initialisation: the broadcast must fix it
         with torch.no_grad():
@@ -72,15 +76,21 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None) -> dict:
         losses.append(float(opt.step(closure).detach()))
         ranks.append(tuple(opt.ranks().values()))
         sent.append(opt.allreduce_bytes)
+        states = [opt.state[m.S] for m in model if isinstance(m, rankwise.LowRankLinear)]
     weights = [m.dense_weight().detach() for m in model if isinstance(m, rankwise.LowRankLinear)]
+    buffers = [t.detach().numpy().copy() for m in model if isinstance(m, rankwise.LowRankLinear)
+               for t in (m.U_buf, m.V_buf)]
+    moments = [t.numpy().copy() for st in states for key in ("K", "L", "S") for t in st[key].values()
+               if torch.is_tensor(t)]
     return dict(losses=losses, ranks=ranks, weights=weights, last=model[4].weight.detach(),
-                taus=list(opt.taus().values()), sent=sent, formula=formula)
+                taus=list(opt.taus().values()), sent=sent, formula=formula, buffers=buffers, moments=moments,
+                owners=opt.owners())
 
 
-def _dp_worker(rank: int, case: str) -> dict:
+def _dp_worker(rank: int, case: str, data_parallel: str = "replicated") -> dict:
     import torch.distributed as dist
 
-    out = _train(case, rank, dist.get_world_size(), dist.group.WORLD)
+    out = _train(case, rank, dist.get_world_size(), dist.group.WORLD, data_parallel)
     # plain arrays: tensors would travel as shared memory, which dies with this process
     out["weights"] = [w.numpy().copy() for w in out["weights"]]
     out["last"] = out["last"].numpy().copy()
@@ -106,6 +116,29 @@ def test_two_ranks_on_half_batches_follow_one_process_on_the_full_batch(case, tm
     assert mean_loss == pytest.approx(ref["losses"], rel=tol["rel"], abs=1e-12)
     for a, b in zip(out[0]["weights"] + [out[0]["last"]], ref["weights"] + [ref["last"]], strict=True):
         torch.testing.assert_close(a, b, rtol=tol["rtol"], atol=tol["atol"])
+
+
+SHARDED = ["dlrt", "sdlrt", "sdlrt-two-pass", "sdlrt-every-2", "sdlrt-two-pass-adam",
+           "dlrt-budget-sensitivity"]
+
+
+@pytest.mark.parametrize("case", SHARDED)
+def test_the_sharded_integrator_equals_the_replicated_one(case, tmp_path):
+    """Each layer integrated by its owner and sent to the other rank: the same trajectory,
+    bit for bit, as every rank integrating every layer (the owners compute the same thing from
+    the same averaged gradients), with rank changes; buffers and optimizer moments included."""
+    rep = run_world(_dp_worker, 2, tmp_path, case, "replicated")
+    sh = run_world(_dp_worker, 2, tmp_path, case, "sharded")
+    assert len(set(rep[0]["ranks"])) > 1, "the test must see rank changes"
+    # layer 2 (16 x 24) costs more than layer 0 (24 x 12) at their cap 12: it goes first, to rank 0
+    assert rep[0]["owners"] is None and sh[0]["owners"] == sh[1]["owners"] == {"0": 1, "2": 0}
+    for r in (0, 1):
+        a, b = rep[r], sh[r]
+        assert a["losses"] == b["losses"] and a["ranks"] == b["ranks"] and a["taus"] == b["taus"]
+        assert a["sent"] == b["sent"]  # the gradient averaging is unchanged
+        for x, y in zip(a["weights"] + [a["last"]] + a["buffers"] + a["moments"],
+                        b["weights"] + [b["last"]] + b["buffers"] + b["moments"], strict=True):
+            assert np.array_equal(x, y)
 
 
 def _diverge_worker(rank: int) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg import work_dtype
-from . import _dp
+from . import _dp, _shard
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
@@ -175,10 +175,22 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
                 self.state[layer.S]["tau"] = settings.tau
         self._set_modes()
+        self.shared_bytes = 0  # sharded: bytes of new factors and state this rank sent in the last step
+        self._owners: dict[str, int] | None = None  # sharded: {layer: the rank that integrates it}
         if process_group is not None:  # as DDP does: every replica starts from rank 0's model
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             _dp.check_shapes(named, process_group)
             _dp.broadcast_from_first(list(named.values()), process_group)
+            if settings.data_parallel == "sharded":
+                self._owners = _shard.assign_owners(
+                    {n: _shard.layer_cost(m.out_features, m.in_features, self._rank_cap(m))
+                     for n, m in self.layers.items()}, torch.distributed.get_world_size(process_group))
+
+    def owners(self) -> dict[str, int] | None:
+        """Sharded data parallelism: {layer name: the rank of `process_group` that integrates
+        it} (balanced by the integrator's cost at each layer's largest rank; the same on every
+        rank and after a restart); ``None`` otherwise."""
+        return None if self._owners is None else dict(self._owners)
 
     @property
     def truncation(self) -> Tolerance | Budget:
@@ -289,7 +301,9 @@ class AugmentedBUG(torch.optim.Optimizer):
             if ok:
                 self._dense_step()
                 self._hp()["global_step"] += 1
-                if augment and self.process_group is not None:
+                every = self.settings.check_every
+                if augment and self.process_group is not None and every and \
+                        self._augmentation() % every == 0:
                     self._check_replicas()
         finally:
             for layer in self.layers.values():
@@ -450,10 +464,16 @@ class AugmentedBUG(torch.optim.Optimizer):
         return bad and not local_bad
 
     def _check_replicas(self) -> None:
-        """After a truncation: every rank must hold the same ranks, factors, buffers and τ."""
-        named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
-                     torch.tensor(self.state[m.S].get("tau", 0.0), dtype=torch.float64))
-                 for n, m in self.layers.items()}
+        """After a truncation: every rank must hold the same ranks, factors, buffers and τ
+        (replicated) or, sharded, the same dense parameters (the factors are copies of their
+        owner's; the dense parameters are what every rank computes itself)."""
+        if self._owners is not None:
+            named = {f"parameter {i}": (p,) for i, p in enumerate(
+                p for g in self.param_groups for p in g["params"] if id(p) not in self._factor_ids)}
+        else:
+            named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
+                         torch.tensor(self.state[m.S].get("tau", 0.0), dtype=torch.float64))
+                     for n, m in self.layers.items()}
         _dp.check_replicas(named, self.process_group, when=f"at step {self._hp()['global_step']}")
 
     def _nonfinite(self, what: str) -> bool:
@@ -489,22 +509,38 @@ class AugmentedBUG(torch.optim.Optimizer):
             f = bug.reorthonormalize(f)
         return f
 
+    def _mine(self, name: str) -> bool:
+        """Does this rank integrate layer `name`? (every layer, unless sharded)"""
+        return self._owners is None or self._owners[name] == torch.distributed.get_rank(self.process_group)
+
+    def _agree(self, bad: str | None) -> str | None:
+        """Sharded: every rank learns whether any rank found its layers' update bad (each rank
+        sees only its own layers), so that all skip or raise together."""
+        if self._owners is None:
+            return bad
+        device = next(iter(self.layers.values())).S.device
+        if _shard.any_flag(bad is not None, self.process_group, device):
+            return bad or "non-finite update in a layer integrated by another data-parallel rank"
+        return None
+
     def _augmented_step(self, closure) -> bool:
         """Plan every layer's step, check it, then write. Optimizer states are new objects
-        (the rules are pure) and are committed only in :meth:`_truncate`."""
+        (the rules are pure) and are committed only in :meth:`_truncate`. Sharded, each rank
+        plans and truncates the layers it owns, and the results are then shared."""
         hp = self._hp()
-        plans, grads = {}, {}
-        for name, layer in self.layers.items():
+        todo = [n for n, m in self.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
+        plans, grads, bad = {}, {}, None
+        for name in (n for n in todo if self._mine(n)):
+            layer = self.layers[name]
             f = self._factors(layer)
-            if f is None:
-                continue
             st = self.state[layer.S]
             dK, stK = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
             dL, stL = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
             try:
                 aug = bug.augment(f.U, f.V, dK, dL, f.U_buf, f.V_buf)
             except FloatingPointError as e:  # finite gradients, non-finite update (overflow)
-                return self._nonfinite(f"layer {name!r}: {e}")
+                bad = f"layer {name!r}: {e}"
+                break
             S_bar = bug.galerkin_core(aug, f.S)
             if closure is None:
                 dS, stS = self.rule(f.G_S, f.S, st["S"], hp)
@@ -514,26 +550,31 @@ class AugmentedBUG(torch.optim.Optimizer):
             plans[name] = [aug, S_bar, {"K": stK, "L": stL, "S": stS}]
             if self.settings.budgeted and self.truncation.allocation == "sensitivity":
                 grads[name] = (f.G_K, f.G_S, f.G_L)
+        if (bad := self._agree(bad)) is not None:
+            return self._nonfinite(bad)
         originals = {n: tuple(t.clone() for t in (self.layers[n].U, self.layers[n].S, self.layers[n].V))
-                     for n in plans} if closure is not None else {}
+                     for n in todo} if closure is not None else {}
         done = False
         try:
-            if closure is not None and not self._second_pass(closure, plans):
+            if closure is not None and not self._second_pass(closure, plans, todo):
                 return False
-            if not _all_finite([plan[1] for plan in plans.values()]):  # before any layer is written
-                return self._nonfinite("non-finite augmented core (overflow in the update)")
+            finite = _all_finite([plan[1] for plan in plans.values()])  # before any layer is written
+            if (bad := self._agree(None if finite else "non-finite augmented core (overflow in the update)")):
+                return self._nonfinite(bad)
             svds = ranks = smoothed = {}
             if self.settings.budgeted:
                 svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
                 if grads:  # sensitivity: each layer's directions in the order of their scores
                     svds, smoothed = self._by_sensitivity(plans, svds, grads)
-                ranks = self._budget_ranks(plans, svds, smoothed)
+                ranks = self._budget_ranks({n: svd[1] for n, svd in svds.items()}, smoothed)
             for name, (aug, S_bar, states) in plans.items():
                 self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None,
                                rank=ranks.get(name), svd=svds.get(name))
                 if name in smoothed:
                     r1 = self.layers[name].rank
                     self.state[self.layers[name].S]["sensitivity"] = [t[:r1] for t in smoothed[name]]
+            if self._owners is not None:
+                self._share(plans)
             done = True
         finally:
             if not done:  # two-pass: the layers may hold the augmented factors; put W0 back
@@ -541,17 +582,37 @@ class AugmentedBUG(torch.optim.Optimizer):
                     self.layers[n].set_factors(U, S, V)
         return True
 
-    def _second_pass(self, closure, plans) -> bool:
-        """Classic BUG: the S gradient at the augmented point Ū S̄(0) V̄ᵀ (= the same weight)."""
+    def _share(self, plans) -> None:
+        """Sharded: each owner sends its layers' new factors, buffers and optimizer state (τ,
+        moments, counters) to every rank, which takes them as they are (bitwise copies)."""
+        mine = {n: {"factors": (m.U, m.S, m.V, m.U_buf, m.V_buf), "state": self.state[m.S]}
+                for n, m in ((n, self.layers[n]) for n in plans)}
+        device = next(iter(self.layers.values())).S.device
+        everyone, self.shared_bytes = _shard.share_from_owners(mine, self._owners, self.process_group, device)
+        for name, v in everyone.items():
+            if name in plans:
+                continue
+            layer = self.layers[name]
+            layer.set_factors(*v["factors"])
+            self.state[layer.S] = v["state"]
+
+    def _second_pass(self, closure, plans, todo) -> bool:
+        """Classic BUG: the S gradient at the augmented point Ū S̄(0) V̄ᵀ (= the same weight).
+        Sharded, the owners first share the augmented factors of every layer in `todo`."""
         dense = [p for g in self.param_groups for p in g["params"] if id(p) not in self._factor_ids]
         saved = {p: None if p.grad is None else p.grad.clone() for p in dense}
-        for name, (aug, S_bar, _) in plans.items():
-            self.layers[name].set_factors(aug.U, S_bar, aug.V)
+        points = {n: (aug.U, S_bar, aug.V) for n, (aug, S_bar, _) in plans.items()}
+        if self._owners is not None:
+            device = next(iter(self.layers.values())).S.device
+            points, sent = _shard.share_from_owners(points, self._owners, self.process_group, device)
+            self.shared_bytes = sent
+        for name in todo:
+            self.layers[name].set_factors(*points[name])
             self.layers[name].set_grad_mode("core")
         with torch.enable_grad():
             loss2 = closure()
         elsewhere = (self.process_group is not None and loss2 is not None
-                     and self._average([self._core_slot(self.layers[n]) for n in plans], loss2, first=False))
+                     and self._average([self._core_slot(self.layers[n]) for n in todo], loss2, first=False))
         # before the first pass's dense gradients go back; core mode: no G_K, G_L expected
         got_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
         for p, g in saved.items():
@@ -565,7 +626,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             return False
         hp = self._hp()
         for name, plan in plans.items():
-            aug, S_bar, states = plan
+            _, S_bar, states = plan
             g = self.layers[name].S.grad  # None if the second forward skipped this layer
             g = torch.zeros_like(S_bar) if g is None else g.to(S_bar)
             # states["S"] is already in augmented coordinates (_augmented_core_state)
@@ -595,21 +656,36 @@ class AugmentedBUG(torch.optim.Optimizer):
             smoothed[name] = sens.Smoothed(sm.I[order], sm.U[order])
         return out, smoothed
 
-    def _budget_ranks(self, plans, svds, smoothed=None) -> dict[str, int]:
-        """Every planned layer's rank under the current budget, allocated model-wide
-        (:func:`._budget.allocate_ranks`); layers not in this step keep their rank and cost.
-        From `Budget.freeze_after` on, every layer keeps its rank."""
+    def _budget_ranks(self, spectra: dict[str, Tensor], smoothed=None) -> dict[str, int]:
+        """The rank of each layer planned in this step (`spectra`: its augmented core's
+        singular values, in the order the layer keeps its directions) under the current
+        budget, allocated model-wide (:func:`._budget.allocate_ranks`); layers not in this step
+        keep their rank and cost. From `Budget.freeze_after` on, every layer keeps its rank.
+        Sharded, the spectra (and sensitivity scores) of every owner's layers are gathered
+        first, and every rank allocates, identically; it returns the ranks of all layers."""
         from . import _sensitivity as sens
         from ._budget import allocate_ranks, layer_cost
 
+        scores = None
+        if smoothed:
+            scores = {n: (sens.scores(sm) / (m.out_features + m.in_features)).tolist()
+                      for n, sm in smoothed.items() for m in (self.layers[n],)}
+        if self._owners is not None:  # every owner's spectra and scores, on every rank
+            mine = {n: (s.cpu(), None if scores is None else scores[n]) for n, s in spectra.items()}
+            spectra, gathered = {}, {}
+            for theirs in _shard.gather_objects(mine, self.process_group):
+                for n, (s, sc) in theirs.items():
+                    spectra[n], gathered[n] = s, sc
+            spectra = {n: spectra[n] for n in self.layers if n in spectra}  # in the model's order
+            if self.truncation.allocation == "sensitivity":
+                scores = {n: gathered[n] for n in spectra}
         if self.truncation.frozen(self._augmentation()):
-            return {n: min(self.layers[n].rank, svd[1].numel()) for n, svd in svds.items()}
+            return {n: min(self.layers[n].rank, s.numel()) for n, s in spectra.items()}
         buf = self._count_buffer
         fixed = self._other_params + sum(layer_cost(m.out_features, m.in_features, m.rank, buffer=buf)
-                                         for n, m in self.layers.items() if n not in plans)
-        spectra = {n: svd[1] for n, svd in svds.items()}
-        shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in plans}
-        caps = {n: self._rank_cap(self.layers[n]) for n in plans}
+                                         for n, m in self.layers.items() if n not in spectra)
+        shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in spectra}
+        caps = {n: self._rank_cap(self.layers[n]) for n in spectra}
         budget = self._budget_now() - fixed
         floors: int | dict[str, int] = self.settings.min_rank
         if self.truncation.floor > 0:  # a share of the rank a uniform allocation would give
@@ -617,9 +693,6 @@ class AugmentedBUG(torch.optim.Optimizer):
                                      rule="uniform", buffer=buf)
             floors = {n: max(self.settings.min_rank, math.ceil(self.truncation.floor * r))
                       for n, r in uniform.items()}
-        scores = None
-        if smoothed:
-            scores = {n: (sens.scores(sm) / sum(shapes[n])).tolist() for n, sm in smoothed.items()}
         return allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=caps,
                               rule=self.truncation.allocation, scores=scores, buffer=buf)
 

@@ -128,7 +128,10 @@ class Settings:
     **Arguments:** `truncation` (:class:`Tolerance` or :class:`Budget`), `feedback`
     (``None`` or a :class:`Feedback`; only with a Tolerance), `buffer` (SDLRT's compensation
     buffer), `rule` (:class:`Sgd` or :class:`Adam`), `single_pass`, `min_rank`, `max_rank`,
-    `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``).
+    `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``); with a
+    `process_group`: `data_parallel` (``"replicated"``: every rank integrates every layer;
+    ``"sharded"``: each layer is integrated by one rank, which sends the result to the others)
+    and `check_every` (compare the replicas' hashes every N-th augmentation; 0: never).
     """
 
     truncation: Tolerance | Budget
@@ -141,6 +144,8 @@ class Settings:
     adaptive: bool = True
     update_every: int = 1
     on_nonfinite: Literal["raise", "skip"] = "raise"
+    data_parallel: Literal["replicated", "sharded"] = "replicated"
+    check_every: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.truncation, Tolerance | Budget):
@@ -162,7 +167,7 @@ class Settings:
             raise ValueError("a compression target (Budget) needs adaptive=True: the budget sets the ranks")
         if self.feedback is not None and not self.feedback.tau_min <= self.tau:
             raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.feedback.tau_min}")
-        for name, least in (("update_every", 1), ("min_rank", 1)):
+        for name, least in (("update_every", 1), ("min_rank", 1), ("check_every", 0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"`{name}` must be an int >= {least}; got {v!r}")
@@ -171,6 +176,8 @@ class Settings:
             raise ValueError(f"need 1 <= min_rank <= max_rank; got {self.min_rank}, {self.max_rank}")
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {self.on_nonfinite!r}")
+        if self.data_parallel not in ("replicated", "sharded"):
+            raise ValueError(f"`data_parallel` must be 'replicated' or 'sharded'; got {self.data_parallel!r}")
 
     @property
     def budgeted(self) -> bool:
