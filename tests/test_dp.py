@@ -141,6 +141,61 @@ def test_the_sharded_integrator_equals_the_replicated_one(case, tmp_path):
             assert np.array_equal(x, y)
 
 
+def _resume_worker(rank: int, tmp: str) -> dict:
+    """Sharded SDLRT, 8 steps straight; then as many steps as it took the ranks to change, a
+    save, a fresh model and optimizer built from the saved state, the remaining steps."""
+    import torch.distributed as dist
+
+    X, Y = _data()
+    group, half = dist.group.WORLD, 16
+
+    def run(model, opt, steps):
+        ranks = []
+        for t in steps:
+            x, y = X[t, rank * half:(rank + 1) * half], Y[t, rank * half:(rank + 1) * half]
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            ranks.append(opt.ranks())
+        return ranks
+
+    def make():
+        return rankwise.SDLRT(model, 2.0, tau=0.02, process_group=group, data_parallel="sharded")
+
+    model = _model()
+    opt = make()
+    history = run(model, opt, range(8))
+    straight = [p.detach().numpy().copy() for p in model.parameters()]
+    cut = next(t for t, r in enumerate(history) if r != {"0": 3, "2": 3}) + 1
+    model = _model()
+    opt = make()
+    owners = opt.owners()
+    run(model, opt, range(cut))
+    ranks = opt.ranks()
+    saved = {"model": model.state_dict(), "opt": opt.state_dict()}
+    torch.save(saved, f"{tmp}/rank{rank}.pt")
+    saved = torch.load(f"{tmp}/rank{rank}.pt", weights_only=True)
+    model = _model()  # at rank 3: loading the state sets the saved ranks
+    model.load_state_dict(saved["model"])
+    opt = make()
+    opt.load_state_dict(saved["opt"])
+    resumed_owners, resumed_ranks = opt.owners(), opt.ranks()
+    run(model, opt, range(cut, 8))
+    return dict(straight=straight, resumed=[p.detach().numpy().copy() for p in model.parameters()],
+                owners=owners, resumed_owners=resumed_owners, ranks=ranks, resumed_ranks=resumed_ranks,
+                cut=cut)
+
+
+def test_a_sharded_run_resumes_bitwise_with_the_same_owners(tmp_path):
+    out = run_world(_resume_worker, 2, tmp_path, str(tmp_path))
+    for r in out:
+        assert r["ranks"] == r["resumed_ranks"] != {"0": 3, "2": 3} and r["cut"] < 8  # restored at new ranks
+        assert r["owners"] == r["resumed_owners"] == out[0]["owners"]
+        assert len(r["straight"]) == len(r["resumed"])
+        for a, b in zip(r["straight"], r["resumed"], strict=True):
+            assert np.array_equal(a, b)
+
+
 def _diverge_worker(rank: int) -> None:
     import torch.distributed as dist
 

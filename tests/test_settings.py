@@ -41,7 +41,8 @@ SETTINGS = [
              rule=rankwise.Adam((0.8, 0.99), 1e-6)),
     Settings(rankwise.Budget(0.5, ramp_steps=3, allocation="sensitivity", floor=0.5, freeze_after=4),
              buffer=True, rule=rankwise.Adam(weight_decay=0.01)),
-    Settings(rankwise.Budget(params=300, ramp_steps=0, count_buffer=True), buffer=True, adaptive=True),
+    Settings(rankwise.Budget(params=300, ramp_steps=0, count_buffer=True), buffer=True, adaptive=True,
+             data_parallel="sharded", check_every=0),
 ]
 
 
@@ -114,6 +115,8 @@ def test_the_presets_keyword_arguments_build_the_rule():
     (lambda m: Settings(rankwise.Tolerance(0.1), min_rank=3, max_rank=2), ValueError, "min_rank <= max_rank"),
     (lambda m: Settings(rankwise.Budget(0.5), feedback=rankwise.SeedFeedback()), ValueError,
      "Budget has none"),
+    (lambda m: Settings(rankwise.Tolerance(0.1), data_parallel="zero"), ValueError, "data_parallel"),
+    (lambda m: Settings(rankwise.Tolerance(0.1), check_every=-1), ValueError, "check_every"),
 ])
 def test_bad_settings_are_refused_naming_the_argument(make, err, match):
     with pytest.raises(err, match=match):
