@@ -1,18 +1,26 @@
 """Data-parallel low-rank training: step time with 1, 2, 4 processes and the bytes each step
-all-reduces, low-rank (``rankwise.SDLRT(..., process_group=)``) against dense (DDP), in one run.
+moves, low-rank SDLRT with the replicated and the sharded integrator against dense DDP, in one run.
 
 Model: ``--depth`` layers of ``--width``×``--width`` (ReLU between), MSE on random data, a fixed
 global batch ``--batch`` split over the processes (strong scaling); low-rank at ``--rank`` with
 SDLRT (τ = 0.1, ranks pinned so every configuration does the same work), dense with DDP and
 SGD. Processes are spawned with gloo on this machine, one torch thread each; each figure is the
-median step time of rank 0 over ``--steps`` steps after 3 warm-up steps. The SDLRT step is split
-into forward + backward and the optimizer step (gradient averaging, integrator, replica check),
-and timed once more without the replica check.
+median of rank 0 over ``--steps`` steps after 3 warm-up steps.
 
-Bytes: what one rank contributes to the all-reduces of one step, measured (the optimizer's
-``allreduce_bytes``; DDP's buckets counted by a communication hook) beside the formulas
-(m + n)·r + r² (+ bias m) per low-rank layer and m·n + m per dense layer, 4 bytes each (the
-low-rank figure also carries one float64 per gradient: which ranks have it, and a flag).
+- ``replicated`` (``data_parallel="replicated"``): gradients averaged by all-reduce, every rank
+  integrates every layer, the replicas' hashes compared after every truncation.
+- ``sharded`` (``data_parallel="sharded"``, ``check_every=0``): gradients averaged as before,
+  each layer integrated by its owner, which then broadcasts the new factors, buffers and
+  optimizer state; no replica hash (the factors are copies; the dense parameters here are
+  biases only).
+
+The step is split into forward + backward, the gradient all-reduce, the owners' broadcast
+(sharded) and the rest (the integrator, the replica check, bookkeeping). Bytes: what rank 0
+sent in one step, measured (the optimizer's ``allreduce_bytes`` and ``shared_bytes``; DDP's
+buckets counted by a communication hook) beside the formulas, 4 bytes a number: all-reduce
+(m + n)·r + r² + m per low-rank layer (plus one float64 per gradient: which ranks have it, and
+a flag), m·n + m per dense layer; sharded broadcast 3(m + n)·r + 2r² per layer the rank owns
+(U, V, the buffers U_buf, V_buf at width r, S; the momenta of K, L, S).
 Usage: ``python benchmarks/dp_scaling.py [--procs 1,2,4]``.
 """
 
@@ -27,6 +35,18 @@ import tempfile
 import time
 from datetime import timedelta
 
+KINDS = ("replicated", "sharded", "dense")
+
+
+def _timed(fn, into: list):
+    """`fn`, adding its wall time to the list `into` (benchmark instrumentation only)."""
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        out = fn(*a, **k)
+        into.append(time.perf_counter() - t)
+        return out
+    return wrapper
+
 
 def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -35,6 +55,7 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     from torch import nn
 
     import rankwise
+    from rankwise.lowrank import _optim
 
     torch.set_num_threads(1)
     if world > 1:
@@ -47,21 +68,15 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     for i in range(depth):
         layers += [nn.Linear(w, w)] + ([nn.ReLU()] if i < depth - 1 else [])
     model = nn.Sequential(*layers)
-    ddp_bytes, reduce_time = [], []
-    if args["kind"] in ("lowrank", "lowrank-nocheck"):
+    ddp_bytes, reduce_time, share_time = [], [], []
+    kind = args["kind"]
+    if kind != "dense":
         rankwise.to_low_rank(model, rank=r)
-        opt = rankwise.SDLRT(model, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9, process_group=group)
-        if args["kind"] == "lowrank-nocheck":  # what the replica check costs (private: benchmark only)
-            opt._check_replicas = lambda: None
-        average = opt._average
-
-        def timed_average(*a, **k):  # the gradient all-reduce's share of the step (private: benchmark only)
-            t = time.perf_counter()
-            out = average(*a, **k)
-            reduce_time.append(time.perf_counter() - t)
-            return out
-
-        opt._average = timed_average
+        extra = dict(data_parallel="sharded", check_every=0) if kind == "sharded" else {}
+        opt = rankwise.SDLRT(model, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9, process_group=group,
+                             **extra)
+        opt._average = _timed(opt._average, reduce_time)  # (private: benchmark only)
+        _optim._shard.share_from_owners = _timed(_optim._shard.share_from_owners, share_time)
         net = model
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
@@ -79,35 +94,31 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     g = torch.Generator().manual_seed(1 + rank)
     per = batch // world
     x, y = torch.randn(per, w, generator=g), torch.randn(per, w, generator=g)
-    times, sent, fb, red = [], [], [], []
+    rows = []
     for step in range(args["steps"] + 3):
         if world > 1:
             dist.barrier()
         reduce_time.clear()
+        share_time.clear()
         t0 = time.perf_counter()
         opt.zero_grad()
         nn.functional.mse_loss(net(x), y).backward()
         t1 = time.perf_counter()
         opt.step()
+        t2 = time.perf_counter()
         if world > 1:
             dist.barrier()
         if step >= 3:
-            times.append(time.perf_counter() - t0)
-            fb.append(t1 - t0)
-            red.append(sum(reduce_time))
-            if args["kind"] != "dense":
-                sent.append(opt.allreduce_bytes)
-            else:
-                sent.append(sum(ddp_bytes))
+            sent = (sum(ddp_bytes), 0) if kind == "dense" else (opt.allreduce_bytes, opt.shared_bytes)
+            rows.append((t2 - t0, t1 - t0, sum(reduce_time), sum(share_time), *sent))
         ddp_bytes.clear()
     if rank == 0:
-        queue.put((statistics.median(times), statistics.median(sent) if sent else 0, statistics.median(fb),
-                   statistics.median(red)))
+        queue.put(tuple(statistics.median(col) for col in zip(*rows, strict=True)))
     if world > 1:
         dist.destroy_process_group()
 
 
-def run(kind: str, world: int, args: dict) -> tuple[float, float, float, float]:
+def run(kind: str, world: int, args: dict) -> tuple[float, ...]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -133,33 +144,43 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     procs = [int(n) for n in a.procs.split(",")]
     args = dict(width=a.width, depth=a.depth, rank=a.rank, batch=a.batch, steps=a.steps)
-    kinds = ("lowrank", "lowrank-nocheck", "dense")
-    res = {(kind, n): run(kind, n, args) for n in procs for kind in kinds
-           if kind != "lowrank-nocheck" or n > 1}
+    res = {(kind, n): run(kind, n, args) for n in procs for kind in KINDS if kind != "sharded" or n > 1}
+    if 1 in procs:  # one process: nothing to shard
+        res[("sharded", 1)] = res[("replicated", 1)]
     w, r = a.width, a.rank
+    one = procs[0]
     print(f"# data-parallel scaling: {a.depth} x {w}x{w}, rank {r}, global batch {a.batch}, gloo, "
           f"1 thread/process, {os.cpu_count()} CPUs, {platform.machine()}")
-    print("| processes | SDLRT s/step | vs 1 process | of it: fwd+bwd / optimizer step | of the step: "
-          "gradient all-reduce | without the replica check | dense DDP s/step | vs 1 process "
-          "| SDLRT / dense |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| processes | integrator | s/step | vs 1 process | fwd+bwd | gradient all-reduce "
+          "| owners' broadcast | rest (integrator, checks) | communication / step | vs dense DDP |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in procs:
-        lt, _, lfb, lred = res[("lowrank", n)]
         dt = res[("dense", n)][0]
-        nc = f"{res[('lowrank-nocheck', n)][0]:.4f}" if ("lowrank-nocheck", n) in res else "–"
-        print(f"| {n} | {lt:.4f} | {lt / res[('lowrank', procs[0])][0]:.2f} | {lfb:.4f} / {lt - lfb:.4f} | "
-              f"{lred:.4f} | {nc} | {dt:.4f} | {dt / res[('dense', procs[0])][0]:.2f} | {lt / dt:.2f} |")
+        for kind in ("replicated", "sharded"):
+            if kind == "sharded" and n == 1:
+                continue
+            step, fb, red, share, _, _ = res[(kind, n)]
+            print(f"| {n} | {kind} | {step:.4f} | {step / res[(kind, one)][0]:.2f} | {fb:.4f} | {red:.4f} | "
+                  f"{share:.4f} | {step - fb - red - share:.4f} | {(red + share) / step:.0%} "
+                  f"| {step / dt:.2f} |")
+        print(f"| {n} | dense DDP | {dt:.4f} | {dt / res[('dense', one)][0]:.2f} | | | | | | 1.00 |")
     multi = [n for n in procs if n > 1]
     if multi:
         n = multi[0]
         lr_formula = 4 * a.depth * ((w + w) * r + r * r + w)
         dense_formula = 4 * a.depth * (w * w + w)
-        lb, db = res[("lowrank", n)][1], res[("dense", n)][1]
-        print(f"\n# bytes all-reduced per step and rank ({n} processes)")
-        print("| | measured | formula | measured / dense |")
+        owned = -(-a.depth // n)  # rank 0 owns the most layers: ceil(depth / n) of equal cost
+        share_formula = 4 * owned * (3 * (w + w) * r + 2 * r * r)
+        lb, db = res[("replicated", n)][4], res[("dense", n)][4]
+        sb = res[("sharded", n)][5]
+        print(f"\n# bytes rank 0 sent per step ({n} processes)")
+        print("| | measured | formula | measured / formula |")
         print("|---|---|---|---|")
-        print(f"| SDLRT ((m + n)·r + r² + m per layer) | {lb:,.0f} | {lr_formula:,} | {lb / db:.3f} |")
-        print(f"| dense DDP (m·n + m per layer) | {db:,.0f} | {dense_formula:,} | 1.000 |")
+        print(f"| SDLRT gradient all-reduce ((m + n)·r + r² + m per layer) | {lb:,.0f} | {lr_formula:,} | "
+              f"{lb / lr_formula:.3f} |")
+        print(f"| sharded: owners' broadcast (3(m + n)·r + 2r² per owned layer) | {sb:,.0f} "
+              f"| {share_formula:,} | {sb / share_formula:.3f} |")
+        print(f"| dense DDP (m·n + m per layer) | {db:,.0f} | {dense_formula:,} | {db / dense_formula:.3f} |")
 
 
 if __name__ == "__main__":
