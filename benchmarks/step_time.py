@@ -39,6 +39,11 @@ What is measured
     dense MLP at torch's default thread count on the same cores (a shared machine), and
     prints each ×dense ratio idle and contended side by side, with contended/idle.
 
+    ``--phases N`` then times every update_every=1 configuration for N more steps, split into
+    phases (forward + backward, the second pass, working copies, update rules, the QR of the
+    new bases, the Galerkin core, SVD + truncation + buffer, budget allocation, state
+    transport, finiteness checks, the rest), by wrapping the integrator's functions.
+
     ``--profile`` instead profiles single-pass SDLRT at the highest compression with
     update_every=1: time per phase (cProfile, by function) and the top aten ops (torch.profiler).
 
@@ -417,6 +422,87 @@ def target_checks(configs: list[Config]) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------- phases
+PHASES = {  # phase: the functions whose exclusive time it collects (module, attribute)
+    "fwd+bwd": [("opt", "_evaluate")],
+    "2nd pass": [("opt", "_second_pass")],
+    "working copies": [("opt", "_factors")],
+    "rules": [("optim", "apply_rule"), ("opt", "_core_step")],  # and Sgd.update, Adam.update
+    "new bases (QR)": [("bug", "augment")],
+    "Galerkin core": [("bug", "galerkin_core"), ("bug", "projected_update"),
+                      ("optim", "_augmented_core_state")],
+    "SVD + truncation + buffer": [("bug", "truncate"), ("bug", "core_svd")],
+    "budget allocation": [("opt", "_budget_ranks"), ("opt", "_by_sensitivity")],
+    "state transport": [("optim", "transport")],
+    "finiteness checks": [("optim", "_all_finite")],
+}
+
+
+class _Phases:
+    """Exclusive wall time per phase: each wrapped function's time minus that of the wrapped
+    functions it calls (a stack of open timers); installed by patching module attributes for
+    the duration of a ``with`` block (benchmark instrumentation only)."""
+
+    def __init__(self) -> None:
+        from rankwise.lowrank import _integrators, _optim
+
+        self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators}
+        self.total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.stack: list[list] = []
+        self.saved: list[tuple] = []
+
+    def _wrap(self, phase: str, fn: Callable) -> Callable:
+        def timed(*a, **k):
+            now = time.perf_counter()
+            if self.stack:
+                top = self.stack[-1]
+                self.total[top[0]] += now - top[1]
+            self.stack.append([phase, now])
+            try:
+                return fn(*a, **k)
+            finally:
+                name, start = self.stack.pop()
+                now = time.perf_counter()
+                self.total[name] += now - start
+                if self.stack:
+                    self.stack[-1][1] = now
+        return timed
+
+    def __enter__(self) -> _Phases:
+        from rankwise.lowrank import _settings
+
+        for phase, targets in PHASES.items():
+            for where, attr in targets:
+                obj = self.modules[where]
+                fn = getattr(obj, attr)
+                self.saved.append((obj, attr, fn))
+                setattr(obj, attr, self._wrap(phase, fn))
+        for cls in (_settings.Sgd, _settings.Adam):  # the rules as the settings objects hold them
+            self.saved.append((cls, "update", cls.__dict__["update"]))
+            cls.update = staticmethod(self._wrap("rules", cls.__dict__["update"].__func__))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, attr, fn in reversed(self.saved):
+            setattr(obj, attr, fn)
+
+
+def phase_rows(configs: list[Config], steps: int) -> tuple[list[str], list[list[str]]]:
+    """Per-phase ms/step of every low-rank configuration with update_every=1 (``steps`` steps
+    each, after the timed table: warm)."""
+    head = ["config", "comp", "ms/step", *PHASES, "rest"]
+    rows = []
+    for cfg in configs:
+        if cfg.method == "dense" or cfg.update_every != 1:
+            continue
+        with _Phases() as ph:
+            t = run_steps(cfg, steps)
+        ms = {k: 1e3 * v / steps for k, v in ph.total.items()}
+        rows.append([cfg.label, _comp(cfg), f"{1e3 * t:.1f}", *(f"{ms[k]:.1f}" for k in PHASES),
+                     f"{1e3 * t - sum(ms.values()):.1f}"])
+    return head, rows
+
+
 # ----------------------------------------------------------------------------- profile
 def profile(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> None:
     """Single-pass SDLRT, update_every=1, fixed rank, at the highest compression: time per
@@ -493,6 +579,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the table as markdown to this file")
     p.add_argument("--contend", action="store_true",
                    help="then measure again beside a CPU-bound dense training in another process")
+    p.add_argument("--phases", type=int, default=0, metavar="N",
+                   help="then time every update_every=1 configuration for N steps, split into phases")
     p.add_argument("--profile", action="store_true",
                    help="profile 1-pass SDLRT (ue=1, highest compression) instead of the table")
     args = p.parse_args(argv)
@@ -543,12 +631,19 @@ def main(argv: list[str] | None = None) -> None:
         bhead, brows = contention_rows(configs, contended(configs, args))
         print("\n" + render(bhead, brows, markdown=False))
         busy_table = ("\n\n## Beside another CPU-bound process\n\n" + render(bhead, brows, markdown=True))
+    phase_table = ""
+    if args.phases:
+        phead, prows = phase_rows(configs, args.phases)
+        print(f"\nper phase, ms/step (exclusive wall time, {args.phases} steps each, update_every=1):")
+        print("\n" + render(phead, prows, markdown=False))
+        phase_table = (f"\n\n## Per phase (ms/step, {args.phases} steps each)\n\n"
+                       + render(phead, prows, markdown=True))
     total = time.perf_counter() - t_start
     print(f"\ntotal runtime {total:.0f} s")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             f.write(f"# Step time\n\n{setup}.\n\n{note}\n\n{render(head, rows, markdown=True)}\n\n"
-                    "## Targets\n\n" + "\n".join(f"- {c}" for c in checks) + busy_table
+                    "## Targets\n\n" + "\n".join(f"- {c}" for c in checks) + busy_table + phase_table
                     + f"\n\nTotal runtime {total:.0f} s.\n")
         print(f"wrote {args.out}")
 
