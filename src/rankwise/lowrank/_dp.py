@@ -31,46 +31,56 @@ class Slot:
     dtype: torch.dtype
     device: torch.device
     put: Callable[[Tensor | None], None]
+    owner: int | None = None  # a rank of the group: only it needs the average (None: every rank)
+    tag: str = ""  # what the caller calls it
 
 
-def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, int]:
+def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, int, list[bool]]:
     """Average every slot over the ranks of `group` (a slot missing on a rank counts as zero, as
-    in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype,
-    split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's presence and
-    `flag`. Returns whether any rank raised `flag` (e.g. "my loss is not finite") and the bytes
-    this rank contributed to the all-reduces."""
+    in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype
+    and destination, split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's
+    presence and `flag`. A slot with an `owner` is reduced to that rank only; the others get
+    ``None`` in it. Returns whether any rank raised `flag` (e.g. "my loss is not finite"), the
+    bytes this rank sent, and each slot's presence on any rank."""
     n = dist.get_world_size(group)
+    me = dist.get_rank(group)
     device = slots[0].device if slots else torch.device("cpu")  # (NCCL reduces only GPU tensors)
     meta = torch.tensor([float(s.value is not None) for s in slots] + [float(flag)], dtype=torch.float64,
                         device=device)
     works = [dist.all_reduce(meta, group=group, async_op=True)]
-    by_dtype: dict[tuple, list[int]] = {}
+    by_key: dict[tuple, list[int]] = {}
     for i, s in enumerate(slots):
-        by_dtype.setdefault((s.dtype, s.device), []).append(i)
-    buckets: list[tuple[Tensor, list[int]]] = []
-    for (dtype, _), idx in by_dtype.items():
+        by_key.setdefault((s.dtype, s.device, s.owner), []).append(i)
+    buckets: list[tuple[Tensor, list[int], int | None]] = []
+    for (dtype, _, owner), idx in by_key.items():
         start, size, limit = 0, 0, max(1, BUCKET_BYTES // torch.empty(0, dtype=dtype).element_size())
         for k, i in enumerate(idx):
             size += math.prod(slots[i].shape)
             if size >= limit or k == len(idx) - 1:
                 part = idx[start:k + 1]
                 flat = torch.cat([_flat(slots[i]) for i in part])
-                works.append(dist.all_reduce(flat, group=group, async_op=True))
-                buckets.append((flat, part))
+                if owner is None:
+                    works.append(dist.all_reduce(flat, group=group, async_op=True))
+                else:
+                    works.append(dist.reduce(flat, dst=_global(group, owner), group=group, async_op=True))
+                buckets.append((flat, part, owner))
                 start, size = k + 1, 0
     for w in works:
         w.wait()
-    sent = sum(flat.numel() * flat.element_size() for flat, _ in buckets) + meta.numel() * 8
+    sent = meta.numel() * 8 + sum(flat.numel() * flat.element_size() for flat, _, owner in buckets
+                                  if owner != me)  # (what an owner receives it does not send)
     meta = meta.cpu()
-    for flat, part in buckets:
-        flat.div_(n)
+    for flat, part, owner in buckets:
+        mine = owner is None or owner == me
+        if mine:
+            flat.div_(n)
         offset = 0
         for i in part:
             s = slots[i]
             k = math.prod(s.shape)
-            s.put(flat[offset:offset + k].view(s.shape).clone() if meta[i] > 0 else None)
+            s.put(flat[offset:offset + k].view(s.shape).clone() if mine and meta[i] > 0 else None)
             offset += k
-    return bool(meta[-1] > 0), sent
+    return bool(meta[-1] > 0), sent, [bool(v > 0) for v in meta[:-1]]
 
 
 def _flat(s: Slot) -> Tensor:

@@ -438,15 +438,23 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _grad_slots(self) -> list[_dp.Slot]:
         """Every gradient a step reads: ``.grad`` of each trainable parameter and, in factor
-        mode, each layer's G_K (out, r) and G_L (in, r)."""
-        slots = [_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device, lambda v, p=p: setattr(p, "grad", v))
-                 for g in self.param_groups for p in g["params"] if p.requires_grad]
-        for layer in self.layers.values():
+        mode, each layer's G_K (out, r) and G_L (in, r). Sharded, a factor-mode layer's G_K,
+        G_L and S gradient go to its owner only (the others never read them)."""
+        factor_mode = {id(m.S): n for n, m in self.layers.items() if m.sink.enabled}
+        owners = self._owners or {}
+        slots = []
+        for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
+            name = factor_mode.get(id(p))
+            slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device,
+                                  lambda v, p=p: setattr(p, "grad", v), owners.get(name),
+                                  "" if name is None else f"{name}:S"))
+        for name, layer in self.layers.items():
             if layer.sink.enabled:
                 dt, r, sink, dev = work_dtype(layer.U.dtype), layer.rank, layer.sink, layer.U.device
                 for key, rows in (("K", len(layer.U)), ("L", len(layer.V))):
                     slots.append(_dp.Slot(getattr(sink, key), (rows, r), dt, dev,
-                                          lambda v, s=sink, k=key: setattr(s, k, v)))
+                                          lambda v, s=sink, k=key: setattr(s, k, v), owners.get(name),
+                                          f"{name}:{key}"))
         return slots
 
     @staticmethod
@@ -459,8 +467,13 @@ class AugmentedBUG(torch.optim.Optimizer):
         exchange resets :attr:`allreduce_bytes`). Returns whether another rank's loss was not
         finite, so that every rank skips (or raises) together."""
         local_bad = loss is not None and not _all_finite([torch.as_tensor(loss)])
-        bad, sent = _dp.average(slots, self.process_group, flag=local_bad)
+        if first and self._owners is not None:  # only the owners see their layers' gradients: check here
+            local_bad = local_bad or not _all_finite([s.value for s in slots if s.value is not None])
+        bad, sent, present = _dp.average(slots, self.process_group, flag=local_bad)
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
+        if first:  # the layers with S and factor gradients on any rank: the same list everywhere
+            tags = {s.tag for s, p in zip(slots, present, strict=True) if p}
+            self._todo = [n for n in self.layers if f"{n}:S" in tags and f"{n}:K" in tags]
         return bad and not local_bad
 
     def _check_replicas(self) -> None:
@@ -528,7 +541,11 @@ class AugmentedBUG(torch.optim.Optimizer):
         (the rules are pure) and are committed only in :meth:`_truncate`. Sharded, each rank
         plans and truncates the layers it owns, and the results are then shared."""
         hp = self._hp()
-        todo = [n for n, m in self.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
+        if self.process_group is not None:  # sharded: a layer's gradients are on its owner only
+            todo = self._todo
+        else:
+            todo = [n for n, m in self.layers.items()
+                    if m.factor_grads()[0] is not None and m.S.grad is not None]
         plans, grads, bad = {}, {}, None
         for name in (n for n in todo if self._mine(n)):
             layer = self.layers[name]
