@@ -9,18 +9,20 @@ median of rank 0 over ``--steps`` steps after 3 warm-up steps.
 
 - ``replicated`` (``data_parallel="replicated"``): gradients averaged by all-reduce, every rank
   integrates every layer, the replicas' hashes compared after every truncation.
-- ``sharded`` (``data_parallel="sharded"``, ``check_every=0``): gradients averaged as before,
-  each layer integrated by its owner, which then broadcasts the new factors, buffers and
-  optimizer state; no replica hash (the factors are copies; the dense parameters here are
-  biases only).
+- ``sharded`` (``data_parallel="sharded"``, ``check_every=0``): each layer's gradients reduced
+  to its owner (the biases' all-reduced), each layer integrated by its owner, which then
+  broadcasts the new factors, buffers and optimizer state; no replica hash (the factors are
+  copies; the dense parameters here are biases only).
 
 The step is split into forward + backward, the gradient all-reduce, the owners' broadcast
 (sharded) and the rest (the integrator, the replica check, bookkeeping). Bytes: what rank 0
 sent in one step, measured (the optimizer's ``allreduce_bytes`` and ``shared_bytes``; DDP's
 buckets counted by a communication hook) beside the formulas, 4 bytes a number: all-reduce
 (m + n)·r + r² + m per low-rank layer (plus one float64 per gradient: which ranks have it, and
-a flag), m·n + m per dense layer; sharded broadcast 3(m + n)·r + 2r² per layer the rank owns
-(U, V, the buffers U_buf, V_buf at width r, S; the momenta of K, L, S).
+a flag), m·n + m per dense layer; sharded, the factor gradients (m + n)·r + r² of each layer go
+to its owner only (a rank sends those of the layers it does not own); the owners' broadcast
+3(m + n)·r + 2r² per layer the rank owns (U, V, the buffers U_buf, V_buf at width r, S; the
+momenta of K, L, S).
 Usage: ``python benchmarks/dp_scaling.py [--procs 1,2,4]``.
 """
 
@@ -172,12 +174,15 @@ def main(argv: list[str] | None = None) -> None:
         owned = -(-a.depth // n)  # rank 0 owns the most layers: ceil(depth / n) of equal cost
         share_formula = 4 * owned * (3 * (w + w) * r + 2 * r * r)
         lb, db = res[("replicated", n)][4], res[("dense", n)][4]
-        sb = res[("sharded", n)][5]
+        gb, sb = res[("sharded", n)][4], res[("sharded", n)][5]
+        reduce_formula = 4 * ((a.depth - owned) * ((w + w) * r + r * r) + a.depth * w)
         print(f"\n# bytes rank 0 sent per step ({n} processes)")
         print("| | measured | formula | measured / formula |")
         print("|---|---|---|---|")
         print(f"| SDLRT gradient all-reduce ((m + n)·r + r² + m per layer) | {lb:,.0f} | {lr_formula:,} | "
               f"{lb / lr_formula:.3f} |")
+        print(f"| sharded: gradients reduced to their owners ((m + n)·r + r² per layer of another rank, "
+              f"m per layer) | {gb:,.0f} | {reduce_formula:,} | {gb / reduce_formula:.3f} |")
         print(f"| sharded: owners' broadcast (3(m + n)·r + 2r² per owned layer) | {sb:,.0f} "
               f"| {share_formula:,} | {sb / share_formula:.3f} |")
         print(f"| dense DDP (m·n + m per layer) | {db:,.0f} | {dense_formula:,} | {db / dense_formula:.3f} |")
