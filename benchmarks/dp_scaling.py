@@ -23,7 +23,9 @@ a flag), m·n + m per dense layer; sharded, the factor gradients (m + n)·r + r�
 to its owner only (a rank sends those of the layers it does not own); the owners' broadcast
 3(m + n)·r + 2r² per layer the rank owns (U, V, the buffers U_buf, V_buf at width r, S; the
 momenta of K, L, S).
-Usage: ``python benchmarks/dp_scaling.py [--procs 1,2,4]``.
+``--phases`` also splits rank 0's low-rank step into phases (step_time.py's, plus the gradient
+exchange, the owners' broadcast, the agreement on a bad update, the replica check).
+Usage: ``python benchmarks/dp_scaling.py [--procs 1,2,4] [--phases]``.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     kind = args["kind"]
     if kind != "dense":
         rankwise.to_low_rank(model, rank=r)
-        extra = dict(data_parallel="sharded", check_every=0) if kind == "sharded" else {}
+        extra = dict(data_parallel="sharded", check_every=0) if kind == "sharded" else \
+            dict(data_parallel="replicated")
         opt = rankwise.SDLRT(model, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9, process_group=group,
                              **extra)
         opt._average = _timed(opt._average, reduce_time)  # (private: benchmark only)
@@ -97,7 +100,17 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     per = batch // world
     x, y = torch.randn(per, w, generator=g), torch.randn(per, w, generator=g)
     rows = []
+    phases = None
+    if args["phases"] and kind != "dense":  # the optimizer step split into phases (benchmark only)
+        from step_time import PHASES, _Phases
+
+        phases = _Phases({**PHASES, "gradient exchange": [("opt", "_average")],
+                          "owners' broadcast": [("shard", "share_from_owners")],
+                          "agreement": [("opt", "_agree")], "replica check": [("opt", "_check_replicas")],
+                          "dense step": [("opt", "_dense_step")]})
     for step in range(args["steps"] + 3):
+        if phases is not None and step == 3:
+            phases.__enter__()
         if world > 1:
             dist.barrier()
         reduce_time.clear()
@@ -114,8 +127,12 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
             sent = (sum(ddp_bytes), 0) if kind == "dense" else (opt.allreduce_bytes, opt.shared_bytes)
             rows.append((t2 - t0, t1 - t0, sum(reduce_time), sum(share_time), *sent))
         ddp_bytes.clear()
+    split = {}
+    if phases is not None:
+        phases.__exit__()
+        split = {k: v / args["steps"] for k, v in phases.total.items()}
     if rank == 0:
-        queue.put(tuple(statistics.median(col) for col in zip(*rows, strict=True)))
+        queue.put((*(statistics.median(col) for col in zip(*rows, strict=True)), split))
     if world > 1:
         dist.destroy_process_group()
 
@@ -143,9 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=256, help="global batch, split over the processes")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--procs", default="1,2,4")
+    p.add_argument("--phases", action="store_true",
+                   help="also split rank 0's low-rank step into phases (mean ms/step; slower)")
     a = p.parse_args(argv)
     procs = [int(n) for n in a.procs.split(",")]
-    args = dict(width=a.width, depth=a.depth, rank=a.rank, batch=a.batch, steps=a.steps)
+    args = dict(width=a.width, depth=a.depth, rank=a.rank, batch=a.batch, steps=a.steps, phases=a.phases)
     res = {(kind, n): run(kind, n, args) for n in procs for kind in KINDS if kind != "sharded" or n > 1}
     if 1 in procs:  # one process: nothing to shard
         res[("sharded", 1)] = res[("replicated", 1)]
@@ -161,11 +180,24 @@ def main(argv: list[str] | None = None) -> None:
         for kind in ("replicated", "sharded"):
             if kind == "sharded" and n == 1:
                 continue
-            step, fb, red, share, _, _ = res[(kind, n)]
+            step, fb, red, share, _, _, _ = res[(kind, n)]
             print(f"| {n} | {kind} | {step:.4f} | {step / res[(kind, one)][0]:.2f} | {fb:.4f} | {red:.4f} | "
                   f"{share:.4f} | {step - fb - red - share:.4f} | {(red + share) / step:.0%} "
                   f"| {step / dt:.2f} |")
         print(f"| {n} | dense DDP | {dt:.4f} | {dt / res[('dense', one)][0]:.2f} | | | | | | 1.00 |")
+    if a.phases:
+        names = [k for k in next(v[6] for v in res.values() if v[6])  # (fwd+bwd, the all-reduce: above)
+                 if any(v[6].get(k, 0) > 0 for v in res.values() if v[6])]
+        print("\n# rank 0's low-rank step by phase, ms (mean over the steps; exclusive wall time, "
+              "waiting for the other ranks included in the collectives)")
+        print("| processes | integrator | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for n in procs:
+            for kind in ("replicated", "sharded"):
+                if kind == "sharded" and n == 1:
+                    continue
+                split = res[(kind, n)][6]
+                print(f"| {n} | {kind} | " + " | ".join(f"{1e3 * split[k]:.1f}" for k in names) + " |")
     multi = [n for n in procs if n > 1]
     if multi:
         n = multi[0]

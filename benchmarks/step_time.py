@@ -443,11 +443,12 @@ class _Phases:
     functions it calls (a stack of open timers); installed by patching module attributes for
     the duration of a ``with`` block (benchmark instrumentation only)."""
 
-    def __init__(self) -> None:
-        from rankwise.lowrank import _integrators, _optim
+    def __init__(self, phases: dict[str, list[tuple[str, str]]] | None = None) -> None:
+        from rankwise.lowrank import _integrators, _optim, _shard
 
-        self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators}
-        self.total: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.phases = PHASES if phases is None else phases
+        self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard}
+        self.total: dict[str, float] = dict.fromkeys(self.phases, 0.0)
         self.stack: list[list] = []
         self.saved: list[tuple] = []
 
@@ -471,7 +472,7 @@ class _Phases:
     def __enter__(self) -> _Phases:
         from rankwise.lowrank import _settings
 
-        for phase, targets in PHASES.items():
+        for phase, targets in self.phases.items():
             for where, attr in targets:
                 obj = self.modules[where]
                 fn = getattr(obj, attr)

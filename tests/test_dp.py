@@ -46,9 +46,10 @@ def _data():
                                                                                        generator=g)
 
 
-def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: str = "replicated") -> dict:
+def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: str | None = None) -> dict:
+    """(`data_parallel` None: the optimizer's default)"""
     preset, lr, kw = CASES[case]
-    if group is not None:
+    if data_parallel is not None:
         kw = dict(kw, data_parallel=data_parallel)
     model = _model()
     if group is not None and rank == 1:  # a different initialisation: the broadcast must fix it
@@ -90,7 +91,7 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: 
                 owners=opt.owners())
 
 
-def _dp_worker(rank: int, case: str, data_parallel: str = "replicated") -> dict:
+def _dp_worker(rank: int, case: str, data_parallel: str | None = None) -> dict:
     import torch.distributed as dist
 
     out = _train(case, rank, dist.get_world_size(), dist.group.WORLD, data_parallel)
@@ -201,25 +202,26 @@ def test_a_sharded_run_resumes_bitwise_with_the_same_owners(tmp_path):
             assert np.array_equal(a, b)
 
 
-def _diverge_worker(rank: int) -> None:
+def _diverge_worker(rank: int, data_parallel: str) -> None:
     import torch.distributed as dist
 
     model = _model()
-    opt = rankwise.DLRT(model, 0.1, tau=0.05, process_group=dist.group.WORLD)
-    if rank == 1:  # after the broadcast: this replica drifts
+    opt = rankwise.DLRT(model, 0.1, tau=0.05, process_group=dist.group.WORLD, data_parallel=data_parallel)
+    if rank == 1:  # after the broadcast: this replica drifts (sharded: in what every rank computes)
         with torch.no_grad():
-            model[2].S.mul_(1 + 1e-12)
+            (model[2].S if data_parallel == "replicated" else model[4].weight).mul_(1 + 1e-12)
     x, y = _data()
     opt.zero_grad()
     nn.functional.cross_entropy(model(x[0]), y[0]).backward()
     opt.step()
 
 
-def test_a_diverged_replica_is_named(tmp_path):
+@pytest.mark.parametrize("data_parallel, where", [("replicated", "'2'"), ("sharded", "'4.weight'")])
+def test_a_diverged_replica_is_named(tmp_path, data_parallel, where):
     with pytest.raises(AssertionError) as e:
-        run_world(_diverge_worker, 2, tmp_path)
+        run_world(_diverge_worker, 2, tmp_path, data_parallel)
     msg = str(e.value)
-    assert "replicas diverged" in msg and "rank 1" in msg and "'2'" in msg
+    assert "replicas diverged" in msg and "rank 1" in msg and where in msg
 
 
 def _shape_worker(rank: int) -> None:

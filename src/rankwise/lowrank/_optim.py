@@ -166,6 +166,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             # in the param group, so it is saved and restored with the optimizer's state_dict
             defaults["budget_start"] = self._other_params + self._held()
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
         # the factors (U and V are moved by the integrator, not autograd, so they may not
         # require grad) and every trainable parameter; frozen ones (a PEFT base) are not held
         params = [p for p in model.parameters() if p.requires_grad or id(p) in self._factor_ids]
@@ -481,8 +482,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         (replicated) or, sharded, the same dense parameters (the factors are copies of their
         owner's; the dense parameters are what every rank computes itself)."""
         if self._owners is not None:
-            named = {f"parameter {i}": (p,) for i, p in enumerate(
-                p for g in self.param_groups for p in g["params"] if id(p) not in self._factor_ids)}
+            named = {self._param_names.get(id(p), "?"): (p,) for g in self.param_groups for p in g["params"]
+                     if id(p) not in self._factor_ids}
         else:
             named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
                          torch.tensor(self.state[m.S].get("tau", 0.0), dtype=torch.float64))
@@ -782,11 +783,15 @@ _COMMON_DOC = """
     - `process_group`: data-parallel training (e.g. ``torch.distributed.group.WORLD`` after
       :func:`rankwise.dist.init_process_group`, each rank on its own shard of every batch; do
       not also wrap the model in DDP). At construction every parameter and buffer is
-      broadcast from the group's first rank; at every step the gradients the integrator reads
-      (``.grad``, the factor gradients G_K, G_L) are averaged in a few bucketed all-reduces,
-      the integrator runs on every rank on the same inputs, and after every truncation a hash
-      of each layer's factors, buffers and τ is compared across ranks: a rank that drifted
-      raises ``RuntimeError`` naming it. A non-finite loss on any rank skips (or raises) on all.
+      broadcast from the group's first rank. With ``data_parallel="sharded"`` (the default)
+      each low-rank layer has one owning rank (:meth:`owners`): its gradients (G_K, G_L, S)
+      are reduced to the owner, which integrates it and broadcasts the new factors, buffers,
+      τ and optimizer state; the other gradients are all-reduced. With ``"replicated"`` every
+      gradient is all-reduced and every rank integrates every layer. Every `check_every`-th
+      truncation a hash of what the ranks computed themselves (replicated: each layer's
+      factors, buffers and τ; sharded: the dense parameters) is compared across ranks: a rank
+      that drifted raises ``RuntimeError`` naming it. A non-finite loss or gradient on any
+      rank skips (or raises) on all.
 """
 
 

@@ -129,9 +129,10 @@ class Settings:
     (``None`` or a :class:`Feedback`; only with a Tolerance), `buffer` (SDLRT's compensation
     buffer), `rule` (:class:`Sgd` or :class:`Adam`), `single_pass`, `min_rank`, `max_rank`,
     `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``); with a
-    `process_group`: `data_parallel` (``"replicated"``: every rank integrates every layer;
-    ``"sharded"``: each layer is integrated by one rank, which sends the result to the others)
-    and `check_every` (compare the replicas' hashes every N-th augmentation; 0: never).
+    `process_group`: `data_parallel` (``"sharded"``, the default: each layer is integrated by
+    one rank, its owner, which then sends the result to the others; ``"replicated"``: every
+    rank integrates every layer) and `check_every` (compare the replicas' hashes every N-th
+    augmentation; 0: never).
     """
 
     truncation: Tolerance | Budget
@@ -144,7 +145,7 @@ class Settings:
     adaptive: bool = True
     update_every: int = 1
     on_nonfinite: Literal["raise", "skip"] = "raise"
-    data_parallel: Literal["replicated", "sharded"] = "replicated"
+    data_parallel: Literal["replicated", "sharded"] = "sharded"
     check_every: int = 1
 
     def __post_init__(self) -> None:
