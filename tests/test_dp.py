@@ -4,6 +4,7 @@ is named."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -86,7 +87,10 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: 
                for t in (m.U_buf, m.V_buf)]
     moments = [t.numpy().copy() for st in states for key in ("K", "L", "S") for t in st[key].values()
                if torch.is_tensor(t)]
-    return dict(losses=losses, ranks=ranks, weights=weights, last=model[4].weight.detach(),
+    from rankwise.ckpt._serial import serialize
+
+    digest = hashlib.blake2b(serialize({"model": model.state_dict(), "opt": opt.state_dict()})).hexdigest()
+    return dict(losses=losses, ranks=ranks, weights=weights, last=model[4].weight.detach(), digest=digest,
                 taus=list(opt.taus().values()), sent=sent, formula=formula, buffers=buffers, moments=moments,
                 owners=opt.owners())
 
@@ -136,6 +140,7 @@ def test_the_sharded_integrator_equals_the_replicated_one(case, tmp_path):
     assert len(set(rep[0]["ranks"])) > 1, "the test must see rank changes"
     # layer 2 (16 x 24) costs more than layer 0 (24 x 12) at their cap 12: it goes first, to rank 0
     assert rep[0]["owners"] is None and sh[0]["owners"] == sh[1]["owners"] == {"0": 1, "2": 0}
+    assert sh[0]["digest"] == sh[1]["digest"]  # a checkpoint's bytes agree across ranks (coded checkpoints)
     for r in (0, 1):
         a, b = rep[r], sh[r]
         assert a["losses"] == b["losses"] and a["ranks"] == b["ranks"] and a["taus"] == b["taus"]

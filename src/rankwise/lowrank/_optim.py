@@ -602,14 +602,13 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _share(self, plans) -> None:
         """Sharded: each owner sends its layers' new factors, buffers and optimizer state (τ,
-        moments, counters) to every rank, which takes them as they are (bitwise copies)."""
+        moments, counters) to every rank; every rank, the owner included, takes the copies
+        (bitwise equal values, and one memory layout, so that a checkpoint's bytes agree)."""
         mine = {n: {"factors": (m.U, m.S, m.V, m.U_buf, m.V_buf), "state": self.state[m.S]}
                 for n, m in ((n, self.layers[n]) for n in plans)}
         device = next(iter(self.layers.values())).S.device
         everyone, self.shared_bytes = _shard.share_from_owners(mine, self._owners, self.process_group, device)
-        for name, v in everyone.items():
-            if name in plans:
-                continue
+        for name, v in everyone.items():  # this rank's own layers too: the same layout everywhere
             layer = self.layers[name]
             layer.set_factors(*v["factors"])
             self.state[layer.S] = v["state"]

@@ -89,7 +89,7 @@ def share_from_owners(mine: Mapping[str, Any], owners: Mapping[str, int], group,
 
     `mine`: {layer: value} for the layers this rank owns and has news of (a value: nested
     dicts / lists / tuples of tensors and plain data). Returns ({layer: value} for every
-    layer of every rank, tensors on `device`; this rank's own values as given) and the bytes
+    layer of every rank, tensors on `device`, each a compact copy, this rank's own too) and the bytes
     of tensor data this rank sent. One ``all_gather_object`` of the structure (shapes, dtypes,
     scalars), then per owner one broadcast per dtype of its tensors, flattened."""
     me = dist.get_rank(group)
@@ -121,11 +121,11 @@ def share_from_owners(mine: Mapping[str, Any], owners: Mapping[str, int], group,
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=device)
             dist.broadcast(flat, src=dist.get_global_rank(group, r) if _subgroup(group) else r, group=group)
-            if r != me:
-                for ph, part in zip(phs, torch.split(flat, sizes), strict=True):
-                    theirs[ph[1]] = part.view(ph[2]).clone()
-        if r != me:
-            out.update({name: _join(v, theirs) for name, v in sk.items()})  # type: ignore[arg-type]
+            for ph, part in zip(phs, torch.split(flat, sizes), strict=True):
+                theirs[ph[1]] = part.view(ph[2]).clone()
+        # the owner too takes the copies: every rank then holds tensors of one layout (compact,
+        # each its own storage), so serialising the state gives the same bytes on every rank
+        out.update({name: _join(v, theirs) for name, v in sk.items()})  # type: ignore[arg-type]
     return out, sent
 
 
