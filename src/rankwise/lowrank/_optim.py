@@ -178,10 +178,12 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._set_modes()
         self.shared_bytes = 0  # sharded: bytes of new factors and state this rank sent in the last step
         self._owners: dict[str, int] | None = None  # sharded: {layer: the rank that integrates it}
+        self._todo: list[str] = []  # data parallel: layers with factor gradients on any rank (_average)
         if process_group is not None:  # as DDP does: every replica starts from rank 0's model
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             _dp.check_shapes(named, process_group)
             _dp.broadcast_from_first(list(named.values()), process_group)
+            self._rank = torch.distributed.get_rank(process_group)
             if settings.data_parallel == "sharded":
                 self._owners = _shard.assign_owners(
                     {n: _shard.layer_cost(m.out_features, m.in_features, self._rank_cap(m))
@@ -525,7 +527,7 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _mine(self, name: str) -> bool:
         """Does this rank integrate layer `name`? (every layer, unless sharded)"""
-        return self._owners is None or self._owners[name] == torch.distributed.get_rank(self.process_group)
+        return self._owners is None or self._owners[name] == self._rank
 
     def _agree(self, bad: str | None) -> str | None:
         """Sharded: every rank learns whether any rank found its layers' update bad (each rank
@@ -542,7 +544,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         (the rules are pure) and are committed only in :meth:`_truncate`. Sharded, each rank
         plans and truncates the layers it owns, and the results are then shared."""
         hp = self._hp()
-        if self.process_group is not None:  # sharded: a layer's gradients are on its owner only
+        if self.process_group is not None:  # from the ranks' presence vector (sharded: grads on owners only)
             todo = self._todo
         else:
             todo = [n for n, m in self.layers.items()

@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._dp import _global
+
 
 def layer_cost(out_features: int, in_features: int, rank: int) -> float:
     """The integrator's arithmetic for one layer at `rank` (its largest), up to a constant: the
@@ -102,7 +104,7 @@ def share_from_owners(mine: Mapping[str, Any], owners: Mapping[str, int], group,
         if any(owners.get(name) != r for name in sk):
             bad = next(name for name in sk if owners.get(name) != r)
             raise RuntimeError(f"rank {r} sent the state of layer {bad!r}, which it does not own")
-    out: dict[str, Any] = dict(mine)
+    out: dict[str, Any] = {}
     sent = 0
     for r, sk in enumerate(skeletons):
         if not sk:
@@ -120,17 +122,13 @@ def share_from_owners(mine: Mapping[str, Any], owners: Mapping[str, int], group,
                 sent += flat.numel() * flat.element_size()
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            dist.broadcast(flat, src=dist.get_global_rank(group, r) if _subgroup(group) else r, group=group)
+            dist.broadcast(flat, src=_global(group, r), group=group)
             for ph, part in zip(phs, torch.split(flat, sizes), strict=True):
                 theirs[ph[1]] = part.view(ph[2]).clone()
         # the owner too takes the copies: every rank then holds tensors of one layout (compact,
         # each its own storage), so serialising the state gives the same bytes on every rank
         out.update({name: _join(v, theirs) for name, v in sk.items()})  # type: ignore[arg-type]
     return out, sent
-
-
-def _subgroup(group) -> bool:
-    return group is not None and group != dist.group.WORLD
 
 
 def gather_objects(mine: Any, group) -> list[Any]:
