@@ -570,17 +570,21 @@ class AugmentedBUG(torch.optim.Optimizer):
             plans[name] = [aug, S_bar, {"K": stK, "L": stL, "S": stS}]
             if self.settings.budgeted and self.truncation.allocation == "sensitivity":
                 grads[name] = (f.G_K, f.G_S, f.G_L)
+        overflow = "non-finite augmented core (overflow in the update)"
+        if bad is None and closure is None and not _all_finite([plan[1] for plan in plans.values()]):
+            bad = overflow  # single pass: the cores are final here, so one agreement covers both checks
         if (bad := self._agree(bad)) is not None:
             return self._nonfinite(bad)
         originals = {n: tuple(t.clone() for t in (self.layers[n].U, self.layers[n].S, self.layers[n].V))
                      for n in todo} if closure is not None else {}
         done = False
         try:
-            if closure is not None and not self._second_pass(closure, plans, todo):
-                return False
-            finite = _all_finite([plan[1] for plan in plans.values()])  # before any layer is written
-            if (bad := self._agree(None if finite else "non-finite augmented core (overflow in the update)")):
-                return self._nonfinite(bad)
+            if closure is not None:  # two-pass: the cores change in the second pass; check again
+                if not self._second_pass(closure, plans, todo):
+                    return False
+                finite = _all_finite([plan[1] for plan in plans.values()])  # before any layer is written
+                if (bad := self._agree(None if finite else overflow)):
+                    return self._nonfinite(bad)
             svds = ranks = smoothed = {}
             if self.settings.budgeted:
                 svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
