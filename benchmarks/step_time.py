@@ -236,24 +236,27 @@ def _lapack_formulas() -> dict:
     torch's FlopCounterMode, which counts only matrix products by itself. Shapes only."""
     aten = torch.ops.aten
 
+    def batch(a) -> int:  # a batch of matrices (..., m, n) costs one count per matrix
+        return math.prod(a[:-2])
+
     def qr(a, *args, out_shape=None, **kw):  # thin QR with Q formed: 4mn² − 4n³/3
         m, n = a[-2], a[-1]
         k = min(m, n)
-        return int(4 * max(m, n) * k * k - 4 * k**3 / 3)
+        return batch(a) * int(4 * max(m, n) * k * k - 4 * k**3 / 3)
 
     def eigh(a, *args, out_shape=None, **kw):  # tridiagonalisation + QR iteration with vectors: ~9n³
-        return 9 * a[-1] ** 3
+        return batch(a) * 9 * a[-1] ** 3
 
     def svd(a, *args, out_shape=None, **kw):  # thin R-SVD with vectors: 6mn² + 20n³ (m ≥ n)
         m, n = max(a[-2], a[-1]), min(a[-2], a[-1])
-        return 6 * m * n * n + 20 * n**3
+        return batch(a) * (6 * m * n * n + 20 * n**3)
 
     def cholesky(a, *args, out_shape=None, **kw):
-        return a[-1] ** 3 // 3
+        return batch(a) * (a[-1] ** 3 // 3)
 
     def trsm(a, b, *args, out_shape=None, **kw):  # A (n×n) against B: n²·(other side of B)
         n = a[-1]
-        return n * n * (b[-1] if b[-2] == n else b[-2])
+        return batch(b) * n * n * (b[-1] if b[-2] == n else b[-2])
 
     return {aten.linalg_qr: qr, aten._linalg_eigh: eigh, aten._linalg_svd: svd,
             aten.linalg_cholesky_ex: cholesky, aten.linalg_solve_triangular: trsm}
@@ -428,10 +431,10 @@ PHASES = {  # phase: the functions whose exclusive time it collects (module, att
     "2nd pass": [("opt", "_second_pass")],
     "working copies": [("opt", "_factors")],
     "rules": [("optim", "apply_rule"), ("opt", "_core_step")],  # and Sgd.update, Adam.update
-    "new bases (QR)": [("bug", "augment")],
+    "new bases (QR)": [("bug", "augment"), ("bug", "augment_many")],
     "Galerkin core": [("bug", "galerkin_core"), ("bug", "projected_update"),
                       ("optim", "_augmented_core_state")],
-    "SVD + truncation + buffer": [("bug", "truncate"), ("bug", "core_svd")],
+    "SVD + truncation + buffer": [("bug", "truncate"), ("bug", "core_svd"), ("bug", "core_svd_many")],
     "budget allocation": [("opt", "_budget_ranks"), ("opt", "_by_sensitivity")],
     "state transport": [("optim", "transport")],
     "finiteness checks": [("optim", "_all_finite")],

@@ -34,6 +34,14 @@ def test_factorisations_are_counted_by_their_textbook_formulas():
     assert counts == {"linalg_qr": int(4 * m * n * n - 4 * n**3 / 3), "_linalg_eigh": 9 * n**3,
                       "_linalg_svd": 6 * m * n * n + 20 * n**3, "linalg_cholesky_ex": n**3 // 3,
                       "linalg_solve_triangular": n * n * m}
+    with FlopCounterMode(display=False, custom_mapping=st._lapack_formulas()) as c:  # a batch of 3
+        torch.linalg.eigh(G.expand(3, n, n))
+        torch.linalg.svd(A.expand(3, m, n), full_matrices=False)
+        L, _ = torch.linalg.cholesky_ex(G.expand(3, n, n))
+        torch.linalg.solve_triangular(L, A.T.expand(3, n, m), upper=False)
+    counts = {str(k).split(".")[-1].rstrip("')>"): v for k, v in c.get_flop_counts()["Global"].items()}
+    assert counts == {"_linalg_eigh": 3 * 9 * n**3, "_linalg_svd": 3 * (6 * m * n * n + 20 * n**3),
+                      "linalg_cholesky_ex": 3 * (n**3 // 3), "linalg_solve_triangular": 3 * n * n * m}
 
 
 def test_a_dense_step_counts_its_matrix_products():

@@ -144,3 +144,65 @@ def test_orth_complement_float32_orthogonality():
     eps = torch.finfo(torch.float32).eps
     assert float((E.T @ E - torch.eye(99)).abs().max()) < 50 * eps
     assert float((Q0.T @ E).abs().max()) < 50 * eps
+
+
+def test_orth_complement_batched_equals_each_pair():
+    """A batch with a pair whose X has dependent columns (it keeps fewer directions), one at
+    an extreme scale (rescaled inside) and one zero X: each result spans what the unbatched
+    function's does, with orthonormal columns orthogonal to Q0."""
+    from rankwise.linalg import orth_complement_batched
+
+    g = torch.Generator().manual_seed(5)
+    m, r, c = 30, 4, 5
+    Q0 = torch.stack([torch.linalg.qr(torch.randn(m, r, generator=g, dtype=F64))[0] for _ in range(4)])
+    X = torch.randn(4, m, c, generator=g, dtype=F64)
+    X[1, :, 3:] = X[1, :, :2] + Q0[1] @ torch.randn(r, 2, generator=g, dtype=F64)  # 2 dependent
+    X[2] *= 1e17
+    X[3] = 0
+    out = orth_complement_batched(Q0, X)
+    assert [E.shape[1] for E in out] == [5, 3, 5, 0]
+    for i, E in enumerate(out):
+        ref = orth_complement(Q0[i], X[i])
+        assert E.shape == ref.shape
+        torch.testing.assert_close(E @ E.T, ref @ ref.T)  # the same subspace
+        torch.testing.assert_close(E.T @ E, torch.eye(E.shape[1], dtype=F64))
+        assert E.shape[1] == 0 or float((Q0[i].T @ E).abs().max()) < 1e-12
+    assert all(torch.equal(a, b) for a, b in zip(out, orth_complement_batched(Q0, X.clone()), strict=True))
+    X[2, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"non-finite entries \(pair 2\)"):
+        orth_complement_batched(Q0, X)
+
+
+def test_augment_many_equals_augment_per_layer_and_names_the_first_bad_layer():
+    g = torch.Generator().manual_seed(6)
+
+    def layer(m, n, r, b):
+        U = torch.linalg.qr(torch.randn(m, r + b, generator=g, dtype=F64))[0]
+        V = torch.linalg.qr(torch.randn(n, r + b, generator=g, dtype=F64))[0]
+        return (U[:, :r], V[:, :r], torch.randn(m, r, generator=g, dtype=F64),
+                torch.randn(n, r, generator=g, dtype=F64), U[:, r:] if b else None, V[:, r:] if b else None)
+
+    layers = [layer(12, 12, 3, 0), layer(12, 12, 3, 0), layer(9, 12, 2, 2), layer(12, 12, 3, 0),
+              layer(9, 12, 2, 2)]
+    many = bug.augment_many(layers, keys=[0, 0, 0, 1, 0])
+    for item, aug in zip(layers, many, strict=True):
+        ref = bug.augment(*item)
+        assert aug.r0 == ref.r0 and aug.U.shape == ref.U.shape and aug.V.shape == ref.V.shape
+        torch.testing.assert_close(aug.U[:, :ref.r0], item[0], rtol=0, atol=0)  # old basis first
+        torch.testing.assert_close(aug.U @ aug.U.T, ref.U @ ref.U.T)
+        torch.testing.assert_close(aug.V @ aug.V.T, ref.V @ ref.V.T)
+    layers[3] = (*layers[3][:3], layers[3][3] * float("inf"), *layers[3][4:])
+    layers[4] = (*layers[4][:2], layers[4][2] * float("nan"), *layers[4][3:])
+    with pytest.raises(bug.NonFiniteUpdate) as e:
+        bug.augment_many(layers)
+    assert e.value.index == 3
+
+
+def test_core_svd_many_equals_core_svd():
+    g = torch.Generator().manual_seed(7)
+    cores = [torch.randn(*shape, generator=g, dtype=F64) for shape in ((6, 6), (6, 6), (5, 6), (6, 6))]
+    for S, (P, s, Q) in zip(cores, bug.core_svd_many(cores, keys=[0, 1, 0, 0]), strict=True):
+        P0, s0, Q0 = bug.core_svd(S)
+        torch.testing.assert_close(s, s0)
+        torch.testing.assert_close(P * s @ Q.T, S)
+        torch.testing.assert_close((P * s) @ Q.T, (P0 * s0) @ Q0.T)

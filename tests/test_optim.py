@@ -297,3 +297,43 @@ def test_bad_optimizer_arguments():
         SDLRT(layer, 0.1, tau=0.1, omega=1.0)
     with pytest.raises(ValueError, match="`update_every`"):
         DLRT(layer, 0.1, tau=0.1, update_every=0)
+
+
+@pytest.mark.parametrize("cls", [DLRT, SDLRT])
+def test_batched_layers_step_like_separate_optimizers(cls):
+    """Layers of one shape are integrated in batches: three same-shape layers in one
+    optimizer take the steps each would take alone (float64, adaptive ranks)."""
+    torch.manual_seed(0)
+    X = torch.randn(3, 20, 16, dtype=F64)
+    Y = torch.stack([X[i] @ torch.randn(16, k, dtype=F64) @ torch.randn(k, 16, dtype=F64)  # targets of
+                     for i, k in enumerate((1, 6, 12))])                                   # ranks 1, 6, 12
+    layers = [LowRankLinear(16, 16, 4, dtype=F64) for _ in range(3)]
+    alone = [LowRankLinear(16, 16, 4, dtype=F64) for _ in range(3)]
+    for a, b in zip(layers, alone, strict=True):
+        b.load_state_dict(a.state_dict())
+
+    class Three(nn.Module):
+        def __init__(self, ls):
+            super().__init__()
+            self.ls = nn.ModuleList(ls)
+
+        def forward(self, x):
+            return torch.stack([m(x[i]) for i, m in enumerate(self.ls)])
+
+    together = Three(layers)
+    opt = cls(together, 0.05, tau=0.1)
+    opts = [cls(m, 0.05, tau=0.1) for m in alone]
+    def closure():  # the sum of the three layers' own losses
+        opt.zero_grad()
+        loss = ((together(X) - Y) ** 2).sum(-1).mean(-1).sum()
+        loss.backward()
+        return loss.detach()
+
+    for _ in range(8):
+        opt.step(closure)
+        for i, (m, o) in enumerate(zip(alone, opts, strict=True)):
+            o.step(mse_closure(o, m, X[i], Y[i]))
+    for a, b in zip(layers, alone, strict=True):
+        assert a.rank == b.rank
+        torch.testing.assert_close(a.weight_matrix(), b.weight_matrix())
+    assert len({m.rank for m in layers}) > 1 or layers[0].rank != 4  # ranks moved: batches regroup

@@ -23,12 +23,13 @@ the SDLRT seed (compensation buffer, τ ← ωτ feedback).
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..linalg import one_thread, orth_complement, orthonormalize, tail_rank
+from ..linalg import one_thread, orth_complement_batched, orthonormalize, tail_rank
 
 
 class Augmented(NamedTuple):
@@ -63,12 +64,53 @@ def augment(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor,
     periodically. Only ΔK (m, r0) and ΔL (n, r0) are orthogonalised (numerically dependent
     directions dropped).
     """
-    r0 = U0.shape[1]
-    Uk = U0 if U_buf is None else torch.cat([U0, U_buf], dim=1)
-    Vk = V0 if V_buf is None else torch.cat([V0, V_buf], dim=1)
-    U = torch.cat([Uk, orth_complement(Uk, dK)], dim=1)
-    V = torch.cat([Vk, orth_complement(Vk, dL)], dim=1)
-    return Augmented(U, V, r0)
+    return augment_many([(U0, V0, dK, dL, U_buf, V_buf)])[0]
+
+
+class NonFiniteUpdate(FloatingPointError):
+    """An update (ΔK or ΔL) with non-finite entries; ``index``: the first such layer."""
+
+    def __init__(self, message: str, index: int):
+        super().__init__(message)
+        self.index = index
+
+
+def augment_many(layers: Sequence[tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]],
+                 keys: Sequence[Hashable] | None = None) -> list[Augmented]:
+    """:func:`augment` of many layers, each given as ``(U0, V0, ΔK, ΔL, U_buf, V_buf)``.
+
+    Every orthogonalisation whose inputs have one shape, dtype and device (both sides of a
+    square layer, all the layers of a transformer block's width) runs in one batch
+    (:func:`~rankwise.linalg.orth_complement_batched`): for small layers most of the cost
+    of :func:`augment` is per call, not arithmetic. Batches are formed in the order of
+    `layers`, within equal `keys` (default: one key), so equal inputs and keys give bitwise
+    equal results. Raises :class:`NonFiniteUpdate` naming the first layer whose ΔK or ΔL is
+    not finite.
+    """
+    keys = [None] * len(layers) if keys is None else list(keys)
+    if len(keys) != len(layers):
+        raise ValueError(f"got {len(keys)} keys for {len(layers)} layers")
+    bases, batches = [], {}
+    for i, (U0, V0, dK, dL, U_buf, V_buf) in enumerate(layers):
+        Uk = U0 if U_buf is None else torch.cat([U0, U_buf], dim=1)
+        Vk = V0 if V_buf is None else torch.cat([V0, V_buf], dim=1)
+        bases.append([Uk, Vk])
+        for side, (Q0, X) in enumerate(((Uk, dK), (Vk, dL))):
+            key = (keys[i], tuple(Q0.shape), tuple(X.shape), Q0.dtype, X.dtype, Q0.device)
+            batches.setdefault(key, []).append((i, side, Q0, X))
+    new: dict[tuple[int, int], Tensor] = {}
+    for members in batches.values():
+        try:
+            out = orth_complement_batched(torch.stack([m[2] for m in members]),
+                                          torch.stack([m[3] for m in members]))
+        except FloatingPointError:
+            bad = next(i for i, item in enumerate(layers)
+                       if not (bool(torch.isfinite(item[2]).all()) and bool(torch.isfinite(item[3]).all())))
+            raise NonFiniteUpdate("orth_complement: X has non-finite entries", bad) from None
+        for (i, side, _, _), E in zip(members, out, strict=True):
+            new[i, side] = E
+    return [Augmented(torch.cat([Uk, new[i, 0]], dim=1), torch.cat([Vk, new[i, 1]], dim=1),
+                      layers[i][0].shape[1]) for i, (Uk, Vk) in enumerate(bases)]
 
 
 def galerkin_core(aug: Augmented, S0: Tensor) -> Tensor:
@@ -128,8 +170,9 @@ def truncate(aug: Augmented, S_bar: Tensor, *, tau: float | None = None, rank: i
 
 
 def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Thin SVD ``S = P diag(s) Qᵀ`` (returns P, s, Q). LAPACK's divide-and-conquer SVD
-    occasionally fails to converge on finite matrices; retry once in float64."""
+    """Thin SVD ``S = P diag(s) Qᵀ`` (returns P, s, Q) of a core (k, l) or a batch (..., k, l).
+    LAPACK's divide-and-conquer SVD occasionally fails to converge on finite matrices; retry
+    once in float64."""
     if not bool(torch.isfinite(S).all()):
         raise FloatingPointError("the augmented core S̄ is not finite; no weights were changed")
     with one_thread():  # a small factorisation: see rankwise.linalg.one_thread
@@ -138,6 +181,26 @@ def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         except torch.linalg.LinAlgError:
             P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
     return P, s, Qh.mT
+
+
+def core_svd_many(cores: Sequence[Tensor], keys: Sequence[Hashable] | None = None
+                  ) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """:func:`core_svd` of many cores; those of one shape, dtype and device (and equal `keys`)
+    in one batched call, formed in the order given (so equal inputs give bitwise equal
+    results)."""
+    keys = [None] * len(cores) if keys is None else list(keys)
+    batches: dict = {}
+    for i, S in enumerate(cores):
+        batches.setdefault((keys[i], tuple(S.shape), S.dtype, S.device), []).append(i)
+    out: list = [None] * len(cores)
+    for idx in batches.values():
+        if len(idx) == 1:
+            out[idx[0]] = core_svd(cores[idx[0]])
+            continue
+        P, s, Q = core_svd(torch.stack([cores[i] for i in idx]))
+        for j, i in enumerate(idx):
+            out[i] = (P[j], s[j], Q[j])
+    return out
 
 
 class Factors(NamedTuple):

@@ -179,15 +179,17 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.shared_bytes = 0  # sharded: bytes of new factors and state this rank sent in the last step
         self._owners: dict[str, int] | None = None  # sharded: {layer: the rank that integrates it}
         self._todo: list[str] = []  # data parallel: layers with factor gradients on any rank (_average)
+        self._placement: dict[str, int] | None = None  # data parallel: the owners, sharded or not
         if process_group is not None:  # as DDP does: every replica starts from rank 0's model
             named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
             _dp.check_shapes(named, process_group)
             _dp.broadcast_from_first(list(named.values()), process_group)
             self._rank = torch.distributed.get_rank(process_group)
+            self._placement = _shard.assign_owners(
+                {n: _shard.layer_cost(m.out_features, m.in_features, self._rank_cap(m))
+                 for n, m in self.layers.items()}, torch.distributed.get_world_size(process_group))
             if settings.data_parallel == "sharded":
-                self._owners = _shard.assign_owners(
-                    {n: _shard.layer_cost(m.out_features, m.in_features, self._rank_cap(m))
-                     for n, m in self.layers.items()}, torch.distributed.get_world_size(process_group))
+                self._owners = self._placement
 
     def owners(self) -> dict[str, int] | None:
         """Sharded data parallelism: {layer name: the rank of `process_group` that integrates
@@ -525,6 +527,12 @@ class AugmentedBUG(torch.optim.Optimizer):
             f = bug.reorthonormalize(f)
         return f
 
+    def _batch_key(self, name: str) -> int | None:
+        """Layers batched together in the integrator's linear algebra share this key: the owner
+        (the rank that would own the layer when sharded, also when replicated, so that both
+        modes form the same batches and give bitwise equal results)."""
+        return None if self._placement is None else self._placement[name]
+
     def _mine(self, name: str) -> bool:
         """Does this rank integrate layer `name`? (every layer, unless sharded)"""
         return self._owners is None or self._owners[name] == self._rank
@@ -549,25 +557,27 @@ class AugmentedBUG(torch.optim.Optimizer):
         else:
             todo = [n for n, m in self.layers.items()
                     if m.factor_grads()[0] is not None and m.S.grad is not None]
-        plans, grads, bad = {}, {}, None
+        plans, grads, bad, ready = {}, {}, None, []
         for name in (n for n in todo if self._mine(n)):
-            layer = self.layers[name]
-            f = self._factors(layer)
-            st = self.state[layer.S]
+            f = self._factors(self.layers[name])
+            st = self.state[self.layers[name].S]
             dK, stK = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
             dL, stL = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
-            try:
-                aug = bug.augment(f.U, f.V, dK, dL, f.U_buf, f.V_buf)
-            except FloatingPointError as e:  # finite gradients, non-finite update (overflow)
-                bad = f"layer {name!r}: {e}"
-                break
+            ready.append((name, f, dK, dL, {"K": stK, "L": stL}))
+        try:  # layers of one shape orthogonalised in one batch (per owner: the same batches sharded or not)
+            augs = bug.augment_many([(f.U, f.V, dK, dL, f.U_buf, f.V_buf) for _, f, dK, dL, _ in ready],
+                                    keys=[self._batch_key(name) for name, *_ in ready])
+        except bug.NonFiniteUpdate as e:  # finite gradients, non-finite update (overflow)
+            bad, augs = f"layer {ready[e.index][0]!r}: {e}", []
+        for (name, f, dK, dL, states), aug in zip(ready, augs, strict=False):
             S_bar = bug.galerkin_core(aug, f.S)
             if closure is None:
-                dS, stS = self.rule(f.G_S, f.S, st["S"], hp)
+                dS, states["S"] = self.rule(f.G_S, f.S, self.state[self.layers[name].S]["S"], hp)
                 S_bar = S_bar + bug.projected_update(aug, dK, dS, dL)
             else:  # two-pass: the S rule runs on the augmented core in _second_pass
-                stS = _augmented_core_state(aug, st["S"], st["K"], st["L"])
-            plans[name] = [aug, S_bar, {"K": stK, "L": stL, "S": stS}]
+                st = self.state[self.layers[name].S]
+                states["S"] = _augmented_core_state(aug, st["S"], st["K"], st["L"])
+            plans[name] = [aug, S_bar, states]
             if self.settings.budgeted and self.truncation.allocation == "sensitivity":
                 grads[name] = (f.G_K, f.G_S, f.G_L)
         overflow = "non-finite augmented core (overflow in the update)"
@@ -585,9 +595,10 @@ class AugmentedBUG(torch.optim.Optimizer):
                 finite = _all_finite([plan[1] for plan in plans.values()])  # before any layer is written
                 if (bad := self._agree(None if finite else overflow)):
                     return self._nonfinite(bad)
-            svds = ranks = smoothed = {}
+            ranks = smoothed = {}
+            svds = dict(zip(plans, bug.core_svd_many([plan[1] for plan in plans.values()],
+                                                     keys=[self._batch_key(n) for n in plans]), strict=True))
             if self.settings.budgeted:
-                svds = {name: bug.core_svd(plan[1]) for name, plan in plans.items()}
                 if grads:  # sensitivity: each layer's directions in the order of their scores
                     svds, smoothed = self._by_sensitivity(plans, svds, grads)
                 ranks = self._budget_ranks({n: svd[1] for n, svd in svds.items()}, smoothed)
@@ -731,9 +742,9 @@ class AugmentedBUG(torch.optim.Optimizer):
             st["tail"] = float(s[rank:].norm()) / total if total > 0 else 0.0
         elif cfg.adaptive:
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
-                               buffer=cfg.buffer)
+                               buffer=cfg.buffer, svd=svd)
         else:
-            out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg.buffer)
+            out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg.buffer, svd=svd)
         r1 = out.S.shape[0]
         if rank is None and self.feedback is not None:
             st["tau"] = self.feedback(st["tau"], r1, st["r_init"], cfg.tau)
