@@ -67,6 +67,14 @@ def augment(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor,
     return augment_many([(U0, V0, dK, dL, U_buf, V_buf)])[0]
 
 
+BATCH_WORK = 2**24
+"""Orthogonalisations with more multiply-adds than this per pair (m·(k + c)·c for a basis
+(m, k) and an update (m, c)) run one by one: there the per-call cost is negligible and torch's
+batched matrix product is slower than single ones (measured on 2 CPU cores: a batch of 8
+pairs at m = 2048, k = c = 195 took 1.14× the loop; at m = 1024, k = c = 52, 0.78×; at
+m = 384, k = c = 19, 0.31×)."""
+
+
 class NonFiniteUpdate(FloatingPointError):
     """An update (ΔK or ΔL) with non-finite entries; ``index``: the first such layer."""
 
@@ -82,7 +90,8 @@ def augment_many(layers: Sequence[tuple[Tensor, Tensor, Tensor, Tensor, Tensor |
     Every orthogonalisation whose inputs have one shape, dtype and device (both sides of a
     square layer, all the layers of a transformer block's width) runs in one batch
     (:func:`~rankwise.linalg.orth_complement_batched`): for small layers most of the cost
-    of :func:`augment` is per call, not arithmetic. Batches are formed in the order of
+    of :func:`augment` is per call, not arithmetic (large ones, above :data:`BATCH_WORK`,
+    run alone). Batches are formed in the order of
     `layers`, within equal `keys` (default: one key), so equal inputs and keys give bitwise
     equal results. Raises :class:`NonFiniteUpdate` naming the first layer whose ΔK or ΔL is
     not finite.
@@ -96,7 +105,9 @@ def augment_many(layers: Sequence[tuple[Tensor, Tensor, Tensor, Tensor, Tensor |
         Vk = V0 if V_buf is None else torch.cat([V0, V_buf], dim=1)
         bases.append([Uk, Vk])
         for side, (Q0, X) in enumerate(((Uk, dK), (Vk, dL))):
-            key = (keys[i], tuple(Q0.shape), tuple(X.shape), Q0.dtype, X.dtype, Q0.device)
+            (m, k), c = Q0.shape, X.shape[1]
+            alone = (i, side) if m * (k + c) * c > BATCH_WORK else None
+            key = (keys[i], alone, tuple(Q0.shape), tuple(X.shape), Q0.dtype, X.dtype, Q0.device)
             batches.setdefault(key, []).append((i, side, Q0, X))
     new: dict[tuple[int, int], Tensor] = {}
     for members in batches.values():
