@@ -104,6 +104,10 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
     Raises ``FloatingPointError`` naming the first pair whose X is not finite.
     """
     L, m, c = X.shape
+
+    def mm(A: Tensor, B: Tensor) -> Tensor:  # a batch of one as one matrix product: bmm is slower there
+        return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
+
     if Q0.dim() != 3 or Q0.shape[:2] != (L, m):
         raise ValueError(f"X (L, m, c) = {tuple(X.shape)} needs Q0 (L, m, r) with the same L and m; "
                          f"got {tuple(Q0.shape)}")
@@ -125,10 +129,10 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
             X[i] = X[i] / big[i]
     sq_norms = torch.zeros(L, c, dtype=torch.float64, device=X.device)
     if Q0.shape[-1]:
-        C = Q0.mT @ X
-        X = X - Q0 @ C
+        C = mm(Q0.mT, X)
+        X = X - mm(Q0, C)
         sq_norms += C.double().square().sum(-2)
-    G = (X.mT @ X).double()
+    G = mm(X.mT, X).double()
     sq_norms += torch.diagonal(G, dim1=-2, dim2=-1)  # ‖x‖² = ‖Q0ᵀx‖² + ‖residual‖²
     d = torch.where(sq_norms > 0, sq_norms.rsqrt(), torch.zeros_like(sq_norms))
     with one_thread():
@@ -140,11 +144,11 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
         sel = slice(None) if len(idx) == L else torch.tensor(idx, device=X.device)
         Xs, Q0s = X[sel], Q0[sel]
         M = d[sel][..., :, None] * W[sel][..., c - e:] * lam[sel][..., None, c - e:].rsqrt()
-        Y = Xs @ M.to(X.dtype)
+        Y = mm(Xs, M.to(X.dtype))
         if Q0.shape[-1]:
-            Y = Y - Q0s @ (Q0s.mT @ Y)
+            Y = Y - mm(Q0s, mm(Q0s.mT, Y))
         with one_thread():
-            Lc, info = torch.linalg.cholesky_ex((Y.mT @ Y).double())
+            Lc, info = torch.linalg.cholesky_ex(mm(Y.mT, Y).double())
         E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
         for j, i in enumerate(idx):  # a failed Cholesky is not expected after the eigen filter
             out[i] = E[j] if int(info[j]) == 0 else orthonormalize(Y[j])[0]
