@@ -36,6 +36,8 @@ _LAZY: dict[str, str] = {
     "stability_distance": "rankwise.lowrank",
     "to_low_rank": "rankwise.lowrank",
     "fit": "rankwise.train",
+    "MemoryCount": "rankwise._memory",
+    "training_memory": "rankwise._memory",
 }
 
 _SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "peft", "models", "data", "train", "train_config", "dist",
@@ -44,6 +46,8 @@ _SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "peft", "models", "data", "tr
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # what static tools and IDEs see
+    from ._memory import MemoryCount as MemoryCount
+    from ._memory import training_memory as training_memory
     from .lowrank import DLRT as DLRT
     from .lowrank import SDLRT as SDLRT
     from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer

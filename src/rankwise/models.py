@@ -1,4 +1,5 @@
-"""Small reference models for 8×8 digits, and a registry of them by name.
+"""Small reference models for 8×8 digits and a registry of them by name; a small GPT for
+byte-level text (:func:`gpt`, not in the registry, which holds the digit tasks' models).
 
 The models are plain ``nn.Module`` s built from ``nn.Linear`` / ``nn.Conv2d``; make them
 low-rank with :func:`rankwise.to_low_rank`.
@@ -12,6 +13,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from ._gpt import GPT as GPT
+from ._gpt import gpt as gpt
 from ._wheels import DIGIT_CNN_WHEEL as DIGIT_CNN_WHEEL
 from ._wheels import digit_cnn_weights_path as digit_cnn_weights_path
 

@@ -1,0 +1,125 @@
+"""Byte-level language modelling pieces: tokenizer, BBC split by article, windows, the GPT,
+and the training-memory count."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import rankwise
+from rankwise.data._bytes import ByteTokenizer, load_bbc_text, random_windows, sequential_windows
+from rankwise.models import gpt
+
+
+def test_tokenizer_round_trips_text():
+    tok = ByteTokenizer()
+    for text in ("", "plain ascii", "café – naïve £5 ✓ 日本語", "line\nbreaks\ttabs"):
+        assert tok.decode(tok.encode(text)) == text
+    assert max(tok.encode("ÿ✓")) < 256 and tok.vocab_size == 257
+    stream = tok.stream(["ab", "ç"])
+    assert stream.tolist() == [97, 98, 256, 195, 167, 256]
+    assert tok.decode(stream.tolist()) == "ab\nç\n"
+    with pytest.raises(ValueError, match="outside the byte vocabulary"):
+        tok.decode([65, 300])
+
+
+def test_bbc_split_is_by_article_and_complete():
+    d = load_bbc_text()
+    a = d.articles
+    tr, va, te = (set(a[k]) for k in ("train", "val", "test"))
+    assert not (tr & va or tr & te or va & te)
+    assert sorted(a["train"] + a["val"] + a["test"]) == list(range(2225))
+    texts, _, _ = rankwise.data.load_bbc_news()
+    for split in ("train", "val", "test"):
+        stream = getattr(d, split)
+        expected = sum(len(texts[i].encode("utf-8")) + 1 for i in a[split])
+        assert stream.numel() == expected and int((stream == 256).sum()) == len(a[split])
+    assert load_bbc_text().articles == a  # deterministic
+
+
+def test_windows():
+    s = torch.arange(103)
+    x, y = sequential_windows(s, 10)
+    assert x.shape == y.shape == (10, 10)
+    torch.testing.assert_close(y, x + 1)
+    assert y.flatten().tolist() == list(range(1, 101))  # every target once
+    g = torch.Generator().manual_seed(0)
+    x, y = random_windows(s, 5, 8, g)
+    assert x.shape == (5, 8)
+    torch.testing.assert_close(y, x + 1)
+    with pytest.raises(ValueError, match="shorter than one window"):
+        random_windows(s[:5], 2, 8, g)
+
+
+def test_gpt_is_causal_and_ties_its_output_to_the_embedding():
+    torch.manual_seed(0)
+    m = gpt(context=16, width=32, depth=2, heads=4).eval()
+    x = torch.randint(0, 257, (2, 16))
+    x2 = x.clone()
+    x2[:, 9] = (x2[:, 9] + 1) % 257
+    with torch.no_grad():
+        a, b = m(x), m(x2)
+    torch.testing.assert_close(a[:, :9], b[:, :9])  # outputs before the change are unchanged
+    assert not torch.allclose(a[:, 9:], b[:, 9:])
+    low = rankwise.to_low_rank(m, rank=4)
+    names = {n for n, mod in low.named_modules() if isinstance(mod, rankwise.LowRankLinear)}
+    projections = ("attn.q", "attn.k", "attn.v", "attn.o", "fc", "proj")
+    assert names == {f"blocks.{i}.{p}" for i in range(2) for p in projections}
+    with pytest.raises(ValueError, match="longer than the context"):
+        m(torch.zeros(1, 17, dtype=torch.long))
+    with pytest.raises(ValueError, match="multiple of `heads`"):
+        gpt(width=30, heads=4)
+
+
+def test_gpt_learns_text_well_below_its_unigram_entropy():
+    tok = ByteTokenizer()
+    s = tok.stream(["The quick brown fox jumps over the lazy dog. Pack my box with five dozen jugs."] * 40)
+    p = torch.bincount(s, minlength=257).double() / s.numel()
+    unigram = float(-(p[p > 0] * p[p > 0].log2()).sum())
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    m = gpt(context=32, width=64, depth=2, heads=2)
+    opt = torch.optim.AdamW(m.parameters(), 3e-3)
+    for _ in range(100):
+        x, y = random_windows(s, 16, 32, g)
+        loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    x, y = sequential_windows(s, 32)
+    with torch.no_grad():
+        bits = F.cross_entropy(m(x).flatten(0, 1), y.flatten()).item() / math.log(2)
+    assert unigram > 4 and bits < 0.25 * unigram
+
+
+def test_training_memory_equals_a_hand_count():
+    lin = nn.Linear(3, 2)
+    opt = torch.optim.Adam(lin.parameters())
+    assert rankwise.training_memory(lin, opt) == rankwise.MemoryCount(32, 0, 0, 0)
+    lin(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    # weights and grads: (6 + 2) float32; Adam: two moments of each plus a float32 step per tensor
+    assert rankwise.training_memory(lin, opt) == rankwise.MemoryCount(32, 32, 2 * 32 + 2 * 4, 0)
+
+    torch.manual_seed(0)
+    layer = rankwise.LowRankLinear(10, 6, 2, bias=False, dtype=torch.float64)
+    opt = rankwise.SDLRT(layer, 0.1, tau=0.5, max_rank=2, momentum=0.9)
+    x, y = torch.randn(5, 10, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    for _ in range(2):  # the second step finds a buffer from the first
+        def closure():
+            opt.zero_grad()
+            loss = (layer(x) - y).square().sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    closure()
+    r, b = layer.rank, layer.U_buf.shape[1]
+    count = rankwise.training_memory(layer, opt)
+    assert count.weights == 8 * (10 * r + r * r + 6 * r)
+    assert count.grads == 8 * (10 * r + r * r + 6 * r)  # G_L (10, r), S.grad, G_K (6, r)
+    assert count.lowrank_buffers == 8 * (10 + 6) * b and b > 0
+    moments = sum(t.numel() * t.element_size() for st in opt.state.values()
+                  for key in ("K", "L", "S") for t in st.get(key, {}).values() if isinstance(t, torch.Tensor))
+    assert count.optimizer == moments > 0
