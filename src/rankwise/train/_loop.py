@@ -205,6 +205,7 @@ def _step(loop: Loop, x: Tensor, y: Tensor, loss_fn, clip: float | None, transfo
     outputs: list[Tensor] = []
     model = loop.model
 
+    @torch.enable_grad()  # some optimizers (GaLore's) call the closure under no_grad
     def closure() -> Tensor:
         loop.optimizer.zero_grad()
         out = model(xb)

@@ -1,0 +1,221 @@
+"""The language-model comparison behind ``rankwise lm``: a small GPT trained from scratch on
+BBC News bytes, dense AdamW against DLRT / SDLRT, a fixed factorisation and GaLore.
+
+Every method trains the same model (:func:`rankwise.models.gpt`) on the same token windows
+(drawn with the run's seed from the training articles) for the same number of steps; the
+attention and MLP projections are what the low-rank methods compress (embeddings and norms
+stay dense). Quality is validation and test loss in bits per token (a token is a byte of
+UTF-8 text or the separator after an article), memory is counted from the tensors
+(:func:`rankwise.training_memory`) and the peak resident memory of the run's process is
+measured.
+
+Methods (``compression`` c is of the projections' parameters):
+
+- ``dense``: ``torch.optim.AdamW``.
+- ``dlrt`` / ``sdlrt``: :class:`rankwise.DLRT` / :class:`rankwise.SDLRT` with the Adam rule,
+  every projection starting at the rank r with r(m + n) + r² ≈ (1 − c)·m·n, the ranks then
+  allocated model-wide by a :class:`rankwise.Budget` holding (1 − c) of the projections'
+  parameters (SDLRT's buffer counted in it).
+- ``fixed``: the same factorisation at rank r, U, S and V trained by AdamW.
+- ``galore``: ``galore_torch.GaLoreAdamW`` on the dense model, the projections' gradients
+  projected to rank r (DLRT's starting rank at the same c, so that their optimizer states are
+  about equal), projection refreshed every 200 steps, scale 0.25 (the paper's defaults).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..train import Callback, Loop, fit
+
+METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore")
+LOWRANK = ("dlrt", "sdlrt", "fixed", "galore")  # the methods that take a compression
+GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class LmRunSpec:
+    """One training run. ``compression`` is 0 for ``dense``."""
+
+    method: str
+    compression: float = 0.0
+    lr: float = 3e-3
+    seed: int = 0
+    steps: int = 600
+    batch: int = 16
+    context: int = 128
+    width: int = 256
+    depth: int = 4
+    heads: int = 4
+    eval_every: int = 50
+    eval_windows: int = 64  # validation windows for the curve; the final losses use every window
+    version: int = VERSION
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"`method` must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.method == "dense" and self.compression != 0:
+            raise ValueError("the dense method takes no compression")
+        if self.method != "dense" and not 0 < self.compression < 1:
+            raise ValueError(f"`compression` must be in (0, 1) for {self.method}; got {self.compression!r}")
+        for name in ("steps", "batch", "context", "width", "depth", "heads", "eval_every", "eval_windows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"`{name}` must be a positive int; got {v!r}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"`lr` must be a positive number; got {self.lr!r}")
+
+    @property
+    def key(self) -> str:
+        c = f"_c{self.compression:g}" if self.method != "dense" else ""
+        return f"{self.method}{c}_lr{self.lr:g}_s{self.seed}"
+
+
+def rank_for(m: int, n: int, compression: float) -> int:
+    """The rank r ≥ 1 whose factors U (m, r), S (r, r), V (n, r) hold at most (1 − c)·m·n
+    parameters: the largest r with r² + r(m + n) ≤ (1 − c)·m·n."""
+    keep = (1 - compression) * m * n
+    r = int((-(m + n) + math.sqrt((m + n) ** 2 + 4 * keep)) / 2)
+    return max(1, r)
+
+
+def projections(model: nn.Module) -> dict[str, nn.Linear]:
+    """The attention (q, k, v, o) and MLP (fc, proj) projections of a GPT, by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+
+def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
+    """The model and optimizer of a run, and facts about them (start ranks, budget)."""
+    import rankwise
+    from rankwise.models import gpt
+
+    torch.manual_seed(spec.seed)
+    model = gpt(context=spec.context, width=spec.width, depth=spec.depth, heads=spec.heads)
+    proj = projections(model)
+    info: dict = {"projection_params": sum(m.weight.numel() for m in proj.values())}
+    if spec.method == "dense":
+        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr), info
+    ranks = {n: rank_for(m.out_features, m.in_features, spec.compression) for n, m in proj.items()}
+    info["start_ranks"] = ranks
+    if spec.method == "galore":
+        from galore_torch import GaLoreAdamW
+
+        rank = min(ranks.values())
+        low = [m.weight for m in proj.values()]
+        ids = {id(p) for p in low}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        groups = [{"params": rest}, {"params": low, "rank": rank, "update_proj_gap": 200, "scale": 0.25,
+                                     "proj_type": "std"}]
+        info["galore_rank"] = rank
+        return model, GaLoreAdamW(groups, lr=spec.lr), info
+    for r in sorted(set(ranks.values())):  # every projection at its own start rank
+        rankwise.to_low_rank(model, rank=r, include=[n for n, k in ranks.items() if k == r])
+    if spec.method == "fixed":
+        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr), info
+    lowrank = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
+    params = sum(m.rank * (m.out_features + m.in_features) + m.rank**2 for m in lowrank)
+    sdlrt = spec.method == "sdlrt"
+    budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=sdlrt)
+    info["budget_params"] = params
+    settings = rankwise.Settings(truncation=budget, buffer=sdlrt, rule=rankwise.Adam(),
+                                 feedback=None, max_rank=None)
+    return model, rankwise.AugmentedBUG(model, spec.lr, settings), info
+
+
+def _bits(model: nn.Module, x: Tensor, y: Tensor, batch: int = 32) -> float:
+    """Mean next-token cross-entropy over the windows ``x``, ``y`` (n, T), in bits."""
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(x), batch):
+            logits = model(x[i:i + batch])
+            total += float(F.cross_entropy(logits.flatten(0, 1), y[i:i + batch].flatten(), reduction="sum"))
+            count += y[i:i + batch].numel()
+    model.train()
+    return total / count / math.log(2)
+
+
+class _Curve(Callback):
+    """Validation bits every `every` steps (on a fixed subset of windows), step times,
+    training losses, and the largest training-memory count seen after a step."""
+
+    def __init__(self, x: Tensor, y: Tensor, every: int, report=None) -> None:
+        self.x, self.y, self.every, self.report = x, y, every, report
+        self.curve: list[tuple[int, float]] = []
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.memory = None
+
+    def on_step_end(self, loop: Loop) -> None:
+        import rankwise
+
+        self.losses.append(loop.loss / math.log(2))
+        self.times.append(loop.step_seconds)
+        count = rankwise.training_memory(loop.model, loop.optimizer)
+        if self.memory is None or count.total > self.memory.total:
+            self.memory = count
+        step = loop.global_step
+        if step % self.every == 0 or step == loop.max_steps:
+            self.curve.append((step, _bits(loop.model, self.x, self.y)))
+        if self.report is not None:
+            self.report(step, loop.max_steps, f"loss {self.losses[-1]:.3f} bits")
+
+
+def run_one(spec: LmRunSpec, report=None) -> dict:
+    """Train one run; returns its record (JSON-ready)."""
+    from ..data._bytes import load_bbc_text, random_windows, sequential_windows
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    data = load_bbc_text()
+    model, opt, info = build(spec)
+    g = torch.Generator().manual_seed(spec.seed)
+    x, y = random_windows(data.train, spec.steps * spec.batch, spec.context, g)
+    vx, vy = sequential_windows(data.val, spec.context)
+    pick = torch.randperm(len(vx), generator=torch.Generator().manual_seed(1234))[:spec.eval_windows]
+    curve = _Curve(vx[pick], vy[pick], spec.eval_every, report)
+    t0 = time.perf_counter()
+    fit(model, opt, x, y, epochs=1, batch_size=spec.batch, max_steps=spec.steps, shuffle=None,
+        loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), callbacks=[curve])
+    seconds = time.perf_counter() - t0
+    tx, ty = sequential_windows(data.test, spec.context)
+    mem = curve.memory
+    ranks = {n: m.rank for n, m in model.named_modules() if hasattr(m, "rank") and hasattr(m, "U")}
+    step_s = float(np.median(curve.times[1:] or curve.times))
+    return dict(spec=asdict(spec), key=spec.key, val_bits=_bits(model, vx, vy),
+                test_bits=_bits(model, tx, ty), curve=curve.curve,
+                final_train_bits=float(np.mean(curve.losses[-20:])), step_seconds=step_s,
+                tokens_per_second=spec.batch * spec.context / step_s, train_seconds=seconds,
+                memory=dict(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
+                            lowrank_buffers=mem.lowrank_buffers, total=mem.total),
+                params=sum(p.numel() for p in model.parameters()), ranks=ranks, info=info,
+                peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)
+
+
+def _job(spec: LmRunSpec, report=None) -> dict:
+    """One run in a worker process (one thread: runs go side by side)."""
+    torch.set_num_threads(1)
+    return run_one(spec, report)
+
+
+def compare(specs: Sequence[LmRunSpec], out: Path, *, jobs: int = 1, overwrite: bool = False,
+            on_done: Callable[[dict], None] | None = None,
+            on_progress: Callable[[str, int, int, str], None] | None = None) -> list[dict]:
+    """Run every spec not already in ``out/runs/`` (resumable, each in a fresh process, so
+    that the peak memory is the run's own); returns all records, in `specs` order."""
+    from ._resume import run_resumable
+
+    return run_resumable(list(specs), out / "runs", _job, jobs=jobs, overwrite=overwrite,
+                         hint="rerun with --force to replace them, or choose another --out",
+                         on_done=on_done, on_progress=on_progress)
