@@ -123,3 +123,61 @@ def test_training_memory_equals_a_hand_count():
     moments = sum(t.numel() * t.element_size() for st in opt.state.values()
                   for key in ("K", "L", "S") for t in st.get(key, {}).values() if isinstance(t, torch.Tensor))
     assert count.optimizer == moments > 0
+
+
+TINY = dict(steps=3, batch=2, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=4,
+            final_windows=8)
+
+
+def test_rank_for_is_the_largest_rank_within_the_share():
+    from rankwise.experiments.lm_compare import rank_for
+
+    for m, n, c in ((256, 256, 0.5), (1024, 256, 0.75), (64, 64, 0.9), (8, 8, 0.99)):
+        keep = (1 - c) * m * n
+        brute = max([r for r in range(1, min(m, n) + 1) if r * r + r * (m + n) <= keep], default=1)
+        assert rank_for(m, n, c) == brute
+
+
+@pytest.mark.parametrize("method", ["dense", "dlrt", "sdlrt", "fixed", "galore"])
+def test_every_method_trains_and_counts_its_memory(method):
+    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+
+    if method == "galore":
+        pytest.importorskip("galore_torch", reason="galore-torch (the rankwise[lm] extra) is not installed")
+    spec = LmRunSpec(method, 0.0 if method == "dense" else 0.5, **TINY)
+    r = run_one(spec)
+    assert 3 < r["val_bits"] < 10 and 3 < r["test_bits"] < 10 and len(r["curve"]) == 2
+    mem = r["memory"]
+    dense_weights = 4 * sum(p.numel() for p in gpt(context=16, width=32, depth=1, heads=2).parameters())
+    if method in ("dense", "galore"):
+        assert mem["weights"] == dense_weights and mem["grads"] == dense_weights
+    else:
+        assert mem["weights"] < dense_weights and set(r["ranks"]) == set(r["info"]["start_ranks"])
+    if method == "galore":  # projected moments: smaller than AdamW's two full moments
+        assert 0 < mem["optimizer"] < 2 * dense_weights
+    assert (mem["lowrank_buffers"] > 0) == (method == "sdlrt")
+
+
+def test_study_chooses_on_validation_and_resumes(tmp_path):
+    from rankwise.experiments.lm_compare import study, summary_markdown
+
+    res = study(["dense"], [], 2, tmp_path, grid=(1e-3, 1e-2), widen=1, fresh_process=False, **TINY)
+    lrs = sorted(r["spec"]["lr"] for r in res.records if r["spec"]["seed"] == 0)
+    (lr, edge), = res.chosen.values()
+    best = min((r for r in res.records if r["spec"]["seed"] == 0), key=lambda r: r["val_bits"])
+    assert lr == best["spec"]["lr"] and len(lrs) == 3  # one edge widening
+    assert edge == (lr in (lrs[0], lrs[-1]))
+    assert [r["spec"]["lr"] for r in res.records if r["spec"]["seed"] == 1] == [lr]
+    assert "| dense |" in summary_markdown(res.records, res.chosen)
+    files = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    again = study(["dense"], [], 2, tmp_path, grid=(1e-3, 1e-2), widen=1, fresh_process=False, **TINY)
+    assert again.chosen == res.chosen and sorted(p.name for p in (tmp_path / "runs").iterdir()) == files
+
+
+def test_lm_command_refuses_bad_arguments_in_one_line(tmp_path):
+    from rankwise.cli import main
+
+    for args, what in ((["--compressions", "0.5,1.5"], "--compressions"), (["--width", "30"], "--heads"),
+                       (["--methods", "dense,lora"], "--methods"), (["--grid", "0.1,x"], "--grid")):
+        assert main(["lm", *args, "--out", str(tmp_path / "o")]) == 2, what
+    assert not (tmp_path / "o").exists()

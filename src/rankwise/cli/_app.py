@@ -222,6 +222,7 @@ def _is_demo_table(path: Path) -> bool:
 
 def _register() -> None:
     from ._ckpt import app as ckpt_app
+    from ._lm import lm_cmd
     from ._ode import ode_cmd
     from ._peft import peft_cmd
     from ._sweep import sweep_cmd
@@ -229,6 +230,7 @@ def _register() -> None:
     app.command("sweep", cls=Command)(sweep_cmd)
     app.command("ode", cls=Command)(ode_cmd)
     app.command("peft", cls=Command)(peft_cmd)
+    app.command("lm", cls=Command)(lm_cmd)
     app.add_typer(ckpt_app, name="ckpt")
 
 

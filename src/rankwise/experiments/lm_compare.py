@@ -60,7 +60,8 @@ class LmRunSpec:
     depth: int = 4
     heads: int = 4
     eval_every: int = 50
-    eval_windows: int = 64  # validation windows for the curve; the final losses use every window
+    eval_windows: int = 64  # validation windows for the curve
+    final_windows: int = 0  # windows of validation and test for the final losses (0: every window)
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -70,6 +71,9 @@ class LmRunSpec:
             raise ValueError("the dense method takes no compression")
         if self.method != "dense" and not 0 < self.compression < 1:
             raise ValueError(f"`compression` must be in (0, 1) for {self.method}; got {self.compression!r}")
+        f = self.final_windows
+        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
+            raise ValueError(f"`final_windows` must be an int >= 0; got {self.final_windows!r}")
         for name in ("steps", "batch", "context", "width", "depth", "heads", "eval_every", "eval_windows"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -190,6 +194,8 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
         loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), callbacks=[curve])
     seconds = time.perf_counter() - t0
     tx, ty = sequential_windows(data.test, spec.context)
+    if spec.final_windows:
+        vx, vy, tx, ty = (t[:spec.final_windows] for t in (vx, vy, tx, ty))
     mem = curve.memory
     ranks = {n: m.rank for n, m in model.named_modules() if hasattr(m, "rank") and hasattr(m, "U")}
     step_s = float(np.median(curve.times[1:] or curve.times))
@@ -210,12 +216,133 @@ def _job(spec: LmRunSpec, report=None) -> dict:
 
 
 def compare(specs: Sequence[LmRunSpec], out: Path, *, jobs: int = 1, overwrite: bool = False,
-            on_done: Callable[[dict], None] | None = None,
+            fresh_process: bool = True, on_done: Callable[[dict], None] | None = None,
             on_progress: Callable[[str, int, int, str], None] | None = None) -> list[dict]:
     """Run every spec not already in ``out/runs/`` (resumable, each in a fresh process, so
     that the peak memory is the run's own); returns all records, in `specs` order."""
     from ._resume import run_resumable
 
     return run_resumable(list(specs), out / "runs", _job, jobs=jobs, overwrite=overwrite,
+                         fresh_process=fresh_process,
                          hint="rerun with --force to replace them, or choose another --out",
                          on_done=on_done, on_progress=on_progress)
+
+
+@dataclasses.dataclass(frozen=True)
+class LmStudy:
+    """What :func:`study` produced: every record of this call, and per (method, compression)
+    the chosen learning rate and whether it sat at an edge of the grid after widening."""
+
+    records: list[dict]
+    chosen: dict[tuple[str, float], tuple[float, bool]]
+
+
+def _widened(grid: list[float], best: float) -> float | None:
+    """One more value beyond the edge `best` sits at (the grid's outer ratio), or None."""
+    if len(grid) < 2 or best not in (grid[0], grid[-1]):
+        return None
+    return grid[0] ** 2 / grid[1] if best == grid[0] else grid[-1] ** 2 / grid[-2]
+
+
+def study(methods: Sequence[str], compressions: Sequence[float], seeds: int, out: Path, *,
+          grid: Sequence[float] = GRID, widen: int = 1, jobs: int = 1, overwrite: bool = False,
+          fresh_process: bool = True, on_done: Callable[[dict], None] | None = None,
+          on_progress: Callable[[str, int, int, str], None] | None = None, **fixed) -> LmStudy:
+    """Every method (and, for the low-rank ones, every compression): the learning rate chosen
+    on seed 0 by validation bits from `grid` (an edge choice widens the grid, up to `widen`
+    times), then seeds 1.. at that rate. `fixed`: other :class:`LmRunSpec` fields (steps,
+    width, ...). Resumable (``out/runs``)."""
+    pairs = [(m, 0.0) for m in methods if m == "dense"] + [(m, c) for m in methods if m != "dense"
+                                                             for c in compressions]
+    grids = {p: sorted(grid) for p in pairs}
+    records: dict[str, dict] = {}
+
+    def run(specs: list[LmRunSpec]) -> None:
+        for r in compare(specs, out, jobs=jobs, overwrite=overwrite, fresh_process=fresh_process,
+                         on_done=on_done, on_progress=on_progress):
+            records[r["key"]] = r
+
+    spec = lambda m, c, lr, s: LmRunSpec(m, c, lr=lr, seed=s, **fixed)  # noqa: E731
+    run([spec(m, c, lr, 0) for (m, c) in pairs for lr in grids[m, c]])
+    chosen: dict[tuple[str, float], tuple[float, bool]] = {}
+    for p in pairs:
+        for _ in range(widen + 1):
+            g = grids[p]
+            best = min(g, key=lambda lr: records[spec(*p, lr, 0).key]["val_bits"])
+            extra = _widened(g, best)
+            if extra is None or len(g) >= len(grid) + widen:
+                break
+            grids[p] = sorted([*g, extra])
+            run([spec(*p, extra, 0)])
+        chosen[p] = (best, _widened(grids[p], best) is not None)
+    run([spec(*p, chosen[p][0], s) for p in pairs for s in range(1, seeds)])
+    return LmStudy(list(records.values()), chosen)
+
+
+def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, bool]]) -> str:
+    """One row per (method, compression) at its chosen rate: bits (mean ± std over seeds),
+    counted memory against dense's, peak RSS and step time against dense's."""
+    def stats(v: list[float]) -> str:
+        return f"{np.mean(v):.3f} ± {np.std(v, ddof=1) if len(v) > 1 else 0.0:.3f}"
+
+    rows = {}
+    for (m, c), (lr, edge) in chosen.items():
+        rows[m, c] = ([r for r in records if r["spec"]["method"] == m and r["spec"]["compression"] == c
+                       and r["spec"]["lr"] == lr], lr, edge)
+    dense = rows.get(("dense", 0.0))
+    ref_mem = np.mean([r["memory"]["total"] for r in dense[0]]) if dense else None
+    ref_step = np.mean([r["step_seconds"] for r in dense[0]]) if dense else None
+    head = ["method", "compression", "lr (chosen)", "seeds", "val bits/token", "test bits/token",
+            "weights + grads + state, MB", "vs dense", "optimizer state + buffers, MB", "peak RSS, MiB",
+            "tokens/s", "step vs dense"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (m, c), (rs, lr, edge) in rows.items():
+        if not rs:
+            continue
+        mem = np.mean([r["memory"]["total"] for r in rs])
+        state = np.mean([r["memory"]["optimizer"] + r["memory"]["lowrank_buffers"] for r in rs])
+        step = np.mean([r["step_seconds"] for r in rs])
+        cells = [m, f"{c:g}" if m != "dense" else "", f"{lr:g}" + (" (edge)" if edge else ""), str(len(rs)),
+                 stats([r["val_bits"] for r in rs]), stats([r["test_bits"] for r in rs]), f"{mem / 1e6:.2f}",
+                 f"{mem / ref_mem:.2f}" if ref_mem else "", f"{state / 1e6:.2f}",
+                 f"{np.mean([r['peak_rss_mib'] for r in rs]):.0f}",
+                 f"{np.mean([r['tokens_per_second'] for r in rs]):.0f}",
+                 f"{step / ref_step:.2f}" if ref_step else ""]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, bool]], out: Path) -> Path:
+    """``lm_curves.png``: validation bits against step (seed 0 at each chosen rate) and final
+    validation bits against counted training memory (every seed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .._io import write_atomic
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for (m, c), (lr, _) in chosen.items():
+        rs = [r for r in records if r["spec"]["method"] == m and r["spec"]["compression"] == c
+              and r["spec"]["lr"] == lr]
+        label = m if m == "dense" else f"{m} {c:g}"
+        first = [r for r in rs if r["spec"]["seed"] == 0]
+        if first:
+            steps, bits = zip(*first[0]["curve"], strict=True)
+            a.plot(steps, bits, marker=".", label=label)
+        b.scatter([r["memory"]["total"] / 1e6 for r in rs], [r["val_bits"] for r in rs], label=label)
+    a.set(xlabel="step", ylabel="validation bits per token (subset)", title="validation loss")
+    b.set(xlabel="weights + gradients + optimizer state (MB)", ylabel="validation bits per token",
+          title="quality against memory")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "lm_curves.png"
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+    return path

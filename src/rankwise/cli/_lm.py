@@ -1,0 +1,99 @@
+"""``rankwise lm``: a small GPT trained from scratch on BBC News bytes, dense AdamW against
+DLRT / SDLRT, a fixed factorisation and GaLore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, progress_columns
+
+METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore")  # (as rankwise.experiments.lm_compare; no torch here)
+LM_OUTPUTS = (r"summary\.md", r"lm_curves\.png")
+
+
+def _floats(option: str, text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{option} must be comma-separated numbers; got {text!r}") from None
+    if not values:
+        raise UserError(f"{option} is empty")
+    return values
+
+
+def lm_cmd(
+    methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
+    = ",".join(METHODS),
+    compressions: Annotated[str, typer.Option(help="Compressions of the projections' parameters for the "
+                                              "low-rank methods, in (0, 1).")] = "0.5,0.75",
+    seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 2,
+    grid: Annotated[str, typer.Option(help="Learning rates to choose from on validation (seed 0), "
+                                      "comma-separated; a choice at an edge widens it.")]
+    = "0.001,0.003,0.01",
+    widen: Annotated[int, typer.Option(help="How often the grid may grow at an edge.", min=0, max=5)] = 1,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per run.", min=1)] = 600,
+    batch: Annotated[int, typer.Option(help="Windows per step.", min=1)] = 16,
+    context: Annotated[int, typer.Option(help="Tokens per window.", min=8, max=1024)] = 128,
+    width: Annotated[int, typer.Option(help="Model width.", min=8)] = 256,
+    depth: Annotated[int, typer.Option(help="Transformer blocks.", min=1)] = 4,
+    heads: Annotated[int, typer.Option(help="Attention heads (divides the width).", min=1)] = 4,
+    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
+                                      max=MAX_WORKERS)] = 1,
+    out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, lm_curves.png.")]
+    = Path("runs/lm"),
+    force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings differ "
+                                        "(default: refuse).")] = False,
+) -> None:
+    """Train a small GPT on BBC News bytes with each method at equal steps and tokens; each
+    method's learning rate chosen on validation; resumable; writes summary.md and lm_curves.png."""
+    from ._sweep import _split
+
+    method_list = _split(methods, METHODS, "--methods")
+    comps = _floats("--compressions", compressions)
+    for c in comps:
+        check_range("--compressions", c, 0, 1, lo_open=True)
+    lrs = _floats("--grid", grid)
+    for lr in lrs:
+        check_range("--grid", lr, 0, None, lo_open=True)
+    if width % heads:
+        raise UserError(f"--heads {heads} must divide --width {width}")
+    check_output_dir(out, produced=LM_OUTPUTS, force=force or holds_records(out, "context"),
+                     what="language-model comparison")
+    if "galore" in method_list:
+        try:
+            import galore_torch  # noqa: F401
+        except ImportError as e:
+            raise UserError(f"--methods galore needs galore-torch (the rankwise[lm] extra; make installs "
+                            f"it): {e}", 1) from None
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from .._io import write_atomic
+    from ..experiments.lm_compare import plot, study, summary_markdown
+
+    console = Console()
+    with Progress(*progress_columns(), console=console) as prog:
+        bars: dict[str, int] = {}
+
+        def on_progress(key: str, step: int, total: int, info: str) -> None:
+            if key not in bars:
+                bars[key] = prog.add_task(key, total=total, info="")
+            prog.update(bars[key], completed=step, total=total, info=info)
+
+        def done(r: dict) -> None:
+            if r["key"] in bars:
+                prog.remove_task(bars.pop(r["key"]))
+            prog.console.print(f"{r['key']}: val {r['val_bits']:.3f} bits, test {r['test_bits']:.3f}, "
+                               f"{r['step_seconds']:.3f} s/step, {r['memory']['total'] / 1e6:.2f} MB")
+
+        result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, jobs=jobs, overwrite=force,
+                       on_done=done, on_progress=on_progress, steps=steps, batch=batch, context=context,
+                       width=width, depth=depth, heads=heads)
+    table = summary_markdown(result.records, result.chosen)
+    write_atomic(out / "summary.md", table.encode())
+    png = plot(result.records, result.chosen, out)
+    console.print(table)
+    console.print(f"{len(result.records)} runs; wrote {out}/summary.md and {png}")
