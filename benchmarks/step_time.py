@@ -256,7 +256,7 @@ def _lapack_formulas() -> dict:
 
     def trsm(a, b, *args, out_shape=None, **kw):  # A (n×n) against B: n²·(other side of B)
         n = a[-1]
-        return batch(b) * n * n * (b[-1] if b[-2] == n else b[-2])
+        return max(batch(a), batch(b)) * n * n * (b[-1] if b[-2] == n else b[-2])
 
     return {aten.linalg_qr: qr, aten._linalg_eigh: eigh, aten._linalg_svd: svd,
             aten.linalg_cholesky_ex: cholesky, aten.linalg_solve_triangular: trsm}

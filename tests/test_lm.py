@@ -149,9 +149,10 @@ def test_every_method_trains_and_counts_its_memory(method):
     assert 3 < r["val_bits"] < 10 and 3 < r["test_bits"] < 10 and len(r["curve"]) == 2
     mem = r["memory"]
     dense_weights = 4 * sum(p.numel() for p in gpt(context=16, width=32, depth=1, heads=2).parameters())
+    assert mem["grads"] == mem["weights"]  # counted inside the step: every weight has its gradient
     if method in ("dense", "galore"):
-        assert mem["weights"] == dense_weights and mem["grads"] == dense_weights
-    else:
+        assert mem["weights"] == dense_weights
+    else:  # (DLRT/SDLRT: G_K and G_L are the sizes of U and V)
         assert mem["weights"] < dense_weights and set(r["ranks"]) == set(r["info"]["start_ranks"])
     if method == "galore":  # projected moments: smaller than AdamW's two full moments
         assert 0 < mem["optimizer"] < 2 * dense_weights
@@ -178,6 +179,16 @@ def test_lm_command_refuses_bad_arguments_in_one_line(tmp_path):
     from rankwise.cli import main
 
     for args, what in ((["--compressions", "0.5,1.5"], "--compressions"), (["--width", "30"], "--heads"),
-                       (["--methods", "dense,lora"], "--methods"), (["--grid", "0.1,x"], "--grid")):
+                       (["--methods", "dense,lora"], "--methods"), (["--grid", "0.1,x"], "--grid"),
+                       (["--grid", "0.1,0.1"], "repeat"), (["--grid", "inf"], "inf")):
         assert main(["lm", *args, "--out", str(tmp_path / "o")]) == 2, what
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("method", ["dense", "dlrt"])
+def test_a_diverging_rate_is_recorded_as_infinite_loss(method):
+    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+
+    r = run_one(LmRunSpec(method, 0.0 if method == "dense" else 0.5, lr=1e12, **{**TINY, "steps": 6}))
+    assert r["val_bits"] == r["test_bits"] == float("inf")
+    assert (r["failed"] is not None) == (method == "dlrt")

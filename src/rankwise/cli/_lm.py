@@ -21,6 +21,8 @@ def _floats(option: str, text: str) -> list[float]:
         raise UserError(f"{option} must be comma-separated numbers; got {text!r}") from None
     if not values:
         raise UserError(f"{option} is empty")
+    if len(set(values)) != len(values):
+        raise UserError(f"{option} names a value twice: {text!r}")
     return values
 
 
@@ -57,7 +59,7 @@ def lm_cmd(
         check_range("--compressions", c, 0, 1, lo_open=True)
     lrs = _floats("--grid", grid)
     for lr in lrs:
-        check_range("--grid", lr, 0, None, lo_open=True)
+        check_range("--grid", lr, 0, 1e3, lo_open=True)  # (finite: inf is not a rate)
     if width % heads:
         raise UserError(f"--heads {heads} must divide --width {width}")
     check_output_dir(out, produced=LM_OUTPUTS, force=force or holds_records(out, "context"),

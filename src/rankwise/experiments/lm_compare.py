@@ -42,6 +42,7 @@ from ..train import Callback, Loop, fit
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore")
 LOWRANK = ("dlrt", "sdlrt", "fixed", "galore")  # the methods that take a compression
 GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
+ADAM = {"eps": 1e-8, "weight_decay": 0.0}  # the same Adam for every method (no decay: DLRT's rule has none)
 VERSION = 1
 
 
@@ -110,30 +111,29 @@ def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     proj = projections(model)
     info: dict = {"projection_params": sum(m.weight.numel() for m in proj.values())}
     if spec.method == "dense":
-        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr), info
+        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
     ranks = {n: rank_for(m.out_features, m.in_features, spec.compression) for n, m in proj.items()}
     info["start_ranks"] = ranks
     if spec.method == "galore":
         from galore_torch import GaLoreAdamW
 
-        rank = min(ranks.values())
-        low = [m.weight for m in proj.values()]
-        ids = {id(p) for p in low}
-        rest = [p for p in model.parameters() if id(p) not in ids]
-        groups = [{"params": rest}, {"params": low, "rank": rank, "update_proj_gap": 200, "scale": 0.25,
-                                     "proj_type": "std"}]
-        info["galore_rank"] = rank
-        return model, GaLoreAdamW(groups, lr=spec.lr), info
+        ids = {id(m.weight) for m in proj.values()}
+        groups: list[dict] = [{"params": [p for p in model.parameters() if id(p) not in ids]}]
+        for r in sorted(set(ranks.values())):  # each projection at DLRT's start rank
+            groups.append({"params": [proj[n].weight for n, k in ranks.items() if k == r], "rank": r,
+                           "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"})
+        info["galore_ranks"] = ranks
+        return model, GaLoreAdamW(groups, lr=spec.lr, **ADAM), info
     for r in sorted(set(ranks.values())):  # every projection at its own start rank
         rankwise.to_low_rank(model, rank=r, include=[n for n, k in ranks.items() if k == r])
     if spec.method == "fixed":
-        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr), info
+        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
     lowrank = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
     params = sum(m.rank * (m.out_features + m.in_features) + m.rank**2 for m in lowrank)
     sdlrt = spec.method == "sdlrt"
     budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=sdlrt)
     info["budget_params"] = params
-    settings = rankwise.Settings(truncation=budget, buffer=sdlrt, rule=rankwise.Adam(),
+    settings = rankwise.Settings(truncation=budget, buffer=sdlrt, rule=rankwise.Adam(eps=ADAM["eps"]),
                                  feedback=None, max_rank=None)
     return model, rankwise.AugmentedBUG(model, spec.lr, settings), info
 
@@ -162,14 +162,19 @@ class _Curve(Callback):
         self.times: list[float] = []
         self.memory = None
 
-    def on_step_end(self, loop: Loop) -> None:
+    def count(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        """Keep the largest training-memory count: called after the backward inside the step
+        (where DLRT/SDLRT's factor gradients exist; the step clears them) and after the step."""
         import rankwise
 
-        self.losses.append(loop.loss / math.log(2))
-        self.times.append(loop.step_seconds)
-        count = rankwise.training_memory(loop.model, loop.optimizer)
+        count = rankwise.training_memory(model, opt)
         if self.memory is None or count.total > self.memory.total:
             self.memory = count
+
+    def on_step_end(self, loop: Loop) -> None:
+        self.losses.append(loop.loss / math.log(2))
+        self.times.append(loop.step_seconds)
+        self.count(loop.model, loop.optimizer)
         step = loop.global_step
         if step % self.every == 0 or step == loop.max_steps:
             self.curve.append((step, _bits(loop.model, self.x, self.y)))
@@ -189,24 +194,48 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
     vx, vy = sequential_windows(data.val, spec.context)
     pick = torch.randperm(len(vx), generator=torch.Generator().manual_seed(1234))[:spec.eval_windows]
     curve = _Curve(vx[pick], vy[pick], spec.eval_every, report)
+    step = opt.step
+
+    def counted_step(closure):  # the memory count after the backward, inside the step
+        def counted():
+            loss = closure()
+            curve.count(model, opt)
+            return loss
+        return step(counted)
+
+    opt.step = counted_step  # type: ignore[method-assign]
     t0 = time.perf_counter()
-    fit(model, opt, x, y, epochs=1, batch_size=spec.batch, max_steps=spec.steps, shuffle=None,
-        loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), callbacks=[curve])
+    failed = None
+    try:
+        fit(model, opt, x, y, epochs=1, batch_size=spec.batch, max_steps=spec.steps, shuffle=None,
+            loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), callbacks=[curve])
+    except FloatingPointError as e:  # DLRT/SDLRT refuse a non-finite step: the rate diverged
+        failed = str(e)
     seconds = time.perf_counter() - t0
     tx, ty = sequential_windows(data.test, spec.context)
     if spec.final_windows:
         vx, vy, tx, ty = (t[:spec.final_windows] for t in (vx, vy, tx, ty))
-    mem = curve.memory
+    import rankwise
+
+    mem = curve.memory or rankwise.training_memory(model, opt)
     ranks = {n: m.rank for n, m in model.named_modules() if hasattr(m, "rank") and hasattr(m, "U")}
-    step_s = float(np.median(curve.times[1:] or curve.times))
-    return dict(spec=asdict(spec), key=spec.key, val_bits=_bits(model, vx, vy),
-                test_bits=_bits(model, tx, ty), curve=curve.curve,
-                final_train_bits=float(np.mean(curve.losses[-20:])), step_seconds=step_s,
+    step_s = float(np.median(curve.times[1:] or curve.times)) if curve.times else float("nan")
+    inf = float("inf")
+    return dict(spec=asdict(spec), key=spec.key, val_bits=inf if failed else _finite(_bits(model, vx, vy)),
+                test_bits=inf if failed else _finite(_bits(model, tx, ty)), failed=failed, curve=curve.curve,
+                final_train_bits=float(np.mean(curve.losses[-20:])) if curve.losses else float("nan"),
+                step_seconds=step_s,
                 tokens_per_second=spec.batch * spec.context / step_s, train_seconds=seconds,
                 memory=dict(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
                             lowrank_buffers=mem.lowrank_buffers, total=mem.total),
                 params=sum(p.numel() for p in model.parameters()), ranks=ranks, info=info,
-                peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)
+                peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                peak_rss_growth_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)
+
+
+def _finite(bits: float) -> float:
+    """A diverged run's loss as +inf (never chosen, never NaN in a mean)."""
+    return bits if math.isfinite(bits) else float("inf")
 
 
 def _job(spec: LmRunSpec, report=None) -> dict:
@@ -268,7 +297,7 @@ def study(methods: Sequence[str], compressions: Sequence[float], seeds: int, out
     for p in pairs:
         for _ in range(widen + 1):
             g = grids[p]
-            best = min(g, key=lambda lr: records[spec(*p, lr, 0).key]["val_bits"])
+            best = min(g, key=lambda lr: _finite(records[spec(*p, lr, 0).key]["val_bits"]))
             extra = _widened(g, best)
             if extra is None or len(g) >= len(grid) + widen:
                 break
@@ -293,8 +322,8 @@ def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tu
     ref_mem = np.mean([r["memory"]["total"] for r in dense[0]]) if dense else None
     ref_step = np.mean([r["step_seconds"] for r in dense[0]]) if dense else None
     head = ["method", "compression", "lr (chosen)", "seeds", "val bits/token", "test bits/token",
-            "weights + grads + state, MB", "vs dense", "optimizer state + buffers, MB", "peak RSS, MiB",
-            "tokens/s", "step vs dense"]
+            "weights + grads + state, MB", "vs dense", "optimizer state + buffers, MB",
+            "process peak RSS, MiB", "tokens/s", "step vs dense"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (m, c), (rs, lr, edge) in rows.items():
         if not rs:

@@ -114,9 +114,13 @@ def augment_many(layers: Sequence[tuple[Tensor, Tensor, Tensor, Tensor, Tensor |
         try:
             out = orth_complement_batched(torch.stack([m[2] for m in members]),
                                           torch.stack([m[3] for m in members]))
-        except FloatingPointError:
-            bad = next(i for i, item in enumerate(layers)
-                       if not (bool(torch.isfinite(item[2]).all()) and bool(torch.isfinite(item[3]).all())))
+        except FloatingPointError as e:
+            bad = next((i for i, item in enumerate(layers)
+                        if not (bool(torch.isfinite(item[2]).all()) and bool(torch.isfinite(item[3]).all()))),
+                       None)
+            if bad is None:  # finite in its own dtype, not in the bases' (a cast overflowed)
+                cast = members[0][2].dtype
+                raise NonFiniteUpdate(f"{e} (after casting to {cast})", members[0][0]) from None
             raise NonFiniteUpdate("orth_complement: X has non-finite entries", bad) from None
         for (i, side, _, _), E in zip(members, out, strict=True):
             new[i, side] = E
