@@ -218,7 +218,7 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
     import rankwise
 
     mem = curve.memory or rankwise.training_memory(model, opt)
-    ranks = {n: m.rank for n, m in model.named_modules() if hasattr(m, "rank") and hasattr(m, "U")}
+    ranks = {n: m.rank for n, m in model.named_modules() if isinstance(m, rankwise.LowRankLinear)}
     step_s = float(np.median(curve.times[1:] or curve.times)) if curve.times else float("nan")
     inf = float("inf")
     return dict(spec=asdict(spec), key=spec.key, val_bits=inf if failed else _finite(_bits(model, vx, vy)),
