@@ -175,12 +175,31 @@ def test_study_chooses_on_validation_and_resumes(tmp_path):
     assert again.chosen == res.chosen and sorted(p.name for p in (tmp_path / "runs").iterdir()) == files
 
 
+def test_study_can_choose_at_one_compression_and_reuse_the_rate(tmp_path):
+    from rankwise.experiments.lm_compare import study, summary_markdown
+
+    res = study(["fixed"], [0.5, 0.75], 2, tmp_path, grid=(1e-3, 1e-2), widen=0, select_at=0.5,
+                fresh_process=False, **TINY)
+    at = lambda c, s: sorted(r["spec"]["lr"] for r in res.records  # noqa: E731
+                             if r["spec"]["compression"] == c and r["spec"]["seed"] == s)
+    lr, _ = res.chosen["fixed", 0.5]
+    best = min((r for r in res.records if r["spec"]["compression"] == 0.5 and r["spec"]["seed"] == 0),
+               key=lambda r: r["val_bits"])
+    assert lr == best["spec"]["lr"] and at(0.5, 0) == [1e-3, 1e-2]
+    assert res.chosen["fixed", 0.75] == res.chosen["fixed", 0.5]
+    assert at(0.75, 0) == at(0.75, 1) == at(0.5, 1) == [lr]  # 0.75 only at the reused rate, both seeds
+    assert f"| fixed | 0.75 | {lr:g} (as at 0.5) | 2 |" in summary_markdown(res.records, res.chosen, 0.5)
+    with pytest.raises(ValueError, match="select_at"):
+        study(["fixed"], [0.5], 1, tmp_path, select_at=0.75, fresh_process=False, **TINY)
+
+
 def test_lm_command_refuses_bad_arguments_in_one_line(tmp_path):
     from rankwise.cli import main
 
     for args, what in ((["--compressions", "0.5,1.5"], "--compressions"), (["--width", "30"], "--heads"),
                        (["--methods", "dense,lora"], "--methods"), (["--grid", "0.1,x"], "--grid"),
-                       (["--grid", "0.1,0.1"], "repeat"), (["--grid", "inf"], "inf")):
+                       (["--grid", "0.1,0.1"], "repeat"), (["--grid", "inf"], "inf"),
+                       (["--select-at", "0.6"], "--select-at")):
         assert main(["lm", *args, "--out", str(tmp_path / "o")]) == 2, what
     assert not (tmp_path / "o").exists()
 

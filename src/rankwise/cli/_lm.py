@@ -36,6 +36,9 @@ def lm_cmd(
                                       "comma-separated; a choice at an edge widens it.")]
     = "0.001,0.003,0.01",
     widen: Annotated[int, typer.Option(help="How often the grid may grow at an edge.", min=0, max=5)] = 1,
+    select_at: Annotated[float | None, typer.Option(help="Choose the low-rank methods' rates at this one "
+                                                     "compression and reuse them at the others "
+                                                     "(default: choose at each).")] = None,
     steps: Annotated[int, typer.Option(help="Optimizer steps per run.", min=1)] = 600,
     batch: Annotated[int, typer.Option(help="Windows per step.", min=1)] = 16,
     context: Annotated[int, typer.Option(help="Tokens per window.", min=8, max=1024)] = 128,
@@ -57,6 +60,8 @@ def lm_cmd(
     comps = _floats("--compressions", compressions)
     for c in comps:
         check_range("--compressions", c, 0, 1, lo_open=True)
+    if select_at is not None and select_at not in comps:
+        raise UserError(f"--select-at {select_at:g} is not one of --compressions {compressions}")
     lrs = _floats("--grid", grid)
     for lr in lrs:
         check_range("--grid", lr, 0, 1e3, lo_open=True)  # (finite: inf is not a rate)
@@ -79,10 +84,10 @@ def lm_cmd(
     line = (lambda r: f"{r['key']}: val {r['val_bits']:.3f} bits, test {r['test_bits']:.3f}, "  # noqa: E731
             f"{r['step_seconds']:.3f} s/step, {r['memory']['total'] / 1e6:.2f} MB")
     with run_bars(console, line) as (on_progress, done):
-        result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, jobs=jobs, overwrite=force,
-                       on_done=done, on_progress=on_progress, steps=steps, batch=batch, context=context,
-                       width=width, depth=depth, heads=heads)
-    table = summary_markdown(result.records, result.chosen)
+        result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, select_at=select_at, jobs=jobs,
+                       overwrite=force, on_done=done, on_progress=on_progress, steps=steps, batch=batch,
+                       context=context, width=width, depth=depth, heads=heads)
+    table = summary_markdown(result.records, result.chosen, select_at)
     write_atomic(out / "summary.md", table.encode())
     png = plot(result.records, result.chosen, out)
     console.print(table)

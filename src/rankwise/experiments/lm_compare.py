@@ -274,16 +274,23 @@ def _widened(grid: list[float], best: float) -> float | None:
 
 
 def study(methods: Sequence[str], compressions: Sequence[float], seeds: int, out: Path, *,
-          grid: Sequence[float] = GRID, widen: int = 1, jobs: int = 1, overwrite: bool = False,
-          fresh_process: bool = True, on_done: Callable[[dict], None] | None = None,
+          grid: Sequence[float] = GRID, widen: int = 1, select_at: float | None = None, jobs: int = 1,
+          overwrite: bool = False, fresh_process: bool = True,
+          on_done: Callable[[dict], None] | None = None,
           on_progress: Callable[[str, int, int, str], None] | None = None, **fixed) -> LmStudy:
     """Every method (and, for the low-rank ones, every compression): the learning rate chosen
     on seed 0 by validation bits from `grid` (an edge choice widens the grid, up to `widen`
-    times), then seeds 1.. at that rate. `fixed`: other :class:`LmRunSpec` fields (steps,
+    times), then seeds 1.. at that rate. With `select_at` (one of `compressions`) a low-rank
+    method's rate is chosen at that compression only and reused at the others (which then run
+    seed 0 at that rate like any other seed). `fixed`: other :class:`LmRunSpec` fields (steps,
     width, ...). Resumable (``out/runs``)."""
+    if select_at is not None and select_at not in compressions:
+        raise ValueError(f"`select_at` {select_at!r} is not one of the compressions {list(compressions)}")
     pairs = [(m, 0.0) for m in methods if m == "dense"] + [(m, c) for m in methods if m != "dense"
                                                              for c in compressions]
-    grids = {p: sorted(grid) for p in pairs}
+    source = {(m, c): (m, c if m == "dense" or select_at is None else select_at) for m, c in pairs}
+    selected = [p for p in pairs if source[p] == p]
+    grids = {p: sorted(grid) for p in selected}
     records: dict[str, dict] = {}
 
     def run(specs: list[LmRunSpec]) -> None:
@@ -292,9 +299,9 @@ def study(methods: Sequence[str], compressions: Sequence[float], seeds: int, out
             records[r["key"]] = r
 
     spec = lambda m, c, lr, s: LmRunSpec(m, c, lr=lr, seed=s, **fixed)  # noqa: E731
-    run([spec(m, c, lr, 0) for (m, c) in pairs for lr in grids[m, c]])
+    run([spec(m, c, lr, 0) for (m, c) in selected for lr in grids[m, c]])
     chosen: dict[tuple[str, float], tuple[float, bool]] = {}
-    for p in pairs:
+    for p in selected:
         for _ in range(widen + 1):
             g = grids[p]
             best = min(g, key=lambda lr: _finite(records[spec(*p, lr, 0).key]["val_bits"]))
@@ -304,13 +311,16 @@ def study(methods: Sequence[str], compressions: Sequence[float], seeds: int, out
             grids[p] = sorted([*g, extra])
             run([spec(*p, extra, 0)])
         chosen[p] = (best, _widened(grids[p], best) is not None)
-    run([spec(*p, chosen[p][0], s) for p in pairs for s in range(1, seeds)])
+    chosen = {p: chosen[source[p]] for p in pairs}
+    run([spec(*p, chosen[p][0], s) for p in pairs for s in range(0 if source[p] != p else 1, seeds)])
     return LmStudy(list(records.values()), chosen)
 
 
-def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, bool]]) -> str:
+def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, bool]],
+                     select_at: float | None = None) -> str:
     """One row per (method, compression) at its chosen rate: bits (mean ± std over seeds),
-    counted memory against dense's, peak RSS and step time against dense's."""
+    counted memory against dense's, peak RSS and step time against dense's. `select_at`: as
+    given to :func:`study` (marks the rates reused from that compression)."""
     def stats(v: list[float]) -> str:
         return f"{np.mean(v):.3f} ± {np.std(v, ddof=1) if len(v) > 1 else 0.0:.3f}"
 
@@ -331,7 +341,9 @@ def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tu
         mem = np.mean([r["memory"]["total"] for r in rs])
         state = np.mean([r["memory"]["optimizer"] + r["memory"]["lowrank_buffers"] for r in rs])
         step = np.mean([r["step_seconds"] for r in rs])
-        cells = [m, f"{c:g}" if m != "dense" else "", f"{lr:g}" + (" (edge)" if edge else ""), str(len(rs)),
+        how = (f" (as at {select_at:g})" if select_at is not None and m != "dense" and c != select_at
+               else " (edge)" if edge else "")
+        cells = [m, f"{c:g}" if m != "dense" else "", f"{lr:g}{how}", str(len(rs)),
                  stats([r["val_bits"] for r in rs]), stats([r["test_bits"] for r in rs]), f"{mem / 1e6:.2f}",
                  f"{mem / ref_mem:.2f}" if ref_mem else "", f"{state / 1e6:.2f}",
                  f"{np.mean([r['peak_rss_mib'] for r in rs]):.0f}",
