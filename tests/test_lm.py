@@ -175,6 +175,15 @@ def test_study_chooses_on_validation_and_resumes(tmp_path):
     assert again.chosen == res.chosen and sorted(p.name for p in (tmp_path / "runs").iterdir()) == files
 
 
+def test_final_windows_are_evenly_spaced_through_the_split():
+    from rankwise.experiments.lm_compare import spaced
+
+    x = torch.arange(100)[:, None].expand(100, 3)
+    a, b = spaced(x, x + 1, 5)
+    assert a[:, 0].tolist() == [0, 25, 50, 74, 99] and torch.equal(b, a + 1)
+    assert torch.equal(spaced(x, x, 500)[0], x)
+
+
 def test_study_can_choose_at_one_compression_and_reuse_the_rate(tmp_path):
     from rankwise.experiments.lm_compare import study, summary_markdown
 

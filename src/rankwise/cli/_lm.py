@@ -45,6 +45,8 @@ def lm_cmd(
     width: Annotated[int, typer.Option(help="Model width.", min=8)] = 256,
     depth: Annotated[int, typer.Option(help="Transformer blocks.", min=1)] = 4,
     heads: Annotated[int, typer.Option(help="Attention heads (divides the width).", min=1)] = 4,
+    final_windows: Annotated[int, typer.Option(help="Windows of validation and of test for the final losses "
+                                               "(0: every window).", min=0)] = 0,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, lm_curves.png.")]
@@ -86,7 +88,8 @@ def lm_cmd(
     with run_bars(console, line) as (on_progress, done):
         result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, select_at=select_at, jobs=jobs,
                        overwrite=force, on_done=done, on_progress=on_progress, steps=steps, batch=batch,
-                       context=context, width=width, depth=depth, heads=heads)
+                       context=context, width=width, depth=depth, heads=heads,
+                       final_windows=final_windows)
     table = summary_markdown(result.records, result.chosen, select_at)
     write_atomic(out / "summary.md", table.encode())
     png = plot(result.records, result.chosen, out)
