@@ -114,6 +114,8 @@ def test_sweep_and_ode_user_errors_are_one_line(tmp_path):
     assert "--rank" in msg and "got 0" in msg
     msg = _one_line_error(run_cli("ode", "--rank", 40), "ode")
     assert "--rank (or :rR in --grid) must be in [1, m=32]" in msg and "got 40" in msg
+    msg = _one_line_error(run_cli("ode", "--budget-in", "kib"), "ode")
+    assert "--budget-in must be 'states' or 'bytes'" in msg and "kib" in msg
 
 
 @pytest.mark.parametrize("args, said", [

@@ -38,10 +38,20 @@ def test_run_end_to_end_tiny():
 @pytest.mark.parametrize(("field", "value"), [("layers", 0), ("rank", 0), ("rank", 9), ("depth_steps", 0),
                                               ("c", 0), ("epochs", 0), ("p", 9), ("window", 0),
                                               ("budget_states", 0), ("h", 0.0), ("model", "lstm"),
-                                              ("controller", "magic")])
+                                              ("controller", "magic"), ("budget_in", "kib")])
 def test_run_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=f"`{field}` must be"):
         OdeRunConfig(**{"m": 8, "max_rank": 8, "p": 4, field: value})
+
+
+def test_loss_spikes_are_jumps_at_the_scale_of_the_training():
+    from rankwise.experiments.ode_seq import _spikes
+
+    start = [2.3] * 10
+    assert _spikes(start + [0.01, 0.01, 0.03, 0.01] * 5) == 0  # 3× the median, but noise near 0
+    assert _spikes(start + [0.01] * 10 + [0.5] + [0.01] * 10) == 1  # a real jump
+    assert _spikes(start + [1.0] * 10 + [1.9, 1.95]) == 0  # under twice the median
+    assert _spikes([1.0] * 5) == 0
 
 
 def test_ode_cli_rejects_unknown_controller():

@@ -92,15 +92,64 @@ def test_a_ksl_step_reads_one_element_ahead():
     assert (ksl_step(state, f, 2 * 0.25, 0.25).dense() - base).abs().max() > 1e-4
 
 
-def test_steps_and_reverses_equal_the_dense_path():
+def test_a_causal_ksl_step_reads_only_its_own_element():
+    """With s_time="start" the S-substep runs at t, so step i reads u_i (and the window before
+    it) but not u_{i+1}."""
+    f = _field(False, steps=6)
+    state = LowRankState.from_dense(torch.randn(3, 11, 9, generator=torch.Generator().manual_seed(4),
+                                                dtype=F64), 4)
+    base = ksl_step(state, f, 2 * 0.25, 0.25, s_time="start").dense()
+    u = f._u[:, 2:].clone()
+    u[:, 3] += 1.0
+    f.set_input(u)
+    assert torch.equal(ksl_step(state, f, 2 * 0.25, 0.25, s_time="start").dense(), base)
+    u[:, 2] += 1.0
+    f.set_input(u)
+    assert (ksl_step(state, f, 2 * 0.25, 0.25, s_time="start").dense() - base).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="s_time"):
+        ksl_step(state, f, 0.0, 0.25, s_time="middle")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_perturbing_element_i_plus_1_leaves_a_causal_model_unchanged_up_to_step_i(causal):
+    """The memory after steps 0..i (what a per-step output would read) is bit-for-bit unchanged
+    when u_{i+1} changes, for the causal classifier; the textbook step sees it one step early."""
+    model = _classifier(causal=causal)
+    g = torch.Generator().manual_seed(7)
+    u = torch.randn(2, 7, generator=g, dtype=F64)
+
+    def memories(u):
+        model.set_input(u)
+        state = LowRankState.from_dense(model.initial_state(2), model.block.rank)
+        out = []
+        with torch.no_grad():
+            for i in range(7):
+                state = model.block.step(state, i)
+                out.append(model.field.core(state))
+        return out
+
+    base = memories(u)
+    for i in (0, 3, 5):
+        v = u.clone()
+        v[:, i + 1] += 1.0
+        new = memories(v)
+        assert all(torch.equal(a, b) for a, b in zip(base[:i], new[:i], strict=True))
+        assert torch.equal(base[i], new[i]) == causal
+        assert (base[i + 1] - new[i + 1]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("s_time", ["end", "start"])
+def test_steps_and_reverses_equal_the_dense_path(s_time):
     f = _field(True)
     g = torch.Generator().manual_seed(3)
     state = LowRankState.from_dense(torch.randn(3, 11, 9, generator=g, dtype=F64), 4)
     for t in (0.0, 0.5):
-        a, b = ksl_step(state, f, t, 0.25), ksl_step(state, DenseField(f), t, 0.25)
+        a, b = (ksl_step(state, fld, t, 0.25, s_time=s_time) for fld in (f, DenseField(f)))
         torch.testing.assert_close(a.dense(), b.dense(), rtol=1e-12, atol=1e-12)
-        back = ksl_reverse(a, f, t, 0.25)
+        back = ksl_reverse(a, f, t, 0.25, s_time=s_time)
         torch.testing.assert_close(back.dense(), state.dense(), rtol=1e-9, atol=1e-11)
+        if s_time == "start":  # really another step (the input changes between t and t + h)
+            assert (a.dense() - ksl_step(state, f, t, 0.25).dense()).abs().max() > 1e-6
 
 
 def _classifier(**kw):
@@ -109,9 +158,10 @@ def _classifier(**kw):
     return model
 
 
-def test_reversal_gradients_equal_dense_autograd():
+@pytest.mark.parametrize("causal", [True, False])
+def test_reversal_gradients_equal_dense_autograd(causal):
     torch.manual_seed(0)
-    model = _classifier(position_weights=True)
+    model = _classifier(position_weights=True, causal=causal)
     g = torch.Generator().manual_seed(0)
     u = torch.randn(5, 7, generator=g, dtype=F64)
     y = torch.randint(0, 4, (5,), generator=g)

@@ -170,3 +170,24 @@ def test_a_budget_below_one_state_is_refused_by_name():
     for bad in (0, -5, 1.5):
         with pytest.raises(ValueError, match="max_bytes"):
             MemoryBudget(bad)
+    for kw in ({}, {"max_bytes": 100, "max_states": 2}, {"max_states": 0}, {"max_states": True}):
+        with pytest.raises(ValueError, match="max_"):
+            MemoryBudget(**kw)
+
+
+def test_a_budget_in_states_keeps_its_count_for_every_batch_size():
+    """In bytes, a smaller batch gets more checkpoints; in states it gets the same schedule,
+    which is the byte budget's at the batch the bytes were sized for."""
+    m, n, r, steps = 10, 8, 3, 24
+    field = Field(m, n, seed=16)
+
+    def checkpoints(ctl, B):
+        block = LowRankODEBlock(field, rank=r, steps=steps, h=0.05, controller=ctl)
+        F0 = torch.randn(B, m, n, generator=torch.Generator().manual_seed(17), dtype=F64)
+        block(LowRankState.from_dense(F0, r))
+        tape = block.last_tape
+        return tape.lengths, tape.replay_slots
+
+    states, by_bytes = MemoryBudget(max_states=4), MemoryBudget(4 * _state_bytes(4, m, n, r))
+    assert checkpoints(states, 4) == checkpoints(by_bytes, 4) == checkpoints(states, 1)
+    assert len(checkpoints(by_bytes, 1)[0]) > len(checkpoints(states, 1)[0])

@@ -85,6 +85,12 @@ def ode_cmd(
     depth_steps: Annotated[int, typer.Option(help="Layered model: steps of each depth block.", min=1)] = 8,
     epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 1,
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 1,
+    causal: Annotated[bool, typer.Option(help="Gated model: each KSL step's S-substep at its start, so "
+                                         "step i reads elements <= i (--no-causal: at t + h, one "
+                                         "element ahead, the step before issue 28).")] = True,
+    budget_in: Annotated[str, typer.Option(help="budget:STATES counts states (the same for every batch) or "
+                                           "bytes (STATES states of the first batch: a smaller batch "
+                                           "gets more, the rule before issue 28).")] = "states",
     jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Folder for runs/*.json (one record per run: a run stored there "
@@ -108,11 +114,12 @@ def ode_cmd(
         cfgs = [OdeRunConfig(data=data, model=model, controller=k, c=8 if k == "budget" else c,
                              budget_states=c if k == "budget" else 12, c_max=c_max if cm is None else cm,
                              rank=rank if r is None else r, max_rank=max_rank, layers=layers,
-                             depth_steps=depth_steps, epochs=epochs, seed=s)
+                             depth_steps=depth_steps, epochs=epochs, seed=s, causal=causal,
+                             budget_in=budget_in)
                 for k, c, cm, r in entries for s in range(seeds)]
     except ValueError as e:  # name the options, not the dataclass fields
         msg = str(e).replace("`c_max`", "--c-max (or -CMAX in --grid)").replace("`c`", "C in --grid")
-        msg = msg.replace("`rank`", "--rank (or :rR in --grid)")
+        msg = msg.replace("`rank`", "--rank (or :rR in --grid)").replace("`budget_in`", "--budget-in")
         for f in ("max_rank", "depth_steps", "layers", "epochs"):
             msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
         raise UserError(msg) from e

@@ -56,7 +56,8 @@ class OdeRunConfig:
     """One training run. ``controller``: "fixed" (spacing ``c``, rank ``rank``), "adaptive"
     (:meth:`DefectController.for_dtype` for float32 with ``c_init=c``, ``max_rank``, carry-over),
     "replay" (the same, replay-aware), "budget" (:class:`MemoryBudget` of ``budget_states``
-    states of the first batch's size, rank ``rank``) or "autograd" (the baseline: no reversal,
+    states, rank ``rank``; ``budget_in="bytes"``: the bytes of that many states of the first
+    batch's size) or "autograd" (the baseline: no reversal,
     plain autograd through the stored graph at rank ``rank``; its memory is the bytes of the
     tensors the graph saves, counted with saved-tensor hooks).
 
@@ -64,7 +65,10 @@ class OdeRunConfig:
     step ``h``; Adam with a one-cycle schedule peaking at ``lr``) or "layered"
     (:class:`LayeredMemoryODE` with ``layers``, ``depth_steps``; constant ``lr``). ``lr=None``:
     3e-3 (gated) or 1e-2 (layered). ``position_weights=None``: on for permuted digits (positions
-    carry no order), off for mnist1d (one input map for all steps: the pattern may sit anywhere)."""
+    carry no order), off for mnist1d (one input map for all steps: the pattern may sit anywhere).
+    ``causal`` (gated): each step's S-substep at its start, so step i reads elements ≤ i only;
+    ``False``: the textbook step (S-substep at t + h, one element ahead). The layered model
+    always uses the textbook step."""
 
     data: str = "digits"  # "digits" (permuted, 64 steps) or "mnist1d" (40 steps)
     model: str = "gated"
@@ -81,14 +85,18 @@ class OdeRunConfig:
     position_weights: bool | None = None
     h: float = 0.25
     budget_states: int = 12
+    budget_in: str = "states"  # "states": the same count for every batch; "bytes": sized on the first batch
     epochs: int = 1
     lr: float | None = None
     batch_size: int = 64
     seed: int = 0
+    causal: bool = True
 
     def __post_init__(self) -> None:
         if self.data not in ("digits", "mnist1d"):
             raise ValueError(f"`data` must be 'digits' or 'mnist1d'; got {self.data!r}")
+        if self.budget_in not in ("states", "bytes"):
+            raise ValueError(f"`budget_in` must be 'states' or 'bytes'; got {self.budget_in!r}")
         if self.model not in ("gated", "layered"):
             raise ValueError(f"`model` must be 'gated' or 'layered'; got {self.model!r}")
         if self.controller not in CONTROLLERS:
@@ -150,7 +158,9 @@ def _controller(cfg: OdeRunConfig) -> AbstractController:
     if cfg.controller in ("fixed", "autograd"):
         return FixedController(cfg.c, cfg.rank)
     if cfg.controller == "budget":
-        return MemoryBudget(cfg.budget_states * _state_bytes(cfg))
+        if cfg.budget_in == "bytes":  # (a smaller last batch gets more states)
+            return MemoryBudget(cfg.budget_states * _state_bytes(cfg))
+        return MemoryBudget(max_states=cfg.budget_states)
     if cfg.controller in ("adaptive", "replay"):
         return DefectController.for_dtype(torch.float32, c_init=cfg.c, c_max=cfg.c_max,
                                           max_rank=cfg.max_rank, carry=True,
@@ -203,7 +213,7 @@ def build_model(cfg: OdeRunConfig, T: int) -> LayeredMemoryODE | SequenceClassif
     if cfg.model == "gated":
         pw = cfg.data == "digits" if cfg.position_weights is None else cfg.position_weights
         model = SequenceClassifier(T, 10, controller=ctl, m=cfg.m, rank=cfg.rank, p=cfg.p, h=cfg.h,
-                                   window=cfg.window, position_weights=pw, seed=cfg.seed)
+                                   window=cfg.window, position_weights=pw, seed=cfg.seed, causal=cfg.causal)
     else:
         model = LayeredMemoryODE(ctl, T=T, m=cfg.m, rank=cfg.rank, layers=cfg.layers,
                                  depth_steps=cfg.depth_steps, seed=cfg.seed)
@@ -281,10 +291,18 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                 seconds=seconds, trace=trace)
 
 
-def _spikes(losses: list[float], window: int = 10) -> int:
-    """Iterations whose loss exceeds twice the median of the ``window`` before it."""
-    return sum(1 for i in range(window, len(losses))
-               if losses[i] > 2 * statistics.median(losses[i - window:i]))
+def _spikes(losses: list[float], window: int = 10, rise: float = 0.1) -> int:
+    """Iterations whose loss exceeds the median of the ``window`` before it both twice over and
+    by more than ``rise`` × the starting loss (the median of the first window): a jump at the
+    scale of the training, not minibatch noise once the loss is near 0."""
+    if len(losses) <= window:
+        return 0
+    floor = rise * statistics.median(losses[:window])
+    count = 0
+    for i in range(window, len(losses)):
+        med = statistics.median(losses[i - window:i])
+        count += losses[i] > 2 * med and losses[i] - med > floor
+    return count
 
 
 def plot_traces(results: list[dict], path, *, title: str = "") -> None:

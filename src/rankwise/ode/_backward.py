@@ -14,7 +14,6 @@ import torch
 from torch import Tensor
 
 from ._frames import _align, _frame_invariant, _rel_factors
-from ._ksl import _step, ksl_reverse
 from ._revolve import recompute_cost, split
 from ._state import LowRankState
 from ._tape import Tape, _eps, _nbytes, tape_bytes
@@ -70,7 +69,7 @@ class _Reversal(torch.autograd.Function):
         block, tape = ctx.block, ctx.tape
         params = [p for p in block.field.parameters() if p.requires_grad]
         pgrads = [torch.zeros_like(p) for p in params]
-        h, f, ctl = block.h, block.field, block.controller
+        ctl = block.controller
         cur, g = ctx.out, (gX, gS, gV)  # a segment's end state and cotangent, in the forward's frame
         reloads, replay_bytes, recomputed, by_cost = 0, 0, 0, 0
         replayed = [False] * len(tape.starts)
@@ -117,9 +116,9 @@ class _Reversal(torch.autograd.Function):
                 peak = max(peak, stored())
             for j in reversed(range(n) if reversed_ok else ()):  # reversal, in reconstructed frames
                 i = i0 + j
-                step = lambda st, i=i: _step(st, f, i * h, h)[0]  # noqa: E731
+                step = lambda st, i=i: block.step(st, i)  # noqa: E731
                 with torch.no_grad():
-                    prev = seg_start if j == 0 else ksl_reverse(c, f, i * h, h)
+                    prev = seg_start if j == 0 else block.reverse(c, i)
                 gin, gp, local = _vjp(step, prev, gc, params, ref=c)[1:]
                 # the controller's τ_grad, plus a safety net every controller gets: a reverse whose
                 # fixed-point solve failed (h·Lip(field) ≥ 1) must not yield silent wrong gradients
@@ -146,13 +145,13 @@ class _Reversal(torch.autograd.Function):
                 with torch.no_grad():  # the segment's states, held only while it is processed
                     states = [seg_start]
                     for k in range(n - 1):
-                        states.append(_step(states[-1], f, (i0 + k) * h, h)[0])
+                        states.append(block.step(states[-1], i0 + k))
                 recomputed += n - 1
                 replay_bytes = max(replay_bytes, sum(_nbytes(st) for st in states))
                 peak = max(peak, tape_bytes(tape) + sum(_nbytes(st) for st in states[1:]))
                 for j in reversed(range(n)):
                     i = i0 + j
-                    _, g, gp, _ = _vjp(lambda st, i=i: _step(st, f, i * h, h)[0], states[j], g, params)
+                    _, g, gp, _ = _vjp(lambda st, i=i: block.step(st, i), states[j], g, params)
                     add(pgrads, gp)
                 del states
             replayed[seg] = not reversed_ok  # (the next forward's replay-aware caps read it)
@@ -174,7 +173,6 @@ def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block:
     `slots` more states (the binomial schedule of :mod:`._revolve`). Accumulates the parameter
     gradients into `pgrads`; returns (cotangent at `start`, the most bytes held besides
     `start`, steps recomputed)."""
-    f, h = block.field, block.h
     held: list[int] = []  # bytes of the states stored now
     most, steps = 0, 0
 
@@ -182,14 +180,14 @@ def _replay_binomial(start: LowRankState, i0: int, n: int, slots: int, g, block:
         nonlocal steps
         with torch.no_grad():
             for j in range(k):
-                st = _step(st, f, (i + j) * h, h)[0]
+                st = block.step(st, i + j)
         steps += k
         return st
 
     def sweep(st: LowRankState, i: int, k: int, s: int, g):
         nonlocal most
         if k == 1:
-            _, g, gp, _ = _vjp(lambda x: _step(x, f, i * h, h)[0], st, g, params)
+            _, g, gp, _ = _vjp(lambda x: block.step(x, i), st, g, params)
             for a, x in zip(pgrads, gp, strict=True):
                 if x is not None:
                     a.add_(x)

@@ -30,7 +30,7 @@ from ._controller import AbstractController
 from ._enrich import enrich
 from ._field import FactoredField
 from ._frames import _rel
-from ._ksl import _step, ksl_reverse, rank_ratio
+from ._ksl import Field, _step, ksl_reverse, rank_ratio, s_substep_time
 from ._state import LowRankState
 from ._tape import OdeSolution, Tape, _nbytes, tape_bytes
 
@@ -78,6 +78,9 @@ class LowRankODEBlock(nn.Module):
       at the initial spacing and rank (no adaptive decisions); :func:`audit_gradients` makes it
       replay the schedule of the last reversible forward.
     - `alpha`: diagonal value given to enriched directions; `seed`: enrichment seeds.
+    - `s_time`: where each step evaluates its S-substep: ``"end"`` (t + h, the textbook
+      ordering) or ``"start"`` (t: causal for a field driven by a piecewise-constant input,
+      step i reads element i only). See :mod:`._ksl`.
 
     ``solve(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns an
     :class:`OdeSolution` (the final state, the tape, the statistics, which its backward pass
@@ -87,16 +90,26 @@ class LowRankODEBlock(nn.Module):
 
     def __init__(self, field: nn.Module, *, rank: int, steps: int, h: float,
                  controller: AbstractController, reversible: bool = True, alpha: float = 1e-3,
-                 seed: int = 0) -> None:
+                 seed: int = 0, s_time: str = "end") -> None:
         super().__init__()
         if rank < 1 or steps < 1 or not h > 0:
             raise ValueError(f"need rank >= 1, steps >= 1, h > 0; got {rank}, {steps}, {h}")
-        self.field, self.rank, self.steps, self.h = field, rank, steps, h
+        s_substep_time(0.0, h, s_time)  # (names a bad s_time)
+        self.field, self.rank, self.steps, self.h, self.s_time = field, rank, steps, h, s_time
         self.controller, self.reversible, self.alpha, self.seed = controller, reversible, alpha, seed
         self.last_solution: OdeSolution | None = None  # of the last reversible forward
         self._replay: Tape | None = None
         self._spacing: int | None = None  # where the last recorded forward left C
         self._caps: dict[int, int] = {}  # step -> longest segment allowed over it (replay-aware)
+
+    def step(self, state: LowRankState, i: int, field: Field | None = None) -> LowRankState:
+        """Step i (from t = i·h) of the block's integrator; `field` defaults to the block's."""
+        return _step(state, self.field if field is None else field, i * self.h, self.h, self.s_time)[0]
+
+    def reverse(self, state: LowRankState, i: int, field: Field | None = None) -> LowRankState:
+        """The exact inverse of :meth:`step` i (factors in rotated bases)."""
+        return ksl_reverse(state, self.field if field is None else field, i * self.h, self.h,
+                           s_time=self.s_time)
 
     def _enrich(self, state: LowRankState, i: int, event: tuple[int, int]) -> LowRankState:
         """Deterministic enrichment; new directions computed without gradient (constants)."""
@@ -146,14 +159,14 @@ class LowRankODEBlock(nn.Module):
                 state = self._enrich(state, i, event)
             for j in range(length):
                 prev = state
-                state = _step(state, self.field, (i + j) * self.h, self.h)[0]
+                state = self.step(state, i + j)
             if record is not None:  # δ of the segment's last step drives the controller
-                t_last = (i + length - 1) * self.h
+                last = i + length - 1
                 counted = _Counted(self.field) if planned is not None else self.field
-                back = ksl_reverse(state, counted, t_last, self.h)
+                back = self.reverse(state, last, counted)
                 if planned is not None:  # what a reversed step costs, in forward steps (a budget's choice)
                     rev_calls = counted.calls
-                    _step(prev, counted, t_last, self.h)  # (the step again: its field evaluations)
+                    self.step(prev, last, counted)  # (the step again: its field evaluations)
                     reverse_cost = max(reverse_cost, rev_calls / max(1, counted.calls - rev_calls))
                 deltas.append(_rel(back, prev))
                 rhos.append(float(rank_ratio(state).min()))

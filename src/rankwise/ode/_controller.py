@@ -147,9 +147,12 @@ class DefectController(AbstractController):
 @dataclass(frozen=True)
 class MemoryBudget(AbstractController):
     """Keep the reversal backward's tape — checkpoints, plus the states a replay holds — under
-    ``max_bytes``, recomputing as few steps as possible where a segment must be replayed.
+    ``max_bytes``, or under ``max_states`` states (give one), recomputing as few steps as
+    possible where a segment must be replayed.
 
-    With S = ⌊max_bytes / state bytes⌋ − 1 slots besides the input state, the forward pass
+    A budget in bytes holds ⌊max_bytes / state bytes⌋ states, so a smaller batch (the last of
+    an epoch) gets more of them; a budget in states holds the same count for every batch.
+    With S = (states held) − 1 slots besides the input state, the forward pass
     stores checkpoints where :func:`rankwise.ode._revolve.plan` puts them (the optimum of the
     binomial recurrence when the forward sweep is free: revolve's optimum for the same
     budget), and a replayed segment j uses the S − j slots its right neighbours freed. Where
@@ -157,19 +160,25 @@ class MemoryBudget(AbstractController):
     exceeds `tau_grad` (None: only the block's own safety net, 1e4·eps). The rank is fixed (no
     enrichment: the budget counts states of one size)."""
 
-    max_bytes: int
+    max_bytes: int | None = None
     tau_grad: float | None = None
+    max_states: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_bytes, int) or isinstance(self.max_bytes, bool) or self.max_bytes < 1:
-            raise ValueError(f"`max_bytes` must be a positive int; got {self.max_bytes!r}")
+        if (self.max_bytes is None) == (self.max_states is None):
+            raise ValueError("MemoryBudget takes exactly one of `max_bytes` and `max_states`; got "
+                             f"max_bytes={self.max_bytes!r}, max_states={self.max_states!r}")
+        for name in ("max_bytes", "max_states"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"`{name}` must be a positive int; got {v!r}")
         if self.tau_grad is not None and not self.tau_grad > 0:
             raise ValueError(f"`tau_grad` must be > 0 or None; got {self.tau_grad}")
 
     def plan(self, steps: int, state_bytes: int) -> tuple[list[int], list[int]]:
         from ._revolve import plan
 
-        slots = self.max_bytes // state_bytes
+        slots = self.max_states if self.max_bytes is None else self.max_bytes // state_bytes
         if slots < 1:
             raise ValueError(f"MemoryBudget(max_bytes={self.max_bytes}) holds no state of {state_bytes} "
                              "bytes (the input state alone must fit)")

@@ -37,8 +37,9 @@ class GatedMemoryField(FactoredField):
     - `m`, `n`: the memory's shape; `p` (≤ m, n): the core's size.
     - `steps`, `h`: the sequence length and the step the block integrates with: at time t the
       field reads element i = ⌊t/h⌋ (clamped to the last). A KSL step from t = i·h evaluates
-      its K- and L-substeps at t and its S-substep at t + h, so step i's S-substep reads
-      element i + 1: inside :class:`LowRankODEBlock` the model sees one element ahead.
+      its K- and L-substeps at t; its S-substep at t (``s_time="start"``: step i reads
+      element i only, causal) or at t + h (``"end"``: step i's S-substep reads element i + 1,
+      so the model sees one element ahead).
     - `window`: inputs u_{i−w+1..i} each step sees; `position_weights`: one input map per step.
     - `decay`: λ. `generator`, `dtype`: of the initial parameters.
     """
@@ -129,6 +130,8 @@ class SequenceClassifier(nn.Module):
     - `m` (memory m×m), `rank`, `p`, `h`, `window`, `position_weights`, `decay`: of the field
       and block; `hidden`: the head's width; `seed`: the field's initial parameters and the
       enrichment seeds (the head's ``nn.Linear`` layers draw from torch's global RNG).
+    - `causal`: each step's S-substep at its start (``s_time="start"``: the memory after step
+      i has read elements 0..i only); ``False``: at its end (``"end"``, one element ahead).
 
     ``forward(u)`` -> logits (B, classes). The memory starts from a fixed small random
     F₀ (:meth:`initial_state`), so that every sequence starts with a rank-`rank` frame.
@@ -137,7 +140,7 @@ class SequenceClassifier(nn.Module):
     def __init__(self, steps: int, classes: int, *, controller: AbstractController, m: int = 32,
                  rank: int = 8, p: int = 16, h: float = 0.25, window: int = 3,
                  position_weights: bool = False, decay: float = 1.0, hidden: int = 128,
-                 reversible: bool = True, seed: int = 0) -> None:
+                 reversible: bool = True, seed: int = 0, causal: bool = True) -> None:
         super().__init__()
         if not 1 <= rank <= m:
             raise ValueError(f"`rank` must be in [1, m={m}]; got {rank}")
@@ -146,7 +149,7 @@ class SequenceClassifier(nn.Module):
         self.field = GatedMemoryField(m, m, p, steps=steps, h=h, window=window,
                                       position_weights=position_weights, decay=decay, generator=g)
         self.block = LowRankODEBlock(self.field, rank=rank, steps=steps, h=h, controller=controller,
-                                     reversible=reversible, seed=seed)
+                                     reversible=reversible, seed=seed, s_time="start" if causal else "end")
         self.head = nn.Sequential(nn.Linear(p * p, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
     def initial_state(self, batch: int) -> Tensor:

@@ -3,8 +3,15 @@ r"""The projector-splitting (K, S, L) integrator and its exact reverse.
 One forward step of size h from F0 = X0 S0 V0ᵀ (Lubich & Oseledets 2014, Lie–Trotter order):
 
 1. K-step, V0 fixed: K' = G(t, K V0ᵀ) V0 from K0 = X0 S0; then K1 = X1 Ŝ1 (QR).
-2. S-step, backward in time: S' = −X1ᵀ G(t+h, X1 S V0ᵀ) V0 from Ŝ1; gives S̃0.
+2. S-step, backward in time: S' = −X1ᵀ G(t_S, X1 S V0ᵀ) V0 from Ŝ1; gives S̃0.
 3. L-step, X1 fixed: L' = G(t, X1 Lᵀ)ᵀ X1 from L0 = V0 S̃0ᵀ; then L1 = V1 S1ᵀ (QR).
+
+The S-substep's time t_S is where its backward Euler step starts: t_S = t + h
+(``s_time="end"``, the textbook ordering), or t_S = t (``s_time="start"``, **causal**). For a
+field driven by a piecewise-constant input (element i on [i·h, (i+1)·h)), "end" makes step i
+read element i + 1; "start" keeps every substep of step i on element i. Both are first-order
+consistent (they differ by O(h) in one substep of a first-order method) and both have the
+exact reverse below.
 
 Every substep is one explicit Euler step y1 = y0 + h f(y0). Running the substeps at −h is
 NOT an inverse: it leaves an O(h²) defect even at full rank. :func:`ksl_reverse` instead
@@ -28,6 +35,14 @@ from ._field import FactoredField
 from ._state import LowRankState
 
 Field = Callable[[float, Tensor], Tensor]  # field(t, F (B, m, n)) -> dF/dt (B, m, n), or a FactoredField
+S_TIMES = ("end", "start")  # where the S-substep reads the field: t + h (textbook) or t (causal)
+
+
+def s_substep_time(t: float, h: float, s_time: str) -> float:
+    """The time at which a step from t evaluates its S-substep (see the module docstring)."""
+    if s_time not in S_TIMES:
+        raise ValueError(f"`s_time` must be one of {', '.join(map(repr, S_TIMES))}; got {s_time!r}")
+    return t + h if s_time == "end" else t
 
 
 def _invert_euler(f: Callable[[Tensor], Tensor], y1: Tensor, h: float, *, max_iter: int = 200) -> Tensor:
@@ -61,13 +76,14 @@ def _l_rhs(field: Field, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
     return lambda L: field(t, X @ L.mT).mT @ X
 
 
-def _step(state: LowRankState, field: Field, t: float, h: float) -> tuple[LowRankState, Tensor, Tensor]:
+def _step(state: LowRankState, field: Field, t: float, h: float,
+          s_time: str = "end") -> tuple[LowRankState, Tensor, Tensor]:
     """One forward step, plus the two r×r rotations its QRs will introduce in the reverse:
     QR(X0 S0) = X0·Q_x·R and QR(V0 S̃0ᵀ) = V0·Q_v·R with Q_x, Q_v from QR(S0), QR(S̃0ᵀ)."""
     X0, S0, V0 = state.X, state.S, state.V
     K1 = X0 @ S0 + h * _k_rhs(field, t, V0)(X0 @ S0)
     X1, S_hat = orthonormalize(K1)
-    S_tilde = S_hat + h * _s_rhs(field, t + h, X1, V0)(S_hat)
+    S_tilde = S_hat + h * _s_rhs(field, s_substep_time(t, h, s_time), X1, V0)(S_hat)
     L0 = V0 @ S_tilde.mT
     L1 = L0 + h * _l_rhs(field, t, X1)(L0)
     V1, St = orthonormalize(L1)
@@ -76,16 +92,17 @@ def _step(state: LowRankState, field: Field, t: float, h: float) -> tuple[LowRan
     return LowRankState(X1, St.mT, V1), Qx, Qv
 
 
-def ksl_step(state: LowRankState, field: Field, t: float, h: float) -> LowRankState:
-    """One KSL step of size h (explicit Euler substeps). Shapes as in :class:`LowRankState`."""
-    return _step(state, field, t, h)[0]
+def ksl_step(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end") -> LowRankState:
+    """One KSL step of size h (explicit Euler substeps), the S-substep at ``s_time`` ("end":
+    t + h; "start": t, causal). Shapes as in :class:`LowRankState`."""
+    return _step(state, field, t, h, s_time)[0]
 
 
-def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *,
+def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end",
                 rotations: tuple[Tensor, Tensor] | None = None) -> LowRankState:
-    """The inverse of :func:`ksl_step` (same t and h): from Φ_h(F0) back to F0, up to roundoff
-    at full rank. Without ``rotations`` the factors of F0 come back in rotated bases; with the
-    (Q_x, Q_v) that the forward step reported, the forward's own factors come back."""
+    """The inverse of :func:`ksl_step` (same t, h and s_time): from Φ_h(F0) back to F0, up to
+    roundoff at full rank. Without ``rotations`` the factors of F0 come back in rotated bases;
+    with the (Q_x, Q_v) that the forward step reported, the forward's own factors come back."""
     X1, S1, V1 = state.X, state.S, state.V
     L1 = V1 @ S1.mT
     L0 = _invert_euler(_l_rhs(field, t, X1), L1, h)
@@ -93,7 +110,7 @@ def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *,
     S_tilde = St.mT
     if rotations is not None:
         V0, S_tilde = V0 @ rotations[1].mT, S_tilde @ rotations[1].mT
-    S_hat = _invert_euler(_s_rhs(field, t + h, X1, V0), S_tilde, h)
+    S_hat = _invert_euler(_s_rhs(field, s_substep_time(t, h, s_time), X1, V0), S_tilde, h)
     K1 = X1 @ S_hat
     K0 = _invert_euler(_k_rhs(field, t, V0), K1, h)
     X0, S0 = orthonormalize(K0)  # K0 = X0' R with X0' = X0 Q_x
@@ -108,9 +125,10 @@ def relative_error(a: LowRankState, b: LowRankState) -> Tensor:
     return torch.linalg.matrix_norm(Fa - Fb) / (torch.linalg.matrix_norm(Fb) + torch.finfo(Fb.dtype).tiny)
 
 
-def reversal_defect(state: LowRankState, field: Field, t: float, h: float) -> Tensor:
+def reversal_defect(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end") -> Tensor:
     """δ = ‖Φ⁻¹_h(Φ_h(F)) − F‖_F / (‖F‖_F + ε) per batch element, on the products X S Vᵀ. (B,)"""
-    return relative_error(ksl_reverse(ksl_step(state, field, t, h), field, t, h), state)
+    step = ksl_step(state, field, t, h, s_time=s_time)
+    return relative_error(ksl_reverse(step, field, t, h, s_time=s_time), state)
 
 
 def rank_ratio(state: LowRankState) -> Tensor:
