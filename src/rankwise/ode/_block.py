@@ -4,7 +4,8 @@ This module is the layer and its forward schedule; the reverse pass is :mod:`._b
 frame and defect math :mod:`._frames`, the tape :mod:`._tape`, the gradient audit :mod:`._audit`.
 
 The forward pass keeps one factor checkpoint per segment of C steps (C set by the controller
-from the reversal defect δ of each segment's last step) and the enrichment events, nothing per
+from the reversal defect δ of each segment's last step; a controller whose rules do not read δ
+gets it measured on the first segment only) and the enrichment events, nothing per
 step. The backward pass walks the steps in reverse: it reconstructs each state with
 :func:`ksl_reverse`, recomputes that one step with autograd for its vector-Jacobian product, and
 replays the segment forward from its checkpoint whenever the local defect exceeds the
@@ -30,6 +31,7 @@ from ._controller import AbstractController
 from ._enrich import enrich
 from ._field import FactoredField
 from ._frames import _rel
+from ._implicit import SOLVERS
 from ._ksl import Field, _step, ksl_reverse, rank_ratio, s_substep_time
 from ._state import LowRankState
 from ._tape import OdeSolution, Tape, _nbytes, tape_bytes
@@ -81,6 +83,8 @@ class LowRankODEBlock(nn.Module):
     - `s_time`: where each step evaluates its S-substep: ``"end"`` (t + h, the textbook
       ordering) or ``"start"`` (t: causal for a field driven by a piecewise-constant input,
       step i reads element i only). See :mod:`._ksl`.
+    - `solver`: how the reverse solves its implicit substeps: ``"anderson"`` (Anderson-
+      accelerated fixed point) or ``"picard"`` (plain fixed point). See :mod:`._implicit`.
 
     ``solve(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns an
     :class:`OdeSolution` (the final state, the tape, the statistics, which its backward pass
@@ -90,12 +94,15 @@ class LowRankODEBlock(nn.Module):
 
     def __init__(self, field: nn.Module, *, rank: int, steps: int, h: float,
                  controller: AbstractController, reversible: bool = True, alpha: float = 1e-3,
-                 seed: int = 0, s_time: str = "end") -> None:
+                 seed: int = 0, s_time: str = "end", solver: str = "anderson") -> None:
         super().__init__()
         if rank < 1 or steps < 1 or not h > 0:
             raise ValueError(f"need rank >= 1, steps >= 1, h > 0; got {rank}, {steps}, {h}")
         s_substep_time(0.0, h, s_time)  # (names a bad s_time)
+        if solver not in SOLVERS:
+            raise ValueError(f"`solver` must be one of {', '.join(map(repr, SOLVERS))}; got {solver!r}")
         self.field, self.rank, self.steps, self.h, self.s_time = field, rank, steps, h, s_time
+        self.solver = solver
         self.controller, self.reversible, self.alpha, self.seed = controller, reversible, alpha, seed
         self.last_solution: OdeSolution | None = None  # of the last reversible forward
         self._replay: Tape | None = None
@@ -109,7 +116,7 @@ class LowRankODEBlock(nn.Module):
     def reverse(self, state: LowRankState, i: int, field: Field | None = None) -> LowRankState:
         """The exact inverse of :meth:`step` i (factors in rotated bases)."""
         return ksl_reverse(state, self.field if field is None else field, i * self.h, self.h,
-                           s_time=self.s_time)
+                           s_time=self.s_time, solver=self.solver)
 
     def _enrich(self, state: LowRankState, i: int, event: tuple[int, int]) -> LowRankState:
         """Deterministic enrichment; new directions computed without gradient (constants)."""
@@ -160,8 +167,8 @@ class LowRankODEBlock(nn.Module):
             for j in range(length):
                 prev = state
                 state = self.step(state, i + j)
-            if record is not None:  # δ of the segment's last step drives the controller
-                last = i + length - 1
+            if record is not None and (seg == 0 or ctl.reads_defect()):  # δ of the segment's last
+                last = i + length - 1  # step drives the controller (or, once, samples it)
                 counted = _Counted(self.field) if planned is not None else self.field
                 back = self.reverse(state, last, counted)
                 if planned is not None:  # what a reversed step costs, in forward steps (a budget's choice)
@@ -169,8 +176,9 @@ class LowRankODEBlock(nn.Module):
                     self.step(prev, last, counted)  # (the step again: its field evaluations)
                     reverse_cost = max(reverse_cost, rev_calls / max(1, counted.calls - rev_calls))
                 deltas.append(_rel(back, prev))
-                rhos.append(float(rank_ratio(state).min()))
                 c = ctl.next_spacing(c, deltas[-1])
+            if record is not None:
+                rhos.append(float(rank_ratio(state).min()))
             i += length
             seg += 1
         if record is not None:

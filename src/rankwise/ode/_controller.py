@@ -32,6 +32,12 @@ class AbstractController(abc.ABC):
         them again where it did not)? Default: no."""
         return False
 
+    def reads_defect(self) -> bool:
+        """Do the spacing and rank rules read δ? If not, the forward pass measures δ (one
+        reverse of a segment's last step, several forward steps of work) on its first segment
+        only, as a sample for the statistics. Default: yes, on every segment."""
+        return True
+
     def plan(self, steps: int, state_bytes: int) -> tuple[list[int], list[int]] | None:
         """A schedule fixed before the forward pass: segment lengths and, per segment, the
         states a replay of it may hold (binomial replay). Default None: the spacing rules
@@ -65,6 +71,9 @@ class FixedController(AbstractController):
 
     def reload(self, local_delta: float) -> bool:
         del local_delta
+        return False
+
+    def reads_defect(self) -> bool:
         return False
 
 
@@ -199,3 +208,6 @@ class MemoryBudget(AbstractController):
 
     def reload(self, local_delta: float) -> bool:
         return self.tau_grad is not None and not local_delta <= self.tau_grad
+
+    def reads_defect(self) -> bool:
+        return False  # (the reverse's cost, which the plan's choices read, is measured once)

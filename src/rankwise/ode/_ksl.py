@@ -15,8 +15,9 @@ exact reverse below.
 
 Every substep is one explicit Euler step y1 = y0 + h f(y0). Running the substeps at −h is
 NOT an inverse: it leaves an O(h²) defect even at full rank. :func:`ksl_reverse` instead
-inverts each substep exactly — it solves y0 + h f(y0) = y1 by fixed-point iteration
-(implicit Euler for the reverse) to roundoff — and undoes the substeps in reverse order.
+inverts each substep exactly — it solves y0 + h f(y0) = y1 by an accelerated fixed-point
+iteration (implicit Euler for the reverse, :mod:`._implicit`) to roundoff — and undoes the
+substeps in reverse order.
 The QR re-factorisations are undone by multiplying the factors back; the K- and S-steps are
 equivariant under rotations of V0, so the rotation a QR introduces does not matter. Where a
 re-factorisation meets a numerically singular core, the directions it discards cannot be
@@ -32,6 +33,7 @@ from torch import Tensor
 
 from ..linalg import orthonormalize
 from ._field import FactoredField
+from ._implicit import solve_implicit_euler
 from ._state import LowRankState
 
 Field = Callable[[float, Tensor], Tensor]  # field(t, F (B, m, n)) -> dF/dt (B, m, n), or a FactoredField
@@ -43,19 +45,6 @@ def s_substep_time(t: float, h: float, s_time: str) -> float:
     if s_time not in S_TIMES:
         raise ValueError(f"`s_time` must be one of {', '.join(map(repr, S_TIMES))}; got {s_time!r}")
     return t + h if s_time == "end" else t
-
-
-def _invert_euler(f: Callable[[Tensor], Tensor], y1: Tensor, h: float, *, max_iter: int = 200) -> Tensor:
-    """Solve y0 + h f(y0) = y1 by the fixed-point iteration y0 ← y1 − h f(y0), to roundoff."""
-    tol = 4 * torch.finfo(y1.dtype).eps
-    y0 = y1 - h * f(y1)
-    for _ in range(max_iter):
-        nxt = y1 - h * f(y0)
-        diff = torch.linalg.vector_norm((nxt - y0).flatten(1), dim=1)
-        y0 = nxt
-        if bool((diff <= tol * (torch.linalg.vector_norm(y1.flatten(1), dim=1) + 1e-300)).all()):
-            break
-    return y0
 
 
 def _k_rhs(field: Field, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
@@ -99,20 +88,25 @@ def ksl_step(state: LowRankState, field: Field, t: float, h: float, *, s_time: s
 
 
 def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end",
-                rotations: tuple[Tensor, Tensor] | None = None) -> LowRankState:
+                rotations: tuple[Tensor, Tensor] | None = None, solver: str = "anderson") -> LowRankState:
     """The inverse of :func:`ksl_step` (same t, h and s_time): from Φ_h(F0) back to F0, up to
     roundoff at full rank. Without ``rotations`` the factors of F0 come back in rotated bases;
-    with the (Q_x, Q_v) that the forward step reported, the forward's own factors come back."""
+    with the (Q_x, Q_v) that the forward step reported, the forward's own factors come back.
+    ``solver``: how the implicit substeps are solved, "anderson" or "picard" (:mod:`._implicit`)."""
+
+    def invert(f: Callable[[Tensor], Tensor], y1: Tensor) -> Tensor:  # y0 with y0 + h f(y0) = y1
+        return solve_implicit_euler(f, y1, h, solver=solver)[0]
+
     X1, S1, V1 = state.X, state.S, state.V
     L1 = V1 @ S1.mT
-    L0 = _invert_euler(_l_rhs(field, t, X1), L1, h)
+    L0 = invert(_l_rhs(field, t, X1), L1)
     V0, St = orthonormalize(L0)  # L0 = V0' R with V0' = V0 Q_v
     S_tilde = St.mT
     if rotations is not None:
         V0, S_tilde = V0 @ rotations[1].mT, S_tilde @ rotations[1].mT
-    S_hat = _invert_euler(_s_rhs(field, s_substep_time(t, h, s_time), X1, V0), S_tilde, h)
+    S_hat = invert(_s_rhs(field, s_substep_time(t, h, s_time), X1, V0), S_tilde)
     K1 = X1 @ S_hat
-    K0 = _invert_euler(_k_rhs(field, t, V0), K1, h)
+    K0 = invert(_k_rhs(field, t, V0), K1)
     X0, S0 = orthonormalize(K0)  # K0 = X0' R with X0' = X0 Q_x
     if rotations is not None:
         X0, S0 = X0 @ rotations[0].mT, rotations[0] @ S0
