@@ -22,12 +22,13 @@ _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2
 ODE_OUTPUTS = (r"results\.json", r"traces\.csv", r"ode_traces\.png")  # regexes
 
 
-_ENTRY = re.compile(r"(fixed|adaptive|replay|budget|autograd)(?::(\d+)(?:-(\d+))?)?(?::r(\d+))?")
+_ENTRY = re.compile(r"(fixed|adaptive|replay|budget|autograd|gru)(?::(\d+)(?:-(\d+))?)?(?::r(\d+))?")
 
 
 def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
     """``controller[:C[-CMAX]][:rR]`` entries -> (controller, C, C_max or None, rank or None);
-    C defaults to 8; for ``budget`` it is the budget in states (default 12)."""
+    C defaults to 8; for ``budget`` it is the budget in states (default 12), for ``gru`` the
+    hidden size (default 128)."""
     out = []
     for item in grid.split(","):
         entry = item.strip()
@@ -35,17 +36,20 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
         if m is None:
             what = "an empty entry" if not entry else repr(entry)
             raise UserError(f"--grid entries are controller[:C[-CMAX]][:rR] with controller fixed, "
-                            f"adaptive, replay, budget (budget:STATES) or autograd, e.g. "
+                            f"adaptive, replay, budget (budget:STATES), autograd or gru (gru:HIDDEN), e.g. "
                             f"fixed:8,adaptive:8-16:r4,budget:12; got {what} in {grid!r}")
         kind, c, cmax, r = m.groups()
-        if kind in ("fixed", "budget", "autograd") and cmax is not None:
+        if kind in ("fixed", "budget", "autograd", "gru") and cmax is not None:
             raise UserError(f"--grid entry {entry!r}: a {kind} controller has no CMAX")
         if kind == "autograd" and c is not None:
             raise UserError(f"--grid entry {entry!r}: autograd takes no C (use autograd or autograd:rR)")
+        if kind == "gru" and r is not None:
+            raise UserError(f"--grid entry {entry!r}: the GRU has no rank (gru:HIDDEN)")
         for value, name in ((c, "C"), (cmax, "CMAX"), (r, "rank R")):
             if value is not None and int(value) < 1:
                 raise UserError(f"--grid entry {entry!r}: {name} must be >= 1; got {value}")
-        out.append((kind, int(c) if c else 12 if kind == "budget" else 8, None if cmax is None else int(cmax),
+        out.append((kind, int(c) if c else 12 if kind == "budget" else 128 if kind == "gru" else 8,
+                    None if cmax is None else int(cmax),
                     None if r is None else int(r)))
     no_repeats([x.strip() for x in grid.split(",")], grid, "--grid", keys=out)
     return out
@@ -72,7 +76,8 @@ def _key(cfg) -> str:
 def ode_cmd(
     data: Annotated[str, typer.Option(help="digits (permuted, 64 steps) or mnist1d (40 steps).")] = "digits",
     grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay|budget|"
-                                      "autograd (budget:STATES; autograd: the stored-graph baseline)")]
+                                      "autograd|gru (budget:STATES; autograd: the stored-graph baseline; "
+                                      "gru:HIDDEN: torch.nn.GRU, same training)")]
     = "fixed:8,adaptive:8",
     model: Annotated[str, typer.Option(help="gated (a GRU-ODE on the memory's core, one block) or layered "
                                        "(the first study's 6-layer model).")] = "gated",
@@ -111,8 +116,9 @@ def ode_cmd(
     from ..experiments.ode_seq import OdeRunConfig
 
     try:
-        cfgs = [OdeRunConfig(data=data, model=model, controller=k, c=8 if k == "budget" else c,
-                             budget_states=c if k == "budget" else 12, c_max=c_max if cm is None else cm,
+        cfgs = [OdeRunConfig(data=data, model=model, controller=k, c=8 if k in ("budget", "gru") else c,
+                             budget_states=c if k == "budget" else 12, gru_hidden=c if k == "gru" else 128,
+                             c_max=c_max if cm is None else cm,
                              rank=rank if r is None else r, max_rank=max_rank, layers=layers,
                              depth_steps=depth_steps, epochs=epochs, seed=s, causal=causal,
                              budget_in=budget_in)

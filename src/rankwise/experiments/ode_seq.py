@@ -48,7 +48,22 @@ class FromInitialMemory(nn.Module):
         return self.model.integrate(F0)
 
 
-CONTROLLERS = ("fixed", "adaptive", "replay", "budget", "autograd")
+CONTROLLERS = ("fixed", "adaptive", "replay", "budget", "autograd", "gru")
+
+
+class GRUClassifier(nn.Module):
+    """The recurrent baseline: ``torch.nn.GRU`` (one layer, ``hidden`` units) reading the
+    sequence u (B, T) one element per step, and the gated model's head (an MLP with 128 hidden
+    units) on its last hidden state. ``forward(u)`` -> logits (B, classes)."""
+
+    def __init__(self, classes: int, *, hidden: int = 128, head: int = 128) -> None:
+        super().__init__()
+        self.gru = nn.GRU(1, hidden, batch_first=True)
+        self.head = nn.Sequential(nn.Linear(hidden, head), nn.ReLU(), nn.Linear(head, classes))
+
+    def forward(self, u: Tensor) -> Tensor:
+        _, last = self.gru(u[..., None])  # last: (1, B, hidden)
+        return self.head(last[0])
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,9 @@ class OdeRunConfig:
     (:class:`LayeredMemoryODE` with ``layers``, ``depth_steps``; constant ``lr``). ``lr=None``:
     3e-3 (gated) or 1e-2 (layered). ``position_weights=None``: on for permuted digits (positions
     carry no order), off for mnist1d (one input map for all steps: the pattern may sit anywhere).
+    ``controller="gru"``: not an ODE at all but the recurrent baseline :class:`GRUClassifier`
+    with ``gru_hidden`` units, trained by the same protocol (optimizer, schedule, batches,
+    clipping; its memory counted as the autograd baseline's).
     ``causal`` (gated): each step's S-substep at its start, so step i reads elements ≤ i only;
     ``False``: the textbook step (S-substep at t + h, one element ahead). The layered model
     always uses the textbook step."""
@@ -91,6 +109,7 @@ class OdeRunConfig:
     batch_size: int = 64
     seed: int = 0
     causal: bool = True
+    gru_hidden: int = 128
 
     def __post_init__(self) -> None:
         if self.data not in ("digits", "mnist1d"):
@@ -106,7 +125,7 @@ class OdeRunConfig:
             raise ValueError(f"`h` must be > 0; got {self.h}")
         if self.model == "gated" and not 1 <= self.p <= self.m:
             raise ValueError(f"`p` must be in [1, m={self.m}]; got {self.p}")
-        for name in ("c", "rank", "layers", "depth_steps", "window", "budget_states"):
+        for name in ("c", "rank", "layers", "depth_steps", "window", "budget_states", "gru_hidden"):
             if getattr(self, name) < 1:
                 raise ValueError(f"`{name}` must be >= 1; got {getattr(self, name)}")
         if not 1 <= self.rank <= self.m:
@@ -131,6 +150,8 @@ class OdeRunConfig:
             return f"budget {self.budget_states} states r={self.rank}"
         if self.controller == "autograd":
             return f"autograd r={self.rank}"
+        if self.controller == "gru":
+            return f"GRU h={self.gru_hidden}"
         kind = "adaptive" if self.controller == "adaptive" else "replay-aware"
         return f"{kind} C={self.c}→{self.c_max} r={self.rank}→{self.max_rank}"
 
@@ -155,7 +176,7 @@ def _state_bytes(cfg: OdeRunConfig) -> int:
 
 
 def _controller(cfg: OdeRunConfig) -> AbstractController:
-    if cfg.controller in ("fixed", "autograd"):
+    if cfg.controller in ("fixed", "autograd", "gru"):
         return FixedController(cfg.c, cfg.rank)
     if cfg.controller == "budget":
         if cfg.budget_in == "bytes":  # (a smaller last batch gets more states)
@@ -176,11 +197,11 @@ class _Trace(Callback):
         self.trace: list[dict] = []
 
     def on_step_end(self, loop: Loop) -> None:
-        if isinstance(loop.model, _SavedBytes):  # the autograd baseline: the stored graph
+        if isinstance(loop.model, _SavedBytes):  # the autograd and GRU baselines: the stored graph
             blocks = _blocks(loop.model.model)
             b = loop.model.last
-            st = [dict(rank=blk.rank, checkpoints=0, max_delta=0.0, min_rho=float("nan"), tape_bytes=b,
-                       peak_tape_bytes=b) for blk in blocks[:1]]
+            st = [dict(rank=blocks[0].rank if blocks else 0, checkpoints=0, max_delta=0.0,
+                       min_rho=float("nan"), tape_bytes=b, peak_tape_bytes=b)]
         else:
             st = [blk.last_stats for blk in _blocks(loop.model)]
         self.trace.append(dict(
@@ -204,11 +225,14 @@ class _Trace(Callback):
 
 
 def _blocks(model: nn.Module) -> list[LowRankODEBlock]:
-    return [model.block] if isinstance(model, SequenceClassifier) else list(model.blocks)
+    return [b for b in model.modules() if isinstance(b, LowRankODEBlock)]
 
 
-def build_model(cfg: OdeRunConfig, T: int) -> LayeredMemoryODE | SequenceClassifier:
+def build_model(cfg: OdeRunConfig, T: int) -> LayeredMemoryODE | SequenceClassifier | GRUClassifier:
     """The model ``cfg`` names, for sequences of length T, with its controller."""
+    if cfg.controller == "gru":
+        torch.manual_seed(cfg.seed)
+        return GRUClassifier(10, hidden=cfg.gru_hidden)
     ctl = _controller(cfg)
     if cfg.model == "gated":
         pw = cfg.data == "digits" if cfg.position_weights is None else cfg.position_weights
@@ -252,7 +276,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     torch.manual_seed(cfg.seed)
     utr, ytr, ute, yte = load_sequences(cfg.data, cfg.seed)
     model = build_model(cfg, utr.shape[1])
-    trained = _SavedBytes(model) if cfg.controller == "autograd" else model
+    trained = _SavedBytes(model) if cfg.controller in ("autograd", "gru") else model
     opt = torch.optim.Adam(model.parameters(), cfg.learning_rate)
     sched = None
     if cfg.model == "gated":
@@ -270,8 +294,10 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     test_acc, train_acc = accuracy(model, ute, yte), accuracy(model, utr[:1000], ytr[:1000])
     for blk in blocks:
         blk.reversible = cfg.controller != "autograd"
-    cos = audit_gradients(FromInitialMemory(model, ute[:16]), model.initial_state(16),
-                          lambda logits: nn.functional.cross_entropy(logits, yte[:16]))
+    cos = float("nan")  # (the GRU has no reversal to audit)
+    if blocks:
+        cos = audit_gradients(FromInitialMemory(model, ute[:16]), model.initial_state(16),
+                              lambda logits: nn.functional.cross_entropy(logits, yte[:16]))
     losses = [r["loss"] for r in trace]
     tail = losses[len(losses) // 2:]
     mean = sum(tail) / len(tail)
