@@ -118,8 +118,9 @@ class LowRankODEBlock(nn.Module):
         return ksl_reverse(state, self.field if field is None else field, i * self.h, self.h,
                            s_time=self.s_time, solver=self.solver)
 
-    def _enrich(self, state: LowRankState, i: int, event: tuple[int, int]) -> LowRankState:
-        """Deterministic enrichment; new directions computed without gradient (constants)."""
+    def apply_enrichment(self, state: LowRankState, i: int, event: tuple[int, int]) -> LowRankState:
+        """The enrichment ``event = (delta_r, seed)`` at step i, deterministic (replayed by the
+        backward with the same seed); new directions computed without gradient (constants)."""
         with torch.no_grad():
             g = torch.Generator(device=state.X.device).manual_seed(event[1])
             d = LowRankState(state.X.detach(), state.S.detach(), state.V.detach())
@@ -163,7 +164,7 @@ class LowRankODEBlock(nn.Module):
                     record.enrichments.append(event)
                     record.replay_slots.append(None)
             if event is not None:
-                state = self._enrich(state, i, event)
+                state = self.apply_enrichment(state, i, event)
             for j in range(length):
                 prev = state
                 state = self.step(state, i + j)
