@@ -29,7 +29,7 @@ def _norms(t: Tensor) -> Tensor:
     return torch.linalg.vector_norm(t.flatten(1), dim=1)
 
 
-def solve_implicit_euler(f: Callable[[Tensor], Tensor], y1: Tensor, h: float, *, solver: str = "anderson",
+def solve_implicit_euler(f: Callable[[Tensor], Tensor], y1: Tensor, h: float, *, solver: str = "picard",
                          memory: int = 3, max_iter: int = 200) -> tuple[Tensor, int]:
     """y0 with y0 + h f(y0) = y1 (shapes of y1: (B, ...)), to roundoff; and the number of
     evaluations of f it took. ``solver``: "anderson" or "picard" (see the module docstring)."""

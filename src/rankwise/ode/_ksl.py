@@ -15,9 +15,9 @@ exact reverse below.
 
 Every substep is one explicit Euler step y1 = y0 + h f(y0). Running the substeps at −h is
 NOT an inverse: it leaves an O(h²) defect even at full rank. :func:`ksl_reverse` instead
-inverts each substep exactly — it solves y0 + h f(y0) = y1 by an accelerated fixed-point
-iteration (implicit Euler for the reverse, :mod:`._implicit`) to roundoff — and undoes the
-substeps in reverse order.
+inverts each substep exactly — it solves y0 + h f(y0) = y1 by fixed-point iteration, plain or
+Anderson-accelerated (implicit Euler for the reverse, :mod:`._implicit`), to roundoff — and
+undoes the substeps in reverse order.
 The QR re-factorisations are undone by multiplying the factors back; the K- and S-steps are
 equivariant under rotations of V0, so the rotation a QR introduces does not matter. Where a
 re-factorisation meets a numerically singular core, the directions it discards cannot be
@@ -88,7 +88,7 @@ def ksl_step(state: LowRankState, field: Field, t: float, h: float, *, s_time: s
 
 
 def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end",
-                rotations: tuple[Tensor, Tensor] | None = None, solver: str = "anderson") -> LowRankState:
+                rotations: tuple[Tensor, Tensor] | None = None, solver: str = "picard") -> LowRankState:
     """The inverse of :func:`ksl_step` (same t, h and s_time): from Φ_h(F0) back to F0, up to
     roundoff at full rank. Without ``rotations`` the factors of F0 come back in rotated bases;
     with the (Q_x, Q_v) that the forward step reported, the forward's own factors come back.
