@@ -19,6 +19,7 @@ reverse). "Reversed steps" includes the forward pass's one reverse per segment (
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -29,7 +30,7 @@ from rankwise.experiments.ode_seq import _SavedBytes, load_sequences
 from rankwise.ode import FixedController, MemoryBudget, SequenceClassifier
 from rankwise.ode._ksl import relative_error
 
-REPEATS = int(__import__("os").environ.get("REPEATS", 7))
+REPEATS = int(os.environ.get("REPEATS", 7))  # interleaved repeats per row
 
 
 def main() -> None:
