@@ -44,6 +44,28 @@ def test_projections_equal_the_dense_field_for_any_factors(position_weights):
                                    rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("position_weights", [False, True])
+def test_bound_projections_equal_the_dense_field_at_every_argument(position_weights):
+    """A reverse's implicit solve binds a substep once (t and the fixed factors) and evaluates it
+    at many K, S or L: each evaluation equals the dense field's projection, and the block's
+    counting wrapper counts one field evaluation per call."""
+    from rankwise.ode._block import _Counted
+
+    f = _field(position_weights)
+    g = torch.Generator().manual_seed(3)
+    X, V = torch.randn(3, 11, 5, generator=g, dtype=F64), torch.randn(3, 9, 5, generator=g, dtype=F64)
+    counted = _Counted(f)
+    for t in (0.0, 0.6):
+        right, left, proj = f.bind_right(t, V), f.bind_left(t, X), counted.bind_project(t, X, V)
+        for _ in range(3):  # new arguments for the same binding
+            K, L = torch.randn(3, 11, 5, generator=g, dtype=F64), torch.randn(3, 9, 5, generator=g, dtype=F64)
+            S = torch.randn(3, 5, 5, generator=g, dtype=F64)
+            torch.testing.assert_close(right(K), f(t, K @ V.mT) @ V, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(left(L), f(t, X @ L.mT).mT @ X, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(proj(S), X.mT @ f(t, X @ S @ V.mT) @ V, rtol=1e-12, atol=1e-12)
+    assert counted.calls == 6
+
+
 def test_the_core_follows_the_gru_ode_and_the_rest_decays():
     """For F = P c Tᵀ + E with E outside the frames: Pᵀ f T = z ⊙ (n − c), with the gates written
     out here from the documented formula, and the part outside the frames is −λ E."""

@@ -23,6 +23,8 @@ disagree, and the segment is replayed from its checkpoint instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -49,23 +51,35 @@ class _Counted(FactoredField):
         self.calls += 1
         return self._inner[0](t, F)
 
+    def _counting(self, bound: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+        def call(a: Tensor) -> Tensor:
+            self.calls += 1
+            return bound(a)
+        return call
+
     def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
-        if not self._factored:
-            return self(t, K @ V.mT) @ V
-        self.calls += 1
-        return self._inner[0].apply_right(t, K, V)
+        return self.bind_right(t, V)(K)
 
     def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
-        if not self._factored:
-            return self(t, X @ L.mT).mT @ X
-        self.calls += 1
-        return self._inner[0].apply_left(t, X, L)
+        return self.bind_left(t, X)(L)
 
     def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
+        return self.bind_project(t, X, V)(S)
+
+    def bind_right(self, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
         if not self._factored:
-            return X.mT @ self(t, X @ S @ V.mT) @ V
-        self.calls += 1
-        return self._inner[0].project(t, X, S, V)
+            return lambda K: self(t, K @ V.mT) @ V
+        return self._counting(self._inner[0].bind_right(t, V))
+
+    def bind_left(self, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
+        if not self._factored:
+            return lambda L: self(t, X @ L.mT).mT @ X
+        return self._counting(self._inner[0].bind_left(t, X))
+
+    def bind_project(self, t: float, X: Tensor, V: Tensor) -> Callable[[Tensor], Tensor]:
+        if not self._factored:
+            return lambda S: X.mT @ self(t, X @ S @ V.mT) @ V
+        return self._counting(self._inner[0].bind_project(t, X, V))
 
 
 class LowRankODEBlock(nn.Module):

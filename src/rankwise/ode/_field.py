@@ -10,11 +10,18 @@ A plain field forms F (B, m, n) for each, O(m·n) per sample however small r is.
 :class:`FactoredField` computes them from the factors directly; :func:`rankwise.ode.ksl_step`,
 :func:`~rankwise.ode.ksl_reverse` and :class:`~rankwise.ode.LowRankODEBlock` use those methods
 when the field has them, and its dense ``forward`` everywhere else (rank enrichment, tests).
+
+Within one substep t and the fixed factor (V, X, or X and V) do not change: the reverse's
+implicit solve evaluates the same projection about eight times at new K, S or L. The
+``bind_*`` methods return the projection as a function of that one argument, so that a field
+can compute once what does not depend on it (its frames against V, the input's drive);
+:mod:`._ksl` calls them once per substep.
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +50,18 @@ class FactoredField(nn.Module, abc.ABC):
     def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
         """Xᵀ f(t, X S Vᵀ) V (B, r, r); default: from :meth:`apply_right` with K = X S."""
         return X.mT @ self.apply_right(t, X @ S, V)
+
+    def bind_right(self, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
+        """K ↦ f(t, K Vᵀ) V for this t and V; default: :meth:`apply_right` per call."""
+        return lambda K: self.apply_right(t, K, V)
+
+    def bind_left(self, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
+        """L ↦ f(t, X Lᵀ)ᵀ X for this t and X; default: :meth:`apply_left` per call."""
+        return lambda L: self.apply_left(t, X, L)
+
+    def bind_project(self, t: float, X: Tensor, V: Tensor) -> Callable[[Tensor], Tensor]:
+        """S ↦ Xᵀ f(t, X S Vᵀ) V for this t, X and V; default: :meth:`project` per call."""
+        return lambda S: self.project(t, X, S, V)
 
 
 class MemoryField(FactoredField):

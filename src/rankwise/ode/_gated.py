@@ -20,6 +20,8 @@ so a KSL step costs O((m + n)·r·p + p³) per sample, never O(m·n).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -92,31 +94,60 @@ class GatedMemoryField(FactoredField):
         P, T = self.frames()
         return (P.mT @ state.X) @ state.S @ (state.V.mT @ T)
 
-    def _update(self, t: float, c: Tensor) -> Tensor:
-        """λ c + z ⊙ (n − c) (B, p, p) at time t."""
+    def _drive(self, t: float) -> Tensor:
+        """W(x_i) + b + Z[i] (2, B, p, p): the gates' terms that do not depend on the memory
+        (z's, then n's), at time t."""
         if self._u is None:
             raise RuntimeError("GatedMemoryField has no input; call set_input(u) first")
         i = min(int(t / self.h + 1e-6), self.steps - 1)
         x = self._u[:, i:i + self.window]  # (B, w)
         W = self.W[:, i] if self.W.dim() == 5 else self.W  # (2, w, p, p)
-        pre = self.A[:, None] @ c[None] @ self.B[:, None].mT + torch.einsum("bw,gwpq->gbpq", x, W)
-        pre = pre + (self.b + self.Z[:, i])[:, None]
+        return torch.einsum("bw,gwpq->gbpq", x, W) + (self.b + self.Z[:, i])[:, None]
+
+    def _update(self, c: Tensor, drive: Tensor) -> Tensor:
+        """λ c + z ⊙ (n − c) (B, p, p) for the core c (B, p, p) and :meth:`_drive`'s drive."""
+        cB = torch.einsum("bjk,glk->gbjl", c, self.B)  # c B_gᵀ for both gates, then A_g (·)
+        pre = torch.einsum("gij,gbjl->gbil", self.A, cB) + drive
         z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
         return self.decay * c + z * (n - c)
 
     def forward(self, t: float, F: Tensor) -> Tensor:
         P, T = self.frames()
-        return -self.decay * F + P @ self._update(t, P.mT @ F @ T) @ T.mT
+        return -self.decay * F + P @ self._update(P.mT @ F @ T, self._drive(t)) @ T.mT
+
+    def bind_right(self, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
+        P, T = self.frames()
+        TV, G, drive = (V.mT @ T).mT, V.mT @ V, self._drive(t)  # (B, p, r), (B, r, r), (2, B, p, p)
+
+        def f(K: Tensor) -> Tensor:  # −λ K VᵀV + P U(c) TᵀV with c = (Pᵀ K)(Tᵀ V)ᵀ
+            return -self.decay * (K @ G) + P @ (self._update((K.mT @ P).mT @ TV.mT, drive) @ TV)
+        return f
+
+    def bind_left(self, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
+        P, T = self.frames()
+        PX, G, drive = (X.mT @ P).mT, X.mT @ X, self._drive(t)
+
+        def f(L: Tensor) -> Tensor:  # −λ L XᵀX + T U(c)ᵀ PᵀX with c = (Pᵀ X)(Tᵀ L)ᵀ
+            return -self.decay * (L @ G) + T @ (self._update(PX @ (L.mT @ T), drive).mT @ PX)
+        return f
+
+    def bind_project(self, t: float, X: Tensor, V: Tensor) -> Callable[[Tensor], Tensor]:
+        P, T = self.frames()
+        PX, TV, drive = (X.mT @ P).mT, (V.mT @ T).mT, self._drive(t)
+        GX, GV = X.mT @ X, V.mT @ V
+
+        def f(S: Tensor) -> Tensor:  # −λ XᵀX S VᵀV + (PᵀX)ᵀ U(c) TᵀV with c = (Pᵀ X) S (Tᵀ V)ᵀ
+            return -self.decay * (GX @ S @ GV) + PX.mT @ self._update(PX @ S @ TV.mT, drive) @ TV
+        return f
 
     def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
-        P, T = self.frames()
-        TV = T.mT @ V
-        return -self.decay * K @ (V.mT @ V) + P @ (self._update(t, (P.mT @ K) @ TV.mT) @ TV)
+        return self.bind_right(t, V)(K)
 
     def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
-        P, T = self.frames()
-        PX = P.mT @ X
-        return -self.decay * L @ (X.mT @ X) + T @ (self._update(t, PX @ (L.mT @ T)).mT @ PX)
+        return self.bind_left(t, X)(L)
+
+    def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
+        return self.bind_project(t, X, V)(S)
 
 
 class SequenceClassifier(nn.Module):

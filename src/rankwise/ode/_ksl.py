@@ -49,19 +49,20 @@ def s_substep_time(t: float, h: float, s_time: str) -> float:
 
 def _k_rhs(field: Field, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
     if isinstance(field, FactoredField):  # from the factors: F is never formed
-        return lambda K: field.apply_right(t, K, V)
+        return field.bind_right(t, V)
     return lambda K: field(t, K @ V.mT) @ V
 
 
 def _s_rhs(field: Field, t: float, X: Tensor, V: Tensor) -> Callable[[Tensor], Tensor]:
     if isinstance(field, FactoredField):
-        return lambda S: -field.project(t, X, S, V)
+        bound = field.bind_project(t, X, V)
+        return lambda S: -bound(S)
     return lambda S: -(X.mT @ field(t, X @ S @ V.mT) @ V)
 
 
 def _l_rhs(field: Field, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
     if isinstance(field, FactoredField):
-        return lambda L: field.apply_left(t, X, L)
+        return field.bind_left(t, X)
     return lambda L: field(t, X @ L.mT).mT @ X
 
 
