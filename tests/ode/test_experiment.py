@@ -116,6 +116,17 @@ def test_the_gru_baseline_trains_by_the_same_protocol(monkeypatch):
     torch.testing.assert_close(model(u), model.head(h[0]))
 
 
+def test_the_summary_names_a_metric_a_run_does_not_have():
+    """Several GRU seeds have no audit (NaN each): the table says so instead of failing."""
+    from rankwise.experiments._stats import mean_std
+
+    nan = float("nan")
+    assert mean_std([nan, nan, nan], "{:.3f}") == "—"
+    assert mean_std([0.5, nan], "{:.3f}") == "—"
+    assert mean_std([0.5, 0.7], "{:.2f}") == "0.60 ± 0.14"
+    assert mean_std([0.5], "{:.2f}") == "0.50"
+
+
 def test_ode_cli_resumes_from_its_run_records(tmp_path, monkeypatch):
     """`rankwise ode` stores one record per run (experiments._resume): a second call reuses it,
     a changed setting is refused before anything runs, --force replaces it."""
