@@ -9,7 +9,8 @@ the field is not at its initial values). For each way of taking the gradient:
 - the largest relative reversal defect of a reversed step against the forward's state;
 - the memory held for the backward (the block's measured peak tape; autograd: the bytes its
   graph saves, as `rankwise ode` counts them) and its ratio to autograd's;
-- the median time of a forward plus backward (interleaved repeats), and its ratio to autograd.
+- the median time of a forward plus backward (interleaved repeats), and its ratio to autograd;
+- last, what one reversed step costs in forward steps of time (64 steps each way, no autograd).
 
 Rows: ``autograd`` (the stored graph), reversal with a fixed controller (C = 8) by the Picard
 and the Anderson solver, ``MemoryBudget(max_states=4)`` by each solver, and budgets of 16 and
@@ -27,7 +28,7 @@ import torch
 from torch import nn
 
 from rankwise.experiments.ode_seq import _SavedBytes, load_sequences
-from rankwise.ode import FixedController, MemoryBudget, SequenceClassifier
+from rankwise.ode import FixedController, LowRankState, MemoryBudget, SequenceClassifier
 from rankwise.ode._ksl import relative_error
 
 REPEATS = int(os.environ.get("REPEATS", 7))  # interleaved repeats per row
@@ -55,7 +56,8 @@ def main() -> None:
 
     counts = {"evals": 0, "reverses": 0, "defect": 0.0}
     field = model.field
-    inner = {k: getattr(field, k) for k in ("forward", "bind_right", "bind_left", "bind_project")}
+    inner = {k: getattr(field, k) for k in ("forward", "bind_right", "bind_left", "bind_project")
+             if hasattr(field, k)}  # (a source tree before the bound projections counts none)
 
     def counted(fn):
         def call(*a, **kw):
@@ -121,6 +123,32 @@ def main() -> None:
         defect = f"{r['defect']:.1e}" if r["reverses"] else "—"
         print(f"| {name} | {r['reverses']} | {per} | {defect} | {r['memory'] / 2**20:.2f} | "
               f"{r['memory'] / ref:.4f} | {t:.3f} | {t / base:.2f} |")
+    fwd, rev = step_times(block, u)
+    print(f"\n64 steps without autograd, median of {REPEATS}: forward {fwd:.3f} s, reverse (picard) "
+          f"{rev:.3f} s: a reversed step costs {rev / fwd:.2f} forward steps in time")
+
+
+def step_times(block, u) -> tuple[float, float]:
+    """Median times of the 64 forward steps and of their 64 reverses, without autograd."""
+    block.solver = "picard"
+    fwd, rev = [], []
+    with torch.no_grad():
+        block.field.set_input(u)
+        F0 = 0.01 * torch.randn(u.shape[0], 32, 32, generator=torch.Generator().manual_seed(1))
+        states = [LowRankState.from_dense(F0, 8)]
+        for i in range(64):
+            states.append(block.step(states[-1], i))
+        for _ in range(REPEATS):
+            t0 = time.perf_counter()
+            st = states[0]
+            for i in range(64):
+                st = block.step(st, i)
+            fwd.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i in reversed(range(64)):
+                block.reverse(states[i + 1], i)
+            rev.append(time.perf_counter() - t0)
+    return statistics.median(fwd), statistics.median(rev)
 
 
 if __name__ == "__main__":
