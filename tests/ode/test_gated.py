@@ -19,9 +19,9 @@ from rankwise.ode import (
 F64 = torch.float64
 
 
-def _field(position_weights, m=11, n=9, p=4, steps=5, seed=0):
+def _field(position_weights, m=11, n=9, p=4, steps=5, seed=0, recurrence="kron"):
     f = GatedMemoryField(m, n, p, steps=steps, h=0.25, window=3, position_weights=position_weights,
-                         generator=torch.Generator().manual_seed(seed), dtype=F64)
+                         recurrence=recurrence, generator=torch.Generator().manual_seed(seed), dtype=F64)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():  # away from the initial values, so that every term matters
         for prm in f.parameters():
@@ -30,9 +30,9 @@ def _field(position_weights, m=11, n=9, p=4, steps=5, seed=0):
     return f
 
 
-@pytest.mark.parametrize("position_weights", [False, True])
-def test_projections_equal_the_dense_field_for_any_factors(position_weights):
-    f = _field(position_weights)
+@pytest.mark.parametrize("position_weights, recurrence", [(False, "kron"), (True, "kron"), (False, "full")])
+def test_projections_equal_the_dense_field_for_any_factors(position_weights, recurrence):
+    f = _field(position_weights, recurrence=recurrence)
     g = torch.Generator().manual_seed(1)
     X, K = torch.randn(3, 11, 5, generator=g, dtype=F64), torch.randn(3, 11, 5, generator=g, dtype=F64)
     V, L = torch.randn(3, 9, 5, generator=g, dtype=F64), torch.randn(3, 9, 5, generator=g, dtype=F64)
@@ -44,14 +44,14 @@ def test_projections_equal_the_dense_field_for_any_factors(position_weights):
                                    rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("position_weights", [False, True])
-def test_bound_projections_equal_the_dense_field_at_every_argument(position_weights):
+@pytest.mark.parametrize("position_weights, recurrence", [(False, "kron"), (True, "kron"), (False, "full")])
+def test_bound_projections_equal_the_dense_field_at_every_argument(position_weights, recurrence):
     """A reverse's implicit solve binds a substep once (t and the fixed factors) and evaluates it
     at many K, S or L: each evaluation equals the dense field's projection, and the block's
     counting wrapper counts one field evaluation per call."""
     from rankwise.ode._block import _Counted
 
-    f = _field(position_weights)
+    f = _field(position_weights, recurrence=recurrence)
     g = torch.Generator().manual_seed(3)
     X, V = torch.randn(3, 11, 5, generator=g, dtype=F64), torch.randn(3, 9, 5, generator=g, dtype=F64)
     counted = _Counted(f)
@@ -66,10 +66,12 @@ def test_bound_projections_equal_the_dense_field_at_every_argument(position_weig
     assert counted.calls == 6
 
 
-def test_the_core_follows_the_gru_ode_and_the_rest_decays():
+@pytest.mark.parametrize("recurrence", ["kron", "full"])
+def test_the_core_follows_the_gru_ode_and_the_rest_decays(recurrence):
     """For F = P c Tᵀ + E with E outside the frames: Pᵀ f T = z ⊙ (n − c), with the gates written
-    out here from the documented formula, and the part outside the frames is −λ E."""
-    f = _field(True, steps=4)
+    out here from the documented formula (A c Bᵀ, or U vec(c) as a matrix-vector product per
+    sample), and the part outside the frames is −λ E."""
+    f = _field(True, steps=4, recurrence=recurrence)
     P, T = f.frames()
     g = torch.Generator().manual_seed(5)
     c = torch.randn(3, 4, 4, generator=g, dtype=F64)
@@ -78,8 +80,13 @@ def test_the_core_follows_the_gru_ode_and_the_rest_decays():
     F = P @ c @ T.mT + E
     i, t = 2, 2 * 0.25 + 0.1
     u = f._u[:, i:i + 3]  # (B, w): u_{i-2..i}
-    pre = [f.A[k] @ c @ f.B[k].mT + torch.einsum("bw,wpq->bpq", u, f.W[k, i]) + f.b[k] + f.Z[k, i]
-           for k in range(2)]
+
+    def reads(k):  # the gate's reading of the core
+        if recurrence == "kron":
+            return f.A[k] @ c @ f.B[k].mT
+        return torch.stack([(f.U[k] @ c[b].reshape(-1)).reshape(4, 4) for b in range(3)])
+
+    pre = [reads(k) + torch.einsum("bw,wpq->bpq", u, f.W[k, i]) + f.b[k] + f.Z[k, i] for k in range(2)]
     z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
     dF = f(t, F)
     torch.testing.assert_close(P.mT @ dF @ T, z * (n - c), rtol=1e-12, atol=1e-12)
@@ -180,10 +187,10 @@ def _classifier(**kw):
     return model
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_reversal_gradients_equal_dense_autograd(causal):
+@pytest.mark.parametrize("causal, recurrence", [(True, "kron"), (False, "kron"), (True, "full")])
+def test_reversal_gradients_equal_dense_autograd(causal, recurrence):
     torch.manual_seed(0)
-    model = _classifier(position_weights=True, causal=causal)
+    model = _classifier(position_weights=True, causal=causal, recurrence=recurrence)
     g = torch.Generator().manual_seed(0)
     u = torch.randn(5, 7, generator=g, dtype=F64)
     y = torch.randint(0, 4, (5,), generator=g)

@@ -93,6 +93,9 @@ def ode_cmd(
     causal: Annotated[bool, typer.Option(help="Gated model: each KSL step's S-substep at its start, so "
                                          "step i reads elements <= i (--no-causal: at t + h, one "
                                          "element ahead, the step before issue 28).")] = True,
+    recurrence: Annotated[str, typer.Option(help="Gated model: how the gates read the memory's core: kron "
+                                            "(A c Bᵀ, 2p² numbers per gate) or full (U vec(c), p⁴ per "
+                                            "gate, as a GRU of p² units).")] = "kron",
     budget_in: Annotated[str, typer.Option(help="budget:STATES counts states (the same for every batch) or "
                                            "bytes (STATES states of the first batch: a smaller batch "
                                            "gets more, the rule before issue 28).")] = "states",
@@ -121,11 +124,12 @@ def ode_cmd(
                              c_max=c_max if cm is None else cm,
                              rank=rank if r is None else r, max_rank=max_rank, layers=layers,
                              depth_steps=depth_steps, epochs=epochs, seed=s, causal=causal,
-                             budget_in=budget_in)
+                             budget_in=budget_in, recurrence=recurrence)
                 for k, c, cm, r in entries for s in range(seeds)]
     except ValueError as e:  # name the options, not the dataclass fields
         msg = str(e).replace("`c_max`", "--c-max (or -CMAX in --grid)").replace("`c`", "C in --grid")
         msg = msg.replace("`rank`", "--rank (or :rR in --grid)").replace("`budget_in`", "--budget-in")
+        msg = msg.replace("`recurrence`", "--recurrence")
         for f in ("max_rank", "depth_steps", "layers", "epochs"):
             msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
         raise UserError(msg) from e

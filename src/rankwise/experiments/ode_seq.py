@@ -84,7 +84,9 @@ class OdeRunConfig:
     ``controller="gru"``: not an ODE at all but the recurrent baseline :class:`GRUClassifier`
     with ``gru_hidden`` units, trained by the same protocol (optimizer, schedule, batches,
     clipping; its memory counted as the autograd baseline's).
-    ``causal`` (gated): each step's S-substep at its start, so step i reads elements ≤ i only;
+    ``recurrence`` (gated): how the gates read the core, ``"kron"`` (A c Bᵀ) or ``"full"``
+    (U vec(c), p⁴ numbers per gate). ``causal`` (gated): each step's S-substep at its start,
+    so step i reads elements ≤ i only;
     ``False``: the textbook step (S-substep at t + h, one element ahead). The layered model
     always uses the textbook step."""
 
@@ -110,10 +112,13 @@ class OdeRunConfig:
     seed: int = 0
     causal: bool = True
     gru_hidden: int = 128
+    recurrence: str = "kron"  # gated: how the gates read the core, A c Bᵀ ("kron") or U vec(c) ("full")
 
     def __post_init__(self) -> None:
         if self.data not in ("digits", "mnist1d"):
             raise ValueError(f"`data` must be 'digits' or 'mnist1d'; got {self.data!r}")
+        if self.recurrence not in ("kron", "full"):
+            raise ValueError(f"`recurrence` must be 'kron' or 'full'; got {self.recurrence!r}")
         if self.budget_in not in ("states", "bytes"):
             raise ValueError(f"`budget_in` must be 'states' or 'bytes'; got {self.budget_in!r}")
         if self.model not in ("gated", "layered"):
@@ -144,6 +149,11 @@ class OdeRunConfig:
 
     @property
     def name(self) -> str:
+        full = self.model == "gated" and self.recurrence == "full" and self.controller != "gru"
+        return self._name + (", full recurrence" if full else "")
+
+    @property
+    def _name(self) -> str:
         if self.controller == "fixed":
             return f"fixed C={self.c} r={self.rank}"
         if self.controller == "budget":
@@ -237,7 +247,8 @@ def build_model(cfg: OdeRunConfig, T: int) -> LayeredMemoryODE | SequenceClassif
     if cfg.model == "gated":
         pw = cfg.data == "digits" if cfg.position_weights is None else cfg.position_weights
         model = SequenceClassifier(T, 10, controller=ctl, m=cfg.m, rank=cfg.rank, p=cfg.p, h=cfg.h,
-                                   window=cfg.window, position_weights=pw, seed=cfg.seed, causal=cfg.causal)
+                                   window=cfg.window, position_weights=pw, seed=cfg.seed, causal=cfg.causal,
+                                   recurrence=cfg.recurrence)
     else:
         model = LayeredMemoryODE(ctl, T=T, m=cfg.m, rank=cfg.rank, layers=cfg.layers,
                                  depth_steps=cfg.depth_steps, seed=cfg.seed)

@@ -12,7 +12,10 @@ inputs x_i = (u_{i−w+1}, …, u_i) (zeros before the start) and
     \frac{dF}{dt} = −λ F + P\,(λ c + z ⊙ (n − c))\,Tᵀ,
 
 so the core follows the GRU-ODE dc/dt = z ⊙ (n − c) (De Brouwer et al., 2019) with the input as
-its drive, and whatever of F lies outside the frames decays at rate λ. W(x) = Σ_k x_k W[k] with
+its drive, and whatever of F lies outside the frames decays at rate λ. The gates read the core
+through A_g c B_gᵀ (``recurrence="kron"``: a Kronecker-structured map, 2p² numbers per gate) or
+through a full linear map U_g vec(c) (``"full"``: p⁴ per gate, what a GRU of p² units has; on
+mnist1d it is the difference between 0.80 and GRU level, docs/ode.md). W(x) = Σ_k x_k W[k] with
 one W (w, p, p) for all steps, or one per step (`position_weights`; useful where positions carry
 no order, as for permuted pixels). Every term acts on the factors: c = (Pᵀ K)(Vᵀ T) from K = X S,
 so a KSL step costs O((m + n)·r·p + p³) per sample, never O(m·n).
@@ -31,6 +34,8 @@ from ._controller import AbstractController
 from ._field import FactoredField
 from ._state import LowRankState
 
+RECURRENCES = ("kron", "full")  # how the gates read the core: A c Bᵀ, or a full map of vec(c)
+
 
 class GatedMemoryField(FactoredField):
     """The gated field above, driven by the sequence set with :meth:`set_input`.
@@ -44,12 +49,16 @@ class GatedMemoryField(FactoredField):
       so the model sees one element ahead).
     - `window`: inputs u_{i−w+1..i} each step sees; `position_weights`: one input map per step.
     - `decay`: λ. `generator`, `dtype`: of the initial parameters.
+    - `recurrence`: how the gates read the core: ``"kron"`` (A c Bᵀ) or ``"full"`` (U vec(c)).
     """
 
     def __init__(self, m: int, n: int, p: int, *, steps: int, h: float, window: int = 1,
-                 position_weights: bool = False, decay: float = 1.0,
+                 position_weights: bool = False, decay: float = 1.0, recurrence: str = "kron",
                  generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
+        if recurrence not in RECURRENCES:
+            raise ValueError(f"`recurrence` must be one of {', '.join(map(repr, RECURRENCES))}; "
+                             f"got {recurrence!r}")
         if not 1 <= p <= min(m, n) or min(steps, window) < 1 or not h > 0 or not decay >= 0:
             raise ValueError(f"need 1 <= p <= min(m, n), steps >= 1, window >= 1, h > 0, decay >= 0; got "
                              f"m={m}, n={n}, p={p}, steps={steps}, window={window}, h={h}, decay={decay}")
@@ -60,9 +69,14 @@ class GatedMemoryField(FactoredField):
         self.steps, self.h, self.window, self.decay = steps, h, window, decay
         self.P = nn.Parameter(orthonormalize(rand(m, p))[0])
         self.T = nn.Parameter(orthonormalize(rand(n, p))[0])
-        eye = torch.eye(p, dtype=dtype)
-        self.A = nn.Parameter(torch.stack([eye + 0.1 * rand(p, p) / p**0.5 for _ in range(2)]))  # (z, n)
-        self.B = nn.Parameter(torch.stack([eye + 0.1 * rand(p, p) / p**0.5 for _ in range(2)]))
+        self.recurrence = recurrence
+        if recurrence == "kron":  # both start near the identity: the gates first read c itself
+            eye = torch.eye(p, dtype=dtype)
+            self.A = nn.Parameter(torch.stack([eye + 0.1 * rand(p, p) / p**0.5 for _ in range(2)]))  # (z, n)
+            self.B = nn.Parameter(torch.stack([eye + 0.1 * rand(p, p) / p**0.5 for _ in range(2)]))
+        else:
+            eye = torch.eye(p * p, dtype=dtype)
+            self.U = nn.Parameter(torch.stack([eye + 0.1 * rand(p * p, p * p) / p for _ in range(2)]))
         shape = (steps, window) if position_weights else (window,)
         self.W = nn.Parameter(rand(2, *shape, p, p) / window**0.5)
         self.b = nn.Parameter(torch.stack([torch.full((p, p), -1.0, dtype=dtype),  # z starts near 0.27
@@ -106,8 +120,11 @@ class GatedMemoryField(FactoredField):
 
     def _update(self, c: Tensor, drive: Tensor) -> Tensor:
         """λ c + z ⊙ (n − c) (B, p, p) for the core c (B, p, p) and :meth:`_drive`'s drive."""
-        cB = torch.einsum("bjk,glk->gbjl", c, self.B)  # c B_gᵀ for both gates, then A_g (·)
-        pre = torch.einsum("gij,gbjl->gbil", self.A, cB) + drive
+        if self.recurrence == "kron":
+            cB = torch.einsum("bjk,glk->gbjl", c, self.B)  # c B_gᵀ for both gates, then A_g (·)
+            pre = torch.einsum("gij,gbjl->gbil", self.A, cB) + drive
+        else:  # U_g vec(c), both gates in one product
+            pre = torch.einsum("gij,bj->gbi", self.U, c.flatten(1)).view(drive.shape) + drive
         z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
         return self.decay * c + z * (n - c)
 
@@ -158,7 +175,7 @@ class SequenceClassifier(nn.Module):
     - `steps`: the sequence length; `classes`: output width.
     - `controller`: the block's checkpoint/rank controller; `reversible`: reversal backprop
       (``False``: plain autograd through the stored graph, the baseline).
-    - `m` (memory m×m), `rank`, `p`, `h`, `window`, `position_weights`, `decay`: of the field
+    - `m` (memory m×m), `rank`, `p`, `h`, `window`, `position_weights`, `decay`, `recurrence`: of the field
       and block; `hidden`: the head's width; `seed`: the field's initial parameters and the
       enrichment seeds (the head's ``nn.Linear`` layers draw from torch's global RNG).
     - `causal`: each step's S-substep at its start (``s_time="start"``: the memory after step
@@ -170,15 +187,16 @@ class SequenceClassifier(nn.Module):
 
     def __init__(self, steps: int, classes: int, *, controller: AbstractController, m: int = 32,
                  rank: int = 8, p: int = 16, h: float = 0.25, window: int = 3,
-                 position_weights: bool = False, decay: float = 1.0, hidden: int = 128,
-                 reversible: bool = True, seed: int = 0, causal: bool = True) -> None:
+                 position_weights: bool = False, decay: float = 1.0, recurrence: str = "kron",
+                 hidden: int = 128, reversible: bool = True, seed: int = 0, causal: bool = True) -> None:
         super().__init__()
         if not 1 <= rank <= m:
             raise ValueError(f"`rank` must be in [1, m={m}]; got {rank}")
         g = torch.Generator().manual_seed(seed)
         self.m = m
         self.field = GatedMemoryField(m, m, p, steps=steps, h=h, window=window,
-                                      position_weights=position_weights, decay=decay, generator=g)
+                                      position_weights=position_weights, decay=decay,
+                                      recurrence=recurrence, generator=g)
         self.block = LowRankODEBlock(self.field, rank=rank, steps=steps, h=h, controller=controller,
                                      reversible=reversible, seed=seed, s_time="start" if causal else "end")
         self.head = nn.Sequential(nn.Linear(p * p, hidden), nn.ReLU(), nn.Linear(hidden, classes))
