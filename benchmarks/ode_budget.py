@@ -89,18 +89,10 @@ def main() -> None:
 
 def gated() -> None:
     """The budget against revolve on the permuted-digits model (see the module docstring)."""
-    from rankwise.experiments.ode_seq import load_sequences
-    from rankwise.ode import FixedController, SequenceClassifier
+    from ode_reverse import trained_digits_model  # (benchmarks/, the script's folder, is on the path)
+    from rankwise.ode import FixedController
 
-    u, y, _, _ = load_sequences("digits", 0)
-    u, y = u[:64], y[:64]
-    torch.manual_seed(0)
-    model = SequenceClassifier(64, 10, controller=FixedController(8, 8), position_weights=True)
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    for _ in range(30):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(u), y).backward()
-        opt.step()
+    model, u, y = trained_digits_model()
 
     def once() -> float:
         model.zero_grad()

@@ -34,8 +34,9 @@ from rankwise.ode._ksl import relative_error
 REPEATS = int(os.environ.get("REPEATS", 7))  # interleaved repeats per row
 
 
-def main() -> None:
-    torch.set_num_threads(1)
+def trained_digits_model() -> tuple[SequenceClassifier, torch.Tensor, torch.Tensor]:
+    """(model, u, y): the digits model after 30 Adam steps on one batch of 64 (also used by
+    ode_budget.py)."""
     u, y, _, _ = load_sequences("digits", 0)
     u, y = u[:64], y[:64]
     torch.manual_seed(0)
@@ -45,6 +46,12 @@ def main() -> None:
         opt.zero_grad()
         nn.functional.cross_entropy(model(u), y).backward()
         opt.step()
+    return model, u, y
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    model, u, y = trained_digits_model()
     block = model.block
     rows = {"autograd": (False, FixedController(8, 8), "anderson"),
             "reversal C=8, picard": (True, FixedController(8, 8), "picard"),

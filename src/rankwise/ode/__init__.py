@@ -9,6 +9,7 @@ from ._controller import DefectController as DefectController
 from ._controller import FixedController as FixedController
 from ._controller import MemoryBudget as MemoryBudget
 from ._enrich import enrich as enrich
+from ._field import BoundField as BoundField
 from ._field import FactoredField as FactoredField
 from ._field import MemoryField as MemoryField
 from ._gated import GatedMemoryField as GatedMemoryField

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from ._backward import _Reversal
 from ._controller import AbstractController
 from ._enrich import enrich
-from ._field import FactoredField
+from ._field import BoundField, FactoredField
 from ._frames import _rel
 from ._implicit import SOLVERS
 from ._ksl import Field, _step, ksl_reverse, rank_ratio, s_substep_time
@@ -39,7 +39,7 @@ from ._state import LowRankState
 from ._tape import OdeSolution, Tape, _nbytes, tape_bytes
 
 
-class _Counted(FactoredField):
+class _Counted(BoundField):
     """The block's field, counting its evaluations (dense calls and factored projections)."""
 
     def __init__(self, field: nn.Module) -> None:
@@ -56,15 +56,6 @@ class _Counted(FactoredField):
             self.calls += 1
             return bound(a)
         return call
-
-    def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
-        return self.bind_right(t, V)(K)
-
-    def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
-        return self.bind_left(t, X)(L)
-
-    def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
-        return self.bind_project(t, X, V)(S)
 
     def bind_right(self, t: float, V: Tensor) -> Callable[[Tensor], Tensor]:
         if not self._factored:

@@ -64,6 +64,29 @@ class FactoredField(nn.Module, abc.ABC):
         return lambda S: self.project(t, X, S, V)
 
 
+class BoundField(FactoredField):
+    """A :class:`FactoredField` written through its ``bind_*`` methods (which a subclass
+    implements); ``apply_right``, ``apply_left`` and ``project`` bind and call once."""
+
+    @abc.abstractmethod
+    def bind_right(self, t: float, V: Tensor) -> Callable[[Tensor], Tensor]: ...
+
+    @abc.abstractmethod
+    def bind_left(self, t: float, X: Tensor) -> Callable[[Tensor], Tensor]: ...
+
+    @abc.abstractmethod
+    def bind_project(self, t: float, X: Tensor, V: Tensor) -> Callable[[Tensor], Tensor]: ...
+
+    def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
+        return self.bind_right(t, V)(K)
+
+    def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
+        return self.bind_left(t, X)(L)
+
+    def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
+        return self.bind_project(t, X, V)(S)
+
+
 class MemoryField(FactoredField):
     """A linear-plus-low-rank-nonlinear matrix-memory field, every term factorable:
 

@@ -31,13 +31,13 @@ from torch import Tensor, nn
 from ..linalg import orthonormalize
 from ._block import LowRankODEBlock
 from ._controller import AbstractController
-from ._field import FactoredField
+from ._field import BoundField
 from ._state import LowRankState
 
 RECURRENCES = ("kron", "full")  # how the gates read the core: A c Bᵀ, or a full map of vec(c)
 
 
-class GatedMemoryField(FactoredField):
+class GatedMemoryField(BoundField):
     """The gated field above, driven by the sequence set with :meth:`set_input`.
 
     **Arguments:**
@@ -156,15 +156,6 @@ class GatedMemoryField(FactoredField):
         def f(S: Tensor) -> Tensor:  # −λ XᵀX S VᵀV + (PᵀX)ᵀ U(c) TᵀV with c = (Pᵀ X) S (Tᵀ V)ᵀ
             return -self.decay * (GX @ S @ GV) + PX.mT @ self._update(PX @ S @ TV.mT, drive) @ TV
         return f
-
-    def apply_right(self, t: float, K: Tensor, V: Tensor) -> Tensor:
-        return self.bind_right(t, V)(K)
-
-    def apply_left(self, t: float, X: Tensor, L: Tensor) -> Tensor:
-        return self.bind_left(t, X)(L)
-
-    def project(self, t: float, X: Tensor, S: Tensor, V: Tensor) -> Tensor:
-        return self.bind_project(t, X, V)(S)
 
 
 class SequenceClassifier(nn.Module):
