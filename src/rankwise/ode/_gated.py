@@ -119,7 +119,7 @@ class GatedMemoryField(BoundField):
         return torch.einsum("bw,gwpq->gbpq", x, W) + (self.b + self.Z[:, i])[:, None]
 
     def _update(self, c: Tensor, drive: Tensor) -> Tensor:
-        """λ c + z ⊙ (n − c) (B, p, p) for the core c (B, p, p) and :meth:`_drive`'s drive."""
+        """Φ(c) = λ c + z ⊙ (n − c) (B, p, p) for the core c (B, p, p) and :meth:`_drive`'s drive."""
         if self.recurrence == "kron":
             cB = torch.einsum("bjk,glk->gbjl", c, self.B)  # c B_gᵀ for both gates, then A_g (·)
             pre = torch.einsum("gij,gbjl->gbil", self.A, cB) + drive
@@ -136,7 +136,7 @@ class GatedMemoryField(BoundField):
         P, T = self.frames()
         TV, G, drive = (V.mT @ T).mT, V.mT @ V, self._drive(t)  # (B, p, r), (B, r, r), (2, B, p, p)
 
-        def f(K: Tensor) -> Tensor:  # −λ K VᵀV + P U(c) TᵀV with c = (Pᵀ K)(Tᵀ V)ᵀ
+        def f(K: Tensor) -> Tensor:  # −λ K VᵀV + P Φ(c) TᵀV with c = (Pᵀ K)(Tᵀ V)ᵀ
             return -self.decay * (K @ G) + P @ (self._update((K.mT @ P).mT @ TV.mT, drive) @ TV)
         return f
 
@@ -144,7 +144,7 @@ class GatedMemoryField(BoundField):
         P, T = self.frames()
         PX, G, drive = (X.mT @ P).mT, X.mT @ X, self._drive(t)
 
-        def f(L: Tensor) -> Tensor:  # −λ L XᵀX + T U(c)ᵀ PᵀX with c = (Pᵀ X)(Tᵀ L)ᵀ
+        def f(L: Tensor) -> Tensor:  # −λ L XᵀX + T Φ(c)ᵀ PᵀX with c = (Pᵀ X)(Tᵀ L)ᵀ
             return -self.decay * (L @ G) + T @ (self._update(PX @ (L.mT @ T), drive).mT @ PX)
         return f
 
@@ -153,7 +153,7 @@ class GatedMemoryField(BoundField):
         PX, TV, drive = (X.mT @ P).mT, (V.mT @ T).mT, self._drive(t)
         GX, GV = X.mT @ X, V.mT @ V
 
-        def f(S: Tensor) -> Tensor:  # −λ XᵀX S VᵀV + (PᵀX)ᵀ U(c) TᵀV with c = (Pᵀ X) S (Tᵀ V)ᵀ
+        def f(S: Tensor) -> Tensor:  # −λ XᵀX S VᵀV + (PᵀX)ᵀ Φ(c) TᵀV with c = (Pᵀ X) S (Tᵀ V)ᵀ
             return -self.decay * (GX @ S @ GV) + PX.mT @ self._update(PX @ S @ TV.mT, drive) @ TV
         return f
 
