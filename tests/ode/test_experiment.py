@@ -85,6 +85,7 @@ def test_gated_runs_under_a_budget_and_as_the_autograd_baseline():
     (("--grid", "autograd:8"), "autograd takes no C"),
     (("--model", "lstm"), "--model must be 'gated' or 'layered'"),
     (("--grid", "gru:64:r4"), "the GRU has no rank"),
+    (("--recurrence", "dense"), "--recurrence must be one of 'kron', 'full'"),
 ])
 def test_ode_cli_names_bad_entries(args, says, tmp_path):
     from helpers import run_cli

@@ -31,6 +31,7 @@ from ..ode import (
     SequenceClassifier,
     audit_gradients,
 )
+from ..ode._gated import RECURRENCES
 from ..train import Callback, Loop, accuracy, fit
 from ._layered_ode import LayeredMemoryODE as LayeredMemoryODE
 
@@ -117,8 +118,9 @@ class OdeRunConfig:
     def __post_init__(self) -> None:
         if self.data not in ("digits", "mnist1d"):
             raise ValueError(f"`data` must be 'digits' or 'mnist1d'; got {self.data!r}")
-        if self.recurrence not in ("kron", "full"):
-            raise ValueError(f"`recurrence` must be 'kron' or 'full'; got {self.recurrence!r}")
+        if self.recurrence not in RECURRENCES:
+            raise ValueError(f"`recurrence` must be one of {', '.join(map(repr, RECURRENCES))}; "
+                             f"got {self.recurrence!r}")
         if self.budget_in not in ("states", "bytes"):
             raise ValueError(f"`budget_in` must be 'states' or 'bytes'; got {self.budget_in!r}")
         if self.model not in ("gated", "layered"):
