@@ -1,7 +1,7 @@
 """Reversal backprop under a memory budget (`rankwise.ode.MemoryBudget`) against revolve's
 optimum for the same budget, in one run.
 
-Run: ``.venv/bin/python benchmarks/ode_budget.py`` (about a minute on 2 cores). One
+Run: ``.venv/bin/python benchmarks/ode_budget.py`` (about five minutes, one thread). One
 LowRankODEBlock (the tanh field of the tests, m = n = 32, rank 8, batch 16, 64 steps, float64);
 budgets of S + 1 states. For each budget:
 

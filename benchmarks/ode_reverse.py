@@ -1,6 +1,6 @@
 """What a reversed step costs on the permuted-digits model, by solver, against autograd.
 
-Run: ``.venv/bin/python benchmarks/ode_reverse.py`` (about two minutes on one core). The
+Run: ``.venv/bin/python benchmarks/ode_reverse.py`` (about four minutes on one core). The
 model of docs/ode.md (`SequenceClassifier`: 64 steps, 32×32 memory of rank 8, p = 16, per-step
 input maps, float32, causal step), batch 64 of permuted digits, after 30 Adam steps (so that
 the field is not at its initial values). For each way of taking the gradient:
