@@ -254,3 +254,32 @@ def test_cached_frames_follow_parameter_updates():
     with torch.no_grad():
         assert f.frames()[1].dtype == torch.float64
     assert f.frames()[0].requires_grad
+
+
+def test_cached_drive_follows_the_step_the_input_and_the_parameters():
+    """Without autograd the last step's drive is kept; it must equal the drive computed afresh
+    after a new step, a new input, an optimizer step (in place) and a dtype change, and with
+    autograd on it carries gradient to W, b and Z."""
+    f = _field(True)
+
+    def fresh(t):
+        with torch.enable_grad():
+            return f._drive(t).detach()
+
+    with torch.no_grad():
+        for t in (0.0, 0.1, 0.25, 0.5, 0.25):
+            torch.testing.assert_close(f._drive(t), fresh(t), rtol=0, atol=0)
+        before = f._drive(0.5).clone()
+        f.set_input(torch.randn(3, 5, dtype=F64))
+        torch.testing.assert_close(f._drive(0.5), fresh(0.5), rtol=0, atol=0)
+        assert not torch.equal(f._drive(0.5), before)
+        for prm in (f.W, f.b, f.Z):
+            before = f._drive(0.5).clone()
+            prm.add_(0.1)
+            torch.testing.assert_close(f._drive(0.5), fresh(0.5), rtol=0, atol=0)
+            assert not torch.equal(f._drive(0.5), before)
+    f.float()
+    f.set_input(torch.randn(3, 5))
+    with torch.no_grad():
+        assert f._drive(0.5).dtype == torch.float32
+    assert f._drive(0.5).requires_grad

@@ -101,3 +101,18 @@ def test_rank_ratio_and_state_shapes():
     assert st.rank == 4 and st.dense().shape == (3, 8, 6)
     with pytest.raises(ValueError, match="inconsistent"):
         LowRankState(st.X, st.S[:, :3, :3], st.V)
+
+
+def test_reverse_with_the_steps_rotations_returns_the_forwards_own_factors():
+    """Without rotations the factors come back in rotated bases (same product); with the ones
+    ksl_step reports, X0, S0 and V0 themselves come back."""
+    A, Bm, F0 = _problem(seed=4)
+    field = _nonlinear(A, Bm)
+    st = LowRankState.from_dense(F0, 4)
+    fwd, rotations = ksl_step(st, field, 0.1, 0.05, return_rotations=True)
+    assert torch.equal(fwd.dense(), ksl_step(st, field, 0.1, 0.05).dense())
+    plain = ksl_reverse(fwd, field, 0.1, 0.05)
+    assert (plain.X - st.X).abs().max() > 1e-3  # a rotated basis
+    back = ksl_reverse(fwd, field, 0.1, 0.05, rotations=rotations)
+    for a, b in ((back.X, st.X), (back.S, st.S), (back.V, st.V)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)

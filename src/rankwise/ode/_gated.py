@@ -37,6 +37,12 @@ from ._state import LowRankState
 RECURRENCES = ("kron", "full")  # how the gates read the core: A c Bᵀ, or a full map of vec(c)
 
 
+def _versions(*params: Tensor) -> tuple[int, ...]:
+    """What identifies the values of `params` for a no-grad cache: an in-place update (an
+    optimizer step) or a new tensor changes it; an update through ``.data`` does not."""
+    return tuple(x for p in params for x in (id(p), p._version, p.data_ptr()))
+
+
 class GatedMemoryField(BoundField):
     """The gated field above, driven by the sequence set with :meth:`set_input`.
 
@@ -83,13 +89,16 @@ class GatedMemoryField(BoundField):
                                            torch.zeros(p, p, dtype=dtype)]))
         self.Z = nn.Parameter(0.1 * rand(2, steps, p, p))
         self._u: Tensor | None = None
-        self._frames: tuple[tuple[int, ...], tuple[Tensor, Tensor]] | None = None  # no-grad cache
+        self._frames: tuple[tuple, tuple[Tensor, Tensor]] | None = None  # no-grad caches: (key, value)
+        self._drives: tuple[tuple, Tensor] | None = None  # (one step's: its K-, S- and L-substeps share it)
+        self._inputs = 0  # counts set_input calls (part of the drive cache's key)
 
     def set_input(self, u: Tensor) -> None:
         """The sequence the next integrations read: u (B, steps); held as data (no gradient)."""
         if u.dim() != 2 or u.shape[1] != self.steps:
             raise ValueError(f"`u` must be (batch, {self.steps}); got {tuple(u.shape)}")
         self._u = nn.functional.pad(u.detach().to(self.P), (self.window - 1, 0))
+        self._inputs += 1
 
     def frames(self) -> tuple[Tensor, Tensor]:
         """The orthonormal frames P (m, p), T (n, p). Without autograd (the reverse pass's
@@ -97,8 +106,7 @@ class GatedMemoryField(BoundField):
         of P or T (an optimizer step) renews them; one through ``.data`` is not seen."""
         if torch.is_grad_enabled():
             return orthonormalize(self.P)[0], orthonormalize(self.T)[0]
-        P, T = self.P, self.T
-        key = (id(P), id(T), P._version, T._version, P.data_ptr(), T.data_ptr())
+        key = _versions(self.P, self.T)
         if self._frames is None or self._frames[0] != key:
             self._frames = key, (orthonormalize(self.P)[0], orthonormalize(self.T)[0])
         return self._frames[1]
@@ -110,10 +118,19 @@ class GatedMemoryField(BoundField):
 
     def _drive(self, t: float) -> Tensor:
         """W(x_i) + b + Z[i] (2, B, p, p): the gates' terms that do not depend on the memory
-        (z's, then n's), at time t."""
+        (z's, then n's), at time t. Without autograd the last one is kept (the substeps of a
+        step read the same element), keyed like :meth:`frames`'s cache and by the input."""
         if self._u is None:
             raise RuntimeError("GatedMemoryField has no input; call set_input(u) first")
         i = min(int(t / self.h + 1e-6), self.steps - 1)
+        if torch.is_grad_enabled():
+            return self._drive_at(i)
+        key = (i, self._inputs, *_versions(self.W, self.b, self.Z))
+        if self._drives is None or self._drives[0] != key:
+            self._drives = key, self._drive_at(i)
+        return self._drives[1]
+
+    def _drive_at(self, i: int) -> Tensor:
         x = self._u[:, i:i + self.window]  # (B, w)
         W = self.W[:, i] if self.W.dim() == 5 else self.W  # (2, w, p, p)
         return torch.einsum("bw,gwpq->gbpq", x, W) + (self.b + self.Z[:, i])[:, None]

@@ -67,9 +67,9 @@ def _l_rhs(field: Field, t: float, X: Tensor) -> Callable[[Tensor], Tensor]:
 
 
 def _step(state: LowRankState, field: Field, t: float, h: float,
-          s_time: str = "end") -> tuple[LowRankState, Tensor, Tensor]:
-    """One forward step, plus the two r×r rotations its QRs will introduce in the reverse:
-    QR(X0 S0) = X0·Q_x·R and QR(V0 S̃0ᵀ) = V0·Q_v·R with Q_x, Q_v from QR(S0), QR(S̃0ᵀ)."""
+          s_time: str = "end") -> tuple[LowRankState, Tensor]:
+    """One forward step -> (F1, S̃0): the new state and the S-substep's result, from which
+    :func:`step_rotations` gives the rotations the reverse's QR of L0 introduces."""
     X0, S0, V0 = state.X, state.S, state.V
     K1 = X0 @ S0 + h * _k_rhs(field, t, V0)(X0 @ S0)
     X1, S_hat = orthonormalize(K1)
@@ -77,22 +77,32 @@ def _step(state: LowRankState, field: Field, t: float, h: float,
     L0 = V0 @ S_tilde.mT
     L1 = L0 + h * _l_rhs(field, t, X1)(L0)
     V1, St = orthonormalize(L1)
-    with torch.no_grad():
-        Qx, Qv = orthonormalize(S0.detach())[0], orthonormalize(S_tilde.detach().mT)[0]
-    return LowRankState(X1, St.mT, V1), Qx, Qv
+    return LowRankState(X1, St.mT, V1), S_tilde
 
 
-def ksl_step(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end") -> LowRankState:
+def ksl_step(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end",
+             return_rotations: bool = False) -> LowRankState | tuple[LowRankState, tuple[Tensor, Tensor]]:
     """One KSL step of size h (explicit Euler substeps), the S-substep at ``s_time`` ("end":
-    t + h; "start": t, causal). Shapes as in :class:`LowRankState`."""
-    return _step(state, field, t, h, s_time)[0]
+    t + h; "start": t, causal). Shapes as in :class:`LowRankState`.
+
+    ``return_rotations``: also return the two r×r rotations (Q_x, Q_v) that the reverse's QRs
+    will introduce — QR(X0 S0) = X0·Q_x·R and QR(V0 S̃0ᵀ) = V0·Q_v·R with Q_x, Q_v from QR(S0),
+    QR(S̃0ᵀ) — for ``ksl_reverse(..., rotations=...)`` to return the forward's own factors.
+    (Two more QRs per step: only on request.)"""
+    out, S_tilde = _step(state, field, t, h, s_time)
+    if not return_rotations:
+        return out
+    with torch.no_grad():
+        rotations = orthonormalize(state.S.detach())[0], orthonormalize(S_tilde.detach().mT)[0]
+    return out, rotations
 
 
 def ksl_reverse(state: LowRankState, field: Field, t: float, h: float, *, s_time: str = "end",
                 rotations: tuple[Tensor, Tensor] | None = None, solver: str = "picard") -> LowRankState:
     """The inverse of :func:`ksl_step` (same t, h and s_time): from Φ_h(F0) back to F0, up to
     roundoff at full rank. Without ``rotations`` the factors of F0 come back in rotated bases;
-    with the (Q_x, Q_v) that the forward step reported, the forward's own factors come back.
+    with the (Q_x, Q_v) that ``ksl_step(..., return_rotations=True)`` reported, the forward's own
+    factors come back.
     ``solver``: how the implicit substeps are solved, "anderson" or "picard" (:mod:`._implicit`)."""
 
     def invert(f: Callable[[Tensor], Tensor], y1: Tensor) -> Tensor:  # y0 with y0 + h f(y0) = y1
