@@ -38,7 +38,8 @@ def test_run_end_to_end_tiny():
 @pytest.mark.parametrize(("field", "value"), [("layers", 0), ("rank", 0), ("rank", 9), ("depth_steps", 0),
                                               ("c", 0), ("epochs", 0), ("p", 9), ("window", 0),
                                               ("budget_states", 0), ("h", 0.0), ("model", "lstm"),
-                                              ("controller", "magic"), ("budget_in", "kib")])
+                                              ("controller", "magic"), ("budget_in", "kib"),
+                                              ("validation", 1.0), ("validation", -0.1)])
 def test_run_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError, match=f"`{field}` must be"):
         OdeRunConfig(**{"m": 8, "max_rank": 8, "p": 4, field: value})
@@ -158,3 +159,43 @@ def test_ode_cli_resumes_from_its_run_records(tmp_path, monkeypatch):
     assert record.read_bytes() == before and not calls
     r = run_cli("ode", "--grid", "fixed:8,fixed:8", "--out", tmp_path / "twice")
     assert r.exit_code == 2 and "--grid names fixed:8 twice" in r.stderr
+
+
+def test_validation_holds_out_the_end_of_the_training_set():
+    from rankwise.experiments.ode_seq import split_validation
+
+    u, y = torch.arange(20.0).reshape(10, 2), torch.arange(10)
+    ut, yt = torch.zeros(3, 2), torch.zeros(3)
+    assert split_validation(u, y, ut, yt, 0.0) == (u, y, ut, yt)
+    tr_u, tr_y, va_u, va_y = split_validation(u, y, ut, yt, 0.2)
+    assert torch.equal(tr_u, u[:8]) and torch.equal(va_u, u[8:]) and torch.equal(va_y, y[8:])
+    assert torch.equal(tr_y, y[:8])
+    with pytest.raises(ValueError, match="leaves 10 to train on and 0 to validate on"):
+        split_validation(u, y, ut, yt, 0.01)
+
+
+def test_ode_cli_scores_a_validation_split_without_reading_the_test_set(tmp_path, monkeypatch):
+    """--validation: trains on the first part of the training set and reports val acc on the
+    rest; the test sequences are never scored (here they are poisoned: NaN)."""
+    import json
+    import math
+
+    from helpers import run_cli
+    from rankwise.experiments import ode_seq
+
+    full = ode_seq.load_sequences
+
+    def small(data, seed):
+        utr, ytr, ute, yte = full(data, seed)
+        return utr[:100], ytr[:100], torch.full_like(ute[:32], float("nan")), yte[:32]
+
+    monkeypatch.setattr(ode_seq, "load_sequences", small)
+    out = tmp_path / "ode"
+    r = run_cli("ode", "--data", "mnist1d", "--grid", "fixed:8:r2", "--validation", "0.25", "--out", out)
+    assert r.exit_code == 0, r.output
+    assert "validation 0.25 of train" in " ".join(r.stdout.split())  # the table's title (maybe wrapped)
+    rec = json.loads((out / "runs" / "mnist1d_gated_fixed_C8_r2_validation_0.25_s0.json").read_text())
+    assert math.isnan(rec["test_acc"]) and 0 <= rec["val_acc"] <= 1 and rec["spec"]["validation"] == 0.25
+    assert len(rec["trace"]) == 2  # 75 sequences to train on: two batches of 64
+    r = run_cli("ode", "--validation", "1.5", "--out", tmp_path / "bad")
+    assert r.exit_code == 2 and "--validation must be in [0, 1)" in r.stderr

@@ -99,6 +99,9 @@ def ode_cmd(
     budget_in: Annotated[str, typer.Option(help="budget:STATES counts states (the same for every batch) or "
                                            "bytes (STATES states of the first batch: a smaller batch "
                                            "gets more, the rule before issue 28).")] = "states",
+    validation: Annotated[float, typer.Option(help="Hold out this last fraction of the training set and "
+                                              "report accuracy on it (val acc) instead of on the test "
+                                              "set, which is then not read: for choosing a setting.")] = 0.0,
     jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Folder for runs/*.json (one record per run: a run stored there "
@@ -124,12 +127,12 @@ def ode_cmd(
                              c_max=c_max if cm is None else cm,
                              rank=rank if r is None else r, max_rank=max_rank, layers=layers,
                              depth_steps=depth_steps, epochs=epochs, seed=s, causal=causal,
-                             budget_in=budget_in, recurrence=recurrence)
+                             budget_in=budget_in, recurrence=recurrence, validation=validation)
                 for k, c, cm, r in entries for s in range(seeds)]
     except ValueError as e:  # name the options, not the dataclass fields
         msg = str(e).replace("`c_max`", "--c-max (or -CMAX in --grid)").replace("`c`", "C in --grid")
         msg = msg.replace("`rank`", "--rank (or :rR in --grid)").replace("`budget_in`", "--budget-in")
-        msg = msg.replace("`recurrence`", "--recurrence")
+        msg = msg.replace("`recurrence`", "--recurrence").replace("`validation`", "--validation")
         for f in ("max_rank", "depth_steps", "layers", "epochs"):
             msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
         raise UserError(msg) from e
@@ -150,6 +153,8 @@ def ode_cmd(
     from ..experiments.ode_seq import plot_traces
     from ._common import progress_columns
 
+    scored = ("val_acc", "val acc") if validation else ("test_acc", "test acc")
+    columns = ((*scored, "{:.3f}"), *_COLUMNS[1:])
     console = Console()
     with Progress(*progress_columns(), console=console) as prog:
         bars = {k: prog.add_task(f"{c.name} s{c.seed}", total=None, info="waiting")
@@ -159,7 +164,7 @@ def ode_cmd(
             prog.update(bars[key], completed=done, total=total, info=f"it {done}/{total} {info}")
 
         def on_done(r: dict) -> None:
-            prog.update(bars[_key(OdeRunConfig(**r["spec"]))], info=f"test acc {r['test_acc']:.3f}")
+            prog.update(bars[_key(OdeRunConfig(**r["spec"]))], info=f"{scored[1]} {r[scored[0]]:.3f}")
 
         results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
                                 overwrite=force, on_progress=on_progress, on_done=on_done,
@@ -174,12 +179,13 @@ def ode_cmd(
     what = f"{layers} layers" if model == "layered" else "gated"
     plot_traces(results, out / "ode_traces.png", title=f"{data}: {what}, {epochs} epoch(s)")
 
-    table = Table(title=f"matrix-memory ODE ({what}) on {data}: {epochs} epoch(s), {seeds} seed(s)")
+    held = f", validation {validation:g} of train" if validation else ""
+    table = Table(title=f"matrix-memory ODE ({what}) on {data}{held}: {epochs} epoch(s), {seeds} seed(s)")
     table.add_column("run")
-    for _, head, _ in _COLUMNS:
+    for _, head, _ in columns:
         table.add_column(head)
     for name in dict.fromkeys(r["name"] for r in results):
         rs = [r for r in results if r["name"] == name]
-        table.add_row(name, *(mean_std([float(r[key]) for r in rs], fmt) for key, _, fmt in _COLUMNS))
+        table.add_row(name, *(mean_std([float(r[key]) for r in rs], fmt) for key, _, fmt in columns))
     console.print(table)
     console.print(f"wrote {out}/results.json, traces.csv, ode_traces.png")

@@ -89,7 +89,9 @@ class OdeRunConfig:
     (U vec(c), p⁴ numbers per gate). ``causal`` (gated): each step's S-substep at its start,
     so step i reads elements ≤ i only;
     ``False``: the textbook step (S-substep at t + h, one element ahead). The layered model
-    always uses the textbook step."""
+    always uses the textbook step. ``validation`` (in [0, 1)): train on the first 1 − v of the
+    training set and report ``val_acc`` on the rest instead of ``test_acc`` (the test set is not
+    read: for choosing a setting)."""
 
     data: str = "digits"  # "digits" (permuted, 64 steps) or "mnist1d" (40 steps)
     model: str = "gated"
@@ -114,6 +116,7 @@ class OdeRunConfig:
     causal: bool = True
     gru_hidden: int = 128
     recurrence: str = "kron"  # gated: how the gates read the core, A c Bᵀ ("kron") or U vec(c) ("full")
+    validation: float = 0.0  # > 0: hold out this last fraction of the training set; scored on it, not on test
 
     def __post_init__(self) -> None:
         if self.data not in ("digits", "mnist1d"):
@@ -130,6 +133,8 @@ class OdeRunConfig:
         check_training(epochs=self.epochs, batch_size=self.batch_size, lr=self.learning_rate, seed=self.seed)
         if not self.h > 0:
             raise ValueError(f"`h` must be > 0; got {self.h}")
+        if not 0 <= self.validation < 1:
+            raise ValueError(f"`validation` must be in [0, 1) (a fraction of the training set); got {self.validation}")
         if self.model == "gated" and not 1 <= self.p <= self.m:
             raise ValueError(f"`p` must be in [1, m={self.m}]; got {self.p}")
         for name in ("c", "rank", "layers", "depth_steps", "window", "budget_states", "gru_hidden"):
@@ -152,7 +157,8 @@ class OdeRunConfig:
     @property
     def name(self) -> str:
         full = self.model == "gated" and self.recurrence == "full" and self.controller != "gru"
-        return self._name + (", full recurrence" if full else "")
+        val = f", validation {self.validation:g}" if self.validation else ""
+        return self._name + (", full recurrence" if full else "") + val
 
     @property
     def _name(self) -> str:
@@ -180,6 +186,19 @@ def load_sequences(data: str, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor
         tr, te = load_mnist1d()
         return tr.tensors[0], tr.tensors[1], te.tensors[0], te.tensors[1]
     raise ValueError(f"data must be 'digits' or 'mnist1d'; got {data!r}")
+
+
+def split_validation(u_train: Tensor, y_train: Tensor, u_test: Tensor, y_test: Tensor,
+                     fraction: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(u, y) to train on and (u, y) to score on: with ``fraction`` > 0, the first 1 − fraction
+    of the training set and its last `fraction` (the test set dropped); else unchanged."""
+    if not fraction:
+        return u_train, y_train, u_test, y_test
+    n = len(u_train) - round(fraction * len(u_train))
+    if not 1 <= n < len(u_train):
+        raise ValueError(f"validation fraction {fraction} of {len(u_train)} training sequences leaves "
+                         f"{n} to train on and {len(u_train) - n} to validate on; both need one or more")
+    return u_train[:n], y_train[:n], u_train[n:], y_train[n:]
 
 
 def _state_bytes(cfg: OdeRunConfig) -> int:
@@ -287,7 +306,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     ``callback(it, total, loss)``, if given, is called after every iteration (1-based `it` of
     `total` = epochs × batches per epoch)."""
     torch.manual_seed(cfg.seed)
-    utr, ytr, ute, yte = load_sequences(cfg.data, cfg.seed)
+    utr, ytr, ute, yte = split_validation(*load_sequences(cfg.data, cfg.seed), cfg.validation)
     model = build_model(cfg, utr.shape[1])
     trained = _SavedBytes(model) if cfg.controller in ("autograd", "gru") else model
     opt = torch.optim.Adam(model.parameters(), cfg.learning_rate)
@@ -304,7 +323,7 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     blocks = _blocks(model)
     for blk in blocks:  # evaluation needs no reverse pass
         blk.reversible = False
-    test_acc, train_acc = accuracy(model, ute, yte), accuracy(model, utr[:1000], ytr[:1000])
+    held_acc, train_acc = accuracy(model, ute, yte), accuracy(model, utr[:1000], ytr[:1000])
     for blk in blocks:
         blk.reversible = cfg.controller != "autograd"
     cos = float("nan")  # (the GRU has no reversal to audit)
@@ -314,7 +333,9 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     losses = [r["loss"] for r in trace]
     tail = losses[len(losses) // 2:]
     mean = sum(tail) / len(tail)
-    return dict(config=asdict(cfg), name=cfg.name, test_acc=test_acc, train_acc=train_acc,
+    nan = float("nan")
+    return dict(config=asdict(cfg), name=cfg.name, test_acc=nan if cfg.validation else held_acc,
+                val_acc=held_acc if cfg.validation else nan, train_acc=train_acc,
                 mean_rank=sum(r["rank"] for r in trace) / len(trace),
                 mean_checkpoints=sum(r["checkpoints"] for r in trace) / len(trace),
                 max_delta=max(r["max_delta"] for r in trace),
