@@ -134,7 +134,8 @@ class OdeRunConfig:
         if not self.h > 0:
             raise ValueError(f"`h` must be > 0; got {self.h}")
         if not 0 <= self.validation < 1:
-            raise ValueError(f"`validation` must be in [0, 1) (a fraction of the training set); got {self.validation}")
+            raise ValueError(f"`validation` must be in [0, 1) (a fraction of the training set); "
+                             f"got {self.validation}")
         if self.model == "gated" and not 1 <= self.p <= self.m:
             raise ValueError(f"`p` must be in [1, m={self.m}]; got {self.p}")
         for name in ("c", "rank", "layers", "depth_steps", "window", "budget_states", "gru_hidden"):
