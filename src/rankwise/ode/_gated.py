@@ -139,18 +139,11 @@ class GatedMemoryField(BoundField):
         """Φ(c) = λ c + z ⊙ (n − c) (B, p, p) for the core c (B, p, p) and :meth:`_drive`'s drive."""
         if self.recurrence == "kron":
             cB = torch.einsum("bjk,glk->gbjl", c, self.B)  # c B_gᵀ for both gates, then A_g (·)
-            pre = torch.einsum("gij,gbjl->gbil", self.A, cB)
+            pre = torch.einsum("gij,gbjl->gbil", self.A, cB) + drive
         else:  # U_g vec(c), both gates in one product
-            pre = torch.einsum("gij,bj->gbi", self.U, c.flatten(1)).view(drive.shape)
-        if torch.is_grad_enabled():
-            pre = pre + drive
-            z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
-            return self.decay * c + z * (n - c)
-        # without autograd (the forward pass and replays of a reversal backward) the same
-        # operations in place on the fresh product: bitwise the values above, fewer allocations
-        pre.add_(drive)
-        z, n = pre[0].sigmoid_(), pre[1].tanh_()
-        return n.sub_(c).mul_(z).add_(self.decay * c)
+            pre = torch.einsum("gij,bj->gbi", self.U, c.flatten(1)).view(drive.shape) + drive
+        z, n = torch.sigmoid(pre[0]), torch.tanh(pre[1])
+        return self.decay * c + z * (n - c)
 
     def forward(self, t: float, F: Tensor) -> Tensor:
         P, T = self.frames()
