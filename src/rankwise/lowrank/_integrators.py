@@ -236,15 +236,16 @@ def reorthonormalize(f: Factors) -> Factors:
     """The same weight and gradients with exactly orthonormal ``[U, U_buf]`` and
     ``[V, V_buf]``: with ``U = U' R_U``, ``V = V' R_V`` (thin QR, R upper-triangular),
     ``S' = R_U S R_Vᵀ``, ``G_K' = G_K R_V⁻¹``, ``G_L' = G_L R_U⁻¹``,
-    ``G_S' = R_U⁻ᵀ G_S R_V⁻¹`` (R is the identity up to the drift being removed)."""
-    r = f.U.shape[1]
-    QU, RU = orthonormalize(torch.cat([f.U, f.U_buf], dim=1))
-    QV, RV = orthonormalize(torch.cat([f.V, f.V_buf], dim=1))
-    RU, RV = RU[:r, :r], RV[:r, :r]
+    ``G_S' = R_U⁻ᵀ G_S R_V⁻¹`` (R is the identity up to the drift being removed). Also for
+    a batch of layers stacked along a leading dimension."""
+    r = f.U.shape[-1]
+    QU, RU = orthonormalize(torch.cat([f.U, f.U_buf], dim=-1))
+    QV, RV = orthonormalize(torch.cat([f.V, f.V_buf], dim=-1))
+    RU, RV = RU[..., :r, :r], RV[..., :r, :r]
 
     def right_solve(G: Tensor, R: Tensor) -> Tensor:  # G R⁻¹
         return torch.linalg.solve_triangular(R, G, upper=True, left=False)
 
     G_S = torch.linalg.solve_triangular(RU.mT, right_solve(f.G_S, RV), upper=False)
-    return Factors(QU[:, :r], RU @ f.S @ RV.mT, QV[:, :r], right_solve(f.G_K, RV), G_S,
-                   right_solve(f.G_L, RU), QU[:, r:], QV[:, r:])
+    return Factors(QU[..., :r], RU @ f.S @ RV.mT, QV[..., :r], right_solve(f.G_K, RV), G_S,
+                   right_solve(f.G_L, RU), QU[..., r:], QV[..., r:])

@@ -15,11 +15,11 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg import work_dtype
-from . import _dp, _shard
+from . import _batched, _dp, _shard
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
-from ._rules import State, apply_rule, transport
+from ._rules import State, transport
 from ._settings import Settings, pop_rule, settings_from
 
 
@@ -134,6 +134,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.process_group = process_group
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
+        self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
         self.layers: dict[str, AbstractLowRankLayer] = {
             n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
         }
@@ -257,6 +258,17 @@ class AugmentedBUG(torch.optim.Optimizer):
             layer.reset_factor_grads()
 
     # ----------------------------------------------------------------- the step
+    def _batched_now(self, augment: bool) -> bool:
+        """Does this step take the batched path (:mod:`._batched`)? On one process, for core
+        steps and single-pass augmentations other than the data-aware (`sensitivity`) budget;
+        two-pass BUG and data parallelism take the per-layer path."""
+        if self.process_group is not None:
+            return False
+        if not augment:
+            return True
+        return self.settings.single_pass and not (
+            self.settings.budgeted and self.truncation.allocation == "sensitivity")
+
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
 
@@ -297,6 +309,13 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
             dp = self.process_group is not None
+            if self._batched_now(augment):  # one process: batched groups, one host read per augmentation
+                ok = _batched.augmenting_step(self, loss) if augment else _batched.core_step(self, loss)
+                if ok and augment:
+                    _batched.dense_step(self)
+                if ok:
+                    self._hp()["global_step"] += 1
+                return loss
             ok = self._finite(loss, elsewhere=dp and self._average(self._grad_slots(), loss, first=True))
             if ok and augment:
                 ok = self._augmented_step(closure if two_pass else None)
@@ -757,11 +776,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         layer.set_factors(out.U, out.S, out.V, out.U_buf, out.V_buf)
 
     def _dense_step(self) -> None:
-        hp = self._hp()
-        for g in self.param_groups:
-            for p in g["params"]:
-                if id(p) not in self._factor_ids:
-                    apply_rule(self.rule, p, self.state[p], hp)
+        _batched.dense_step(self)
 
 
 _COMMON_DOC = """

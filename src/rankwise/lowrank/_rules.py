@@ -75,3 +75,43 @@ def apply_rule(rule: Rule, p: Tensor, state: State, hp: Mapping[str, Any]) -> No
     delta, new = rule(p.grad, p, state, hp)
     state.update(new)
     p.add_(delta)
+
+
+def foreach_update(name: str, grads: list[Tensor], params: list[Tensor], states: list[State],
+                   hp: Mapping[str, Any]) -> tuple[list[Tensor], list[State]]:
+    """:func:`sgd` (`name` ``"sgd"``) or :func:`adam` (``"adam"``) of many tensors at once, with
+    ``torch._foreach_*`` ops: a constant number of dispatched ops however many tensors. The
+    states must agree in which moments they hold and in Adam's step count (the caller groups
+    them so). Pure, like the rules: returns the deltas and new states."""
+    if not grads:
+        return [], []
+    wd = hp["weight_decay"]
+    g = torch._foreach_add(grads, torch._foreach_mul(params, wd)) if wd else grads
+    first = states[0]
+    if name == "sgd":
+        mu = hp["momentum"]
+        if not mu:
+            return torch._foreach_mul(g, -hp["lr"]), [dict(s) for s in states]
+        if first.get("m") is None:
+            m = [t.clone() for t in g] if g is grads else list(g)
+        else:
+            m = torch._foreach_add(torch._foreach_mul([s["m"] for s in states], mu), g)
+        return torch._foreach_mul(m, -hp["lr"]), [{**s, "m": mi} for s, mi in zip(states, m, strict=True)]
+    if name != "adam":
+        raise ValueError(f"no foreach form of the rule {name!r}")
+    b1, b2 = hp["betas"]
+    gb = torch._foreach_mul(g, 1 - b1)
+    gg = torch._foreach_mul(torch._foreach_mul(g, 1 - b2), g)
+    if first.get("m") is None:
+        m = gb
+    else:
+        m = torch._foreach_add(torch._foreach_mul([s["m"] for s in states], b1), gb)
+    if first.get("v") is None:
+        v = gg
+    else:
+        v = torch._foreach_add(torch._foreach_mul([s["v"] for s in states], b2), gg)
+    step = first.get("step", 0) + 1
+    mhat = torch._foreach_div(m, 1 - b1**step)
+    den = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, 1 - b2**step)), hp["eps"])
+    delta = torch._foreach_div(torch._foreach_mul(mhat, -hp["lr"]), den)
+    return delta, [{**s, "m": mi, "v": vi, "step": step} for s, mi, vi in zip(states, m, v, strict=True)]

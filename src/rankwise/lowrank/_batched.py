@@ -1,0 +1,350 @@
+r"""The optimizer's step on one process, batched over layer groups, with one host read.
+
+:class:`~rankwise.AugmentedBUG` calls :func:`augmenting_step` for a single-pass augmentation
+without data parallelism (the common case) and :func:`core_step` between augmentations. Layers
+of one shape (out, in, rank, buffer), dtype, device and optimizer-state layout form a group;
+each group is stacked and integrated by the pure functions of :mod:`._step` (rule, augment,
+core, SVD, tolerance ranks). Then every layer's new rank, the drop flags and the finiteness
+flags (and, under a :class:`Budget`, the spectra) reach the host in **one** transfer; the host
+cuts each group into the new shapes and writes factors and optimizer states back, with
+``torch._foreach_copy_`` where a layer's shapes did not change. A layer whose fixed-width
+augmentation dropped a direction (rare: ΔK numerically inside span(U0), or all zero) is
+integrated by the exact per-layer path of :mod:`._integrators` instead, so no result depends
+on the batching. Dense parameters take their rule with ``torch._foreach_*`` ops.
+
+Between augmentations (:func:`core_step`) nothing is read back: a non-finite loss or gradient
+leaves weights and moments as they were (``torch.where`` on the device), and the number of
+such skipped steps is reported (warning or error, as `on_nonfinite` says) at the next
+augmentation.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..linalg import work_dtype
+from . import _integrators as bug
+from . import _step
+from ._rules import State, foreach_update, transport
+
+if TYPE_CHECKING:
+    from ._optim import AugmentedBUG
+
+_MOMENTS = ("m", "v")
+
+
+def _signature(state: State) -> tuple:
+    """What a rule's state must share to be stacked: which moments it holds and its step."""
+    return tuple(k for k in _MOMENTS if state.get(k) is not None), state.get("step")
+
+
+def _stack_states(states: list[State], dt: torch.dtype) -> State:
+    out = {k: v for k, v in states[0].items() if k not in _MOMENTS}
+    for k in _MOMENTS:
+        if states[0].get(k) is not None:
+            out[k] = torch.stack([s[k] for s in states]).to(dt)
+    return out
+
+
+def _write_states(targets: list[State], new: State) -> None:
+    """Write a stacked state (L, ...) into L per-layer state dicts: into their tensors in one
+    ``_foreach_copy_`` where every tensor is there with the same shape and dtype, else as
+    fresh per-layer tensors (own storage: a view would save the whole batch)."""
+    for k, v in new.items():
+        if k not in _MOMENTS:
+            for t in targets:
+                t[k] = v
+            continue
+        old = [t.get(k) for t in targets]
+        rows = list(v.unbind(0))
+        if all(o is not None and o.shape == r.shape and o.dtype == r.dtype for o, r in zip(old, rows, strict=True)):
+            torch._foreach_copy_(old, rows)
+        else:
+            for t, r in zip(targets, rows, strict=True):
+                t[k] = r.clone()
+
+
+def _all_finite_flag(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """A device bool: every tensor finite (max-abs by ``_foreach_norm(inf)``: never overflows)."""
+    if not tensors:
+        return torch.ones((), dtype=torch.bool, device=device)
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all()
+
+
+def _dense_params(opt: AugmentedBUG) -> list[Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]
+            if id(p) not in opt._factor_ids and p.grad is not None]
+
+
+def inputs_finite(opt: AugmentedBUG, loss, device: torch.device) -> Tensor:
+    """Device bool: the loss and every dense ``.grad`` are finite (layers' gradients: per group)."""
+    tensors = [p.grad for p in _dense_params(opt)]
+    if loss is not None:
+        tensors.append(torch.as_tensor(loss).detach().reshape(1))
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for t in tensors:
+        by_device[t.device].append(t)
+    flag = torch.ones((), dtype=torch.bool, device=device)
+    for ts in by_device.values():
+        flag = flag & _all_finite_flag(ts, device)
+    return flag
+
+
+def dense_step(opt: AugmentedBUG, ok: Tensor | None = None) -> None:
+    """The rule on every dense parameter with a gradient, in ``_foreach`` batches (by device,
+    dtype and state layout). `ok` (a device bool, core steps): where False nothing changes."""
+    hp, name = opt._hp(), opt.settings.rule.name
+    groups: dict[tuple, list[Tensor]] = defaultdict(list)
+    for p in _dense_params(opt):
+        groups[(p.device, p.dtype, _signature(opt.state[p]))].append(p)
+    for params in groups.values():
+        states = [opt.state[p] for p in params]
+        deltas, new = foreach_update(name, [p.grad for p in params], params, states, hp)
+        if ok is not None:
+            zero = torch.zeros((), dtype=params[0].dtype, device=params[0].device)
+            deltas = [torch.where(ok, d, zero) for d in deltas]
+            for st, n in zip(states, new, strict=True):
+                for k in _MOMENTS:
+                    if n.get(k) is not None:
+                        n[k] = torch.where(ok, n[k], st[k] if st.get(k) is not None else zero)
+        torch._foreach_add_(params, deltas)
+        for st, n in zip(states, new, strict=True):
+            st.update(n)
+
+
+class _Group:
+    """One group's stacked inputs, rule outputs and plan (``names``: its layers, in order)."""
+
+    def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool) -> None:
+        cfg, hp = opt.settings, opt._hp()
+        self.names = names
+        self.layers = layers = [opt.layers[n] for n in names]
+        self.states = [opt.state[m.S] for m in layers]
+        first = layers[0]
+        self.dt = dt = work_dtype(first.U.dtype)
+
+        def stack(ts: list[Tensor]) -> Tensor:
+            return torch.stack(ts).to(dt)
+
+        f = bug.Factors(stack([m.U for m in layers]), stack([m.S for m in layers]), stack([m.V for m in layers]),
+                        stack([m.sink.K for m in layers]), stack([m.S.grad for m in layers]),
+                        stack([m.sink.L for m in layers]),
+                        stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
+                        stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
+        self.grads_finite = torch.isfinite(torch.stack([f.G_K.abs().amax(), f.G_L.abs().amax(),
+                                                        f.G_S.abs().amax()])).all()
+        if reorth:
+            f = bug.reorthonormalize(f)
+        self.f = f
+        rule = opt.rule
+        self.dK, stK = rule(f.G_K, f.U @ f.S, _stack_states([s["K"] for s in self.states], dt), hp)
+        self.dL, stL = rule(f.G_L, f.V @ f.S.mT, _stack_states([s["L"] for s in self.states], dt), hp)
+        self.dS, stS = rule(f.G_S, f.S, _stack_states([s["S"] for s in self.states], dt), hp)
+        self.new_states = {"K": stK, "L": stL, "S": stS}
+        self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto")
+        self.ranks: Tensor | None = None
+        if not cfg.budgeted and cfg.adaptive:
+            dev = f.U.device
+            caps = [opt._rank_cap(m) for m in layers]
+            self.ranks = _step.tolerance_ranks(
+                self.plan.s, torch.tensor([s["tau"] for s in self.states], dtype=torch.float64, device=dev),
+                torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev), torch.tensor(caps, device=dev))
+
+    def layer_state(self, i: int) -> dict[str, State]:
+        """Layer i's slice of the stacked rule states (the exact path's input)."""
+        return {key: {k: (v[i] if k in _MOMENTS else v) for k, v in st.items()}
+                for key, st in self.new_states.items()}
+
+
+def _report(opt: AugmentedBUG) -> Tensor:
+    """The device count of core steps skipped since the last augmentation (and reset it)."""
+    skipped = opt._skipped
+    opt._skipped = None
+    return skipped
+
+
+def augmenting_step(opt: AugmentedBUG, loss) -> bool:
+    """Augment and truncate every layer with gradients (module docstring). Returns False if the
+    step was skipped (non-finite values; nothing written)."""
+    cfg = opt.settings
+    todo = [n for n, m in opt.layers.items() if m.sink.K is not None and m.S.grad is not None]
+    keyed: dict[tuple, list[str]] = defaultdict(list)
+    for n in todo:
+        m, st = opt.layers[n], opt.state[opt.layers[n].S]
+        reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
+        keyed[(m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0, m.U.dtype,
+               m.U.device, reorth) + tuple(_signature(st[k]) for k in ("K", "L", "S"))].append(n)
+    groups = [_Group(opt, names, key[6]) for key, names in keyed.items()]
+    device = groups[0].f.U.device if groups else next(
+        (p.device for p in _dense_params(opt)), torch.device("cpu"))
+    ok_in = inputs_finite(opt, loss, device)
+    for g in groups:
+        ok_in = ok_in & g.grads_finite.to(device)
+    skipped = _report(opt)
+    # the one device→host transfer of the step
+    parts = [ok_in.double().reshape(1),
+             (skipped if skipped is not None else torch.zeros((), device=device)).double().reshape(1).to(device)]
+    for g in groups:
+        parts += [g.plan.finite.double().to(device), g.plan.dropped.double().to(device)]
+        if g.ranks is not None:
+            parts.append(g.ranks.double().to(device))
+        if cfg.budgeted:
+            parts.append(g.plan.s.double().flatten().to(device))
+    host = torch.cat(parts).cpu().tolist()
+    ok_inputs, n_skipped = host[0] > 0, int(host[1])
+    pos = 2
+    for g in groups:
+        L, k = len(g.names), g.plan.s.shape[-1]
+        g.finite = [v > 0 for v in host[pos:pos + L]]
+        g.dropped = [v > 0 for v in host[pos + L:pos + 2 * L]]
+        pos += 2 * L
+        if g.ranks is not None:
+            g.r1 = [int(v) for v in host[pos:pos + L]]
+            pos += L
+        else:
+            g.r1 = [g.plan.r0] * L
+        if cfg.budgeted:
+            g.spectra = [torch.tensor(host[pos + i * k:pos + (i + 1) * k], dtype=torch.float64) for i in range(L)]
+            pos += L * k
+    if n_skipped:
+        opt._nonfinite(f"{n_skipped} step(s) between augmentations had a non-finite loss or gradient and "
+                       "changed nothing")
+    if not ok_inputs:
+        return opt._nonfinite("non-finite loss or gradient" + (
+            "" if loss is None else f" (loss={float(loss)})"))
+    if not all(all(g.finite) for g in groups):
+        return opt._nonfinite("non-finite augmented core (overflow in the update)")
+    exact = _exact_plans(opt, groups)
+    ranks: dict[str, int] = {}
+    if cfg.budgeted:
+        spectra = {}
+        for g in groups:
+            for i, n in enumerate(g.names):
+                spectra[n] = exact[n][3][1].double().cpu() if n in exact else g.spectra[i]
+        spectra = {n: spectra[n] for n in opt.layers if n in spectra}
+        ranks = opt._budget_ranks(spectra)
+        for g in groups:
+            g.r1 = [ranks[n] for n in g.names]
+            g.tails = [_tail(spectra[n], ranks[n]) for n in g.names]
+    for g in groups:
+        _commit(opt, g, exact)
+    return True
+
+
+def _tail(s: Tensor, rank: int) -> float:
+    total = float(s.norm())
+    return float(s[rank:].norm()) / total if total > 0 else 0.0
+
+
+def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
+    """The exact per-layer path for the layers whose fixed-width augmentation dropped a
+    direction: {name: (aug, S_bar, states, svd)}."""
+    out = {}
+    for g in groups:
+        for i, n in enumerate(g.names):
+            if not g.dropped[i]:
+                continue
+            f = g.f
+            aug = bug.augment(f.U[i], f.V[i], g.dK[i], g.dL[i], f.U_buf[i], f.V_buf[i])
+            S_bar = bug.galerkin_core(aug, f.S[i]) + bug.projected_update(aug, g.dK[i], g.dS[i], g.dL[i])
+            out[n] = (aug, S_bar, g.layer_state(i), bug.core_svd(S_bar))
+    return out
+
+
+def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
+    """Truncate a group to its new ranks and write factors, buffers and states back."""
+    cfg, plan, r0 = opt.settings, g.plan, g.plan.r0
+    k = plan.s.shape[-1]
+    sub: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for i, n in enumerate(g.names):
+        if n in exact:
+            aug, S_bar, states, svd = exact[n]
+            opt._truncate(g.layers[i], aug, S_bar, states, two_pass=False,
+                          rank=g.r1[i] if cfg.budgeted else None, svd=svd)
+            continue
+        r1 = g.r1[i]
+        sub[(r1, min(r1, k - r1) if cfg.buffer else 0)].append(i)
+    for (r1, b), idx in sub.items():
+        everyone = len(idx) == len(g.names)
+        sel_t = None if everyone else torch.tensor(idx, device=plan.U.device)
+
+        def sel(t: Tensor, sel_t=sel_t) -> Tensor:
+            return t if sel_t is None else t.index_select(0, sel_t)
+
+        P, s, Q = sel(plan.P)[..., :r1 + b], sel(plan.s), sel(plan.Q)[..., :r1 + b]
+        U, V = _step._mm(sel(plan.U), P), _step._mm(sel(plan.V), Q)
+        S1 = torch.diag_embed(s[:, :r1])
+        TU, TV = P[:, :r0, :r1], Q[:, :r0, :r1]
+
+        def pick(st: State) -> State:
+            return {k_: (sel(v) if k_ in _MOMENTS else v) for k_, v in st.items()}
+
+        ns = g.new_states
+        moved = {"K": transport(pick(ns["K"]), None, TV), "L": transport(pick(ns["L"]), None, TU),
+                 "S": transport(pick(ns["S"]), TU, TV)}
+        layers = [g.layers[i] for i in idx]
+        states = [g.states[i] for i in idx]
+        same = r1 == r0 and b == (layers[0].U_buf.shape[1] if cfg.buffer else 0)
+        if same:
+            _copy_into([m.U for m in layers], U[..., :r1])
+            _copy_into([m.S for m in layers], S1)
+            _copy_into([m.V for m in layers], V[..., :r1])
+            if cfg.buffer and b:
+                _copy_into([m.U_buf for m in layers], U[..., r1:])
+                _copy_into([m.V_buf for m in layers], V[..., r1:])
+            for m in layers:
+                m.U.grad = m.S.grad = m.V.grad = None
+        else:
+            for j, m in enumerate(layers):
+                m.set_factors(U[j, :, :r1].clone(), S1[j].clone(), V[j, :, :r1].clone(),
+                              U[j, :, r1:].clone(), V[j, :, r1:].clone())
+        for key in ("K", "L", "S"):
+            _write_states([st[key] for st in states], moved[key])
+        for i, st in zip(idx, states, strict=True):
+            if cfg.budgeted:
+                st["tail"] = g.tails[i]
+            elif opt.feedback is not None:
+                st["tau"] = opt.feedback(st["tau"], r1, st["r_init"], cfg.tau)
+            st["augmentations"] = st.get("augmentations", 0) + 1
+
+
+def _copy_into(dst: list[Tensor], src: Tensor) -> None:
+    torch._foreach_copy_(dst, list(src.unbind(0)))
+
+
+def core_step(opt: AugmentedBUG, loss) -> bool:
+    """Between augmentations: the rule on every layer's core S and on the dense parameters,
+    batched, reading nothing back; a non-finite loss or gradient changes nothing and is counted
+    on the device (:func:`augmenting_step` reports it)."""
+    hp = opt._hp()
+    todo = [m for m in opt.layers.values() if m.S.grad is not None]
+    keyed: dict[tuple, list] = defaultdict(list)
+    for m in todo:
+        keyed[(m.rank, m.S.dtype, m.S.device, _signature(opt.state[m.S]["S"]))].append(m)
+    device = todo[0].S.device if todo else next((p.device for p in _dense_params(opt)), torch.device("cpu"))
+    ok = inputs_finite(opt, loss, device)
+    planned = []
+    for layers in keyed.values():
+        dt = work_dtype(layers[0].S.dtype)
+        S0 = torch.stack([m.S for m in layers]).to(dt)
+        G = torch.stack([m.S.grad for m in layers]).to(dt)
+        old = _stack_states([opt.state[m.S]["S"] for m in layers], dt)
+        dS, new = opt.rule(G, S0, old, hp)
+        S1 = S0 + dS
+        ok = ok & torch.isfinite(S1).all()
+        planned.append((layers, S0, S1, old, new))
+    for layers, S0, S1, old, new in planned:
+        _copy_into([m.S for m in layers], torch.where(ok, S1, S0))
+        for k in _MOMENTS:
+            if new.get(k) is not None:
+                new[k] = torch.where(ok, new[k], old[k] if old.get(k) is not None else torch.zeros_like(new[k]))
+        _write_states([opt.state[m.S]["S"] for m in layers], new)
+    dense_step(opt, ok)
+    bad = (~ok).to(torch.int64)
+    opt._skipped = bad if opt._skipped is None else opt._skipped + bad
+    return True
