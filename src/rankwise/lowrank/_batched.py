@@ -61,7 +61,8 @@ def _write_states(targets: list[State], new: State) -> None:
             continue
         old = [t.get(k) for t in targets]
         rows = list(v.unbind(0))
-        if all(o is not None and o.shape == r.shape and o.dtype == r.dtype for o, r in zip(old, rows, strict=True)):
+        if all(o is not None and o.shape == r.shape and o.dtype == r.dtype
+               for o, r in zip(old, rows, strict=True)):
             torch._foreach_copy_(old, rows)
         else:
             for t, r in zip(targets, rows, strict=True):
@@ -131,7 +132,8 @@ class _Group:
         def stack(ts: list[Tensor]) -> Tensor:
             return torch.stack(ts).to(dt)
 
-        f = bug.Factors(stack([m.U for m in layers]), stack([m.S for m in layers]), stack([m.V for m in layers]),
+        f = bug.Factors(stack([m.U for m in layers]), stack([m.S for m in layers]),
+                        stack([m.V for m in layers]),
                         stack([m.sink.K for m in layers]), stack([m.S.grad for m in layers]),
                         stack([m.sink.L for m in layers]),
                         stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
@@ -153,7 +155,8 @@ class _Group:
             caps = [opt._rank_cap(m) for m in layers]
             self.ranks = _step.tolerance_ranks(
                 self.plan.s, torch.tensor([s["tau"] for s in self.states], dtype=torch.float64, device=dev),
-                torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev), torch.tensor(caps, device=dev))
+                torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
+                torch.tensor(caps, device=dev))
 
     def layer_state(self, i: int) -> dict[str, State]:
         """Layer i's slice of the stacked rule states (the exact path's input)."""
@@ -177,8 +180,9 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
     for n in todo:
         m, st = opt.layers[n], opt.state[opt.layers[n].S]
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
-        keyed[(m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0, m.U.dtype,
-               m.U.device, reorth) + tuple(_signature(st[k]) for k in ("K", "L", "S"))].append(n)
+        shape = (m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0)
+        states = tuple(_signature(st[k]) for k in ("K", "L", "S"))
+        keyed[(*shape, m.U.dtype, m.U.device, reorth, *states)].append(n)
     groups = [_Group(opt, names, key[6]) for key, names in keyed.items()]
     device = groups[0].f.U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
@@ -187,8 +191,9 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         ok_in = ok_in & g.grads_finite.to(device)
     skipped = _report(opt)
     # the one device→host transfer of the step
-    parts = [ok_in.double().reshape(1),
-             (skipped if skipped is not None else torch.zeros((), device=device)).double().reshape(1).to(device)]
+    if skipped is None:
+        skipped = torch.zeros((), device=device)
+    parts = [ok_in.double().reshape(1), skipped.double().reshape(1).to(device)]
     for g in groups:
         parts += [g.plan.finite.double().to(device), g.plan.dropped.double().to(device)]
         if g.ranks is not None:
@@ -209,7 +214,8 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         else:
             g.r1 = [g.plan.r0] * L
         if cfg.budgeted:
-            g.spectra = [torch.tensor(host[pos + i * k:pos + (i + 1) * k], dtype=torch.float64) for i in range(L)]
+            g.spectra = [torch.tensor(host[pos + i * k:pos + (i + 1) * k], dtype=torch.float64)
+                         for i in range(L)]
             pos += L * k
     if n_skipped:
         opt._nonfinite(f"{n_skipped} step(s) between augmentations had a non-finite loss or gradient and "
@@ -342,7 +348,8 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
         _copy_into([m.S for m in layers], torch.where(ok, S1, S0))
         for k in _MOMENTS:
             if new.get(k) is not None:
-                new[k] = torch.where(ok, new[k], old[k] if old.get(k) is not None else torch.zeros_like(new[k]))
+                before = old[k] if old.get(k) is not None else torch.zeros_like(new[k])
+                new[k] = torch.where(ok, new[k], before)
         _write_states([opt.state[m.S]["S"] for m in layers], new)
     dense_step(opt, ok)
     bad = (~ok).to(torch.int64)

@@ -58,7 +58,8 @@ def _mm(A: Tensor, B: Tensor) -> Tensor:
     return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
 
 
-def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
+                          rtol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Orthonormal columns spanning the part of span(X) orthogonal to span(Q0), at a width the
     host knows: Q0 (L, m, k) orthonormal, X (L, m, c) -> E (L, m, w), ``valid`` (L, w) bool,
     ``failed`` (L,) bool, with ``w = min(c, m − k)``.

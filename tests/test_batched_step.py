@@ -1,0 +1,294 @@
+"""The batched group step (lowrank/_step.py, lowrank/_batched.py) against the exact per-layer
+path and independent references; host reads and dispatched ops of one optimizer step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import rankwise
+from rankwise import DLRT, SDLRT, LowRankLinear
+from rankwise._opcount import OpCounter
+from rankwise.linalg import orth_complement_batched
+from rankwise.lowrank import _integrators as bug
+from rankwise.lowrank import _step
+from rankwise.lowrank._optim import AugmentedBUG
+from rankwise.lowrank._rules import adam, foreach_update, sgd
+from rankwise.models import gpt
+
+F64 = torch.float64
+
+
+def _orth(L, m, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(L, m, k, generator=g, dtype=F64))[0]
+
+
+def test_fixed_width_orth_complement_equals_the_exact_one_without_drops():
+    Q0 = _orth(3, 40, 6)
+    X = torch.randn(3, 40, 6, generator=torch.Generator().manual_seed(5), dtype=F64)
+    E, valid, failed = _step.orth_complement_fixed(Q0, X)
+    ref = orth_complement_batched(Q0, X)
+    assert valid.all() and not failed.any()
+    for i in range(3):
+        torch.testing.assert_close(E[i], ref[i], atol=1e-12, rtol=0)
+        assert (Q0[i].T @ E[i]).abs().max() < 1e-13
+        torch.testing.assert_close(E[i].T @ E[i], torch.eye(6, dtype=F64), atol=1e-13, rtol=0)
+
+
+def test_fixed_width_marks_dropped_directions_as_zero_columns():
+    """X with two columns inside span(Q0) and one repeated: three directions fewer, as the exact
+    path drops them; the kept ones span the same space; the width is min(c, m − k)."""
+    Q0 = _orth(2, 30, 5)
+    X = torch.randn(2, 30, 6, generator=torch.Generator().manual_seed(5), dtype=F64)
+    X[0, :, 0] = Q0[0] @ torch.randn(5, dtype=F64)
+    X[0, :, 1] = Q0[0] @ torch.randn(5, dtype=F64)
+    X[0, :, 2] = 2 * X[0, :, 3]
+    E, valid, _ = _step.orth_complement_fixed(Q0, X)
+    ref = orth_complement_batched(Q0, X)
+    g = torch.Generator().manual_seed(6)
+    assert valid.sum(-1).tolist() == [ref[0].shape[1], ref[1].shape[1]] == [3, 6]
+    assert (E[0][:, ~valid[0]] == 0).all()
+    P_ref = ref[0] @ ref[0].T
+    kept = E[0][:, valid[0]]
+    torch.testing.assert_close(kept @ kept.T, P_ref, atol=1e-12, rtol=0)
+    narrow, v2, _ = _step.orth_complement_fixed(_orth(1, 8, 5), torch.randn(1, 8, 6, generator=g, dtype=F64))
+    assert narrow.shape == (1, 8, 3) and v2.all()  # only 8 − 5 directions are left
+
+
+def test_fixed_width_survives_non_finite_input():
+    Q0, X = _orth(2, 20, 3), torch.randn(2, 20, 3, generator=torch.Generator().manual_seed(5), dtype=F64)
+    X[1, 0, 0] = float("nan")
+    E, valid, _ = _step.orth_complement_fixed(Q0, X)
+    assert torch.isfinite(E[0]).all() and valid[0].all() and not valid[1].any()
+
+
+@pytest.mark.parametrize("shape", [(12, 12), (12, 9), (7, 12)])
+def test_gram_svd_against_numpy(shape):
+    g = torch.Generator().manual_seed(1)
+    S = torch.randn(4, *shape, generator=g, dtype=F64)
+    S[1] = S[1] @ torch.diag(torch.logspace(0, -6, shape[1], dtype=F64))  # graded
+    P, s, Q = _step.svd_gram(S)
+    k = min(shape)
+    for i in range(4):
+        ref = np.linalg.svd(S[i].numpy(), compute_uv=False)
+        np.testing.assert_allclose(s[i].numpy(), ref, rtol=1e-6, atol=1e-12 * ref[0])
+        torch.testing.assert_close(P[i].T @ P[i], torch.eye(k, dtype=F64), atol=1e-12, rtol=0)
+        torch.testing.assert_close(Q[i].T @ Q[i], torch.eye(k, dtype=F64), atol=1e-12, rtol=0)
+        torch.testing.assert_close(P[i] @ torch.diag(s[i]) @ Q[i].T, S[i], atol=1e-10, rtol=0)
+
+
+def test_gram_svd_truncates_like_float64_svd_in_float32():
+    """The CUDA route in float32: every core's rank under τ and its kept subspace agree with
+    torch.linalg.svd in float64 (cores with a decaying spectrum, as training makes them)."""
+    g = torch.Generator().manual_seed(2)
+    L, k = 16, 64
+    A = torch.linalg.qr(torch.randn(L, k, k, generator=g, dtype=F64))[0]
+    B = torch.linalg.qr(torch.randn(L, k, k, generator=g, dtype=F64))[0]
+    s = torch.logspace(0, -4, k, dtype=F64) * torch.rand(L, 1, generator=g, dtype=F64).add(0.5)
+    S = (A * s[:, None, :]) @ B.mT
+    P32, s32, Q32 = _step.svd_gram(S.float())
+    P64, s64, Qh64 = torch.linalg.svd(S)
+    tau = torch.full((L,), 0.05, dtype=F64)
+    lo, hi = torch.ones(L, dtype=torch.int64), torch.full((L,), k)
+    r32 = _step.tolerance_ranks(s32, tau, lo, hi)
+    r64 = _step.tolerance_ranks(s64, tau, lo, hi)
+    assert torch.equal(r32, r64)
+    for i in range(L):
+        r = int(r64[i])
+        proj32 = P32[i, :, :r].double() @ P32[i, :, :r].double().T
+        proj64 = P64[i, :, :r] @ P64[i, :, :r].T
+        assert (proj32 - proj64).norm() < 1e-3
+
+
+@pytest.mark.parametrize("tau", [0.0, 0.05, 0.3, 0.99])
+def test_device_ranks_equal_the_per_layer_rule(tau):
+    g = torch.Generator().manual_seed(3)
+    spectra = [torch.sort(torch.rand(10, generator=g, dtype=F64), descending=True)[0] for _ in range(5)]
+    spectra[1][6:] = 0.0  # exact rank 6: never keeps roundoff directions
+    spectra[2] = torch.logspace(0, -12, 10, dtype=F64)
+    s = torch.stack(spectra)
+    mins, maxs = torch.tensor([1, 2, 1, 4, 1]), torch.tensor([10, 10, 3, 10, 7])
+    got = _step.tolerance_ranks(s, torch.full((5,), tau, dtype=F64), mins, maxs)
+    aug = bug.Augmented(torch.eye(10, dtype=F64), torch.eye(10, dtype=F64), 10)
+    for i in range(5):
+        svd = (torch.eye(10, dtype=F64), s[i], torch.eye(10, dtype=F64))
+        want = bug.truncate(aug, torch.diag(s[i]), tau=tau, min_rank=int(mins[i]), max_rank=int(maxs[i]),
+                            svd=svd).S.shape[0]
+        assert int(got[i]) == want
+
+
+@pytest.mark.parametrize("name,rule,hp", [
+    ("sgd", sgd, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("sgd", sgd, dict(lr=0.1, momentum=0.0, weight_decay=0.0)),
+    ("adam", adam, dict(lr=0.01, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)),
+])
+def test_foreach_rules_equal_the_rules(name, rule, hp):
+    g = torch.Generator().manual_seed(4)
+    params = [torch.randn(*s, generator=g, dtype=F64) for s in ((3, 4), (5,), (2, 2, 2))]
+    states_a = [{} for _ in params]
+    states_b = [{} for _ in params]
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g, dtype=F64) for p in params]
+        deltas, states_b = foreach_update(name, grads, params, states_b, hp)
+        for i, (gr, p) in enumerate(zip(grads, params, strict=True)):
+            d, states_a[i] = rule(gr, p, states_a[i], hp)
+            torch.testing.assert_close(deltas[i], d, atol=1e-15, rtol=1e-14)
+
+
+# ---------------------------------------------------------------- the optimizer, both paths
+
+
+def _per_layer(monkeypatch):
+    """Force the per-layer path of every augmentation (the reference)."""
+    monkeypatch.setattr(AugmentedBUG, "_batched_now", lambda self, augment: False)
+
+
+class _Stack(nn.Module):
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.ModuleList(LowRankLinear(16, 16, 4, dtype=F64) for _ in range(3))
+        self.b = LowRankLinear(16, 24, 5, dtype=F64)
+        self.c = LowRankLinear(24, 3, 2, dtype=F64)
+
+    def forward(self, x):
+        for m in self.a:
+            x = torch.tanh(m(x))
+        return self.c(torch.tanh(self.b(x)))
+
+
+def _train(model, opt, steps=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    X = torch.randn(64, 16, generator=g, dtype=F64)
+    Y = torch.randn(64, 3, generator=g, dtype=F64)
+    for _ in range(steps):
+        def closure():
+            opt.zero_grad()
+            loss = ((model(X) - Y) ** 2).mean()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    return model
+
+
+CONFIGS = {
+    "dlrt-tau-adam": (DLRT, dict(tau=0.05, optimizer="adam")),
+    "dlrt-fixed-sgd": (DLRT, dict(tau=0.1, momentum=0.9, adaptive=False)),
+    "dlrt-budget": (DLRT, dict(target=0.5, ramp_steps=4, momentum=0.9)),
+    "sdlrt-tau": (SDLRT, dict(tau=0.1, momentum=0.9)),
+    "sdlrt-adam-every-2": (SDLRT, dict(tau=0.05, optimizer="adam", update_every=2)),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_batched_step_equals_the_per_layer_path(config, monkeypatch):
+    """Float64, ranks moving: the batched path takes the per-layer path's steps (ranks equal,
+    weights to 1e-10)."""
+    cls, kw = CONFIGS[config]
+    a = _Stack(0)
+    _train(a, cls(a, 0.05, **kw))
+    with monkeypatch.context() as mp:
+        _per_layer(mp)
+        b = _Stack(0)
+        _train(b, cls(b, 0.05, **kw))
+    ranks = [m.rank for m in a.modules() if isinstance(m, LowRankLinear)]
+    assert ranks == [m.rank for m in b.modules() if isinstance(m, LowRankLinear)]
+    for (k, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        if k.endswith(("U", "V", "U_buf", "V_buf")):  # factors: up to signs of directions
+            continue
+        if k.endswith("S"):
+            x, y = torch.linalg.svdvals(x), torch.linalg.svdvals(y)
+        torch.testing.assert_close(x, y, atol=1e-10, rtol=0, msg=k)
+    for ma, mb in zip(a.modules(), b.modules(), strict=True):
+        if isinstance(ma, LowRankLinear):
+            torch.testing.assert_close(ma.weight_matrix(), mb.weight_matrix(), atol=1e-10, rtol=0)
+
+
+def test_a_layer_with_dropped_directions_takes_the_exact_path(monkeypatch):
+    """Inputs inside span(V0): every G_L column lies in span(V0), so the fixed-width
+    augmentation drops all new V directions; such a layer is integrated by the per-layer path
+    (same result as forcing that path for every layer)."""
+    def run():
+        layer = LowRankLinear(6, 6, 2, bias=False, dtype=F64)
+        layer.set_factors(torch.eye(6, 2, dtype=F64), torch.diag(torch.tensor([2.0, 1.0], dtype=F64)),
+                          torch.eye(6, 2, dtype=F64))
+        X = torch.randn(5, 2, generator=torch.Generator().manual_seed(0), dtype=F64) @ torch.eye(2, 6, dtype=F64)
+        Y = torch.randn(5, 6, generator=torch.Generator().manual_seed(1), dtype=F64)
+        opt = DLRT(layer, 0.1, tau=0.01)
+        for _ in range(3):
+            opt.zero_grad()
+            ((layer(X) - Y) ** 2).sum().backward()
+            G_L = layer.sink.L.clone()
+            opt.step()
+        return layer, G_L
+
+    got, G_L = run()
+    _, valid, _ = _step.orth_complement_fixed(torch.eye(6, 2, dtype=F64)[None], G_L[None])
+    assert not valid.any()  # the situation the fallback is for
+    with monkeypatch.context() as mp:
+        _per_layer(mp)
+        want, _ = run()
+    assert got.rank == want.rank
+    torch.testing.assert_close(got.weight_matrix(), want.weight_matrix(), atol=1e-12, rtol=0)
+
+
+def test_core_steps_read_nothing_and_skip_non_finite_on_the_device():
+    model = _Stack(1)
+    opt = SDLRT(model, 0.05, tau=0.1, optimizer="adam", update_every=3, on_nonfinite="skip")
+    _train(model, opt, steps=1)  # the augmentation
+    X = torch.randn(8, 16, dtype=F64)
+    opt.zero_grad()
+    (model(X).sum() * float("nan")).backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with OpCounter() as c:
+        opt.step()  # a core step with NaN gradients: nothing changes, nothing is read
+    assert c.host_reads == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    opt.zero_grad()
+    model(X).sum().backward()
+    with OpCounter() as c:
+        opt.step()  # a good core step
+    assert c.host_reads == 0
+    with pytest.warns(RuntimeWarning, match="1 step"):
+        _train(model, opt, steps=1)  # the next augmentation reports the skipped step
+
+
+def _gpt_step_counts(depth: int, **kw):
+    torch.manual_seed(0)
+    m = gpt(width=128, depth=depth, context=16)
+    rankwise.to_low_rank(m, rank=16)
+    opt = DLRT(m, 1e-3, tau=1e-3, optimizer="adam", **kw)
+    x = torch.randint(0, 256, (2, 17))
+
+    def closure():
+        opt.zero_grad()
+        out = m(x[:, :-1])
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with OpCounter() as c:
+        with c.paused():
+            closure()
+        opt.step()
+    counts = (c.ops, c.host_reads)
+    with OpCounter() as c:  # the whole step, the closure's forward and backward included
+        opt.step(closure)
+    return counts, c.host_reads
+
+
+def test_gpt_step_reads_the_host_once_and_its_ops_do_not_grow_with_depth():
+    """Issue 39's CPU targets: one optimizer step of gpt(width=128, depth=8) (48 low-rank
+    layers, Adam rule) performs at most 1 host read, closure included; at fixed ranks the
+    optimizer's own dispatched ops grow at most 1.5× from depth 2 to depth 8."""
+    (_, reads), whole = _gpt_step_counts(8)
+    assert reads <= 1 and whole <= 1
+    (ops2, _), _ = _gpt_step_counts(2, adaptive=False)
+    (ops8, reads8), _ = _gpt_step_counts(8, adaptive=False)
+    assert reads8 <= 1
+    assert ops8 / ops2 <= 1.5, (ops2, ops8)
