@@ -4,13 +4,13 @@ r"""The optimizer's step on one process, batched over layer groups, with one hos
 without data parallelism (the common case) and :func:`core_step` between augmentations. Layers
 of one shape (out, in, rank, buffer), dtype, device and optimizer-state layout form a group;
 each group is stacked and integrated by the pure functions of :mod:`._step` (rule, augment,
-core, SVD, tolerance ranks). Then every layer's new rank, the drop flags and the finiteness
+core, SVD, tolerance ranks). Then every layer's new rank, its core size and the finiteness
 flags (and, under a :class:`Budget`, the spectra) reach the host in **one** transfer; the host
 cuts each group into the new shapes and writes factors and optimizer states back, with
 ``torch._foreach_copy_`` where a layer's shapes did not change. A layer whose fixed-width
-augmentation dropped a direction (rare: ΔK numerically inside span(U0), or all zero) is
-integrated by the exact per-layer path of :mod:`._integrators` instead, so no result depends
-on the batching. Dense parameters take their rule with ``torch._foreach_*`` ops.
+augmentation failed (its Cholesky factorisation; not expected after the eigen filter) is
+integrated by the exact per-layer path of :mod:`._integrators` instead. Dense parameters take
+their rule with ``torch._foreach_*`` ops.
 
 Between augmentations (:func:`core_step`) nothing is read back: a non-finite loss or gradient
 leaves weights and moments as they were (``torch.where`` on the device), and the number of
@@ -156,7 +156,7 @@ class _Group:
             self.ranks = _step.tolerance_ranks(
                 self.plan.s, torch.tensor([s["tau"] for s in self.states], dtype=torch.float64, device=dev),
                 torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
-                torch.tensor(caps, device=dev))
+                torch.tensor(caps, device=dev), self.plan.k)
 
     def layer_state(self, i: int) -> dict[str, State]:
         """Layer i's slice of the stacked rule states (the exact path's input)."""
@@ -195,7 +195,8 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         skipped = torch.zeros((), device=device)
     parts = [ok_in.double().reshape(1), skipped.double().reshape(1).to(device)]
     for g in groups:
-        parts += [g.plan.finite.double().to(device), g.plan.dropped.double().to(device)]
+        parts += [g.plan.finite.double().to(device), g.plan.failed.double().to(device),
+                  g.plan.k.double().to(device)]
         if g.ranks is not None:
             parts.append(g.ranks.double().to(device))
         if cfg.budgeted:
@@ -206,15 +207,16 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
     for g in groups:
         L, k = len(g.names), g.plan.s.shape[-1]
         g.finite = [v > 0 for v in host[pos:pos + L]]
-        g.dropped = [v > 0 for v in host[pos + L:pos + 2 * L]]
-        pos += 2 * L
+        g.failed = [v > 0 for v in host[pos + L:pos + 2 * L]]
+        g.k = [int(v) for v in host[pos + 2 * L:pos + 3 * L]]
+        pos += 3 * L
         if g.ranks is not None:
             g.r1 = [int(v) for v in host[pos:pos + L]]
             pos += L
         else:
             g.r1 = [g.plan.r0] * L
         if cfg.budgeted:
-            g.spectra = [torch.tensor(host[pos + i * k:pos + (i + 1) * k], dtype=torch.float64)
+            g.spectra = [torch.tensor(host[pos + i * k:pos + i * k + g.k[i]], dtype=torch.float64)
                          for i in range(L)]
             pos += L * k
     if n_skipped:
@@ -223,9 +225,13 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
     if not ok_inputs:
         return opt._nonfinite("non-finite loss or gradient" + (
             "" if loss is None else f" (loss={float(loss)})"))
-    if not all(all(g.finite) for g in groups):
-        return opt._nonfinite("non-finite augmented core (overflow in the update)")
-    exact = _exact_plans(opt, groups)
+    overflow = "non-finite augmented core (overflow in the update)"
+    if not all(ok or bad for g in groups for ok, bad in zip(g.finite, g.failed, strict=True)):
+        return opt._nonfinite(overflow)
+    try:  # the rare layers the fixed width failed for, by the exact path (its own host reads)
+        exact = _exact_plans(opt, groups)
+    except (bug.NonFiniteUpdate, FloatingPointError):
+        return opt._nonfinite(overflow)
     ranks: dict[str, int] = {}
     if cfg.budgeted:
         spectra = {}
@@ -248,12 +254,13 @@ def _tail(s: Tensor, rank: int) -> float:
 
 
 def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
-    """The exact per-layer path for the layers whose fixed-width augmentation dropped a
-    direction: {name: (aug, S_bar, states, svd)}."""
+    """The exact per-layer path for the layers whose fixed-width augmentation failed (its
+    Cholesky factorisation: not expected after the eigen filter): {name: (aug, S_bar, states,
+    svd)}."""
     out = {}
     for g in groups:
         for i, n in enumerate(g.names):
-            if not g.dropped[i]:
+            if not g.failed[i]:
                 continue
             f = g.f
             aug = bug.augment(f.U[i], f.V[i], g.dK[i], g.dL[i], f.U_buf[i], f.V_buf[i])
@@ -265,7 +272,6 @@ def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
 def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
     """Truncate a group to its new ranks and write factors, buffers and states back."""
     cfg, plan, r0 = opt.settings, g.plan, g.plan.r0
-    k = plan.s.shape[-1]
     sub: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, n in enumerate(g.names):
         if n in exact:
@@ -274,7 +280,7 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
                           rank=g.r1[i] if cfg.budgeted else None, svd=svd)
             continue
         r1 = g.r1[i]
-        sub[(r1, min(r1, k - r1) if cfg.buffer else 0)].append(i)
+        sub[(r1, min(r1, g.k[i] - r1) if cfg.buffer else 0)].append(i)
     for (r1, b), idx in sub.items():
         everyone = len(idx) == len(g.names)
         sel_t = None if everyone else torch.tensor(idx, device=plan.U.device)

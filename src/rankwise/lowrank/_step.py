@@ -7,10 +7,11 @@ factorisation. Here the same step runs on L layers stacked along a leading dimen
 shapes the host knows in advance:
 
 - **fixed width**: ``Ū = [U0, U_buf, E_U]`` with E_U of ``w = min(c, m − k)`` columns (c the
-  columns of ΔK, k those of [U0, U_buf]); a direction the eigen filter would drop becomes a
-  zero column and the layer is marked ``dropped`` (the caller integrates such a layer by the
-  exact per-layer path instead, so results never depend on the padding). Without a drop Ū is
-  the exact path's Ū, column for column.
+  columns of ΔK, k those of [U0, U_buf]); a direction the eigen filter would drop is replaced
+  by a fill direction (Ū stays orthonormal) whose row of the core is zero, so the core is the
+  exact path's core bordered by zeros: the same singular values and, for every σ > 0, the
+  same directions Ū P. Each layer's exact core size k travels with the plan, so ranks and
+  buffer sizes are the exact path's.
 - **ranks on the device**: the tolerance rule and its clamps are evaluated as tensors
   (:func:`tolerance_ranks`); the caller brings every layer's new rank, its buffer size, the
   drop flags and the finiteness flags to the host in one transfer.
@@ -32,8 +33,9 @@ from ..linalg import one_thread
 class GroupPlan(NamedTuple):
     """One group's augmented step before its truncation: Ū (L, m, ku), V̄ (L, n, kv), the
     core S̄ (L, ku, kv) and its SVD P (L, ku, k), s (L, k), Q (L, kv, k); ``r0``: the old rank;
-    ``dropped`` (L,) bool: a direction was dropped (Ū or V̄ holds a zero column);
-    ``finite`` (L,) bool: S̄ is finite."""
+    ``k`` (L,) int64: each layer's core size as the exact path has it (min of its augmented
+    bases' widths without fill directions); ``failed`` (L,) bool: the fixed-width augmentation
+    failed (integrate that layer by the exact path); ``finite`` (L,) bool: S̄ is finite."""
 
     U: Tensor
     V: Tensor
@@ -42,7 +44,8 @@ class GroupPlan(NamedTuple):
     s: Tensor
     Q: Tensor
     r0: int
-    dropped: Tensor
+    k: Tensor
+    failed: Tensor
     finite: Tensor
 
 
@@ -58,6 +61,13 @@ def _mm(A: Tensor, B: Tensor) -> Tensor:
     return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
 
 
+def _fill(shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """A fixed Gaussian matrix (seed 0, its own generator: the caller's random stream is not
+    touched) to complete a basis where a direction was dropped."""
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)
+
+
 def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
                           rtol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Orthonormal columns spanning the part of span(X) orthogonal to span(Q0), at a width the
@@ -66,12 +76,15 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
 
     The algorithm of :func:`rankwise.linalg.orth_complement_batched` (projection, the float64
     Gram matrix of unit-length columns, its eigen filter, one Cholesky-QR pass), with the
-    filter's dropped directions kept as zero columns (``valid`` False) instead of cut out, and
-    the Cholesky factorisation unchecked (``failed``: it did not succeed, so E is unusable).
-    X is first scaled by a power of two (exactly) so that its largest entry is in [0.5, 1):
-    the Gram matrix stays inside the dtype's range and the span is unchanged. A non-finite X
-    is replaced by zeros (the factorisations never see NaN; the caller's finiteness check
-    sees the non-finite update through the core).
+    valid directions first, in the exact path's order, and the filter's dropped
+    directions (``valid`` False, always last) not cut out but replaced by fixed random
+    directions, orthonormalised in the same Cholesky-QR pass: E stays orthonormal and
+    orthogonal to Q0, its valid columns span exactly what the exact path keeps, and the
+    caller masks what the extra columns carry. ``failed``: the Cholesky factorisation did not
+    succeed (E is unusable). X is first scaled by a power of two (exactly) so that its largest
+    entry is in [0.5, 1): the Gram matrix stays inside the dtype's range and the span is
+    unchanged. A non-finite X is replaced by zeros (the factorisations never see NaN; the
+    caller's finiteness check sees the non-finite update through the core).
     """
     L, m, c = X.shape
     k = Q0.shape[-1]
@@ -96,24 +109,31 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
     d = torch.where(sq > 0, sq.clamp_min(1e-300).rsqrt(), torch.zeros_like(sq))
     with one_thread():
         lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])
-    lam, W = lam[..., c - w:], W[..., c - w:]  # the w largest (ascending)
+    lam, W = lam[..., c - w:].flip(-1), W[..., c - w:].flip(-1)  # the w largest, descending
     valid = lam > rtol**2
+    # the e valid ones back in ascending order (the exact path's column order), fills after them
+    j = torch.arange(w, device=X.device)
+    e = valid.sum(-1, keepdim=True)
+    order = torch.where(j < e, e - 1 - j, j)
+    lam = lam.gather(-1, order)
+    W = W.gather(-1, order[:, None, :].expand(-1, c, -1))
     inv = torch.where(valid, lam.clamp_min(rtol**2).rsqrt(), torch.zeros_like(lam))
     M = d[..., :, None] * W * inv[..., None, :]
-    Y = _mm(X, M.to(X.dtype))
+    Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), _fill((L, m, w), X))
     if k:
         Y = Y - _mm(Q0, _mm(Q0.mT, Y))
-    eye = torch.diag_embed((~valid).double())  # dropped (zero) columns: an identity block
     with one_thread():
-        Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double() + eye)
+        Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double())
     E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
     return E, valid, info != 0
 
 
 def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor, V_buf: Tensor
-                  ) -> tuple[Tensor, Tensor, Tensor]:
-    """Ū = [U0, U_buf, E_U] (L, m, ku), V̄ = [V0, V_buf, E_V] (L, n, kv) and the layers' drop
-    flags (L,): both sides in one call where their shapes agree (a square layer)."""
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Ū = [U0, U_buf, E_U] (L, m, ku), V̄ = [V0, V_buf, E_V] (L, n, kv), the masks of their
+    columns that carry the step (L, ku), (L, kv) (False: a fill direction of
+    :func:`orth_complement_fixed`) and the layers' failure flags (L,): both sides in one call
+    where their shapes agree (a square layer)."""
     Uk, Vk = torch.cat([U0, U_buf], -1), torch.cat([V0, V_buf], -1)
     if Uk.shape == Vk.shape and dK.shape == dL.shape:
         L = Uk.shape[0]
@@ -122,18 +142,26 @@ def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor,
     else:
         EU, vU, fU = orth_complement_fixed(Uk, dK)
         EV, vV, fV = orth_complement_fixed(Vk, dL)
-    dropped = ~vU.all(-1) | ~vV.all(-1) | fU | fV
-    return torch.cat([Uk, EU], -1), torch.cat([Vk, EV], -1), dropped
+    ones = torch.ones(Uk.shape[0], Uk.shape[-1], dtype=torch.bool, device=Uk.device)
+    return (torch.cat([Uk, EU], -1), torch.cat([Vk, EV], -1), torch.cat([ones, vU], -1),
+            torch.cat([ones, vV], -1), fU | fV)
 
 
-def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor) -> Tensor:
+def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
+               mask_U: Tensor | None = None, mask_V: Tensor | None = None) -> Tensor:
     """The single-pass Galerkin core S̄ = S̄(0) + Ūᵀ ΔW V̄ (L, ku, kv), in blocks
-    ``[[S0 + ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` (:func:`._integrators.projected_update`)."""
+    ``[[S0 + ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` (:func:`._integrators.projected_update`); the rows and
+    columns of fill directions (masks False) are zero, as if those columns were not there."""
     L, r0 = S0.shape[0], S0.shape[-1]
     out = S0.new_zeros(L, U.shape[-1], V.shape[-1])
     out[:, :r0, :r0] = S0 + dS
-    out[:, r0:, :r0] = _mm(U[..., r0:].mT, dK)
-    out[:, :r0, r0:] = _mm(dL.mT, V[..., r0:])
+    low, right = _mm(U[..., r0:].mT, dK), _mm(dL.mT, V[..., r0:])
+    if mask_U is not None:
+        low = low * mask_U[:, r0:, None].to(low.dtype)
+    if mask_V is not None:
+        right = right * mask_V[:, None, r0:].to(right.dtype)
+    out[:, r0:, :r0] = low
+    out[:, :r0, r0:] = right
     return out
 
 
@@ -177,27 +205,31 @@ def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: T
     """Augment, form the single-pass core and take its SVD for a group (shapes: module
     docstring). A non-finite core is replaced by zeros before its SVD (``finite`` says so),
     so the factorisation never sees NaN."""
-    U, V, dropped = augment_group(U0, V0, dK, dL, U_buf, V_buf)
-    S = core_group(U, V, S0, dK, dS, dL)
+    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf)
+    S = core_group(U, V, S0, dK, dS, dL, mU, mV)
     finite = torch.isfinite(S).all(-1).all(-1)
     safe = torch.where(finite[:, None, None], S, torch.zeros_like(S))
     P, s, Q = svd_group(safe, svd)
-    return GroupPlan(U, V, S, P, s, Q, S0.shape[-1], dropped, finite)
+    k = torch.minimum(mU.sum(-1), mV.sum(-1))
+    return GroupPlan(U, V, S, P, s, Q, S0.shape[-1], k, failed, finite)
 
 
-def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor) -> Tensor:
+def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
+                    size: Tensor | None = None) -> Tensor:
     """The rank of each layer under its tolerance (L,) as :func:`._integrators.truncate` picks
     it, on the device: the smallest r with ‖s[r:]‖ ≤ τ‖s‖ (at least 1), capped at the numerical
-    rank (σ > k·eps·σ_max), then clamped to [min_rank, max_rank] and to [1, k]. s (L, k)
-    descending; returns (L,) int64."""
+    rank (σ > k·eps·σ_max), then clamped to [min_rank, max_rank] and to [1, k]. s (L, kp)
+    descending; `size` (L,): each layer's k (default kp; entries beyond it are zeros of fill
+    directions). Returns (L,) int64."""
     L, k = s.shape
+    size = torch.full((L,), k, device=s.device) if size is None else size
     if k == 0:
         return torch.zeros(L, dtype=torch.int64, device=s.device)
     sq = torch.cat([s.flip(-1).square().cumsum(-1).flip(-1), s.new_zeros(L, 1)], -1)
     tails = sq.clamp_min(0).sqrt()
     tol = tau.to(torch.float64) * torch.linalg.vector_norm(s, dim=-1).double()
     r = (tails > tol.to(s.dtype)[:, None]).sum(-1).clamp(1, k)
-    numerical = (s > s[:, :1] * (k * torch.finfo(s.dtype).eps)).sum(-1)
+    numerical = (s > s[:, :1] * (size[:, None].to(s.dtype) * torch.finfo(s.dtype).eps)).sum(-1)
     r = torch.minimum(r, numerical)
     r = torch.maximum(torch.minimum(r, max_rank), min_rank)
-    return r.clamp(1, k)
+    return torch.minimum(r, size).clamp_min(1)
