@@ -234,7 +234,8 @@ def main(argv=None) -> None:
         steps = a.steps or 5
     if a.only:
         configs = [c for c in configs if a.only in c[1].lower()]
-    name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or platform.machine()
+    cpu = platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name() if device.type == "cuda" else cpu
     print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"fp32, median of {steps} steps after {a.warmup} warm-up")
     rows = run(configs, device, steps, a.warmup, a.update_every)
