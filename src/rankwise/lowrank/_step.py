@@ -61,11 +61,20 @@ def _mm(A: Tensor, B: Tensor) -> Tensor:
     return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
 
 
-def _fill(shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """A fixed Gaussian matrix (seed 0, its own generator: the caller's random stream is not
-    touched) to complete a basis where a direction was dropped."""
-    gen = torch.Generator(device=like.device).manual_seed(0)
-    return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)
+_FILLS: dict[tuple, Tensor] = {}
+
+
+def _fill(m: int, w: int, like: Tensor) -> Tensor:
+    """A fixed Gaussian matrix (m, w) (seed 0, its own generator: the caller's random stream is
+    not touched) to complete a basis where a direction was dropped; made once per shape, dtype
+    and device (drawing it every step cost as much as a matrix product on the CPU)."""
+    key = (m, w, like.dtype, like.device)
+    if key not in _FILLS:
+        if len(_FILLS) > 64:
+            _FILLS.clear()
+        gen = torch.Generator(device=like.device).manual_seed(0)
+        _FILLS[key] = torch.randn(m, w, generator=gen, device=like.device, dtype=like.dtype)
+    return _FILLS[key]
 
 
 def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
@@ -119,7 +128,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
     W = W.gather(-1, order[:, None, :].expand(-1, c, -1))
     inv = torch.where(valid, lam.clamp_min(rtol**2).rsqrt(), torch.zeros_like(lam))
     M = d[..., :, None] * W * inv[..., None, :]
-    Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), _fill((L, m, w), X))
+    Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), _fill(m, w, X))
     if k:
         Y = Y - _mm(Q0, _mm(Q0.mT, Y))
     with one_thread():

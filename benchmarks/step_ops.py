@@ -1,0 +1,84 @@
+"""Host reads and dispatched ops of one DLRT / SDLRT step of a GPT, by depth (counted, not timed).
+
+What is counted
+    ``rankwise.models.gpt(width=128, context=16)`` at depth 2 and 8 (12 and 48 low-rank
+    projections, rank 16 at the start), Adam rule, ``tau=1e-3``; after one step, one more
+    step is counted with ``rankwise._opcount.OpCounter``: the optimizer's own dispatched aten
+    ops (the closure's forward and backward paused) and its host reads (``.item()``,
+    ``nonzero``, ``tolist``...; on CUDA each is a device→host synchronisation), then the host
+    reads of a whole ``opt.step(closure)`` (forward and backward included). Rows: fixed ranks
+    (``adaptive=False``) and adaptive ranks, DLRT and SDLRT; the last column is the ops at
+    depth 8 over those at depth 2.
+
+    ``--per-layer`` counts the per-layer path instead (every augmentation integrated layer by
+    layer, as before issue 39: the reference the batched path is tested against).
+
+How to run
+    .venv/bin/python benchmarks/step_ops.py               # about 30 s on 2 cores
+    .venv/bin/python benchmarks/step_ops.py --per-layer
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+
+import rankwise
+from rankwise._opcount import OpCounter
+from rankwise.lowrank._optim import AugmentedBUG
+from rankwise.models import gpt
+
+
+def counts(depth: int, cls, after: int = 1, **kw) -> tuple[int, int, int, int, int]:
+    """(low-rank layers, optimizer ops, optimizer host reads, host reads of the whole step,
+    distinct ranks), counted after `after` steps."""
+    torch.manual_seed(0)
+    m = gpt(width=128, depth=depth, context=16)
+    rankwise.to_low_rank(m, rank=16)
+    opt = cls(m, 1e-3, tau=1e-3, optimizer="adam", **kw)
+    x = torch.randint(0, 256, (2, 17))
+
+    def closure():
+        opt.zero_grad()
+        out = m(x[:, :-1])
+        loss = nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), x[:, 1:].reshape(-1))
+        loss.backward()
+        return loss
+
+    for _ in range(after):
+        opt.step(closure)
+    with OpCounter() as c:
+        with c.paused():
+            closure()
+        opt.step()
+    with OpCounter() as whole:
+        opt.step(closure)
+    return len(opt.layers), c.ops, c.host_reads, whole.host_reads, len(set(opt.ranks().values()))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--per-layer", action="store_true", help="count the per-layer path")
+    p.add_argument("--after", type=int, default=1, help="steps taken before the counted one")
+    a = p.parse_args(argv)
+    if a.per_layer:
+        AugmentedBUG._batched_now = lambda self, augment: False
+    path = "per-layer" if a.per_layer else "batched"
+    print(f"torch {torch.__version__}, {path} path, counted at step {a.after + 1}")
+    print("| optimizer | ranks | depth | layers | distinct ranks | optimizer ops | optimizer host reads "
+          "| step host reads | ops depth 8 / depth 2 |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for cls in (rankwise.DLRT, rankwise.SDLRT):
+        for adaptive in (False, True):
+            rows = [(d, counts(d, cls, a.after, adaptive=adaptive)) for d in (2, 8)]
+            for d, (n, ops, reads, whole, distinct) in rows:
+                ratio = f"{rows[1][1][1] / rows[0][1][1]:.2f}" if d == 8 else ""
+                kind = "adaptive" if adaptive else "fixed"
+                print(f"| {cls.__name__} | {kind} | {d} | {n} | {distinct} | {ops} | {reads} | {whole} "
+                      f"| {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
