@@ -44,6 +44,8 @@ class TrainConfig:
     - `momentum`: SGD momentum in [0, 1); default 0.9 (all three methods).
     - `batch_size`: minibatch size ≥ 1; default 32.
     - `seed`: seeds the model initialisation, the shuffling and the train/test split.
+    - `update_every`: DLRT/SDLRT augment and truncate every this many steps (the steps between
+      move the cores S and the dense parameters only); default 1.
     - `out`: directory for the run records (created if missing); ``None`` writes nothing.
     - `checkpoint_every`, `checkpoint_dir`: data-parallel runs (≥ 4 ranks) only: a 2-D coded
       checkpoint (:class:`rankwise.ckpt.CodedCheckpointer`, t = 1) every `checkpoint_every`
@@ -64,6 +66,7 @@ class TrainConfig:
     batch_size: int = 32
     seed: int = 0
     out: Path | None = None
+    update_every: int = 1
     checkpoint_every: int | None = None
     checkpoint_dir: Path | None = None
 
@@ -92,6 +95,10 @@ class TrainConfig:
             raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
         check_training(epochs=self.epochs, lr=self.lr, momentum=self.momentum, batch_size=self.batch_size,
                        seed=self.seed)
+        if not _is_int(self.update_every) or self.update_every < 1:
+            raise ValueError(f"`update_every` must be an int >= 1 (steps); got {self.update_every!r}")
+        if self.update_every > 1 and self.method == "dense":
+            raise ValueError("`update_every` needs a low-rank method (dlrt or sdlrt)")
         if self.out is not None and not isinstance(self.out, Path):
             raise TypeError(f"`out` must be a pathlib.Path or None; got {type(self.out).__name__}")
         if (self.checkpoint_every is None) != (self.checkpoint_dir is None):

@@ -90,6 +90,9 @@ def train_cmd(
     momentum: Annotated[float, typer.Option(help="SGD momentum in [0, 1).")] = 0.9,
     batch_size: Annotated[int, typer.Option(help="Minibatch size.")] = 32,
     seed: Annotated[int, typer.Option(help="Seed of initialisation, shuffling and split.")] = 0,
+    update_every: Annotated[int, typer.Option(
+        help="dlrt/sdlrt: augment and truncate every this many steps (the steps between move the "
+             "cores S and the dense parameters only).", min=1)] = 1,
     out: Annotated[Path | None, typer.Option(
         help="Folder for metrics.csv, TensorBoard events and final.json (default: none). An earlier "
              "run's records there are replaced only with --force.")] = None,
@@ -117,7 +120,8 @@ def train_cmd(
                         f"--tau-min {tau_min:g})")
     config = _config(TrainConfig, method=method.value, model=model.value, tau=0.1 if tau is None else tau,
                      target=target, tau_min=tau_min, rank=rank, epochs=epochs, lr=lr, momentum=momentum,
-                     batch_size=batch_size, seed=seed, out=out, checkpoint_every=checkpoint_every,
+                     batch_size=batch_size, seed=seed, out=out, update_every=update_every,
+                     checkpoint_every=checkpoint_every,
                      checkpoint_dir=checkpoint_dir)
     if nproc > 1 and model.value == "vgg":
         raise UserError("--model vgg has batch norm, which data-parallel training (--nproc) does not support "

@@ -16,6 +16,8 @@ Methods (``compression`` c is of the projections' parameters):
   every projection starting at the rank r with r(m + n) + r² ≈ (1 − c)·m·n, the ranks then
   allocated model-wide by a :class:`rankwise.Budget` holding (1 − c) of the projections'
   parameters (SDLRT's buffer counted in it).
+- ``dlrt-ue5``, ``dlrt-ue20``: ``dlrt`` augmenting every 5th / 20th step (``update_every``;
+  the steps between move the cores S and the dense parameters only).
 - ``fixed``: the same factorisation at rank r, U, S and V trained by AdamW.
 - ``galore``: ``galore_torch.GaLoreAdamW`` on the dense model, the projections' gradients
   projected to rank r (DLRT's starting rank at the same c, so that their optimizer states are
@@ -39,8 +41,8 @@ from torch import Tensor, nn
 
 from ..train import Callback, Loop, fit
 
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore")
-LOWRANK = ("dlrt", "sdlrt", "fixed", "galore")  # the methods that take a compression
+METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20")
+LOWRANK = ("dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20")  # the methods that take a compression
 GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
 ADAM = {"eps": 1e-8, "weight_decay": 0.0}  # the same Adam for every method (no decay: DLRT's rule has none)
 VERSION = 1
@@ -131,10 +133,11 @@ def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     lowrank = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
     params = sum(m.rank * (m.out_features + m.in_features) + m.rank**2 for m in lowrank)
     sdlrt = spec.method == "sdlrt"
+    every = int(spec.method.split("-ue")[1]) if "-ue" in spec.method else 1  # dlrt-ueK: update_every=K
     budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=sdlrt)
     info["budget_params"] = params
     settings = rankwise.Settings(truncation=budget, buffer=sdlrt, rule=rankwise.Adam(eps=ADAM["eps"]),
-                                 feedback=None, max_rank=None)
+                                 feedback=None, max_rank=None, update_every=every)
     return model, rankwise.AugmentedBUG(model, spec.lr, settings), info
 
 

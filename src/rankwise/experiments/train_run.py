@@ -176,11 +176,13 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
     rank = sys.maxsize if config.rank is None else config.rank
     to_low_rank(model, rank=rank, exclude=list(config.exclude) or None)
     if config.target is not None:
-        level = {"target": config.target, "ramp_steps": int(RAMP_SHARE * total_steps)}
+        level = {"target": config.target,  # the ramp counts augmentations
+                 "ramp_steps": int(RAMP_SHARE * total_steps) // config.update_every}
     else:
         level = {"tau": config.tau} | ({"tau_min": config.tau_min} if config.method == "sdlrt" else {})
     cls = DLRT if config.method == "dlrt" else SDLRT
-    return model, cls(model, config.lr, momentum=config.momentum, process_group=group, **level)
+    return model, cls(model, config.lr, momentum=config.momentum, process_group=group,
+                      update_every=config.update_every, **level)
 
 
 def _resumable(config: TrainConfig) -> dict:
