@@ -296,3 +296,34 @@ def test_gpt_step_reads_the_host_once_and_its_ops_do_not_grow_with_depth():
     (ops8, reads8), _ = _gpt_step_counts(8, adaptive=False)
     assert reads8 <= 1
     assert ops8 / ops2 <= 1.5, (ops2, ops8)
+
+
+def test_a_width_too_small_for_the_kept_directions_is_reported():
+    """orth_complement_fixed(width=w): with more than w directions kept by the filter the
+    layer is marked failed (the optimizer then integrates it exactly); with enough, E is the
+    exact E's leading columns."""
+    Q0 = _orth(2, 30, 4)
+    X = torch.randn(2, 30, 6, generator=torch.Generator().manual_seed(7), dtype=F64)
+    X[1, :, 3:] = X[1, :, :3] @ torch.randn(3, 3, dtype=F64)  # only 3 independent directions
+    E, _valid, failed = _step.orth_complement_fixed(Q0, X, width=3)
+    assert failed.tolist() == [True, False]
+    ref = orth_complement_batched(Q0, X)[1]
+    torch.testing.assert_close(E[1] @ E[1].T, ref @ ref.T, atol=1e-12, rtol=0)
+
+
+def test_sdlrt_with_momentum_narrows_its_augmentation_and_stays_exact(monkeypatch):
+    """SDLRT with momentum keeps few new directions; the batched path then makes room for
+    about that many (not r), and still takes the per-layer path's steps."""
+    a = _Stack(3)
+    opt = SDLRT(a, 0.05, tau=0.1, momentum=0.9)
+    _train(a, opt, steps=10)
+    seen = [opt.state[m.S].get("new_directions") for m in a.modules() if isinstance(m, LowRankLinear)]
+    assert all(e is not None for e in seen)
+    with monkeypatch.context() as mp:
+        _per_layer(mp)
+        b = _Stack(3)
+        _train(b, SDLRT(b, 0.05, tau=0.1, momentum=0.9), steps=10)
+    for ma, mb in zip(a.modules(), b.modules(), strict=True):
+        if isinstance(ma, LowRankLinear):
+            assert ma.rank == mb.rank
+            torch.testing.assert_close(ma.weight_matrix(), mb.weight_matrix(), atol=1e-8, rtol=0)

@@ -148,7 +148,8 @@ class _Group:
         self.dL, stL = rule(f.G_L, f.V @ f.S.mT, _stack_states([s["L"] for s in self.states], dt), hp)
         self.dS, stS = rule(f.G_S, f.S, _stack_states([s["S"] for s in self.states], dt), hp)
         self.new_states = {"K": stK, "L": stL, "S": stS}
-        self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto")
+        self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto",
+                                     width=_width(self.states) if cfg.buffer else None)
         self.ranks: Tensor | None = None
         if not cfg.budgeted and cfg.adaptive:
             dev = f.U.device
@@ -162,6 +163,37 @@ class _Group:
         """Layer i's slice of the stacked rule states (the exact path's input)."""
         return {key: {k: (v[i] if k in _MOMENTS else v) for k, v in st.items()}
                 for key, st in self.new_states.items()}
+
+
+CPU_CHUNK = 2**19
+"""On the CPU a group is integrated in chunks of at most this many elements per stacked
+augmented basis (L·m·ku): larger temporaries are returned to the system and faulted back in
+at every step (glibc's malloc), which cost more than batching saves (measured: 4 × 2048²
+layers at rank 100 took 110 ms a step in one group against 81 ms layer by layer). Host reads
+are free there, so only the dispatched ops grow. On CUDA a group is never split."""
+
+
+def _chunks(key: tuple, names: list[str]) -> list[list[str]]:
+    m, n, r, b, _, device = key[:6]
+    if device.type == "cuda":
+        return [names]
+    per = max(m, n) * (2 * r + b)
+    size = max(1, CPU_CHUNK // per)
+    return [names[i:i + size] for i in range(0, len(names), size)]
+
+
+def _width(states: list[State]) -> int | None:
+    """How many new directions per side a group's augmentation makes room for: what each
+    layer kept last time, doubled, plus 4, the group's largest; ``None`` (all
+    of ΔK's columns) before a layer's first batched augmentation. A layer that then needs more
+    takes the exact path once (and the next step makes room). SDLRT with momentum keeps few
+    new directions (ΔK lies mostly in span[U0, U_buf]), so its cores stay near the exact
+    path's size instead of 3r. Only with a buffer: without one the full width is 2r, the exact
+    path's largest, and ΔK rarely loses directions."""
+    seen = [st.get("new_directions") for st in states]
+    if any(e is None for e in seen):
+        return None
+    return max(2 * e + 4 for e in seen)
 
 
 def _report(opt: AugmentedBUG) -> Tensor:
@@ -183,7 +215,7 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         shape = (m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0)
         states = tuple(_signature(st[k]) for k in ("K", "L", "S"))
         keyed[(*shape, m.U.dtype, m.U.device, reorth, *states)].append(n)
-    groups = [_Group(opt, names, key[6]) for key, names in keyed.items()]
+    groups = [_Group(opt, chunk, key[6]) for key, names in keyed.items() for chunk in _chunks(key, names)]
     device = groups[0].f.U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok_in = inputs_finite(opt, loss, device)
@@ -196,7 +228,7 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
     parts = [ok_in.double().reshape(1), skipped.double().reshape(1).to(device)]
     for g in groups:
         parts += [g.plan.finite.double().to(device), g.plan.failed.double().to(device),
-                  g.plan.k.double().to(device)]
+                  g.plan.k.double().to(device), g.plan.new.double().to(device)]
         if g.ranks is not None:
             parts.append(g.ranks.double().to(device))
         if cfg.budgeted:
@@ -209,7 +241,9 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         g.finite = [v > 0 for v in host[pos:pos + L]]
         g.failed = [v > 0 for v in host[pos + L:pos + 2 * L]]
         g.k = [int(v) for v in host[pos + 2 * L:pos + 3 * L]]
-        pos += 3 * L
+        for st, v in zip(g.states, host[pos + 3 * L:pos + 4 * L], strict=True):
+            st["new_directions"] = int(v)
+        pos += 4 * L
         if g.ranks is not None:
             g.r1 = [int(v) for v in host[pos:pos + L]]
             pos += L
@@ -266,6 +300,8 @@ def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
             aug = bug.augment(f.U[i], f.V[i], g.dK[i], g.dL[i], f.U_buf[i], f.V_buf[i])
             S_bar = bug.galerkin_core(aug, f.S[i]) + bug.projected_update(aug, g.dK[i], g.dS[i], g.dL[i])
             out[n] = (aug, S_bar, g.layer_state(i), bug.core_svd(S_bar))
+            old = f.U.shape[-1] + f.U_buf.shape[-1]  # the width the next step needs
+            g.states[i]["new_directions"] = max(aug.U.shape[1], aug.V.shape[1]) - old
     return out
 
 

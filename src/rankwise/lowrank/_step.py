@@ -35,7 +35,8 @@ class GroupPlan(NamedTuple):
     core S̄ (L, ku, kv) and its SVD P (L, ku, k), s (L, k), Q (L, kv, k); ``r0``: the old rank;
     ``k`` (L,) int64: each layer's core size as the exact path has it (min of its augmented
     bases' widths without fill directions); ``failed`` (L,) bool: the fixed-width augmentation
-    failed (integrate that layer by the exact path); ``finite`` (L,) bool: S̄ is finite."""
+    failed (integrate that layer by the exact path); ``finite`` (L,) bool: S̄ is finite;
+    ``new`` (L,) int64: the new directions the wider side kept (the width the next step needs)."""
 
     U: Tensor
     V: Tensor
@@ -47,6 +48,7 @@ class GroupPlan(NamedTuple):
     k: Tensor
     failed: Tensor
     finite: Tensor
+    new: Tensor
 
 
 def default_rtol(dtype: torch.dtype, c: int) -> float:
@@ -59,6 +61,13 @@ def default_rtol(dtype: torch.dtype, c: int) -> float:
 def _mm(A: Tensor, B: Tensor) -> Tensor:
     """A batch of one as one matrix product (torch's bmm is slower there)."""
     return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
+
+
+def _sub_mm(X: Tensor, A: Tensor, B: Tensor) -> Tensor:
+    """X − A @ B in one fused call (no temporary of X's size)."""
+    if X.shape[0] == 1:
+        return torch.addmm(X[0], A[0], B[0], alpha=-1)[None]
+    return torch.baddbmm(X, A, B, alpha=-1)
 
 
 _FILLS: dict[tuple, Tensor] = {}
@@ -77,11 +86,12 @@ def _fill(m: int, w: int, like: Tensor) -> Tensor:
     return _FILLS[key]
 
 
-def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
-                          rtol: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
+                          width: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Orthonormal columns spanning the part of span(X) orthogonal to span(Q0), at a width the
     host knows: Q0 (L, m, k) orthonormal, X (L, m, c) -> E (L, m, w), ``valid`` (L, w) bool,
-    ``failed`` (L,) bool, with ``w = min(c, m − k)``.
+    ``failed`` (L,) bool, with ``w = min(c, m − k, width)``. A `width` below the number of
+    directions the filter keeps sets ``failed`` (the caller integrates that layer exactly).
 
     The algorithm of :func:`rankwise.linalg.orth_complement_batched` (projection, the float64
     Gram matrix of unit-length columns, its eigen filter, one Cholesky-QR pass), with the
@@ -92,32 +102,37 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
     caller masks what the extra columns carry. ``failed``: the Cholesky factorisation did not
     succeed (E is unusable). X is first scaled by a power of two (exactly) so that its largest
     entry is in [0.5, 1): the Gram matrix stays inside the dtype's range and the span is
-    unchanged. A non-finite X is replaced by zeros (the factorisations never see NaN; the
-    caller's finiteness check sees the non-finite update through the core).
+    unchanged. A non-finite X never reaches the eigen-decomposition (its Gram matrix is
+    replaced by zeros): its E is non-finite and ``failed`` is set.
     """
     L, m, c = X.shape
     k = Q0.shape[-1]
-    w = max(min(c, m - k), 0)
+    w = max(min(c, m - k, c if width is None else width), 0)
     X = X.to(Q0.dtype)
     if rtol is None:
         rtol = default_rtol(X.dtype, c)
     if w == 0:
         return X.new_zeros(L, m, 0), torch.zeros(L, 0, dtype=torch.bool, device=X.device), \
             torch.zeros(L, dtype=torch.bool, device=X.device)
-    X = torch.where(torch.isfinite(X).all(-1).all(-1)[:, None, None], X, torch.zeros_like(X))
-    big = X.abs().amax(dim=(-2, -1))
-    _, exp = torch.frexp(torch.where(big > 0, big, torch.ones_like(big)))
+    big = torch.linalg.vector_norm(X, float("inf"), dim=(-2, -1))  # NaN or inf: not finite
+    finite = torch.isfinite(big)
+    _, exp = torch.frexp(torch.where(finite & (big > 0), big, torch.ones_like(big)))
     X = torch.ldexp(X, -exp[:, None, None].to(X.dtype))  # exact: a power of two
     sq = torch.zeros(L, c, dtype=torch.float64, device=X.device)
     if k:
         C = _mm(Q0.mT, X)
-        X = X - _mm(Q0, C)
+        X = _sub_mm(X, Q0, C)
         sq = sq + C.double().square().sum(-2)
     G = _mm(X.mT, X).double()
     sq = sq + torch.diagonal(G, dim1=-2, dim2=-1)  # ‖x‖² = ‖Q0ᵀx‖² + ‖residual‖²
+    # a non-finite X: its Gram matrix replaced (the eigen filter then drops every direction);
+    # the NaN stays in Y, so the Cholesky factorisation reports it (``failed``)
+    G = torch.where(finite[:, None, None], G, torch.zeros_like(G))
+    sq = torch.where(finite[:, None], sq, torch.zeros_like(sq))
     d = torch.where(sq > 0, sq.clamp_min(1e-300).rsqrt(), torch.zeros_like(sq))
     with one_thread():
         lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])
+    overflow = (lam > rtol**2).sum(-1) > w  # more directions than the width holds
     lam, W = lam[..., c - w:].flip(-1), W[..., c - w:].flip(-1)  # the w largest, descending
     valid = lam > rtol**2
     # the e valid ones back in ascending order (the exact path's column order), fills after them
@@ -130,15 +145,15 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *,
     M = d[..., :, None] * W * inv[..., None, :]
     Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), _fill(m, w, X))
     if k:
-        Y = Y - _mm(Q0, _mm(Q0.mT, Y))
+        Y = _sub_mm(Y, Q0, _mm(Q0.mT, Y))
     with one_thread():
         Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double())
     E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
-    return E, valid, info != 0
+    return E, valid, (info != 0) | overflow
 
 
-def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor, V_buf: Tensor
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor, V_buf: Tensor,
+                  width: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Ū = [U0, U_buf, E_U] (L, m, ku), V̄ = [V0, V_buf, E_V] (L, n, kv), the masks of their
     columns that carry the step (L, ku), (L, kv) (False: a fill direction of
     :func:`orth_complement_fixed`) and the layers' failure flags (L,): both sides in one call
@@ -146,11 +161,11 @@ def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor,
     Uk, Vk = torch.cat([U0, U_buf], -1), torch.cat([V0, V_buf], -1)
     if Uk.shape == Vk.shape and dK.shape == dL.shape:
         L = Uk.shape[0]
-        E, valid, failed = orth_complement_fixed(torch.cat([Uk, Vk]), torch.cat([dK, dL]))
+        E, valid, failed = orth_complement_fixed(torch.cat([Uk, Vk]), torch.cat([dK, dL]), width=width)
         EU, EV, vU, vV, fU, fV = E[:L], E[L:], valid[:L], valid[L:], failed[:L], failed[L:]
     else:
-        EU, vU, fU = orth_complement_fixed(Uk, dK)
-        EV, vV, fV = orth_complement_fixed(Vk, dL)
+        EU, vU, fU = orth_complement_fixed(Uk, dK, width=width)
+        EV, vV, fV = orth_complement_fixed(Vk, dL, width=width)
     ones = torch.ones(Uk.shape[0], Uk.shape[-1], dtype=torch.bool, device=Uk.device)
     return (torch.cat([Uk, EU], -1), torch.cat([Vk, EV], -1), torch.cat([ones, vU], -1),
             torch.cat([ones, vV], -1), fU | fV)
@@ -210,17 +225,20 @@ def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
 
 
 def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
-               U_buf: Tensor, V_buf: Tensor, *, svd: str = "auto") -> GroupPlan:
+               U_buf: Tensor, V_buf: Tensor, *, svd: str = "auto", width: int | None = None) -> GroupPlan:
     """Augment, form the single-pass core and take its SVD for a group (shapes: module
     docstring). A non-finite core is replaced by zeros before its SVD (``finite`` says so),
-    so the factorisation never sees NaN."""
-    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf)
+    so the factorisation never sees NaN. `width`: at most this many new directions per side
+    (a layer that needs more is marked ``failed``)."""
+    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf, width)
     S = core_group(U, V, S0, dK, dS, dL, mU, mV)
     finite = torch.isfinite(S).all(-1).all(-1)
     safe = torch.where(finite[:, None, None], S, torch.zeros_like(S))
     P, s, Q = svd_group(safe, svd)
-    k = torch.minimum(mU.sum(-1), mV.sum(-1))
-    return GroupPlan(U, V, S, P, s, Q, S0.shape[-1], k, failed, finite)
+    kU, kV = mU.sum(-1), mV.sum(-1)
+    old = S0.shape[-1] + U_buf.shape[-1]
+    return GroupPlan(U, V, S, P, s, Q, S0.shape[-1], torch.minimum(kU, kV), failed, finite,
+                     torch.maximum(kU, kV) - old)
 
 
 def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
