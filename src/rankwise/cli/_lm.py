@@ -10,7 +10,9 @@ import typer
 
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, run_bars
 
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore")  # (as rankwise.experiments.lm_compare; no torch here)
+# as rankwise.experiments.lm_compare (no torch here)
+METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20")
+DEFAULT = METHODS[:5]  # dlrt-ueK (update_every=K) only when asked for
 LM_OUTPUTS = (r"summary\.md", r"lm_curves\.png")
 
 
@@ -28,7 +30,7 @@ def _floats(option: str, text: str) -> list[float]:
 
 def lm_cmd(
     methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
-    = ",".join(METHODS),
+    = ",".join(DEFAULT),
     compressions: Annotated[str, typer.Option(help="Compressions of the projections' parameters for the "
                                               "low-rank methods, in (0, 1).")] = "0.5,0.75",
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 2,
