@@ -25,6 +25,7 @@ How to run
     PYTHONPATH=src python benchmarks/gpu_step.py            # CUDA if present; < 5 min on one H200
     .venv/bin/python benchmarks/gpu_step.py --small         # CPU sizes (about 3 min on 2 cores)
     .venv/bin/python benchmarks/gpu_step.py --only mlp      # only rows whose model name has 'mlp'
+    .venv/bin/python benchmarks/gpu_step.py --per-layer     # the per-layer path (before issue 39)
 """
 
 from __future__ import annotations
@@ -215,7 +216,13 @@ def main(argv=None) -> None:
     p.add_argument("--update-every", type=int, default=10)
     p.add_argument("--only", default=None, help="only models whose name contains this")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--per-layer", action="store_true",
+                   help="integrate layer by layer (the path before issue 39, for a before/after)")
     a = p.parse_args(argv)
+    if a.per_layer:
+        from rankwise.lowrank._optim import AugmentedBUG
+
+        AugmentedBUG._batched_now = lambda self, augment: False
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -237,7 +244,8 @@ def main(argv=None) -> None:
     cpu = platform.processor() or platform.machine()
     name = torch.cuda.get_device_name() if device.type == "cuda" else cpu
     print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
-          f"fp32, median of {steps} steps after {a.warmup} warm-up")
+          f"fp32, median of {steps} steps after {a.warmup} warm-up, "
+          f"{'per-layer' if a.per_layer else 'batched'} path")
     rows = run(configs, device, steps, a.warmup, a.update_every)
     print(table(rows, device))
 
