@@ -132,7 +132,8 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
     d = torch.where(sq > 0, sq.clamp_min(1e-300).rsqrt(), torch.zeros_like(sq))
     with one_thread():
         lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])
-    overflow = (lam > rtol**2).sum(-1) > w  # more directions than the width holds
+    # more directions than a restricted width holds (beyond m − k they are roundoff: ignored)
+    overflow = (lam > rtol**2).sum(-1) > (w if w < min(c, m - k) else c)
     lam, W = lam[..., c - w:].flip(-1), W[..., c - w:].flip(-1)  # the w largest, descending
     valid = lam > rtol**2
     # the e valid ones back in ascending order (the exact path's column order), fills after them
