@@ -8,9 +8,10 @@ core, SVD, tolerance ranks). Then every layer's new rank, its core size and the 
 flags (and, under a :class:`Budget`, the spectra) reach the host in **one** transfer; the host
 cuts each group into the new shapes and writes factors and optimizer states back, with
 ``torch._foreach_copy_`` where a layer's shapes did not change. A layer whose fixed-width
-augmentation failed (its Cholesky factorisation; not expected after the eigen filter) is
-integrated by the exact per-layer path of :mod:`._integrators` instead. Dense parameters take
-their rule with ``torch._foreach_*`` ops.
+augmentation failed (its Cholesky factorisation; not expected after the eigen filter) or, with
+SDLRT's buffer, that needs more new directions than its group made room for (:func:`_width`)
+is integrated by the exact per-layer path of :mod:`._integrators` instead, with its own host
+reads. Dense parameters take their rule with ``torch._foreach_*`` ops.
 
 Between augmentations (:func:`core_step`) nothing is read back: a non-finite loss or gradient
 leaves weights and moments as they were (``torch.where`` on the device), and the number of
@@ -43,6 +44,7 @@ def _signature(state: State) -> tuple:
 
 
 def _stack_states(states: list[State], dt: torch.dtype) -> State:
+    """Per-layer rule states of one signature as one state of stacked moments (L, ...)."""
     out = {k: v for k, v in states[0].items() if k not in _MOMENTS}
     for k in _MOMENTS:
         if states[0].get(k) is not None:
