@@ -327,3 +327,30 @@ def test_sdlrt_with_momentum_narrows_its_augmentation_and_stays_exact(monkeypatc
         if isinstance(ma, LowRankLinear):
             assert ma.rank == mb.rank
             torch.testing.assert_close(ma.weight_matrix(), mb.weight_matrix(), atol=1e-8, rtol=0)
+
+
+def test_a_non_finite_core_step_raises_at_the_next_augmentation_under_raise():
+    """on_nonfinite='raise': a core step cannot raise without reading the device, so the skipped
+    step is raised at the next augmentation, before that step writes anything."""
+    model = _Stack(2)
+    opt = DLRT(model, 0.05, tau=0.1, update_every=2, on_nonfinite="raise")
+    _train(model, opt, steps=1)
+    X = torch.randn(8, 16, dtype=F64)
+    opt.zero_grad()
+    (model(X).sum() * float("inf")).backward()
+    opt.step()  # the core step: nothing read, nothing written
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="1 step"):
+        _train(model, opt, steps=1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_train_config_checks_update_every():
+    from rankwise.train_config import TrainConfig
+
+    assert TrainConfig(update_every=5).update_every == 5
+    with pytest.raises(ValueError, match="update_every"):
+        TrainConfig(update_every=0)
+    with pytest.raises(ValueError, match="low-rank method"):
+        TrainConfig(method="dense", update_every=2)
