@@ -1,6 +1,7 @@
 """CUDA checks, skipped without a CUDA device (run: ``PYTHONPATH=src python -m pytest -q
 tests/cuda`` on a machine with a GPU). The same small problems on CPU float64 and CUDA float64
-must agree: the batched step takes the Gram-eigh SVD on CUDA and LAPACK's on the CPU."""
+must agree (cuSOLVER's SVD against LAPACK's; float32 cores on CUDA take the float64-Gram
+``eigh``, exercised by the last test)."""
 
 from __future__ import annotations
 
