@@ -156,7 +156,7 @@ class _Group:
         if not cfg.budgeted and cfg.adaptive:
             dev = f.U.device
             caps = [opt._rank_cap(m) for m in layers]
-            self.ranks = _step.tolerance_ranks(
+            self.ranks = cfg.truncation.ranks(
                 self.plan.s, torch.tensor([s["tau"] for s in self.states], dtype=torch.float64, device=dev),
                 torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
                 torch.tensor(caps, device=dev), self.plan.k)

@@ -266,8 +266,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             return False
         if not augment:
             return True
-        return self.settings.single_pass and not (
-            self.settings.budgeted and self.truncation.allocation == "sensitivity")
+        return self.settings.single_pass and not self.truncation.data_aware
 
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
@@ -597,7 +596,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                 st = self.state[self.layers[name].S]
                 states["S"] = _augmented_core_state(aug, st["S"], st["K"], st["L"])
             plans[name] = [aug, S_bar, states]
-            if self.settings.budgeted and self.truncation.allocation == "sensitivity":
+            if self.truncation.data_aware:
                 grads[name] = (f.G_K, f.G_S, f.G_L)
         overflow = "non-finite augmented core (overflow in the update)"
         if bad is None and closure is None and not _all_finite([plan[1] for plan in plans.values()]):
@@ -730,7 +729,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                 for n, (s, sc) in theirs.items():
                     spectra[n], gathered[n] = s, sc
             spectra = {n: spectra[n] for n in self.layers if n in spectra}  # in the model's order
-            if self.truncation.allocation == "sensitivity":
+            if self.truncation.data_aware:
                 scores = {n: gathered[n] for n in spectra}
         if self.truncation.frozen(self._augmentation()):
             return {n: min(self.layers[n].rank, s.numel()) for n, s in spectra.items()}

@@ -21,8 +21,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, ClassVar
 
 from .._checks import check_unit_interval
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _real(name: str, value: object, *, finite: bool = True) -> float:
@@ -48,9 +52,21 @@ class Tolerance:
     values satisfy ‖σ_tail‖ ≤ τ‖σ‖ (DLRT's rule, per layer)."""
 
     tau: float
+    data_aware: ClassVar[bool] = False  # ranks from the spectra alone
 
     def __post_init__(self) -> None:
         check_unit_interval(_real("tau", self.tau), "tau")
+
+    @staticmethod
+    def ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
+              size: Tensor | None = None) -> Tensor:
+        """Each layer's new rank from its augmented core's singular values s (L, k), on the
+        device (no host read): the smallest rank whose tail is ≤ τ‖s‖, capped at the numerical
+        rank and clamped (:func:`rankwise.lowrank._step.tolerance_ranks`). τ, bounds and the
+        cores' sizes per layer (L,); returns (L,) int64."""
+        from ._step import tolerance_ranks
+
+        return tolerance_ranks(s, tau, min_rank, max_rank, size)
 
 
 @dataclass(frozen=True, repr=False)
@@ -146,6 +162,12 @@ class Budget:
     def frozen(self, augmentation: int) -> bool:
         """Do the ranks stay as they are at this augmentation (`freeze_after`)?"""
         return self.freeze_after is not None and augmentation >= self.freeze_after
+
+    @property
+    def data_aware(self) -> bool:
+        """Does the allocation read the loss's gradients (``"sensitivity"``), not only the
+        spectra? Such a budget needs the per-layer path (its scores are smoothed per layer)."""
+        return self.allocation == "sensitivity"
 
 
 class Feedback(ABC):
