@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise._opcount import OpCounter
+from rankwise._opcount import step_counts
 from rankwise.lowrank._optim import AugmentedBUG
 from rankwise.models import gpt
 
@@ -49,13 +49,8 @@ def counts(depth: int, cls, after: int = 1, **kw) -> tuple[int, int, int, int, i
 
     for _ in range(after):
         opt.step(closure)
-    with OpCounter() as c:
-        with c.paused():
-            closure()
-        opt.step()
-    with OpCounter() as whole:
-        opt.step(closure)
-    return len(opt.layers), c.ops, c.host_reads, whole.host_reads, len(set(opt.ranks().values()))
+    ranks = len(set(opt.ranks().values()))  # before the counted step
+    return (len(opt.layers), *step_counts(opt, closure), ranks)
 
 
 def main(argv=None) -> None:

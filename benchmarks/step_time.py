@@ -427,17 +427,19 @@ def target_checks(configs: list[Config]) -> list[str]:
 
 # ----------------------------------------------------------------------------- phases
 PHASES = {  # phase: the functions whose exclusive time it collects (module, attribute)
+    # the per-layer path (two-pass, data parallel) and the batched one (lowrank/_batched.py)
     "fwd+bwd": [("opt", "_evaluate")],
     "2nd pass": [("opt", "_second_pass")],
-    "working copies": [("opt", "_factors")],
-    "rules": [("optim", "apply_rule"), ("opt", "_core_step")],  # and Sgd.update, Adam.update
-    "new bases (QR)": [("bug", "augment"), ("bug", "augment_many")],
+    "working copies": [("opt", "_factors"), ("batched", "_Group")],  # _Group: stacking, rules
+    "rules": [("batched", "dense_step"), ("batched", "core_step"), ("opt", "_core_step")],
+    "new bases (QR)": [("bug", "augment"), ("bug", "augment_many"), ("step", "augment_group")],
     "Galerkin core": [("bug", "galerkin_core"), ("bug", "projected_update"),
-                      ("optim", "_augmented_core_state")],
-    "SVD + truncation + buffer": [("bug", "truncate"), ("bug", "core_svd"), ("bug", "core_svd_many")],
+                      ("optim", "_augmented_core_state"), ("step", "core_group")],
+    "SVD + truncation + buffer": [("bug", "truncate"), ("bug", "core_svd"), ("bug", "core_svd_many"),
+                                  ("step", "svd_group"), ("batched", "_commit")],
     "budget allocation": [("opt", "_budget_ranks"), ("opt", "_by_sensitivity")],
-    "state transport": [("optim", "transport")],
-    "finiteness checks": [("optim", "_all_finite")],
+    "state transport": [("optim", "transport"), ("batched", "transport")],
+    "finiteness checks": [("optim", "_all_finite"), ("batched", "inputs_finite")],
 }
 
 
@@ -447,10 +449,11 @@ class _Phases:
     the duration of a ``with`` block (benchmark instrumentation only)."""
 
     def __init__(self, phases: dict[str, list[tuple[str, str]]] | None = None) -> None:
-        from rankwise.lowrank import _integrators, _optim, _shard
+        from rankwise.lowrank import _batched, _integrators, _optim, _shard, _step
 
         self.phases = PHASES if phases is None else phases
-        self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard}
+        self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard,
+                        "batched": _batched, "step": _step}
         self.total: dict[str, float] = dict.fromkeys(self.phases, 0.0)
         self.stack: list[list] = []
         self.saved: list[tuple] = []

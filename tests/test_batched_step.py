@@ -10,7 +10,7 @@ from torch import nn
 
 import rankwise
 from rankwise import DLRT, SDLRT, LowRankLinear
-from rankwise._opcount import OpCounter
+from rankwise._opcount import OpCounter, step_counts
 from rankwise.linalg import orth_complement_batched
 from rankwise.lowrank import _integrators as bug
 from rankwise.lowrank import _step
@@ -168,7 +168,7 @@ def _train(model, opt, steps=8, seed=0):
     X = torch.randn(64, 16, generator=g, dtype=F64)
     Y = torch.randn(64, 3, generator=g, dtype=F64)
     for _ in range(steps):
-        def closure():
+        def closure():  # the mean over outputs too (helpers.mse_closure sums them)
             opt.zero_grad()
             loss = ((model(X) - Y) ** 2).mean()
             loss.backward()
@@ -276,14 +276,8 @@ def _gpt_step_counts(depth: int, **kw):
         return loss
 
     opt.step(closure)
-    with OpCounter() as c:
-        with c.paused():
-            closure()
-        opt.step()
-    counts = (c.ops, c.host_reads)
-    with OpCounter() as c:  # the whole step, the closure's forward and backward included
-        opt.step(closure)
-    return counts, c.host_reads
+    ops, reads, whole = step_counts(opt, closure)  # whole: the closure's forward and backward included
+    return (ops, reads), whole
 
 
 def test_gpt_step_reads_the_host_once_and_its_ops_do_not_grow_with_depth():
@@ -311,9 +305,9 @@ def test_a_width_too_small_for_the_kept_directions_is_reported():
     torch.testing.assert_close(E[1] @ E[1].T, ref @ ref.T, atol=1e-12, rtol=0)
 
 
-def test_sdlrt_with_momentum_narrows_its_augmentation_and_stays_exact(monkeypatch):
-    """SDLRT with momentum keeps few new directions; the batched path then makes room for
-    about that many (not r), and still takes the per-layer path's steps."""
+def test_sdlrt_with_momentum_records_its_new_directions_and_stays_exact(monkeypatch):
+    """SDLRT with momentum: the batched path records how many new directions each layer kept
+    (the room the next step makes) and takes the per-layer path's steps."""
     a = _Stack(3)
     opt = SDLRT(a, 0.05, tau=0.1, momentum=0.9)
     _train(a, opt, steps=10)
@@ -354,3 +348,32 @@ def test_train_config_checks_update_every():
         TrainConfig(update_every=0)
     with pytest.raises(ValueError, match="low-rank method"):
         TrainConfig(method="dense", update_every=2)
+
+
+def test_sdlrt_with_momentum_narrows_its_augmentation(monkeypatch):
+    """In float32 with momentum, ΔK lies mostly in span[U0, U_buf]: layers keep fewer new
+    directions than their rank, and the next augmentation makes room for 2e + 4 < r of them,
+    so Ū is narrower than [U0, U_buf] plus r new columns."""
+    from rankwise.lowrank import _step as step_mod
+
+    widths = []
+    plan = step_mod.plan_group
+
+    def spy(*a, **k):
+        out = plan(*a, **k)
+        widths.append((out.U.shape[-1], a[0].shape[-1] + a[6].shape[-1] + a[0].shape[-1]))
+        return out
+
+    monkeypatch.setattr(step_mod, "plan_group", spy)
+    torch.manual_seed(0)
+    model = nn.Sequential(LowRankLinear(256, 256, 16), nn.Tanh(), LowRankLinear(256, 256, 16))
+    X, Y = torch.randn(256, 256), torch.randn(256, 256)
+    opt = SDLRT(model, 0.01, tau=0.1, momentum=0.9)
+    for _ in range(10):
+        def closure():
+            opt.zero_grad()
+            loss = ((model(X) - Y) ** 2).mean()
+            loss.backward()
+            return loss
+        opt.step(closure)
+    assert any(got < full for got, full in widths), widths

@@ -85,3 +85,16 @@ class OpCounter(TorchDispatchMode):
 
     def paused(self) -> OpCounter._Pause:
         return OpCounter._Pause(self)
+
+
+def step_counts(opt, closure) -> tuple[int, int, int]:
+    """Count one ``opt.step()`` after ``closure()`` (its forward and backward not counted), then
+    one whole ``opt.step(closure)``: (the optimizer's dispatched ops, its host reads, the host
+    reads of the whole step)."""
+    with OpCounter() as c:
+        with c.paused():
+            closure()
+        opt.step()
+    with OpCounter() as whole:
+        opt.step(closure)
+    return c.ops, c.host_reads, whole.host_reads

@@ -14,8 +14,9 @@ from torch import Tensor
 
 from ._checks import check_unit_interval
 
-__all__ = ["one_thread", "orth_against", "orth_complement", "orth_complement_batched", "orthonormalize",
-           "tail_rank", "truncated_svd", "work_dtype"]
+__all__ = ["batch_mm", "gram_rtol", "one_thread", "orth_against", "orth_complement",
+           "orth_complement_batched",
+           "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
 
 
 @contextmanager
@@ -92,6 +93,19 @@ def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tens
     return orth_complement_batched(Q0[None], X[None], rtol=rtol)[0]
 
 
+def batch_mm(A: Tensor, B: Tensor) -> Tensor:
+    """A @ B for batches (L, ·, ·), a batch of one as one matrix product (torch's batched
+    product is slower there)."""
+    return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
+
+
+def gram_rtol(dtype: torch.dtype, c: int) -> float:
+    """The orthogonalisations' default relative threshold for a direction to count: √eps of
+    `dtype`, no smaller than what a float64 Gram matrix of c unit columns resolves."""
+    gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
+    return max(torch.finfo(dtype).eps ** 0.5, gram_floor)
+
+
 def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> list[Tensor]:
     """:func:`orth_complement` of each pair of a batch, in one call per step of the algorithm:
     Q0 (L, m, r), X (L, m, c) -> L bases (m, e_i) (e_i may differ: each drops its own
@@ -104,17 +118,13 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
     Raises ``FloatingPointError`` naming the first pair whose X is not finite.
     """
     L, m, c = X.shape
-
-    def mm(A: Tensor, B: Tensor) -> Tensor:  # a batch of one as one matrix product: bmm is slower there
-        return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
-
+    mm = batch_mm
     if Q0.dim() != 3 or Q0.shape[:2] != (L, m):
         raise ValueError(f"X (L, m, c) = {tuple(X.shape)} needs Q0 (L, m, r) with the same L and m; "
                          f"got {tuple(Q0.shape)}")
     X = X.to(Q0.dtype)
     if rtol is None:
-        gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
-        rtol = max(torch.finfo(X.dtype).eps ** 0.5, gram_floor)
+        rtol = gram_rtol(X.dtype, c)
     if X.numel() == 0:
         return [X.new_zeros(m, 0) for _ in range(L)]
     big = X.abs().amax(dim=(-2, -1)).tolist()

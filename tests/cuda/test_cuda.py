@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import rankwise
+from helpers import mse_closure
 from rankwise import DLRT, SDLRT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -28,12 +29,8 @@ def _train(model, opt, device, steps=12):
     g = torch.Generator().manual_seed(1)
     X = torch.randn(128, 32, generator=g, dtype=F64).to(device)
     Y = torch.randn(128, 4, generator=g, dtype=F64).to(device)
+    closure = mse_closure(opt, model, X, Y)
     for _ in range(steps):
-        def closure():
-            opt.zero_grad()
-            loss = ((model(X) - Y) ** 2).mean()
-            loss.backward()
-            return loss
         loss = opt.step(closure)
     return float(loss)
 

@@ -27,9 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..linalg import work_dtype
+from ..linalg import batch_mm, work_dtype
 from . import _integrators as bug
 from . import _step
+from ._budget import tail_share
 from ._rules import State, foreach_update, transport
 
 if TYPE_CHECKING:
@@ -140,8 +141,7 @@ class _Group:
                         stack([m.sink.L for m in layers]),
                         stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
                         stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
-        self.grads_finite = torch.isfinite(torch.stack([f.G_K.abs().amax(), f.G_L.abs().amax(),
-                                                        f.G_S.abs().amax()])).all()
+        self.grads_finite = _all_finite_flag([f.G_K, f.G_L, f.G_S], f.U.device)
         if reorth:
             f = bug.reorthonormalize(f)
         self.f = f
@@ -170,9 +170,9 @@ class _Group:
 CPU_CHUNK = 2**19
 """On the CPU a group is integrated in chunks of at most this many elements per stacked
 augmented basis (L·m·ku): larger temporaries are returned to the system and faulted back in
-at every step (glibc's malloc), which cost more than batching saves (measured: 4 × 2048²
-layers at rank 100 took 110 ms a step in one group against 81 ms layer by layer). Host reads
-are free there, so only the dispatched ops grow. On CUDA a group is never split."""
+at every step (glibc's malloc), which cost more than batching saves (a one-off measurement:
+4 × 2048² layers at rank 100 took 110 ms a step in one group against 81 ms layer by layer).
+Host reads are free there, so only the dispatched ops grow. On CUDA a group is never split."""
 
 
 def _chunks(key: tuple, names: list[str]) -> list[list[str]]:
@@ -278,15 +278,10 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         ranks = opt._budget_ranks(spectra)
         for g in groups:
             g.r1 = [ranks[n] for n in g.names]
-            g.tails = [_tail(spectra[n], ranks[n]) for n in g.names]
+            g.tails = [tail_share(spectra[n], ranks[n]) for n in g.names]
     for g in groups:
         _commit(opt, g, exact)
     return True
-
-
-def _tail(s: Tensor, rank: int) -> float:
-    total = float(s.norm())
-    return float(s[rank:].norm()) / total if total > 0 else 0.0
 
 
 def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
@@ -327,7 +322,7 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
             return t if sel_t is None else t.index_select(0, sel_t)
 
         P, s, Q = sel(plan.P)[..., :r1 + b], sel(plan.s), sel(plan.Q)[..., :r1 + b]
-        U, V = _step._mm(sel(plan.U), P), _step._mm(sel(plan.V), Q)
+        U, V = batch_mm(sel(plan.U), P), batch_mm(sel(plan.V), Q)
         S1 = torch.diag_embed(s[:, :r1])
         TU, TV = P[:, :r0, :r1], Q[:, :r0, :r1]
 

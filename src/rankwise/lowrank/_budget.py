@@ -158,3 +158,11 @@ def budget_schedule(step: int, total_steps: int, start: float, target: float, *,
         return float(target)
     progress = (step - t_i) / (t_f - t_i)
     return float(target + (start - target) * (1 - progress) ** 3)
+
+
+def tail_share(s: Tensor, rank: int) -> float:
+    """‖s[rank:]‖ / ‖s‖ (0 for s = 0): the relative tail a truncation to `rank` discards, i.e.
+    the tolerance τ that would have given that rank (s: singular values, on the host)."""
+    s = s.double()
+    total = float(s.norm())
+    return float(s[rank:].norm()) / total if total > 0 else 0.0

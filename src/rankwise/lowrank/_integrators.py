@@ -190,6 +190,13 @@ def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     once in float64."""
     if not bool(torch.isfinite(S).all()):
         raise FloatingPointError("the augmented core S̄ is not finite; no weights were changed")
+    return thin_svd(S)
+
+
+def thin_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`core_svd` without its finiteness check (no host read): the caller guarantees a
+    finite S (k, l) or batch (..., k, l); on one thread, retried in float64 if LAPACK's SVD
+    does not converge."""
     with one_thread():  # a small factorisation: see rankwise.linalg.one_thread
         try:
             P, s, Qh = torch.linalg.svd(S, full_matrices=False)

@@ -18,6 +18,7 @@ from ..linalg import work_dtype
 from . import _batched, _dp, _shard
 from . import _integrators as bug
 from ._base import AbstractLowRankLayer
+from ._budget import tail_share
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._rules import State, transport
 from ._settings import Settings, pop_rule, settings_from
@@ -755,9 +756,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         lo = min(cfg.min_rank, hi)
         if rank is not None:  # chosen by the budget
             out = bug.truncate(aug, S_bar, rank=rank, buffer=cfg.buffer, svd=svd)
-            s = svd[1].double()  # the relative tail this rank discards: the τ that would give it
-            total = float(s.norm())
-            st["tail"] = float(s[rank:].norm()) / total if total > 0 else 0.0
+            st["tail"] = tail_share(svd[1], rank)  # the τ that would have given this rank
         elif cfg.adaptive:
             out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
                                buffer=cfg.buffer, svd=svd)

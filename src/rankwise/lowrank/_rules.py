@@ -66,17 +66,6 @@ def transport(state: State, left: Tensor | None, right: Tensor | None) -> State:
     return out
 
 
-@torch.no_grad()
-def apply_rule(rule: Rule, p: Tensor, state: State, hp: Mapping[str, Any]) -> None:
-    """Update a dense parameter in place from its ``.grad`` (no-op without one); ``state`` (the
-    optimizer's dict for ``p``) is updated in place."""
-    if p.grad is None:
-        return
-    delta, new = rule(p.grad, p, state, hp)
-    state.update(new)
-    p.add_(delta)
-
-
 def foreach_update(name: str, grads: list[Tensor], params: list[Tensor], states: list[State],
                    hp: Mapping[str, Any]) -> tuple[list[Tensor], list[State]]:
     """:func:`sgd` (`name` ``"sgd"``) or :func:`adam` (``"adam"``) of many tensors at once, with

@@ -27,7 +27,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..linalg import one_thread
+from ..linalg import batch_mm as _mm
+from ..linalg import gram_rtol, one_thread
+from ._integrators import thin_svd
 
 
 class GroupPlan(NamedTuple):
@@ -49,18 +51,6 @@ class GroupPlan(NamedTuple):
     failed: Tensor
     finite: Tensor
     new: Tensor
-
-
-def default_rtol(dtype: torch.dtype, c: int) -> float:
-    """The eigen filter's relative threshold (as :func:`rankwise.linalg.orth_complement`):
-    √eps of `dtype`, no smaller than what a float64 Gram matrix of c columns resolves."""
-    gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
-    return max(torch.finfo(dtype).eps ** 0.5, gram_floor)
-
-
-def _mm(A: Tensor, B: Tensor) -> Tensor:
-    """A batch of one as one matrix product (torch's bmm is slower there)."""
-    return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
 
 
 def _sub_mm(X: Tensor, A: Tensor, B: Tensor) -> Tensor:
@@ -110,7 +100,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
     w = max(min(c, m - k, c if width is None else width), 0)
     X = X.to(Q0.dtype)
     if rtol is None:
-        rtol = default_rtol(X.dtype, c)
+        rtol = gram_rtol(X.dtype, c)
     if w == 0:
         return X.new_zeros(L, m, 0), torch.zeros(L, 0, dtype=torch.bool, device=X.device), \
             torch.zeros(L, dtype=torch.bool, device=X.device)
@@ -212,19 +202,14 @@ def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     (:func:`svd_gram`) or ``"auto"``: ``"gram"`` for float32 cores on CUDA (its float64 Gram
     matrix resolves σ down to ~1e-8·σ_max, below float32's own roundoff), ``"svd"`` for float64
     cores (whose users want float64 accuracy) and on the CPU (LAPACK's SVD is the faster there:
-    14 against 19 ms for 4 cores of 200², 2 cores)."""
+    14 against 19 ms for 4 cores of 200² on 2 cores, a one-off measurement)."""
     if method == "auto":
         method = "gram" if S.is_cuda and S.dtype != torch.float64 else "svd"
     if method == "gram":
         return svd_gram(S)
     if method != "svd":
         raise ValueError(f"`method` must be 'auto', 'svd' or 'gram'; got {method!r}")
-    with one_thread():
-        try:
-            P, s, Qh = torch.linalg.svd(S, full_matrices=False)
-        except torch.linalg.LinAlgError:  # gesdd occasionally fails to converge: retry in float64
-            P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
-    return P, s, Qh.mT
+    return thin_svd(S)
 
 
 def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
