@@ -186,8 +186,10 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
 
 
 def _resumable(config: TrainConfig) -> dict:
-    """What a checkpoint must agree on to resume a run (not where its records or checkpoints go)."""
-    return {k: v for k, v in config.to_dict().items() if k not in ("out", "checkpoint_dir")}
+    """What a checkpoint must agree on to resume a run (not where its records or checkpoints go;
+    `update_every` only when it is not 1, so checkpoints written before the option still resume)."""
+    return {k: v for k, v in config.to_dict().items()
+            if k not in ("out", "checkpoint_dir") and not (k == "update_every" and v == 1)}
 
 
 def _checkpoints(config: TrainConfig, group) -> CodedCheckpoints | None:
