@@ -102,12 +102,12 @@ def inputs_finite(opt: AugmentedBUG, loss, device: torch.device) -> Tensor:
 def dense_step(opt: AugmentedBUG, ok: Tensor | None = None) -> None:
     """The rule on every dense parameter with a gradient, in ``_foreach`` batches (by device,
     dtype and state layout). `ok` (a device bool, core steps): where False nothing changes."""
-    hp, name = opt._hp(), opt.settings.rule.name
+    name = opt.settings.rule.name
     groups: dict[tuple, list[Tensor]] = defaultdict(list)
     for p in _dense_params(opt):
-        groups[(p.device, p.dtype, _signature(opt.state[p]))].append(p)
+        groups[(id(opt._hp_of(p)), p.device, p.dtype, _signature(opt.state[p]))].append(p)
     for params in groups.values():
-        states = [opt.state[p] for p in params]
+        states, hp = [opt.state[p] for p in params], opt._hp_of(params[0])
         deltas, new = foreach_update(name, [p.grad for p in params], params, states, hp)
         if ok is not None:
             zero = torch.zeros((), dtype=params[0].dtype, device=params[0].device)
@@ -125,11 +125,12 @@ class _Group:
     """One group's stacked inputs, rule outputs and plan (``names``: its layers, in order)."""
 
     def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool) -> None:
-        cfg, hp = opt.settings, opt._hp()
+        cfg = opt.settings
         self.names = names
         self.layers = layers = [opt.layers[n] for n in names]
         self.states = [opt.state[m.S] for m in layers]
         first = layers[0]
+        hp = opt._hp_of(first.S)  # one param group per group (the grouping key)
         self.dt = dt = work_dtype(first.U.dtype)
 
         def stack(ts: list[Tensor]) -> Tensor:
@@ -216,7 +217,7 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
         shape = (m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0)
         states = tuple(_signature(st[k]) for k in ("K", "L", "S"))
-        keyed[(*shape, m.U.dtype, m.U.device, reorth, *states)].append(n)
+        keyed[(*shape, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)), *states)].append(n)
     groups = [_Group(opt, chunk, key[6]) for key, names in keyed.items() for chunk in _chunks(key, names)]
     device = groups[0].f.U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
@@ -366,11 +367,10 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
     """Between augmentations: the rule on every layer's core S and on the dense parameters,
     batched, reading nothing back; a non-finite loss or gradient changes nothing and is counted
     on the device (:func:`augmenting_step` reports it)."""
-    hp = opt._hp()
     todo = [m for m in opt.layers.values() if m.S.grad is not None]
     keyed: dict[tuple, list] = defaultdict(list)
     for m in todo:
-        keyed[(m.rank, m.S.dtype, m.S.device, _signature(opt.state[m.S]["S"]))].append(m)
+        keyed[(m.rank, m.S.dtype, m.S.device, id(opt._hp_of(m.S)), _signature(opt.state[m.S]["S"]))].append(m)
     device = todo[0].S.device if todo else next((p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok = inputs_finite(opt, loss, device)
     planned = []
@@ -379,7 +379,7 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
         S0 = torch.stack([m.S for m in layers]).to(dt)
         G = torch.stack([m.S.grad for m in layers]).to(dt)
         old = _stack_states([opt.state[m.S]["S"] for m in layers], dt)
-        dS, new = opt.rule(G, S0, old, hp)
+        dS, new = opt.rule(G, S0, old, opt._hp_of(layers[0].S))
         S1 = S0 + dS
         ok = ok & torch.isfinite(S1).all()
         planned.append((layers, S0, S1, old, new))

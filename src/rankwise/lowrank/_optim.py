@@ -77,6 +77,56 @@ def _augmented_core_state(aug: bug.Augmented, st_S: State, st_K: State, st_L: St
     return out
 
 
+def _split_groups(params: list[Tensor], groups: list[dict] | None, layers: dict[str, AbstractLowRankLayer],
+                  names: dict[int, str]) -> list[Tensor] | list[dict]:
+    """The optimizer's param groups: `groups` (each a dict with ``params`` and hyperparameters
+    that override the defaults, as torch's optimizers take them), then every other parameter
+    in a first group with the defaults. A low-rank layer's U, S and V share a group: naming one
+    of them places the three."""
+    if groups is None:
+        return params
+    if not isinstance(groups, list | tuple) or not all(isinstance(g, dict) and "params" in g for g in groups):
+        raise TypeError("`param_groups` must be a list of dicts, each with 'params' (as torch optimizers "
+                        "take param groups)")
+    held = {id(p) for p in params}
+    trio = {id(t): (m.U, m.S, m.V) for m in layers.values() for t in (m.U, m.S, m.V)}
+    placed: dict[int, int] = {}
+    out = []
+    for i, g in enumerate(groups):
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, Tensor) else list(ps)
+        mine: list[Tensor] = []
+        for p in ps:
+            if not isinstance(p, Tensor) or id(p) not in held:
+                what = names.get(id(p), type(p).__name__) if isinstance(p, Tensor) else type(p).__name__
+                raise ValueError(f"`param_groups[{i}]` holds {what!r}, which is not a trainable parameter "
+                                 "(or a low-rank factor) of `model`")
+            for q in trio.get(id(p), (p,)):
+                if placed.get(id(q), i) != i:
+                    raise ValueError(f"parameter {names.get(id(q), '?')!r} is in "
+                                     f"`param_groups[{placed[id(q)]}]` and `param_groups[{i}]` "
+                                     "(a low-rank layer's U, S and V share a group)")
+                if id(q) not in placed:
+                    placed[id(q)] = i
+                    mine.append(q)
+        out.append({**g, "params": mine})
+    return [{"params": [p for p in params if id(p) not in placed]}, *out]
+
+
+def _check_group(group: dict, settings: Settings, layers: dict[str, AbstractLowRankLayer]) -> None:
+    """A param group's ``lr`` and rule hyperparameters, checked as the constructor checks them."""
+    if "lr" in group and not (math.isfinite(v := _real("lr", group["lr"], finite=False)) and v >= 0):
+        raise ValueError(f"a param group's `lr` must be a finite number >= 0; got {group['lr']}")
+    rule = settings.rule
+    given = {k: group[k] for k in rule.hyper() if k in group}
+    if given:
+        type(rule)(**given)  # validates, with the constructor's messages
+    unknown = {"momentum", "betas", "eps"} - set(rule.hyper())
+    if wrong := sorted(k for k in unknown if k in group):
+        raise ValueError(f"a param group sets {wrong} but the rule is {type(rule).__name__} "
+                         f"(its hyperparameters: {sorted(rule.hyper())})")
+
+
 _FEEDBACK = {True: SeedFeedback, "seed": SeedFeedback, "two-sided": TwoSidedFeedback}
 
 
@@ -114,7 +164,7 @@ class AugmentedBUG(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float, settings: Settings | None = None, *,
-                 process_group=None, **kwargs) -> None:
+                 process_group=None, param_groups: list[dict] | None = None, **kwargs) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
         if not (math.isfinite(v := _real("lr", lr, finite=False)) and v >= 0):
@@ -133,6 +183,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             _dp.check_model(model)
         self.settings = settings
         self.process_group = process_group
+        self._group_by_id: dict[int, dict] | None = None
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
@@ -172,7 +223,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         # the factors (U and V are moved by the integrator, not autograd, so they may not
         # require grad) and every trainable parameter; frozen ones (a PEFT base) are not held
         params = [p for p in model.parameters() if p.requires_grad or id(p) in self._factor_ids]
-        super().__init__(params, defaults)
+        super().__init__(_split_groups(params, param_groups, self.layers, self._param_names), defaults)
         for layer in self.layers.values():
             self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
             if not settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
@@ -278,7 +329,27 @@ class AugmentedBUG(torch.optim.Optimizer):
             layer.set_grad_mode(mode)
 
     def _hp(self) -> dict:
+        """The first param group: the optimizer's own counters (``global_step``,
+        ``budget_start``) live there."""
         return self.param_groups[0]
+
+    def _hp_of(self, p: Tensor) -> dict:
+        """The hyperparameters of the param group holding `p` (a layer's: those of its S)."""
+        groups = self._group_by_id
+        if groups is None or id(p) not in groups:
+            groups = self._group_by_id = {id(q): g for g in self.param_groups for q in g["params"]}
+        return groups[id(p)]
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As ``torch.optim.Optimizer.add_param_group`` (a layer's U, S and V go together), with
+        the group's ``lr`` and rule hyperparameters checked."""
+        if hasattr(self, "settings"):  # torch's __init__ adds the first groups before we are set up
+            _check_group(param_group, self.settings, self.layers)
+        super().add_param_group(param_group)
+        if len(self.param_groups) > 1:  # the optimizer's counters live in the first group only
+            for key in ("global_step", "budget_start"):
+                self.param_groups[-1].pop(key, None)
+        self._group_by_id = None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -380,6 +451,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                           "carry over, the policies are this optimizer's", UserWarning, stacklevel=2)
         self._check_saved_ranks(state_dict)
         super().load_state_dict(state_dict)
+        self._group_by_id = None
         for g in self.param_groups:  # the settings are this optimizer's, whatever was saved
             g.pop("policies", None)
             g["settings"] = mine
@@ -528,7 +600,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         st = self.state[layer.S]
         dt = work_dtype(layer.S.dtype)
         S0 = layer.S.to(dt)
-        dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._hp())
+        dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._hp_of(layer.S))
         layer.S.copy_(S0 + dS)
 
     def _factors(self, layer: AbstractLowRankLayer) -> bug.Factors | None:
@@ -570,7 +642,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         """Plan every layer's step, check it, then write. Optimizer states are new objects
         (the rules are pure) and are committed only in :meth:`_truncate`. Sharded, each rank
         plans and truncates the layers it owns, and the results are then shared."""
-        hp = self._hp()
         if self.process_group is not None:  # from the ranks' presence vector (sharded: grads on owners only)
             todo = self._todo
         else:
@@ -579,7 +650,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         plans, grads, bad, ready = {}, {}, None, []
         for name in (n for n in todo if self._mine(n)):
             f = self._factors(self.layers[name])
-            st = self.state[self.layers[name].S]
+            st, hp = self.state[self.layers[name].S], self._hp_of(self.layers[name].S)
             dK, stK = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
             dL, stL = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
             ready.append((name, f, dK, dL, {"K": stK, "L": stL}))
@@ -591,7 +662,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         for (name, f, dK, dL, states), aug in zip(ready, augs, strict=False):
             S_bar = bug.galerkin_core(aug, f.S)
             if closure is None:
-                dS, states["S"] = self.rule(f.G_S, f.S, self.state[self.layers[name].S]["S"], hp)
+                dS, states["S"] = self.rule(f.G_S, f.S, self.state[self.layers[name].S]["S"],
+                                            self._hp_of(self.layers[name].S))
                 S_bar = S_bar + bug.projected_update(aug, dK, dS, dL)
             else:  # two-pass: the S rule runs on the augmented core in _second_pass
                 st = self.state[self.layers[name].S]
@@ -677,13 +749,12 @@ class AugmentedBUG(torch.optim.Optimizer):
                                                               "`single_pass=False`)"))
         if not self._finite(loss2, elsewhere=elsewhere):
             return False
-        hp = self._hp()
         for name, plan in plans.items():
             _, S_bar, states = plan
             g = self.layers[name].S.grad  # None if the second forward skipped this layer
             g = torch.zeros_like(S_bar) if g is None else g.to(S_bar)
             # states["S"] is already in augmented coordinates (_augmented_core_state)
-            dS, states["S"] = self.rule(g, S_bar, states["S"], hp)
+            dS, states["S"] = self.rule(g, S_bar, states["S"], self._hp_of(self.layers[name].S))
             plan[1] = S_bar + dS
         return True
 
@@ -782,7 +853,12 @@ _COMMON_DOC = """
     - `model`: a module containing :class:`LowRankLinear` / :class:`LowRankConv2d` layers (see
       :func:`to_low_rank`). Every other parameter (biases, norms, dense layers) is updated by
       the same rule in the same ``step``.
-    - `lr`: learning rate, finite and >= 0 (``param_groups[0]["lr"]``, so LR schedulers work).
+    - `lr`: learning rate, finite and >= 0 (the first param group's ``lr``, so LR schedulers work).
+    - `param_groups`: optional groups with their own hyperparameters, as torch optimizers take
+      them (``[{"params": head.parameters(), "lr": 1e-3, "weight_decay": 0.0}]``); every other
+      parameter forms the first group, with `lr` and the rule's values. A low-rank layer's U, S
+      and V share a group (naming one places the three). Each group's ``lr`` and rule
+      hyperparameters apply to its parameters, also after ``add_param_group``.
     - `tau`: relative truncation tolerance τ in [0, 1): the discarded tail satisfies
       ‖Σ_tail‖_F ≤ τ‖S̄‖_F. Give `tau` or `target`.
     - `target`: instead of τ, the compression to reach (``rankwise.compression(model)["ratio"]``,
