@@ -788,7 +788,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         Sharded, the spectra (and sensitivity scores) of every owner's layers are gathered
         first, and every rank allocates, identically; it returns the ranks of all layers."""
         from . import _sensitivity as sens
-        from ._budget import allocate_ranks, layer_cost
+        from ._budget import layer_cost
 
         scores = None
         if smoothed:
@@ -810,15 +810,9 @@ class AugmentedBUG(torch.optim.Optimizer):
                                          for n, m in self.layers.items() if n not in spectra)
         shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in spectra}
         caps = {n: self._rank_cap(self.layers[n]) for n in spectra}
-        budget = self._budget_now() - fixed
-        floors: int | dict[str, int] = self.settings.min_rank
-        if self.truncation.floor > 0:  # a share of the rank a uniform allocation would give
-            uniform = allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=caps,
-                                     rule="uniform", buffer=buf)
-            floors = {n: max(self.settings.min_rank, math.ceil(self.truncation.floor * r))
-                      for n, r in uniform.items()}
-        return allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=caps,
-                              rule=self.truncation.allocation, scores=scores, buffer=buf)
+        return self.truncation.allocate(spectra, shapes, self._budget_now() - fixed,
+                                        min_rank=self.settings.min_rank, max_ranks=caps, buffer=buf,
+                                        scores=scores)
 
     def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool, rank: int | None = None,
                   svd=None) -> None:

@@ -163,6 +163,24 @@ class Budget:
         """Do the ranks stay as they are at this augmentation (`freeze_after`)?"""
         return self.freeze_after is not None and augmentation >= self.freeze_after
 
+    def allocate(self, spectra: dict[str, Tensor], shapes: dict[str, tuple[int, int]], budget: float, *,
+                 min_rank: int, max_ranks: dict[str, int], buffer: bool = False,
+                 scores: dict[str, list[float]] | None = None) -> dict[str, int]:
+        """This budget's ranks: `budget` parameters shared among the layers of `spectra` (each
+        layer's singular values, in the order it keeps its directions; `shapes` (out, in)) by
+        the `allocation` rule (:func:`._budget.allocate_ranks`; `scores` for
+        ``"sensitivity"``), each layer at least `min_rank` and `floor` × its uniform share, at
+        most its `max_ranks`."""
+        from ._budget import allocate_ranks
+
+        floors: int | dict[str, int] = min_rank
+        if self.floor > 0:  # a share of the rank a uniform allocation would give
+            uniform = allocate_ranks(spectra, shapes, budget, min_rank=min_rank, max_ranks=max_ranks,
+                                     rule="uniform", buffer=buffer)
+            floors = {n: max(min_rank, math.ceil(self.floor * r)) for n, r in uniform.items()}
+        return allocate_ranks(spectra, shapes, budget, min_rank=floors, max_ranks=max_ranks,
+                              rule=self.allocation, scores=scores, buffer=buffer)
+
     @property
     def data_aware(self) -> bool:
         """Does the allocation read the loss's gradients (``"sensitivity"``), not only the
