@@ -32,6 +32,8 @@ _LAZY: dict[str, str] = {
     "LowRankConv2d": "rankwise.lowrank",
     "LowRankLinear": "rankwise.lowrank",
     "compression": "rankwise.lowrank",
+    "clip_grad_norm_": "rankwise.lowrank",
+    "grad_norm": "rankwise.lowrank",
     "export": "rankwise.lowrank",
     "stability_distance": "rankwise.lowrank",
     "to_low_rank": "rankwise.lowrank",
@@ -62,8 +64,10 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import Sgd as Sgd
     from .lowrank import Tolerance as Tolerance
     from .lowrank import TwoSidedFeedback as TwoSidedFeedback
+    from .lowrank import clip_grad_norm_ as clip_grad_norm_
     from .lowrank import compression as compression
     from .lowrank import export as export
+    from .lowrank import grad_norm as grad_norm
     from .lowrank import stability_distance as stability_distance
     from .lowrank import to_low_rank as to_low_rank
     from .train import fit as fit

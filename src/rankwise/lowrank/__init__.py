@@ -2,6 +2,8 @@
 
 from ._base import AbstractLowRankLayer as AbstractLowRankLayer
 from ._budget import ALLOCATION_RULES as ALLOCATION_RULES
+from ._clip import clip_grad_norm_ as clip_grad_norm_
+from ._clip import grad_norm as grad_norm
 from ._conv import LowRankConv2d as LowRankConv2d
 from ._convert import to_low_rank as to_low_rank
 from ._export import export as export

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_training
+from ..lowrank._clip import clip_grad_norm_
 
 
 class Callback:
@@ -127,9 +128,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
     last one possibly smaller (or left out, with `drop_last`). Each step calls
     ``optimizer.step(closure)``; the closure zeroes the gradients, computes
     ``loss_fn(model(x_b), y_b)`` (a mean over the batch), back-propagates and, with
-    `clip_grad_norm`, clips the gradients' global norm. Works with torch optimizers and with
-    rankwise's integrators (:class:`rankwise.DLRT`, :class:`rankwise.SDLRT`), which call the
-    closure themselves.
+    `clip_grad_norm`, clips the gradients' global norm (:func:`rankwise.clip_grad_norm_`: for
+    low-rank layers trained by an integrator, the factor gradients it reads). Works with torch
+    optimizers and with rankwise's integrators (:class:`rankwise.DLRT`, :class:`rankwise.SDLRT`),
+    which call the closure themselves.
 
     **Data-parallel** (`process_group` with more than one rank, e.g.
     ``torch.distributed.group.WORLD`` under torchrun): every rank draws the same permutation (seed
@@ -216,8 +218,8 @@ def _step(loop: Loop, x: Tensor, y: Tensor, loss_fn, clip: float | None, transfo
         else:  # an empty shard (a last batch smaller than the group): zero, not a mean over nothing
             loss = out.sum() * 0.0
         loss.backward()
-        if clip is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if clip is not None:  # also the factor gradients of low-rank layers (torch's misses them)
+            clip_grad_norm_(model, clip)
         outputs.append(out.detach())
         return loss
 
