@@ -130,3 +130,24 @@ def test_bad_groups_are_refused_with_the_problem_named():
     opt = DLRT(model, 0.1, tau=0.05, param_groups=[{"params": model[4].parameters()}])
     with pytest.raises(ValueError, match="`lr` must be a finite number"):
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": float("nan")})
+
+
+@pytest.mark.parametrize("kw", PATHS, ids=["batched", "two-pass", "update-every"])
+def test_moments_reset_equals_clearing_the_layer_states_after_every_augmentation(kw):
+    """``moments="reset"``: each truncation starts the rule afresh in the new bases; the same
+    as a default (rotating) run whose layer states are cleared after every augmenting step."""
+    a, b = _model(), _model()
+    opt_a = DLRT(a, 0.01, tau=0.05, optimizer="adam", moments="reset", **kw)
+    opt_b = DLRT(b, 0.01, tau=0.05, optimizer="adam", **kw)
+    every = kw.get("update_every", 1)
+    for step in range(4):
+        _steps(opt_a, a, 1)
+        _steps(opt_b, b, 1)
+        if step % every == 0:
+            for m in (b[0], b[2]):
+                opt_b.state[m.S].update(K={}, L={}, S={})
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert opt_a.state[a[0].S]["K"] == {} or every > 1
+    with pytest.raises(ValueError, match="moments"):
+        DLRT(a, 0.01, tau=0.05, moments="project")

@@ -350,7 +350,11 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
                 m.set_factors(U[j, :, :r1].clone(), S1[j].clone(), V[j, :, :r1].clone(),
                               U[j, :, r1:].clone(), V[j, :, r1:].clone())
         for key in ("K", "L", "S"):
-            _write_states([st[key] for st in states], moved[key])
+            if cfg.moments == "reset":  # the rule starts afresh in the new bases
+                for st in states:
+                    st[key] = {}
+            else:
+                _write_states([st[key] for st in states], moved[key])
         for i, st in zip(idx, states, strict=True):
             if cfg.budgeted:
                 st["tail"] = g.tails[i]

@@ -154,6 +154,8 @@ class AugmentedBUG(torch.optim.Optimizer):
       param group, where torch's schedulers may change them.
     - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
       under :class:`DLRT`.
+    - `moments`: ``"rotate"`` (default) carries the rule's K, L and S moments into the new
+      bases at every truncation; ``"reset"`` starts them afresh (an ablation of the rotation).
 
     The optimizer holds the low-rank factors and every parameter that requires grad; frozen
     parameters (a PEFT base model) are left out, as a torch optimizer built from the trainable
@@ -831,10 +833,13 @@ class AugmentedBUG(torch.optim.Optimizer):
         if rank is None and self.feedback is not None:
             st["tau"] = self.feedback(st["tau"], r1, st["r_init"], cfg.tau)
         TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
-        st["K"] = transport(states["K"], None, TV)
-        st["L"] = transport(states["L"], None, TU)
-        st["S"] = (transport(states["S"], out.P, out.Q) if two_pass
-                   else transport(states["S"], TU, TV))
+        if cfg.moments == "reset":
+            st["K"], st["L"], st["S"] = {}, {}, {}
+        else:
+            st["K"] = transport(states["K"], None, TV)
+            st["L"] = transport(states["L"], None, TU)
+            st["S"] = (transport(states["S"], out.P, out.Q) if two_pass
+                       else transport(states["S"], TU, TV))
         st["augmentations"] = st.get("augmentations", 0) + 1
         layer.set_factors(out.U, out.S, out.V, out.U_buf, out.V_buf)
 

@@ -128,7 +128,9 @@ class Settings:
     **Arguments:** `truncation` (:class:`Tolerance` or :class:`Budget`), `feedback`
     (``None`` or a :class:`Feedback`; only with a Tolerance), `buffer` (SDLRT's compensation
     buffer), `rule` (:class:`Sgd` or :class:`Adam`), `single_pass`, `min_rank`, `max_rank`,
-    `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``); with a
+    `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``), `moments`
+    (``"rotate"``: the rule's moments are carried into the new bases at every truncation,
+    :func:`._rules.transport`; ``"reset"``: they start afresh, with Adam's step count); with a
     `process_group`: `data_parallel` (``"sharded"``, the default: each layer is integrated by
     one rank, its owner, which then sends the result to the others; ``"replicated"``: every
     rank integrates every layer) and `check_every` (compare the replicas' hashes every N-th
@@ -147,6 +149,7 @@ class Settings:
     on_nonfinite: Literal["raise", "skip"] = "raise"
     data_parallel: Literal["replicated", "sharded"] = "sharded"
     check_every: int = 1
+    moments: Literal["rotate", "reset"] = "rotate"
 
     def __post_init__(self) -> None:
         if not isinstance(self.truncation, Tolerance | Budget):
@@ -177,6 +180,8 @@ class Settings:
             raise ValueError(f"need 1 <= min_rank <= max_rank; got {self.min_rank}, {self.max_rank}")
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {self.on_nonfinite!r}")
+        if self.moments not in ("rotate", "reset"):
+            raise ValueError(f"`moments` must be 'rotate' or 'reset'; got {self.moments!r}")
         if self.data_parallel not in ("replicated", "sharded"):
             raise ValueError(f"`data_parallel` must be 'replicated' or 'sharded'; got {self.data_parallel!r}")
 
