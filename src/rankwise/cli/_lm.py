@@ -11,8 +11,9 @@ import typer
 from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, run_bars
 
 # as rankwise.experiments.lm_compare (no torch here)
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20")
-DEFAULT = METHODS[:5]  # dlrt-ueK (update_every=K) only when asked for
+METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
+           "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm")
+DEFAULT = METHODS[:5]  # the variants (update_every, ablations) only when asked for
 LM_OUTPUTS = (r"summary\.md", r"lm_curves\.png")
 
 
@@ -49,6 +50,14 @@ def lm_cmd(
     heads: Annotated[int, typer.Option(help="Attention heads (divides the width).", min=1)] = 4,
     final_windows: Annotated[int, typer.Option(help="Windows of validation and of test for the final losses "
                                                "(0: every window).", min=0)] = 0,
+    schedule: Annotated[str, typer.Option(help="Learning-rate schedule for every method: cosine (linear "
+                                          "warm-up, then cosine decay) or constant.")] = "cosine",
+    warmup: Annotated[float, typer.Option(help="Share of the steps in the warm-up (cosine).")] = 0.1,
+    final_lr: Annotated[float, typer.Option(help="The cosine ends at this share of the rate.")] = 0.1,
+    clip: Annotated[float, typer.Option(help="Clip every method's gradient norm at this value (0: no "
+                                        "clipping; DLRT/SDLRT: the norm of what the integrator reads).")]
+    = 0.0,
+    warm: Annotated[float, typer.Option(help="Share of the steps the *-warm methods train dense.")] = 0.2,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, lm_curves.png.")]
@@ -71,6 +80,14 @@ def lm_cmd(
         check_range("--grid", lr, 0, 1e3, lo_open=True)  # (finite: inf is not a rate)
     if width % heads:
         raise UserError(f"--heads {heads} must divide --width {width}")
+    if schedule not in ("cosine", "constant"):
+        raise UserError(f"--schedule must be cosine or constant; got {schedule!r}")
+    check_range("--warmup", warmup, 0, 1, hi_open=True)
+    check_range("--final-lr", final_lr, 0, 1, hi_open=False)
+    check_range("--clip", clip, 0, 1e30)
+    check_range("--warm", warm, 0, 1, hi_open=True)
+    if any(m.endswith("-warm") for m in method_list) and not 1 <= round(warm * steps) < steps:
+        raise UserError(f"--warm {warm:g} × --steps {steps} must leave at least one dense step and one after")
     check_output_dir(out, produced=LM_OUTPUTS, force=force or holds_records(out, "context"),
                      what="language-model comparison")
     if "galore" in method_list:
@@ -91,7 +108,8 @@ def lm_cmd(
         result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, select_at=select_at, jobs=jobs,
                        overwrite=force, on_done=done, on_progress=on_progress, steps=steps, batch=batch,
                        context=context, width=width, depth=depth, heads=heads,
-                       final_windows=final_windows)
+                       final_windows=final_windows, schedule=schedule, warmup=warmup, final_lr=final_lr,
+                       clip=clip, warm=warm)
     table = summary_markdown(result.records, result.chosen, select_at)
     write_atomic(out / "summary.md", table.encode())
     png = plot(result.records, result.chosen, out)

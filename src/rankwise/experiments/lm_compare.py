@@ -18,6 +18,16 @@ Methods (``compression`` c is of the projections' parameters):
   parameters (SDLRT's buffer counted in it).
 - ``dlrt-ue5``, ``dlrt-ue20``: ``dlrt`` augmenting every 5th / 20th step (``update_every``;
   the steps between move the cores S and the dense parameters only).
+- ablations of ``dlrt`` (issue 40): ``dlrt-fixedrank`` (the start ranks kept: no budget,
+  ``adaptive=False``), ``dlrt-uniform`` (the budget allocated uniformly), ``dlrt-reset`` (the
+  rule's moments start afresh at every truncation instead of being rotated), ``dlrt-warm`` and
+  ``fixed-warm`` (dense AdamW for the first `warm` share of the steps, then the SVD of the
+  trained weights at the start ranks, trained on by ``dlrt`` / ``fixed``).
+
+Every method runs under the same learning-rate schedule (``cosine``: a linear warm-up over
+`warmup` of the steps, then a cosine decay to `final_lr` × the rate; or ``constant``) and, with
+`clip` > 0, the same gradient clipping (:func:`rankwise.clip_grad_norm_`: for DLRT and SDLRT the
+norm of what the integrator reads).
 - ``fixed``: the same factorisation at rank r, U, S and V trained by AdamW.
 - ``galore``: ``galore_torch.GaLoreAdamW`` on the dense model, the projections' gradients
   projected to rank r (DLRT's starting rank at the same c, so that their optimizer states are
@@ -41,11 +51,13 @@ from torch import Tensor, nn
 
 from ..train import Callback, Loop, fit
 
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20")
-LOWRANK = ("dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20")  # the methods that take a compression
+ABLATIONS = ("dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm")
+METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", *ABLATIONS)
+LOWRANK = METHODS[1:]  # the methods that take a compression
+SCHEDULES = ("cosine", "constant")
 GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
 ADAM = {"eps": 1e-8, "weight_decay": 0.0}  # the same Adam for every method (no decay: DLRT's rule has none)
-VERSION = 1
+VERSION = 2  # 2: schedule, clip, warm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +77,11 @@ class LmRunSpec:
     eval_every: int = 50
     eval_windows: int = 64  # validation windows for the curve
     final_windows: int = 0  # evenly spaced windows of validation and test for the final losses (0: all)
+    schedule: str = "cosine"  # or "constant"
+    warmup: float = 0.1  # share of the steps in the linear warm-up (cosine)
+    final_lr: float = 0.1  # the cosine ends at this share of the rate
+    clip: float = 0.0  # gradient clipping at this global norm (0: none)
+    warm: float = 0.2  # share of the steps trained dense by the *-warm methods
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -83,6 +100,29 @@ class LmRunSpec:
                 raise ValueError(f"`{name}` must be a positive int; got {v!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"`lr` must be a positive number; got {self.lr!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"`schedule` must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        for name in ("warmup", "warm"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and 0 <= v < 1):
+                raise ValueError(f"`{name}` must be in [0, 1); got {v!r}")
+        if not (isinstance(self.final_lr, int | float) and 0 <= self.final_lr <= 1):
+            raise ValueError(f"`final_lr` must be in [0, 1]; got {self.final_lr!r}")
+        if not (isinstance(self.clip, int | float) and math.isfinite(self.clip) and self.clip >= 0):
+            raise ValueError(f"`clip` must be a number >= 0 (0: no clipping); got {self.clip!r}")
+        if self.method.endswith("-warm") and not 1 <= round(self.warm * self.steps) < self.steps:
+            raise ValueError(f"{self.method} trains dense for `warm` × steps ({self.warm} × {self.steps}), "
+                             "which must be at least one step and fewer than all")
+
+    def lr_factor(self, step: int) -> float:
+        """The schedule's multiple of `lr` for step `step` (0-based)."""
+        if self.schedule == "constant":
+            return 1.0
+        w = round(self.warmup * self.steps)
+        if step < w:
+            return (step + 1) / w
+        t = min(1.0, (step - w) / max(1, self.steps - w))
+        return self.final_lr + (1 - self.final_lr) * 0.5 * (1 + math.cos(math.pi * t))
 
     @property
     def key(self) -> str:
@@ -104,8 +144,8 @@ def projections(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
-    """The model and optimizer of a run, and facts about them (start ranks, budget)."""
-    import rankwise
+    """The model and optimizer of a run, and facts about them (start ranks, budget). The
+    ``*-warm`` methods start dense (AdamW); :func:`switch` factorises them later."""
     from rankwise.models import gpt
 
     torch.manual_seed(spec.seed)
@@ -126,19 +166,34 @@ def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
                            "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"})
         info["galore_ranks"] = ranks
         return model, GaLoreAdamW(groups, lr=spec.lr, **ADAM), info
+    if spec.method.endswith("-warm"):
+        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
+    return model, factorise(model, spec, ranks, info), info
+
+
+def factorise(model: nn.Module, spec: LmRunSpec, ranks: dict[str, int], info: dict) -> torch.optim.Optimizer:
+    """Replace every projection by its truncated SVD at its start rank (in place) and return
+    the method's optimizer for the factored model."""
+    import rankwise
+
     for r in sorted(set(ranks.values())):  # every projection at its own start rank
         rankwise.to_low_rank(model, rank=r, include=[n for n, k in ranks.items() if k == r])
-    if spec.method == "fixed":
-        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
+    base = spec.method.removesuffix("-warm")
+    if base == "fixed":
+        return torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM)
     lowrank = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
     params = sum(m.rank * (m.out_features + m.in_features) + m.rank**2 for m in lowrank)
-    sdlrt = spec.method == "sdlrt"
-    every = int(spec.method.split("-ue")[1]) if "-ue" in spec.method else 1  # dlrt-ueK: update_every=K
-    budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=sdlrt)
+    sdlrt = base == "sdlrt"
+    every = int(base.split("-ue")[1]) if "-ue" in base else 1  # dlrt-ueK: update_every=K
+    allocation = "uniform" if base == "dlrt-uniform" else "error-sqrt"
+    budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=sdlrt, allocation=allocation)
+    truncation = rankwise.Tolerance(0.0) if base == "dlrt-fixedrank" else budget
     info["budget_params"] = params
-    settings = rankwise.Settings(truncation=budget, buffer=sdlrt, rule=rankwise.Adam(eps=ADAM["eps"]),
-                                 feedback=None, max_rank=None, update_every=every)
-    return model, rankwise.AugmentedBUG(model, spec.lr, settings), info
+    settings = rankwise.Settings(truncation=truncation, buffer=sdlrt, rule=rankwise.Adam(eps=ADAM["eps"]),
+                                 feedback=None, max_rank=None, update_every=every,
+                                 adaptive=base != "dlrt-fixedrank",
+                                 moments="reset" if base == "dlrt-reset" else "rotate")
+    return rankwise.AugmentedBUG(model, spec.lr, settings)
 
 
 def _bits(model: nn.Module, x: Tensor, y: Tensor, batch: int = 32) -> float:
@@ -152,6 +207,37 @@ def _bits(model: nn.Module, x: Tensor, y: Tensor, batch: int = 32) -> float:
             count += y[i:i + batch].numel()
     model.train()
     return total / count / math.log(2)
+
+
+class _Schedule(Callback):
+    """Sets every param group's rate to ``lr × spec.lr_factor(step)`` before each step (on
+    whichever optimizer the loop holds: the warm methods switch)."""
+
+    def __init__(self, spec: LmRunSpec) -> None:
+        self.spec = spec
+
+    def _set(self, loop: Loop) -> None:
+        for g in loop.optimizer.param_groups:
+            g["lr"] = self.spec.lr * self.spec.lr_factor(loop.global_step)
+
+    def on_fit_start(self, loop: Loop) -> None:
+        self._set(loop)
+
+    def on_step_end(self, loop: Loop) -> None:
+        self._set(loop)
+
+
+class _Warm(Callback):
+    """The ``*-warm`` methods: after ``warm × steps`` dense steps, factorise and switch."""
+
+    def __init__(self, spec: LmRunSpec, info: dict, wrap: Callable[[torch.optim.Optimizer], None]) -> None:
+        self.spec, self.info, self.wrap = spec, info, wrap
+        self.at = round(spec.warm * spec.steps)
+
+    def on_step_end(self, loop: Loop) -> None:
+        if loop.global_step == self.at:
+            loop.optimizer = factorise(loop.model, self.spec, self.info["start_ranks"], self.info)
+            self.wrap(loop.optimizer)
 
 
 class _Curve(Callback):
@@ -197,21 +283,34 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
     vx, vy = sequential_windows(data.val, spec.context)
     pick = torch.randperm(len(vx), generator=torch.Generator().manual_seed(1234))[:spec.eval_windows]
     curve = _Curve(vx[pick], vy[pick], spec.eval_every, report)
-    step = opt.step
 
-    def counted_step(closure):  # the memory count after the backward, inside the step
-        def counted():
-            loss = closure()
-            curve.count(model, opt)
-            return loss
-        return step(counted)
+    def wrap(opt: torch.optim.Optimizer) -> None:
+        step = opt.step
 
-    opt.step = counted_step  # type: ignore[method-assign]
+        def counted_step(closure):  # the memory count after the backward, inside the step
+            def counted():
+                loss = closure()
+                curve.count(model, opt)
+                return loss
+            return step(counted)
+
+        opt.step = counted_step  # type: ignore[method-assign]
+
+    wrap(opt)
+    held = [opt]  # the optimizer now (the warm methods switch)
+
+    def switched(new: torch.optim.Optimizer) -> None:
+        wrap(new)
+        held.append(new)
+
+    callbacks: list[Callback] = [_Warm(spec, info, switched)] if spec.method.endswith("-warm") else []
+    callbacks += [_Schedule(spec), curve]
     t0 = time.perf_counter()
     failed = None
     try:
         fit(model, opt, x, y, epochs=1, batch_size=spec.batch, max_steps=spec.steps, shuffle=None,
-            loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), callbacks=[curve])
+            loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()), callbacks=callbacks,
+            clip_grad_norm=spec.clip or None)
     except FloatingPointError as e:  # DLRT/SDLRT refuse a non-finite step: the rate diverged
         failed = str(e)
     seconds = time.perf_counter() - t0
@@ -220,7 +319,9 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
         (vx, vy), (tx, ty) = spaced(vx, vy, spec.final_windows), spaced(tx, ty, spec.final_windows)
     import rankwise
 
+    opt = held[-1]
     mem = curve.memory or rankwise.training_memory(model, opt)
+    end = rankwise.training_memory(model, opt)
     ranks = {n: m.rank for n, m in model.named_modules() if isinstance(m, rankwise.LowRankLinear)}
     step_s = float(np.median(curve.times[1:] or curve.times)) if curve.times else float("nan")
     inf = float("inf")
@@ -231,6 +332,8 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
                 tokens_per_second=spec.batch * spec.context / step_s, train_seconds=seconds,
                 memory=dict(weights=mem.weights, grads=mem.grads, optimizer=mem.optimizer,
                             lowrank_buffers=mem.lowrank_buffers, total=mem.total),
+                memory_end=dict(weights=end.weights, optimizer=end.optimizer,
+                                lowrank_buffers=end.lowrank_buffers, total=end.total),
                 params=sum(p.numel() for p in model.parameters()), ranks=ranks, info=info,
                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                 peak_rss_growth_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024)
@@ -341,20 +444,27 @@ def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tu
     ref_mem = np.mean([r["memory"]["total"] for r in dense[0]]) if dense else None
     ref_step = np.mean([r["step_seconds"] for r in dense[0]]) if dense else None
     head = ["method", "compression", "lr (chosen)", "seeds", "val bits/token", "test bits/token",
-            "weights + grads + state, MB", "vs dense", "optimizer state + buffers, MB",
-            "process peak RSS, MiB", "tokens/s", "step vs dense"]
+            "weights + grads + state, MB (peak)", "vs dense", "at the end, vs dense",
+            "optimizer state + buffers, MB", "Σ|rank change|", "process peak RSS, MiB", "tokens/s",
+            "step vs dense"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (m, c), (rs, lr, edge) in rows.items():
         if not rs:
             continue
         mem = np.mean([r["memory"]["total"] for r in rs])
+        end = np.mean([r.get("memory_end", r["memory"])["total"] for r in rs])
+        moved = ""
+        if all(r["info"].get("start_ranks") and r["ranks"] for r in rs):
+            change = [sum(abs(k - r["info"]["start_ranks"][n]) for n, k in r["ranks"].items()) for r in rs]
+            moved = f"{np.mean(change):.0f}"
         state = np.mean([r["memory"]["optimizer"] + r["memory"]["lowrank_buffers"] for r in rs])
         step = np.mean([r["step_seconds"] for r in rs])
         how = (f" (as at {select_at:g})" if select_at is not None and m != "dense" and c != select_at
                else " (edge)" if edge else "")
         cells = [m, f"{c:g}" if m != "dense" else "", f"{lr:g}{how}", str(len(rs)),
                  stats([r["val_bits"] for r in rs]), stats([r["test_bits"] for r in rs]), f"{mem / 1e6:.2f}",
-                 f"{mem / ref_mem:.2f}" if ref_mem else "", f"{state / 1e6:.2f}",
+                 f"{mem / ref_mem:.2f}" if ref_mem else "", f"{end / ref_mem:.2f}" if ref_mem else "",
+                 f"{state / 1e6:.2f}", moved,
                  f"{np.mean([r['peak_rss_mib'] for r in rs]):.0f}",
                  f"{np.mean([r['tokens_per_second'] for r in rs]):.0f}",
                  f"{step / ref_step:.2f}" if ref_step else ""]
