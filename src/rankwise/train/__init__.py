@@ -17,6 +17,7 @@ from ._loop import Callback as Callback
 from ._loop import Loop as Loop
 from ._loop import accuracy as accuracy
 from ._loop import fit as fit
+from ._warm import DenseWarmStart as DenseWarmStart
 
 _RUN = ("EpochRecord", "Progress", "ProgressCallback", "Records", "train", "write_json_atomic")
 
@@ -28,5 +29,6 @@ def __getattr__(name: str) -> Any:
         return getattr(train_run, name)
     raise AttributeError(f"module 'rankwise.train' has no attribute {name!r}")
 
-__all__ = ["FORMAT_VERSION", "METHODS", "Callback", "CodedCheckpoints", "EpochRecord", "Loop", "Progress",
-           "ProgressCallback", "Records", "TrainConfig", "accuracy", "fit", "train", "write_json_atomic"]
+__all__ = ["FORMAT_VERSION", "METHODS", "Callback", "CodedCheckpoints", "DenseWarmStart", "EpochRecord",
+           "Loop", "Progress", "ProgressCallback", "Records", "TrainConfig", "accuracy", "fit", "train",
+           "write_json_atomic"]
