@@ -154,8 +154,8 @@ def test_trainer_runs_the_integrator_without_extra_calls(tmp_path):
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=6, learning_rate=0.02,
                                           per_device_train_batch_size=8, logging_steps=2, report_to=[],
                                           save_strategy="no", use_cpu=True, disable_tqdm=True)
-    with pytest.warns(UserWarning, match="max_grad_norm"):
-        trainer = RankwiseTrainer(model=model, args=args, train_dataset=data)
+    trainer = RankwiseTrainer(model=model, args=args, train_dataset=data)
+    assert trainer.clip_norm == 1.0 and trainer.args.max_grad_norm == 0.0  # clipped by rankwise instead
     before = {n: m.rank for n, m in adapters(model)}
     trainer.train()
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # (accelerate's wrapper)
@@ -165,3 +165,23 @@ def test_trainer_runs_the_integrator_without_extra_calls(tmp_path):
     assert logged and all(f"adapter_rank/{n}" in logged[-1] for n in before)
     assert 0 <= logged[-1]["adapter_tau_mean"] <= 0.05
     assert any(layer.S.abs().sum() > 0 for _, layer in adapters(model))
+
+
+def test_trainer_clips_what_the_integrator_reads(tmp_path):
+    """max_grad_norm reaches the factor gradients: at 1e-12 the adapters barely move (Adam's
+    steps shrink to ~lr·1e-4), at 0 (off) they move."""
+    from rankwise.peft import RankwiseTrainer
+
+    moved = {}
+    for norm in (0.0, 1e-12):
+        model = get_adapter_model(tiny_bert(), AdapterConfig(QKV, r=4, tau=0.05))
+        ids, y = batch(0, n=16)
+        data = [{"input_ids": ids[i], "labels": y[i]} for i in range(len(y))]
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / f"out{norm}"), max_steps=4,
+                                              learning_rate=0.02, per_device_train_batch_size=8, report_to=[],
+                                              save_strategy="no", use_cpu=True, disable_tqdm=True,
+                                              max_grad_norm=norm)
+        RankwiseTrainer(model=model, args=args, train_dataset=data).train()
+        moved[norm] = max(float((layer.U @ layer.S @ layer.V.T).detach().abs().max())
+                          for _, layer in adapters(model))
+    assert moved[0.0] > 1e-3 and moved[1e-12] < 1e-3 * moved[0.0]

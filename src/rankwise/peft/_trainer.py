@@ -21,20 +21,38 @@ class RankwiseTrainer(transformers.Trainer):
     ``adapter_rank_total`` and ``adapter_tau_mean``, so every logger (TensorBoard, W&B, the
     console) sees the ranks and τ.
 
-    Gradient clipping (``max_grad_norm``, 1.0 by default in ``TrainingArguments``) would rescale
-    only the ``.grad`` of the cores and dense parameters, not the factor gradients the
-    integrator reads, so it is switched off with a warning. ``optimizers=(opt, scheduler)``
-    still lets you pass an optimizer of your own.
+    Gradient clipping (``max_grad_norm``, 1.0 by default in ``TrainingArguments``) is done by
+    :func:`rankwise.clip_grad_norm_` just before each optimizer step (a pre-step hook), so it
+    also scales the factor gradients the integrator reads, which the Trainer's own clipping
+    would miss (``clip_norm`` holds the value; the Trainer's ``max_grad_norm`` is set to 0).
+    Under ``fp16`` the gradients are still scaled at that point, so clipping is switched off
+    there, with a warning. ``optimizers=(opt, scheduler)`` still lets you pass an optimizer of
+    your own (it is clipped the same way).
     """
 
     def __init__(self, model=None, args=None, *pos, **kw) -> None:
         _config_of(model)
         super().__init__(model, args, *pos, **kw)
-        if self.args.max_grad_norm:
-            warnings.warn(f"RankwiseTrainer: max_grad_norm={self.args.max_grad_norm} switched off: clipping "
-                          "would rescale the cores' gradients but not the factor gradients the integrator "
-                          "reads", UserWarning, stacklevel=2)
-            self.args.max_grad_norm = 0.0
+        self.clip_norm = float(self.args.max_grad_norm or 0.0)
+        self.args.max_grad_norm = 0.0  # the Trainer's clipping would miss the factor gradients
+        if self.clip_norm and self.args.fp16:
+            warnings.warn(f"RankwiseTrainer: max_grad_norm={self.clip_norm} switched off under fp16: the "
+                          "gradients are still scaled when the step begins", UserWarning, stacklevel=2)
+            self.clip_norm = 0.0
+        if self.optimizer is not None:
+            self._clip_before_steps(self.optimizer)
+
+    def _clip_before_steps(self, opt) -> None:
+        if not self.clip_norm:
+            return
+        from ..lowrank import clip_grad_norm_
+
+        model, norm = self.model, self.clip_norm
+
+        def clip(_opt, _args, _kwargs) -> None:
+            clip_grad_norm_(model, norm)
+
+        opt.register_step_pre_hook(clip)
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -42,6 +60,7 @@ class RankwiseTrainer(transformers.Trainer):
             self.optimizer = adapter_optimizer(self.model, a.learning_rate, optimizer="adam",
                                                betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                                                weight_decay=a.weight_decay)
+            self._clip_before_steps(self.optimizer)
         return self.optimizer
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
