@@ -151,3 +151,28 @@ def test_moments_reset_equals_clearing_the_layer_states_after_every_augmentation
     assert opt_a.state[a[0].S]["K"] == {} or every > 1
     with pytest.raises(ValueError, match="moments"):
         DLRT(a, 0.01, tau=0.05, moments="project")
+
+
+@pytest.mark.parametrize("kw", PATHS, ids=["batched", "two-pass", "update-every"])
+def test_core_lr_ratio_scales_only_the_cores_step(kw):
+    """Plain SGD: ΔS = −lr·ratio·G_S, so ratio 2 equals the default run whose closure doubles the
+    cores' gradients (and only theirs: K, L and the dense steps are the same)."""
+    a, b = _model(), _model()
+    opt_a = DLRT(a, 0.05, tau=0.05, core_lr_ratio=2.0, **kw)
+    opt_b = DLRT(b, 0.05, tau=0.05, **kw)
+    X, Y = _data()
+    for opt, model, double in ((opt_a, a, False), (opt_b, b, True)):
+        def closure(opt=opt, model=model, double=double):
+            opt.zero_grad()
+            loss = ((model(X) - Y) ** 2).mean()
+            loss.backward()
+            if double:
+                for m in (model[0], model[2]):
+                    m.S.grad.mul_(2)
+            return loss
+        for _ in range(3):
+            opt.step(closure)
+    for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, atol=1e-13, rtol=0)
+    with pytest.raises(ValueError, match="core_lr_ratio"):
+        DLRT(a, 0.05, tau=0.05, core_lr_ratio=0.0)

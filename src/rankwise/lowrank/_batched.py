@@ -149,7 +149,8 @@ class _Group:
         rule = opt.rule
         self.dK, stK = rule(f.G_K, f.U @ f.S, _stack_states([s["K"] for s in self.states], dt), hp)
         self.dL, stL = rule(f.G_L, f.V @ f.S.mT, _stack_states([s["L"] for s in self.states], dt), hp)
-        self.dS, stS = rule(f.G_S, f.S, _stack_states([s["S"] for s in self.states], dt), hp)
+        stS = _stack_states([s["S"] for s in self.states], dt)
+        self.dS, stS = rule(f.G_S, f.S, stS, opt._core_hp(first.S))
         self.new_states = {"K": stK, "L": stL, "S": stS}
         self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto",
                                      width=_width(self.states) if cfg.buffer else None)
@@ -383,7 +384,7 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
         S0 = torch.stack([m.S for m in layers]).to(dt)
         G = torch.stack([m.S.grad for m in layers]).to(dt)
         old = _stack_states([opt.state[m.S]["S"] for m in layers], dt)
-        dS, new = opt.rule(G, S0, old, opt._hp_of(layers[0].S))
+        dS, new = opt.rule(G, S0, old, opt._core_hp(layers[0].S))
         S1 = S0 + dS
         ok = ok & torch.isfinite(S1).all()
         planned.append((layers, S0, S1, old, new))

@@ -154,6 +154,8 @@ class AugmentedBUG(torch.optim.Optimizer):
       param group, where torch's schedulers may change them.
     - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
       under :class:`DLRT`.
+    - `core_lr_ratio`: the core S's rate as a multiple of the group's (1: the same rate for the
+      bases' K and L steps and the core's).
     - `moments`: ``"rotate"`` (default) carries the rule's K, L and S moments into the new
       bases at every truncation; ``"reset"`` starts them afresh (an ablation of the rotation).
 
@@ -341,6 +343,11 @@ class AugmentedBUG(torch.optim.Optimizer):
         if groups is None or id(p) not in groups:
             groups = self._group_by_id = {id(q): g for g in self.param_groups for q in g["params"]}
         return groups[id(p)]
+
+    def _core_hp(self, S: Tensor) -> dict:
+        """The hyperparameters of the core's rule: its group's, the rate times `core_lr_ratio`."""
+        hp, ratio = self._hp_of(S), self.settings.core_lr_ratio
+        return hp if ratio == 1 else {**hp, "lr": hp["lr"] * ratio}
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group`` (a layer's U, S and V go together), with
@@ -602,7 +609,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         st = self.state[layer.S]
         dt = work_dtype(layer.S.dtype)
         S0 = layer.S.to(dt)
-        dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._hp_of(layer.S))
+        dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._core_hp(layer.S))
         layer.S.copy_(S0 + dS)
 
     def _factors(self, layer: AbstractLowRankLayer) -> bug.Factors | None:
@@ -665,7 +672,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             S_bar = bug.galerkin_core(aug, f.S)
             if closure is None:
                 dS, states["S"] = self.rule(f.G_S, f.S, self.state[self.layers[name].S]["S"],
-                                            self._hp_of(self.layers[name].S))
+                                            self._core_hp(self.layers[name].S))
                 S_bar = S_bar + bug.projected_update(aug, dK, dS, dL)
             else:  # two-pass: the S rule runs on the augmented core in _second_pass
                 st = self.state[self.layers[name].S]
@@ -756,7 +763,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             g = self.layers[name].S.grad  # None if the second forward skipped this layer
             g = torch.zeros_like(S_bar) if g is None else g.to(S_bar)
             # states["S"] is already in augmented coordinates (_augmented_core_state)
-            dS, states["S"] = self.rule(g, S_bar, states["S"], self._hp_of(self.layers[name].S))
+            dS, states["S"] = self.rule(g, S_bar, states["S"], self._core_hp(self.layers[name].S))
             plan[1] = S_bar + dS
         return True
 

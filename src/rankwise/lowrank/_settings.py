@@ -130,7 +130,8 @@ class Settings:
     buffer), `rule` (:class:`Sgd` or :class:`Adam`), `single_pass`, `min_rank`, `max_rank`,
     `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``), `moments`
     (``"rotate"``: the rule's moments are carried into the new bases at every truncation,
-    :func:`._rules.transport`; ``"reset"``: they start afresh, with Adam's step count); with a
+    :func:`._rules.transport`; ``"reset"``: they start afresh, with Adam's step count),
+    `core_lr_ratio` (the core's rate as a multiple of the bases'); with a
     `process_group`: `data_parallel` (``"sharded"``, the default: each layer is integrated by
     one rank, its owner, which then sends the result to the others; ``"replicated"``: every
     rank integrates every layer) and `check_every` (compare the replicas' hashes every N-th
@@ -150,6 +151,7 @@ class Settings:
     data_parallel: Literal["replicated", "sharded"] = "sharded"
     check_every: int = 1
     moments: Literal["rotate", "reset"] = "rotate"
+    core_lr_ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.truncation, Tolerance | Budget):
@@ -180,6 +182,9 @@ class Settings:
             raise ValueError(f"need 1 <= min_rank <= max_rank; got {self.min_rank}, {self.max_rank}")
         if self.on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {self.on_nonfinite!r}")
+        if not (isinstance(self.core_lr_ratio, int | float) and not isinstance(self.core_lr_ratio, bool)
+                and math.isfinite(self.core_lr_ratio) and self.core_lr_ratio > 0):
+            raise ValueError(f"`core_lr_ratio` must be a finite number > 0; got {self.core_lr_ratio!r}")
         if self.moments not in ("rotate", "reset"):
             raise ValueError(f"`moments` must be 'rotate' or 'reset'; got {self.moments!r}")
         if self.data_parallel not in ("replicated", "sharded"):
