@@ -258,7 +258,7 @@ def test_clipping_reaches_every_method(method):
 
 
 @pytest.mark.parametrize("method", ["dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm",
-                                    "fixed-warm"])
+                                    "fixed-warm", "dlrt-core3"])
 def test_every_ablation_trains(method):
     from rankwise.experiments.lm_compare import LmRunSpec, run_one
 
@@ -270,3 +270,10 @@ def test_every_ablation_trains(method):
         assert r["memory"]["weights"] == dense_weights > r["memory_end"]["weights"]
     if method == "dlrt-fixedrank":
         assert r["ranks"] == r["info"]["start_ranks"]
+
+
+def test_the_command_knows_every_method():
+    from rankwise.cli._lm import METHODS as COMMAND
+    from rankwise.experiments.lm_compare import METHODS
+
+    assert COMMAND == METHODS

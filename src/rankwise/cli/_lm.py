@@ -12,7 +12,7 @@ from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, hold
 
 # as rankwise.experiments.lm_compare (no torch here)
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
-           "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm")
+           "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3", "dlrt-core0.3")
 DEFAULT = METHODS[:5]  # the variants (update_every, ablations) only when asked for
 LM_OUTPUTS = (r"summary\.md", r"lm_curves\.png")
 

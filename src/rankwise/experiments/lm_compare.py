@@ -22,7 +22,8 @@ Methods (``compression`` c is of the projections' parameters):
   ``adaptive=False``), ``dlrt-uniform`` (the budget allocated uniformly), ``dlrt-reset`` (the
   rule's moments start afresh at every truncation instead of being rotated), ``dlrt-warm`` and
   ``fixed-warm`` (dense AdamW for the first `warm` share of the steps, then the SVD of the
-  trained weights at the start ranks, trained on by ``dlrt`` / ``fixed``).
+  trained weights at the start ranks, trained on by ``dlrt`` / ``fixed``), ``dlrt-core3`` and
+  ``dlrt-core0.3`` (the core's rate 3× / 0.3× the bases', ``core_lr_ratio``).
 
 Every method runs under the same learning-rate schedule (``cosine``: a linear warm-up over
 `warmup` of the steps, then a cosine decay to `final_lr` × the rate; or ``constant``) and, with
@@ -51,7 +52,8 @@ from torch import Tensor, nn
 
 from ..train import Callback, Loop, fit
 
-ABLATIONS = ("dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm")
+ABLATIONS = ("dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
+             "dlrt-core0.3")
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", *ABLATIONS)
 LOWRANK = METHODS[1:]  # the methods that take a compression
 SCHEDULES = ("cosine", "constant")
@@ -192,7 +194,8 @@ def factorise(model: nn.Module, spec: LmRunSpec, ranks: dict[str, int], info: di
     settings = rankwise.Settings(truncation=truncation, buffer=sdlrt, rule=rankwise.Adam(eps=ADAM["eps"]),
                                  feedback=None, max_rank=None, update_every=every,
                                  adaptive=base != "dlrt-fixedrank",
-                                 moments="reset" if base == "dlrt-reset" else "rotate")
+                                 moments="reset" if base == "dlrt-reset" else "rotate",
+                                 core_lr_ratio=float(base.split("-core")[1]) if "-core" in base else 1.0)
     return rankwise.AugmentedBUG(model, spec.lr, settings)
 
 
