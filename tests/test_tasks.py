@@ -160,3 +160,17 @@ def test_sweep_cli_applies_the_pretrained_tasks_rank_and_lr(tmp_path):
     spec = json.loads((out / "runs" / "cnn-digits-pretrained_dense_sgd-lr0.01_s0.json").read_text())["spec"]
     task = "cnn-digits-pretrained"
     assert spec["lr"] == TASK_LR[task] == 0.01 and spec["rank"] == TASK_RANK[task] == 256
+
+
+def test_the_digits_mlp_task_is_the_train_commands_mlp_on_the_same_split():
+    from rankwise.data import load_digits
+    from rankwise.experiments.sweep import TASKS
+
+    factory, load = TASKS["mlp-digits"]
+    x, y, xt, yt = load(0, None)
+    tr, te = load_digits(seed=0)
+    assert torch.equal(x, tr.tensors[0]) and torch.equal(y, tr.tensors[1])
+    assert torch.equal(xt, te.tensors[0]) and torch.equal(yt, te.tensors[1])
+    model = factory()
+    shapes = [tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert shapes == [(256, 64), (256, 256), (10, 256)] and model(x[:3]).shape == (3, 10)

