@@ -277,3 +277,29 @@ def test_the_command_knows_every_method():
     from rankwise.experiments.lm_compare import METHODS
 
     assert COMMAND == METHODS
+
+
+def test_spectra_analysis_compares_allocations_at_equal_parameters():
+    """The allocation spends no more than the uniform ranks' parameters; a projection of exact
+    rank 2 gets no more than rank 2 and no error; the energy-weighted error equals one computed
+    from the truncated weights themselves."""
+    from rankwise.experiments.lm_spectra import analyse
+
+    torch.manual_seed(0)
+    model = gpt(context=16, width=32, depth=1, heads=2)
+    q = next(m for n, m in model.named_modules() if n.endswith("q"))
+    with torch.no_grad():
+        q.weight.copy_(torch.randn(32, 2) @ torch.randn(2, 32))
+    res = analyse(model, 0.5, rule="error")
+    assert res["used"] <= res["budget"]
+    row = next(r for n, r in res["rows"].items() if n.endswith("q"))
+    assert row["allocated"] <= 2 < row["uniform"] and row["err_allocated"] < 1e-6
+    err = total = 0.0
+    for n, m in model.named_modules():
+        if n in res["rows"]:
+            W = m.weight.detach().double()
+            U, s, Vh = torch.linalg.svd(W)
+            r = res["rows"][n]["uniform"]
+            err += float((W - U[:, :r] @ torch.diag(s[:r]) @ Vh[:r]).square().sum())
+            total += float(W.square().sum())
+    assert abs(res["total_uniform"] - (err / total) ** 0.5) < 1e-9

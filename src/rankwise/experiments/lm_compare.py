@@ -274,8 +274,8 @@ class _Curve(Callback):
             self.report(step, loop.max_steps, f"loss {self.losses[-1]:.3f} bits")
 
 
-def run_one(spec: LmRunSpec, report=None) -> dict:
-    """Train one run; returns its record (JSON-ready)."""
+def run_one(spec: LmRunSpec, report=None, keep: list | None = None) -> dict:
+    """Train one run; returns its record (JSON-ready). `keep`: the trained model is appended."""
     from ..data._bytes import load_bbc_text, random_windows, sequential_windows
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -328,6 +328,8 @@ def run_one(spec: LmRunSpec, report=None) -> dict:
     ranks = {n: m.rank for n, m in model.named_modules() if isinstance(m, rankwise.LowRankLinear)}
     step_s = float(np.median(curve.times[1:] or curve.times)) if curve.times else float("nan")
     inf = float("inf")
+    if keep is not None:
+        keep.append(model)
     return dict(spec=asdict(spec), key=spec.key, val_bits=inf if failed else _finite(_bits(model, vx, vy)),
                 test_bits=inf if failed else _finite(_bits(model, tx, ty)), failed=failed, curve=curve.curve,
                 final_train_bits=float(np.mean(curve.losses[-20:])) if curve.losses else float("nan"),
