@@ -78,6 +78,16 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     include = include if include is None or isinstance(include, str) else list(include)
     exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)
 
+    names = [n for n, _ in model.named_modules()]
+    for option, entries in (("include", include), ("exclude", exclude)):
+        unknown = [e for e in entries if not any(_matches(n, [e]) for n in names)] \
+            if isinstance(entries, list) else []
+        # (an include list that matches nothing at all gets the message below, which lists the layers)
+        if unknown and (option == "exclude" or len(unknown) < len(entries)):
+            layers = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+            raise ValueError(f"`{option}` names no module of the model: {unknown} (a list entry is a module "
+                             f"name or a suffix of one; the model's layers: {', '.join(map(repr, layers))})")
+
     def selected(name: str) -> bool:
         return ((include is None or _matches(name, include))
                 and (exclude is None or not _matches(name, exclude)))

@@ -873,7 +873,7 @@ _COMMON_DOC = """
       direction that removes the most relative error of its layer per √(parameters it costs),
       until the budget is spent (``rankwise.lowrank._budget.allocate_ranks``; `allocation`
       chooses another rule: ``"error"``, ``"energy"``, ``"uniform"``). The budget falls
-      from the model's size at construction to the target over `ramp_steps` augmentations
+      from the model's size at construction to the target over `ramp_steps` (default 200) augmentations
       (cubically, AdaLoRA's schedule: fast while the spectra still hold much small energy),
       then stays there. ``taus()`` then reports each layer's relative discarded tail, and
       ``budget()`` the budget and the compression reached. SDLRT's τ feedback does not apply.
@@ -914,9 +914,17 @@ def _refuse(name: str, kwargs: dict, keys: tuple[str, ...]) -> None:
                             "use rankwise.AugmentedBUG to choose it)")
 
 
-def _truncation(tau: float | None, target: float | None, ramp_steps: int,
-                allocation: str) -> Tolerance | Budget:
-    """The presets' `tau` / `target` as a truncation policy."""
+def _truncation(tau: float | None, target: float | None, ramp_steps: int | None,
+                allocation: str | None) -> Tolerance | Budget:
+    """The presets' `tau` / `target` as a truncation policy (`ramp_steps` and `allocation` only
+    with a target: with τ they would do nothing)."""
+    if target is None and tau is not None and (ramp_steps is not None or allocation is not None):
+        given = ", ".join(k for k, v in (("ramp_steps", ramp_steps), ("allocation", allocation))
+                          if v is not None)
+        raise ValueError(f"{given} apply to a compression target (`target=`), not to `tau`: with a tolerance "
+                         "each layer's rank follows its own spectrum; leave them out or give target=")
+    ramp_steps = 200 if ramp_steps is None else ramp_steps
+    allocation = "error-sqrt" if allocation is None else allocation
     if tau is None and target is None:
         raise ValueError("give `tau` (a relative truncation tolerance, e.g. tau=0.1) or `target` "
                          "(the compression to reach, e.g. target=0.9)")
@@ -939,7 +947,7 @@ class DLRT(AugmentedBUG):
     """
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
-                 target: float | None = None, ramp_steps: int = 200, allocation: str = "error-sqrt",
+                 target: float | None = None, ramp_steps: int | None = None, allocation: str | None = None,
                  process_group=None, **settings) -> None:
         _refuse(type(self).__name__, settings, ("truncation", "feedback", "buffer"))
         super().__init__(model, lr, truncation=_truncation(tau, target, ramp_steps, allocation),
@@ -967,7 +975,7 @@ class SDLRT(AugmentedBUG):
     """
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
-                 target: float | None = None, ramp_steps: int = 200, allocation: str = "error-sqrt",
+                 target: float | None = None, ramp_steps: int | None = None, allocation: str | None = None,
                  omega: float = 0.8, buffer: bool = True, feedback: bool | str = True,
                  tau_min: float = 0.0, process_group=None, **settings) -> None:
         _refuse(type(self).__name__, settings, ("truncation",))

@@ -37,7 +37,11 @@ class Sgd:
         # torch.optim.SGD accepts any momentum >= 0, but m ← μ m + g (no dampening) is a
         # geometric series: the effective step lr/(1 − μ) is unbounded at μ = 1 and grows as
         # μᵗ for μ > 1, so training always diverges.
-        if not 0 <= _real("momentum", self.momentum, finite=False) < 1:
+        if _real("momentum", self.momentum, finite=False) < 0:
+            raise ValueError(f"`momentum` must be in [0, 1); got {self.momentum}: a negative μ flips the "
+                             "sign of the remembered gradients at every step; use e.g. 0.9, or 0 for "
+                             "plain SGD")
+        if not self.momentum < 1:
             raise ValueError(
                 f"`momentum` must be in [0, 1); got {self.momentum}: with momentum μ >= 1 the buffer "
                 "m ← μ·m + g never forgets old gradients (μ = 1) or grows geometrically (μ > 1), so "

@@ -198,6 +198,12 @@ class SequenceClassifier(nn.Module):
                  position_weights: bool = False, decay: float = 1.0, recurrence: str = "kron",
                  hidden: int = 128, reversible: bool = True, seed: int = 0, causal: bool = True) -> None:
         super().__init__()
+        for name, v in (("steps", steps), ("classes", classes), ("m", m), ("p", p), ("hidden", hidden)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
+        if not isinstance(controller, AbstractController):
+            raise TypeError(f"`controller` must be a rankwise.ode controller (e.g. FixedController()); "
+                            f"got {controller!r}")
         if not 1 <= rank <= m:
             raise ValueError(f"`rank` must be in [1, m={m}]; got {rank}")
         g = torch.Generator().manual_seed(seed)
@@ -225,5 +231,7 @@ class SequenceClassifier(nn.Module):
         self.field.set_input(u)
 
     def forward(self, u: Tensor) -> Tensor:
+        if u.ndim >= 1 and u.shape[0] == 0:
+            raise ValueError(f"`u` is an empty batch (shape {tuple(u.shape)}): give at least one sequence")
         self.set_input(u)
         return self.integrate(self.initial_state(u.shape[0]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -73,8 +74,11 @@ class AdapterConfig:
             except TypeError:
                 raise TypeError("`target_modules` must be a list of module names or a regex string; "
                                 f"got {tm!r}") from None
-            if not names or not all(isinstance(n, str) and n for n in names):
+            if not names:
                 raise ValueError(f"`target_modules` must name at least one module; got {tm!r}")
+            if bad := [n for n in names if not (isinstance(n, str) and n)]:
+                raise TypeError(f"`target_modules` entries must be non-empty module names (str); got {bad!r} "
+                                f"in {tm!r}")
             object.__setattr__(self, "target_modules", names)
         if self.modules_to_save is not None:
             object.__setattr__(self, "modules_to_save", tuple(self.modules_to_save))
@@ -90,6 +94,10 @@ class AdapterConfig:
             raise ValueError(f"`omega` must be in (0, 1); got {self.omega}")
         if self.method not in METHODS:
             raise ValueError(f"`method` must be one of {METHODS}; got {self.method!r}")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, int | float) \
+                or not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise ValueError(f"`alpha` (the adapter's output scale) must be a finite number > 0; "
+                             f"got {self.alpha!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"`dropout` must be in [0, 1); got {self.dropout}")
 
