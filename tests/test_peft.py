@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -185,3 +187,72 @@ def test_trainer_clips_what_the_integrator_reads(tmp_path):
         moved[norm] = max(float((layer.U @ layer.S @ layer.V.T).detach().abs().max())
                           for _, layer in adapters(model))
     assert moved[0.0] > 1e-3 and moved[1e-12] < 1e-3 * moved[0.0]
+
+
+def _saved(tmp_path, **cfg):
+    from safetensors.torch import load_file
+
+    model = get_adapter_model(tiny_bert(), AdapterConfig(QKV, r=4, tau=0.05, modules_to_save=["classifier"],
+                                                         **cfg))
+    save_adapter(model, tmp_path / "a")
+    return model, tmp_path / "a", load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+
+
+def _refused(directory, match):
+    """load_adapter refuses with `match`, and the target model is left as it was."""
+    fresh = get_adapter_model(tiny_bert(1), AdapterConfig(QKV, r=4, tau=0.05, max_rank=8,
+                                                          modules_to_save=["classifier"]))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        load_adapter(fresh, directory)
+    after = fresh.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_adapter_refuses_tensors_it_does_not_own(tmp_path):
+    from safetensors.torch import save_file
+
+    model, d, state = _saved(tmp_path)
+    base = next(n for n, _ in model.named_parameters() if n.endswith("query.base.weight"))
+    state[base] = torch.zeros_like(dict(model.named_parameters())[base])  # a frozen base weight
+    state["bert.embeddings.word_embeddings.weight"] = torch.zeros(50, 32)
+    save_file(state, str(d / "adapter_model.safetensors"))
+    _refused(d, r"does not own: .*query\.base\.weight")
+
+
+def test_load_adapter_checks_every_factor_shape_and_missing_keys(tmp_path):
+    from safetensors.torch import save_file
+
+    model, d, state = _saved(tmp_path)
+    name = next(n for n, _ in adapters(model))
+    big = dict(state)
+    big |= {f"{name}.U": torch.zeros(32, 40), f"{name}.S": torch.zeros(40, 40),
+            f"{name}.V": torch.zeros(32, 40)}
+    meta = json.loads((d / "adapter_config.json").read_text())
+    meta["ranks"][name] = 40
+    (d / "adapter_config.json").write_text(json.dumps(meta))
+    save_file(big, str(d / "adapter_model.safetensors"))
+    _refused(d, rf"{name}.* rank 40, outside \[1, 8\]")
+    meta["ranks"][name] = 4
+    (d / "adapter_config.json").write_text(json.dumps(meta))
+    bad = dict(state)
+    bad[f"{name}.S"] = torch.zeros(4, 3)
+    save_file(bad, str(d / "adapter_model.safetensors"))
+    _refused(d, r"wrong shape .*\.S \(4, 3\) vs \(4, 4\)")
+    gone = {k: v for k, v in state.items() if not k.startswith("classifier.")}
+    save_file(gone, str(d / "adapter_model.safetensors"))
+    _refused(d, r"lacks 'classifier\.")
+
+
+def test_load_adapter_bounds_and_names_its_config_file(tmp_path):
+    _, d, _ = _saved(tmp_path)
+    cfg = d / "adapter_config.json"
+    good = cfg.read_text()
+    cfg.write_text(good[:-20])
+    _refused(d, r"adapter_config\.json is not valid JSON")
+    with open(cfg, "wb") as f:  # sparse: 2 MiB of nothing, never read
+        f.truncate(2 << 20)
+    _refused(d, r"adapter_config\.json is 2,097,152 bytes")
+    cfg.write_text(good)
+    (d / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    _refused(d, "not a readable safetensors file")

@@ -148,31 +148,96 @@ def save_adapter(model: nn.Module, directory: str | Path) -> Path:
     return directory
 
 
+CONFIG_LIMIT = 1 << 20  # bytes: a config with every module's rank is a few KiB
+
+
+def _read_meta(path: Path) -> dict:
+    """The adapter config file, bounded in size and checked for the fields load_adapter reads."""
+    size = path.stat().st_size
+    if size > CONFIG_LIMIT:
+        raise ValueError(f"{path} is {size:,} bytes; an adapter config is a few KiB (at most "
+                         f"{CONFIG_LIMIT:,} bytes are read): not a file written by save_adapter")
+    try:
+        meta = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): not a file written by save_adapter") from None
+    if not isinstance(meta, dict) or meta.get("format") != "rankwise-adapter":
+        raise ValueError(f"{path} is not a rankwise adapter config")
+    ranks = meta.get("ranks")
+    if not isinstance(ranks, dict) or not all(type(r) is int for r in ranks.values()):
+        raise ValueError(f"{path}: `ranks` must map each adapted module to its rank (an int)")
+    try:
+        meta["config"] = AdapterConfig.from_dict(meta.get("config") or {})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its `config` is not a valid AdapterConfig ({e})") from None
+    return meta
+
+
+def _listed(keys: set[str] | list[str], limit: int = 8) -> str:
+    keys = sorted(keys)
+    more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+    return ", ".join(map(repr, keys[:limit])) + more
+
+
 def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
     """Load what :func:`save_adapter` wrote into `model`, a model wrapped by
     :func:`get_adapter_model` with the same targets; each adapter takes the saved rank (which
-    may differ from the wrapped one). Raises ``ValueError`` naming the mismatched modules."""
-    from safetensors.torch import load_file
+    may differ from the wrapped one).
+
+    It loads exactly U, S and V of every adapter and the state of the `modules_to_save` the
+    saved config names, and nothing else: a key outside those (a frozen base weight, a module
+    the config does not save), a missing key, a factor whose shape does not fit its layer (U
+    (out, r), S (r, r), V (in, r) with 1 ≤ r ≤ the layer's `max_rank`) or a saved module's
+    tensor of another shape is refused with a ``ValueError`` naming it, before the model is
+    changed. ``adapter_config.json`` is read only up to 1 MiB."""
+    from safetensors import SafetensorError, safe_open
 
     _config_of(model)
     directory = Path(directory)
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / f).is_file():
             raise FileNotFoundError(f"{directory} has no {f}: not a folder written by save_adapter")
-    meta = json.loads((directory / CONFIG_FILE).read_text())
-    if meta.get("format") != "rankwise-adapter":
-        raise ValueError(f"{directory / CONFIG_FILE} is not a rankwise adapter config")
-    state = load_file(str(directory / WEIGHTS_FILE))
+    meta = _read_meta(directory / CONFIG_FILE)
+    ranks, saved_config = meta["ranks"], meta["config"]
     layers = dict(adapters(model))
-    missing = sorted(set(meta["ranks"]) ^ set(layers))
+    missing = sorted(set(ranks) ^ set(layers))
     if missing:
         raise ValueError(f"the saved adapters and the model's differ in {missing}: wrap the model with "
                          "the saved AdapterConfig")
+    want: dict[str, tuple[int, ...]] = {}  # every key the file must hold, with its shape
+    for name, layer in layers.items():
+        r = ranks[name]
+        if not 1 <= r <= layer.max_rank:
+            raise ValueError(f"adapter {name!r} was saved at rank {r}, outside [1, {layer.max_rank}] (its "
+                             f"max_rank for a {layer.out_features}×{layer.in_features} weight)")
+        want |= {f"{name}.U": (layer.out_features, r), f"{name}.S": (r, r),
+                 f"{name}.V": (layer.in_features, r)}
+    for name, module in model.named_modules():
+        if name and saved_config.saves(name) and name not in layers:
+            want |= {f"{name}.{k}": tuple(t.shape) for k, t in module.state_dict().items()}
+    path = directory / WEIGHTS_FILE
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            extra, absent = keys - set(want), set(want) - keys
+            if extra:
+                raise ValueError(f"{path} holds tensors this adapter does not own: {_listed(extra)} (only "
+                                 "the adapters' U, S, V and the modules_to_save its config names load)")
+            if absent:
+                raise ValueError(f"{path} lacks {_listed(absent)}")
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
+            wrong = {k: (shapes[k], want[k]) for k in keys if shapes[k] != want[k]}
+            if wrong:
+                raise ValueError(f"{path}: tensors of the wrong shape (saved, expected): "
+                                 + "; ".join(f"{k} {a} vs {b}" for k, (a, b) in sorted(wrong.items())[:8]))
+            state = {k: f.get_tensor(k) for k in keys}
+    except SafetensorError as e:  # a damaged file
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
     with torch.no_grad():
         for name, layer in layers.items():
             layer.set_factors(state.pop(f"{name}.U"), state.pop(f"{name}.S"), state.pop(f"{name}.V"),
                               layer.U_buf[:, :0], layer.V_buf[:, :0])
-        saved = {}
+        saved: dict[str, dict[str, torch.Tensor]] = {}
         for key, t in state.items():
             module, _, tensor = key.rpartition(".")
             saved.setdefault(module, {})[tensor] = t
