@@ -92,6 +92,10 @@ class Reader:
             raise ValueError(f"{self.what}: {len(self.body) - self.pos} trailing bytes")
 
 
+MAX_PARTIES = 255  # a systematic MDS code over GF(2⁸) has at most 256 symbols: n ≤ 255 parties
+DIGEST_SIZES = frozenset({32})  # sha256 and blake3, the hashes of _merkle.HASHES
+
+
 @dataclass(frozen=True)
 class Commitment:
     """What every party agrees on: geometry, and Merkle roots of the 2n lines of P (rows 0..n−1,
@@ -122,8 +126,17 @@ class Commitment:
         version, body = unseal_versioned(blob, COMMITMENT, "commitment")
         r = Reader(body, "commitment")
         n, t, data_len, block_size, d = r.unpack("HHQQB")
+        # geometry first: nothing proportional to n is done before n and d are known to be sane
+        if not 1 <= n <= MAX_PARTIES:
+            raise ValueError(f"commitment: n={n} parties, outside [1, {MAX_PARTIES}] (a GF(2⁸) code)")
+        if d not in DIGEST_SIZES:
+            raise ValueError(f"commitment: digest size {d}, not one of the known hashes' "
+                             f"{sorted(DIGEST_SIZES)}")
         hash_name = r.take(r.unpack("B")[0]).decode("ascii", "strict")
         codec = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        if len(r.body) - r.pos != (2 * n + 1) * d:
+            raise ValueError(f"commitment: {len(r.body) - r.pos} bytes of roots where n={n} and digest "
+                             f"size {d} need {(2 * n + 1) * d}")
         roots = tuple(r.take(d) for _ in range(2 * n))
         root = r.take(d)
         r.done()

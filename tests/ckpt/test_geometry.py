@@ -1,0 +1,27 @@
+"""Issue 41, round 3: a commitment's header is bounded before anything proportional to it is
+computed (n ≤ 255 for a GF(2⁸) code, digest sizes of the known hashes, the body's length)."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+
+from rankwise.ckpt._format import COMMITMENT, Commitment, seal
+
+
+def _forged(n: int, d: int, roots: bytes = b"") -> bytes:
+    names = b"".join(len(x).to_bytes(1, "little") + x for x in (b"sha256", b"cauchy-gf256"))
+    return seal(COMMITMENT, struct.pack("<HHQQB", n, 1, 100, 12, d) + names + roots)
+
+
+def test_a_costly_header_is_refused_at_once():
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"n=65535 parties, outside \[1, 255\]"):
+        Commitment.from_bytes(_forged(65535, 0))
+    with pytest.raises(ValueError, match="digest size 0"):
+        Commitment.from_bytes(_forged(200, 0))
+    with pytest.raises(ValueError, match=r"bytes of roots where n=4 and digest size 32 need 288"):
+        Commitment.from_bytes(_forged(4, 32, b"\0" * 40))
+    assert time.perf_counter() - t0 < 0.05
