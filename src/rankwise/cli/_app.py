@@ -270,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     returns 2 (bad arguments) or 1; any other failure prints one line naming the exception
     and how to see its traceback, and returns 1. With ``--debug`` or ``RANKWISE_DEBUG=1``
     the exception propagates with its traceback."""
+    from .._extras import quiet_optional_logs
+
+    quiet_optional_logs()
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
     command = typer.main.get_command(app)
     try:
