@@ -65,3 +65,25 @@ def test_sequence_classifier_checks_its_sizes_controller_and_batch():
     model = SequenceClassifier(5, 2, controller=FixedController(2, 3), m=8, rank=3, p=4, hidden=8)
     with pytest.raises(ValueError, match="empty batch"):
         model(torch.zeros(0, 5))
+
+
+def test_fit_refuses_numpy_arrays_naming_the_argument():
+    import numpy as np
+
+    model = _mlp()
+    with pytest.raises(TypeError, match=r"`x` must be a torch.Tensor; got numpy.ndarray"):
+        rankwise.fit(model, torch.optim.SGD(model.parameters(), 0.1), np.zeros((4, 8), np.float32),
+                     torch.zeros(4, dtype=torch.long))
+
+
+def test_coded_checkpointer_says_n_is_the_group_size(tmp_path):
+    import torch.distributed as dist
+
+    from rankwise.ckpt import CodedCheckpointer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match=r"process group of 1 rank\(s\) \(n is the group's size"):
+            CodedCheckpointer(t=1, store_dir=tmp_path / "store")
+    finally:
+        dist.destroy_process_group()

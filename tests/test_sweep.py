@@ -25,7 +25,7 @@ def test_sweep_end_to_end_and_resume(tmp_path):
     out = tmp_path / "sw"
     r = run_cli(*TINY, "--out", out)
     assert r.exit_code == 0, r.output
-    assert "3 runs (3 new)" in r.output
+    assert "3 runs in the tables (3 trained by this call" in r.output
     for name in ("runs.csv", "summary.md", "acc_vs_compression.png", "rank_vs_step.png", "dt_vs_step.png"):
         assert (out / name).stat().st_size > 0
     rows = (out / "runs.csv").read_text().splitlines()
@@ -34,10 +34,10 @@ def test_sweep_end_to_end_and_resume(tmp_path):
     before = (out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_bytes()
 
     r = run_cli(*TINY, "--out", out)  # resumed: nothing recomputed
-    assert r.exit_code == 0 and "3 runs (0 new)" in r.output
+    assert r.exit_code == 0 and "3 runs in the tables (0 trained by this call" in r.output
     (out / "runs" / "lenet-digits_sdlrt_tau0.2_sgd-lr0.05_s0.json").unlink()
     r = run_cli(*TINY, "--out", out)  # only the missing run
-    assert r.exit_code == 0 and "3 runs (1 new)" in r.output
+    assert r.exit_code == 0 and "3 runs in the tables (1 trained by this call" in r.output
     assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_bytes() == before
 
     # the same keys with other settings: refused before anything runs, then replaced with --force
@@ -46,7 +46,7 @@ def test_sweep_end_to_end_and_resume(tmp_path):
     assert "--force" in r.stderr and r.stderr.count("\n") == 1
     assert (out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_bytes() == before
     r = run_cli(*TINY, "--epochs", "2", "--out", out, "--force")
-    assert r.exit_code == 0 and "3 runs (3 new)" in r.output, r
+    assert r.exit_code == 0 and "3 runs in the tables (3 trained by this call" in r.output, r
     stored = json.loads((out / "runs" / "lenet-digits_sdlrt_tau0.4_sgd-lr0.05_s0.json").read_text())
     assert stored["spec"]["epochs"] == 2
 

@@ -97,7 +97,12 @@ class CodedCheckpointer:
             raise ValueError(f"`keep` must be >= 1; got {keep}")
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank, self.n = dist.get_rank(self.group), dist.get_world_size(self.group)
-        self.code = Code2D(self.n, t, hash=hash)  # validates 3t < n
+        from .._checks import code_geometry_problem
+
+        if (problem := code_geometry_problem(self.n, t)) is not None:  # n is the group's size here
+            raise ValueError(f"CodedCheckpointer with t={t} on a process group of {self.n} rank(s) (n is the "
+                             f"group's size: one fragment per rank): {problem}")
+        self.code = Code2D(self.n, t, hash=hash)
         self.t, self.k = t, self.code.k
         self.root_dir = Path(store_dir)
         self.dir = self.root_dir / f"rank{self.rank}"

@@ -151,6 +151,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
     ``loop.load_state_dict`` in ``on_fit_start``, as :class:`rankwise.train.CodedCheckpoints`
     does) continues from the step it saved.
     """
+    for name, v in (("x", x), ("y", y)):
+        if not isinstance(v, Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor; got {type(v).__module__}.{type(v).__name__} "
+                            f"(convert it with torch.as_tensor({name}))")
     n = len(x)
     if len(y) != n:
         raise ValueError(f"x and y differ in length: {n} samples, {len(y)} targets")
