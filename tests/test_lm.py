@@ -170,6 +170,11 @@ def test_study_chooses_on_validation_and_resumes(tmp_path):
     assert edge == (lr in (lrs[0], lrs[-1]))
     assert [r["spec"]["lr"] for r in res.records if r["spec"]["seed"] == 1] == [lr]
     assert "| dense |" in summary_markdown(res.records, res.chosen)
+    from rankwise.experiments.lm_compare import rates_markdown
+
+    rates = rates_markdown(res.records, res.chosen)
+    row = next(line for line in rates.splitlines() if line.startswith("| dense |"))
+    assert row.count("|") == 3 + len(lrs) + 1 and f"| {lr:g}" in row  # a cell per rate tried, then the choice
     files = sorted(p.name for p in (tmp_path / "runs").iterdir())
     again = study(["dense"], [], 2, tmp_path, grid=(1e-3, 1e-2), widen=1, fresh_process=False, **TINY)
     assert again.chosen == res.chosen and sorted(p.name for p in (tmp_path / "runs").iterdir()) == files

@@ -14,7 +14,7 @@ from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, hold
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
            "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3", "dlrt-core0.3")
 DEFAULT = METHODS[:5]  # the variants (update_every, ablations) only when asked for
-LM_OUTPUTS = (r"summary\.md", r"lm_curves\.png")
+LM_OUTPUTS = (r"summary\.md", r"rates\.md", r"lm_curves\.png")
 
 
 def _floats(option: str, text: str) -> list[float]:
@@ -99,7 +99,7 @@ def lm_cmd(
     from rich.console import Console
 
     from .._io import write_atomic
-    from ..experiments.lm_compare import plot, study, summary_markdown
+    from ..experiments.lm_compare import plot, rates_markdown, study, summary_markdown
 
     console = Console()
     line = (lambda r: f"{r['key']}: val {r['val_bits']:.3f} bits, test {r['test_bits']:.3f}, "  # noqa: E731
@@ -112,6 +112,7 @@ def lm_cmd(
                        clip=clip, warm=warm)
     table = summary_markdown(result.records, result.chosen, select_at)
     write_atomic(out / "summary.md", table.encode())
+    write_atomic(out / "rates.md", rates_markdown(result.records, result.chosen).encode())
     png = plot(result.records, result.chosen, out)
     console.print(table)
-    console.print(f"{len(result.records)} runs; wrote {out}/summary.md and {png}")
+    console.print(f"{len(result.records)} runs; wrote {out}/summary.md, {out}/rates.md and {png}")

@@ -477,6 +477,21 @@ def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tu
     return "\n".join(lines) + "\n"
 
 
+def rates_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, bool]]) -> str:
+    """Seed 0's validation bits at every rate tried, one row per (method, compression), with the
+    chosen rate (the grid the choice was made on)."""
+    rates = sorted({r["spec"]["lr"] for r in records if r["spec"]["seed"] == 0})
+    head = ["method", "compression", *(f"{lr:g}" for lr in rates), "chosen"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (m, c), (lr, edge) in chosen.items():
+        bits = {r["spec"]["lr"]: r["val_bits"] for r in records if r["spec"]["seed"] == 0
+                and r["spec"]["method"] == m and r["spec"]["compression"] == c}
+        cells = [f"{bits[x]:.3f}" if x in bits else "" for x in rates]
+        lines.append("| " + " | ".join([m, f"{c:g}" if m != "dense" else "", *cells,
+                                         f"{lr:g}" + (" (edge)" if edge else "")]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, bool]], out: Path) -> Path:
     """``lm_curves.png``: validation bits against step (seed 0 at each chosen rate) and final
     validation bits against counted training memory (every seed)."""
