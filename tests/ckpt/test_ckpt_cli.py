@@ -111,3 +111,20 @@ def test_a_format_1_folder_is_refused_unless_the_user_says_it_is_not_tamper_evid
     r = run_cli("ckpt", "retrieve", str(folder), "--out", str(tmp_path / "out.bin"),
                 "--v1-not-tamper-evident")
     assert r.exit_code == 0 and (tmp_path / "out.bin").read_bytes() == data[:short]  # what format 1 allows
+
+
+def test_retrieve_compares_the_pinned_root_before_reading_any_worker_file(tmp_path, monkeypatch):
+    """Issue 41, attack 5: a forged commitment with large worker files was refused only after
+    every worker file was read and verified."""
+    import rankwise.ckpt
+
+    (tmp_path / "ck.bin").write_bytes(random.Random(7).randbytes(5_000))
+    folder = tmp_path / "d"
+    run_cli("ckpt", "encode", tmp_path / "ck.bin", "--n", "4", "--t", "1", "--out", folder)
+
+    def no_reads(*a, **k):
+        raise AssertionError("a worker file was read")
+
+    monkeypatch.setattr(rankwise.ckpt, "load_fragments", no_reads)
+    r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "a.bin", "--root", "ab" * 32)
+    assert r.exit_code == 1 and "not the --root given" in r.stderr

@@ -38,10 +38,11 @@ V1Ok = Annotated[bool, typer.Option(
     "is not detected.")]
 
 
-def _open(folder: Path, *, v1_ok: bool = True):
+def _open(folder: Path, *, v1_ok: bool = True, pinned: bytes | None = None):
     """(code, commitment, found fragments, problems) of a folder, or a one-line UserError. A
     folder with no commitment is refused before the codec (and torch) is imported; one whose
-    commitment has format 1 unless `v1_ok`."""
+    commitment has format 1 unless `v1_ok`; one whose root is not `pinned` (``--root``) before
+    any worker file is read."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not (folder / COMMITMENT).exists():
@@ -57,6 +58,9 @@ def _open(folder: Path, *, v1_ok: bool = True):
         raise UserError(f"{e}; is this a folder written by `rankwise ckpt encode`?", 1) from e
     except ValueError as e:
         raise UserError(f"{folder}: {e}", 1) from e
+    if pinned is not None and com.root != pinned:
+        raise UserError(f"{folder}'s commitment has root {com.root.hex()}, not the --root given; "
+                        "the commitment was replaced", 1)
     if com.version < 2 and not v1_ok:
         raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
                         "header (n, t, data length, block size): a rewritten header is not detected. "
@@ -181,13 +185,10 @@ def retrieve_cmd(folder: Folder,
         if len(pinned) != 32:
             raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
     check_new_file(out, force=force)
-    code, com, found, _ = _open(folder, v1_ok=v1)
+    code, com, found, _ = _open(folder, v1_ok=v1, pinned=pinned if root is not None else None)
     from .. import _io
     from ..ckpt import NotEnoughSymbols
 
-    if root is not None and com.root != pinned:
-        raise UserError(f"{folder}'s commitment has root {com.root.hex()}, not the --root given; "
-                        "the commitment was replaced", 1)
     try:
         data = code.retrieve(list(found.values()), com)
     except NotEnoughSymbols as e:
