@@ -268,7 +268,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
                 ranks=factored, taus=opt.taus() if integrated else {},
                 seconds_per_epoch=statistics.mean(epoch_times), state_mib=_state_bytes(model, opt) / 2**20,
                 peak_rss_mib=(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
-                final_d_t=trace[-1]["d_t"] if trace else 0.0, diverged=diverged, trace=trace)
+                final_d_t=trace[-1]["d_t"] if trace else None, diverged=diverged, trace=trace)
 
 
 def _job(spec: RunSpec, report: Callable[[int, int, str], None] | None) -> dict:
