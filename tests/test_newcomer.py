@@ -87,3 +87,15 @@ def test_coded_checkpointer_says_n_is_the_group_size(tmp_path):
             CodedCheckpointer(t=1, store_dir=tmp_path / "store")
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("command", ["train", "demo"])
+def test_a_negative_seed_is_refused_at_once_naming_the_option(tmp_path, command):
+    from helpers import run_cli
+
+    r = run_cli(command, "--seed", "-1", "--out", tmp_path / "o")
+    assert r.exit_code == 2 and "--seed" in r.stderr and not (tmp_path / "o").exists()
+    from rankwise._checks import check_training
+
+    with pytest.raises(ValueError, match=r"`seed` must be in \[0, 2\*\*32\)"):
+        check_training(seed=2**32)

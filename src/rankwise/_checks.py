@@ -55,6 +55,8 @@ def check_training(**settings) -> None:
         elif name == "seed":
             if not _is_int(v):
                 raise TypeError(f"`seed` must be an int; got {type(v).__name__}")
+            if not 0 <= v < 2**32:  # what numpy's and scikit-learn's generators accept
+                raise ValueError(f"`seed` must be in [0, 2**32); got {v}")
         else:
             raise TypeError(f"check_training: unknown setting {name!r}")
 

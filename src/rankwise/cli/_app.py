@@ -89,7 +89,8 @@ def train_cmd(
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.05,
     momentum: Annotated[float, typer.Option(help="SGD momentum in [0, 1).")] = 0.9,
     batch_size: Annotated[int, typer.Option(help="Minibatch size.")] = 32,
-    seed: Annotated[int, typer.Option(help="Seed of initialisation, shuffling and split.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of initialisation, shuffling and split.", min=0,
+                                      max=2**32 - 1)] = 0,
     update_every: Annotated[int, typer.Option(
         help="dlrt/sdlrt: augment and truncate every this many steps (the steps between move the "
              "cores S and the dense parameters only).", min=1)] = 1,
@@ -173,7 +174,7 @@ def demo_cmd(
     tau: Annotated[float | None, typer.Option(
         help="Instead of --target: the truncation tolerance τ of DLRT and SDLRT.")] = None,
     rank: Annotated[int, typer.Option(help="Initial rank of every low-rank layer.")] = 32,
-    seed: Annotated[int, typer.Option(help="Seed shared by the three runs.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed shared by the three runs.", min=0, max=2**32 - 1)] = 0,
     force: Force = False,
     threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1, max=MAX_WORKERS)] = 1,
     markdown: Annotated[Path | None, typer.Option(
