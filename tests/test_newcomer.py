@@ -99,3 +99,13 @@ def test_a_negative_seed_is_refused_at_once_naming_the_option(tmp_path, command)
 
     with pytest.raises(ValueError, match=r"`seed` must be in \[0, 2\*\*32\)"):
         check_training(seed=2**32)
+
+
+def test_train_refuses_options_that_would_be_ignored_or_misplaced(tmp_path):
+    from helpers import run_cli
+
+    r = run_cli("train", "--method", "dlrt", "--tau-min", "0.05")
+    assert r.exit_code == 2 and "--method dlrt has none" in r.stderr
+    for where in ("", "."):
+        r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", where)
+        assert r.exit_code == 2 and "--checkpoint-dir is empty or the current folder" in r.stderr

@@ -119,6 +119,12 @@ def train_cmd(
     if target is not None and tau_min:
         raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; with --target there is no τ (got "
                         f"--tau-min {tau_min:g})")
+    if tau_min and method.value != "sdlrt":
+        raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; --method {method.value} has none (got "
+                        f"--tau-min {tau_min:g})")
+    if checkpoint_dir is not None and str(checkpoint_dir) in ("", "."):  # typer reads "" as "."
+        raise UserError("--checkpoint-dir is empty or the current folder: give the checkpoint fragments a "
+                        "folder of their own (rank<i>/ folders are made in it)")
     config = _config(TrainConfig, method=method.value, model=model.value, tau=0.1 if tau is None else tau,
                      target=target, tau_min=tau_min, rank=rank, epochs=epochs, lr=lr, momentum=momentum,
                      batch_size=batch_size, seed=seed, out=out, update_every=update_every,
