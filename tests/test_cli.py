@@ -106,7 +106,7 @@ def test_bad_method_through_the_console_script():
     (["--tau", "1.5"], "--tau must be in [0, 1); got 1.5"),
     (["--epochs", "0"], "--epochs must be an int >= 1; got 0"),
     (["--rank", "0"], "--rank must be a positive int"),
-    (["--tau", "0.1", "--tau-min", "0.2"], "--tau-min must be in [0, tau=0.1]"),
+    (["--method", "sdlrt", "--tau", "0.1", "--tau-min", "0.2"], "--tau-min must be in [0, tau=0.1]"),
     (["--momentum", "1.5"], "--momentum must be in [0, 1); got 1.5"),
 ])
 def test_bad_values_name_the_argument(args, message):

@@ -312,8 +312,8 @@ def sweep_cmd(
         write_atomic(out / "versus_baselines.md", versus_baselines_markdown(results).encode())
     pngs = plot(results, out)
     console.print(table)
-    console.print(f"{len(results)} runs in the tables ({count[0]} trained by this call, the selection grid's "
-                  f"included); wrote {out}/runs.csv, summary.md"
+    trained = f"{count[0]} trained by this call" + (", the selection grid's included" if choices else "")
+    console.print(f"{len(results)} runs in the tables ({trained}); wrote {out}/runs.csv, summary.md"
                   + (", equal_compression.md" if "dlrt" in method_list and target_list is None else "")
                   + (", selection.md" if choices else "") + (", versus_baselines.md" if versus else "")
                   + f" and {', '.join(p.name for p in pngs)}")

@@ -304,7 +304,7 @@ def write_csv(results: list[dict], path: Path) -> None:
     for r in results:
         s = r["spec"]
         w.writerow([r["key"], s["task"], label(s), level(s) if s["method"] != "dense" else "",
-                    s["seed"], *(f"{r[k]:.6g}" for k in _CSV[5:13]),
+                    s["seed"], *("" if r[k] is None else f"{r[k]:.6g}" for k in _CSV[5:13]),
                     " ".join(f"{k}:{v}" for k, v in r["ranks"].items())])
     write_atomic(path, buf.getvalue().encode())
 
