@@ -109,3 +109,12 @@ def test_train_refuses_options_that_would_be_ignored_or_misplaced(tmp_path):
     for where in ("", "."):
         r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", where)
         assert r.exit_code == 2 and "--checkpoint-dir is empty or the current folder" in r.stderr
+
+
+def test_sweep_refuses_options_that_would_be_ignored():
+    from helpers import run_cli
+
+    r = run_cli("sweep", "--tasks", "lenet-digits", "--widen", "2")
+    assert r.exit_code == 2 and "--widen applies to --select" in r.stderr
+    r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,dlrt", "--finetune-epochs", "2")
+    assert r.exit_code == 2 and "--finetune-epochs applies to the dense-svd method" in r.stderr

@@ -159,13 +159,13 @@ def sweep_cmd(
              "momentum 0.9).")] = "sgd",
     select: Annotated[float | None, typer.Option(
         help="Choose each task and method's optimizer family and learning rate on validation, from "
-             "--grid, on seed 0 at this target (e.g. 0.9; with --taus: seed 0 at the first τ), then run "
-             "every target and seed with its choice (the fair protocol; docs/sdlrt.md).")] = None,
+             "--grid, on seed 0 at this target (one of --targets, e.g. 0.9), then run every target and "
+             "seed with its choice (the fair protocol; docs/sdlrt.md).")] = None,
     grid: Annotated[str | None, typer.Option(
         help="With --select: FAMILY:LR,LR,...;FAMILY:... (default: sgd:0.01,0.03,0.1,0.3;"
              "adam:0.0003,0.001,0.003,0.01). A choice at an edge widens it by one value.")] = None,
-    widen: Annotated[int, typer.Option(help="With --select: how often a grid may grow at an edge.",
-                                       min=0, max=5)] = 1,
+    widen: Annotated[int | None, typer.Option(help="With --select: how often a grid may grow at an edge "
+                                              "(default 1).", min=0, max=5)] = None,
     val: Annotated[float, typer.Option(help="Share of the training split held out for validation.")]
     = 0.15,
     dt_every: Annotated[int, typer.Option(help="Steps between d_t measurements of the dense shadow "
@@ -190,8 +190,13 @@ def sweep_cmd(
     method_list = [m for m, _ in entries]
     from ..experiments._select import DEFAULT_GRID, parse_grid
 
-    if grid is not None and select is None:
-        raise UserError("--grid applies to --select: give --select too (or leave --grid out)")
+    for option, value in (("--grid", grid), ("--widen", widen)):
+        if value is not None and select is None:
+            raise UserError(f"{option} applies to --select: give --select too (or leave {option} out)")
+    widen = 1 if widen is None else widen
+    if finetune_epochs is not None and not any(m.startswith("dense-svd") for m in method_list):
+        raise UserError("--finetune-epochs applies to the dense-svd method: add it to --methods (or leave "
+                        "--finetune-epochs out)")
     try:
         lr_grid = DEFAULT_GRID if grid is None else parse_grid(grid)
     except ValueError as e:
