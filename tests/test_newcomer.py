@@ -118,3 +118,14 @@ def test_sweep_refuses_options_that_would_be_ignored():
     assert r.exit_code == 2 and "--widen applies to --select" in r.stderr
     r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,dlrt", "--finetune-epochs", "2")
     assert r.exit_code == 2 and "--finetune-epochs applies to the dense-svd method" in r.stderr
+
+
+def test_ode_refuses_ignored_options_names_sizes_and_leaves_no_folder(tmp_path):
+    from helpers import run_cli
+
+    r = run_cli("ode", "--model", "layered", "--recurrence", "full", "--out", tmp_path / "a")
+    assert r.exit_code == 2 and "--recurrence full applies to the gated model" in r.stderr
+    r = run_cli("ode", "--grid", "gru:0", "--out", tmp_path / "b")
+    assert r.exit_code == 2 and "HIDDEN must be >= 1" in r.stderr
+    r = run_cli("ode", "--grid", "fixed:8", "--validation", "0.0001", "--epochs", "1", "--out", tmp_path / "c")
+    assert r.exit_code != 0 and "validate on" in r.stderr and not (tmp_path / "c").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -45,7 +46,8 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
             raise UserError(f"--grid entry {entry!r}: autograd takes no C (use autograd or autograd:rR)")
         if kind == "gru" and r is not None:
             raise UserError(f"--grid entry {entry!r}: the GRU has no rank (gru:HIDDEN)")
-        for value, name in ((c, "C"), (cmax, "CMAX"), (r, "rank R")):
+        size = {"gru": "HIDDEN", "budget": "STATES"}.get(kind, "C")
+        for value, name in ((c, size), (cmax, "CMAX"), (r, "rank R")):
             if value is not None and int(value) < 1:
                 raise UserError(f"--grid entry {entry!r}: {name} must be >= 1; got {value}")
         out.append((kind, int(c) if c else 12 if kind == "budget" else 128 if kind == "gru" else 8,
@@ -53,6 +55,13 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
                     None if r is None else int(r)))
     no_repeats([x.strip() for x in grid.split(",")], grid, "--grid", keys=out)
     return out
+
+
+def _drop_if_empty(out: Path, created: bool) -> None:
+    """Remove `out` if this call created it and it holds nothing but an empty ``runs/``."""
+    if created and out.is_dir() and {p.name for p in out.iterdir()} <= {"runs"} and \
+            not any((out / "runs").iterdir() if (out / "runs").is_dir() else ()):
+        shutil.rmtree(out)
 
 
 def _run_one(cfg, report=None) -> dict:
@@ -119,6 +128,9 @@ def ode_cmd(
         raise UserError(f"--data must be 'digits' or 'mnist1d'; got {data!r}")
     if model not in ("gated", "layered"):
         raise UserError(f"--model must be 'gated' or 'layered'; got {model!r}")
+    if model == "layered" and (recurrence != "kron" or not causal):
+        given = "--recurrence " + recurrence if recurrence != "kron" else "--no-causal"
+        raise UserError(f"{given} applies to the gated model; --model layered has no gates (leave it out)")
     from ..experiments.ode_seq import OdeRunConfig
 
     try:
@@ -141,6 +153,7 @@ def ode_cmd(
         raise UserError(f"--grid names a run twice ({grid}): each would train the same runs")
     # a folder of this command's run records is resumed, its summaries rewritten from them;
     # summary-named files without such records are someone else's: replaced only with --force
+    created = not out.exists()
     claim_output_dir(out, produced=ODE_OUTPUTS, force=force or holds_records(out, "controller"),
                      what="ode experiment")
 
@@ -166,9 +179,13 @@ def ode_cmd(
         def on_done(r: dict) -> None:
             prog.update(bars[_key(OdeRunConfig(**r["spec"]))], info=f"{scored[1]} {r[scored[0]]:.3f}")
 
-        results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
-                                overwrite=force, on_progress=on_progress, on_done=on_done,
-                                hint="rerun with --force to replace them, or choose another --out")
+        try:
+            results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
+                                    overwrite=force, on_progress=on_progress, on_done=on_done,
+                                    hint="rerun with --force to replace them, or choose another --out")
+        except BaseException:
+            _drop_if_empty(out, created)  # a refused first run leaves nothing behind
+            raise
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
     rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,peak_bytes,recomputed,reloads"]
     rows += [f"{r['name']},{r['config']['seed']},{t['it']},{t['loss']:.6g},{t['rank']:.3g},"
