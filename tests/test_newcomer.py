@@ -129,3 +129,13 @@ def test_ode_refuses_ignored_options_names_sizes_and_leaves_no_folder(tmp_path):
     assert r.exit_code == 2 and "HIDDEN must be >= 1" in r.stderr
     r = run_cli("ode", "--grid", "fixed:8", "--validation", "0.0001", "--epochs", "1", "--out", tmp_path / "c")
     assert r.exit_code != 0 and "validate on" in r.stderr and not (tmp_path / "c").exists()
+
+
+def test_train_says_what_force_does_when_checkpoints_resume_the_run(tmp_path):
+    from helpers import run_cli
+
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "metrics.csv").write_text("epoch\n")
+    r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", tmp_path / "ck",
+                "--out", tmp_path / "r")
+    assert r.exit_code == 1 and "the training itself resumes" in r.stderr and r.stderr.count("\n") == 1

@@ -144,7 +144,13 @@ def train_cmd(
 
         check_checkpoint_dir(config, nproc)  # before --out is created
     if out is not None:
-        claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
+        try:
+            claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
+        except UserError as e:
+            if config.checkpoint_dir is not None and "--force" in str(e):  # say what --force does here
+                raise UserError(f"{e}; with --checkpoint-dir the training itself resumes from the newest "
+                                "checkpoint there, --force replaces only the records in --out", 1) from None
+            raise
     from rich.console import Console
 
     from ..train import train

@@ -157,8 +157,8 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
                         f"choose another {option}", 1)
     if old and not force:
         names = ", ".join(p.name for p in old[:4]) + (" …" if len(old) > 4 else "")
-        raise UserError(f"{option} {folder} already holds an earlier {what} ({names}); pass --force to "
-                        f"replace it, or choose another {option}", 1)
+        raise UserError(f"{option} {folder} already holds files a {what} writes ({names}), from an earlier "
+                        f"run or not; pass --force to replace them, or choose another {option}", 1)
     _check_writable(folder, option)
     return old
 
