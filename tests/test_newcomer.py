@@ -139,3 +139,15 @@ def test_train_says_what_force_does_when_checkpoints_resume_the_run(tmp_path):
     r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", tmp_path / "ck",
                 "--out", tmp_path / "r")
     assert r.exit_code == 1 and "the training itself resumes" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_peft_names_an_unknown_family_and_refuses_an_infinite_rate_at_once():
+    import time
+
+    from helpers import run_cli
+
+    r = run_cli("peft", "--grid", "rmsprop:0.01")
+    assert r.exit_code == 2 and "got 'rmsprop'" in r.stderr
+    t0 = time.perf_counter()
+    r = run_cli("peft", "--select", "none", "--lr", "inf")
+    assert r.exit_code == 2 and "--lr" in r.stderr and time.perf_counter() - t0 < 1.0

@@ -66,7 +66,7 @@ def peft_cmd(
         raise UserError("--select chooses the optimizer and learning rate: leave --optimizer and --lr out, "
                         "or give --select none")
     try:
-        lr_grid = parse_grid(GRID_DEFAULT if grid is None else grid)
+        lr_grid = parse_grid(GRID_DEFAULT if grid is None else grid, OPTIMIZERS)
     except ValueError as e:
         raise UserError(f"--grid: {e}") from None
     if set(lr_grid) - set(OPTIMIZERS):
@@ -74,7 +74,7 @@ def peft_cmd(
     if optimizer is not None and optimizer not in OPTIMIZERS:
         raise UserError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}; got {optimizer!r}")
     if lr is not None:
-        check_range("--lr", lr, 0, None, lo_open=True)
+        check_range("--lr", lr, 0, 1e3, lo_open=True)  # (finite: inf is not a rate)
     small = [s for s in setting_list if SETTINGS[s] is not None and batch_size > SETTINGS[s]]
     if small:
         raise UserError(f"--batch-size {batch_size} is larger than the {small[0]} training articles")

@@ -198,7 +198,7 @@ def sweep_cmd(
         raise UserError("--finetune-epochs applies to the dense-svd method: add it to --methods (or leave "
                         "--finetune-epochs out)")
     try:
-        lr_grid = DEFAULT_GRID if grid is None else parse_grid(grid)
+        lr_grid = DEFAULT_GRID if grid is None else parse_grid(grid, OPTIMIZERS)
     except ValueError as e:
         raise UserError(f"--grid: {e}") from None
     if set(lr_grid) - set(OPTIMIZERS):

@@ -34,13 +34,16 @@ class Choice:
     tried: tuple[tuple[str, float, float], ...]
 
 
-def parse_grid(text: str) -> dict[str, tuple[float, ...]]:
-    """``"sgd:0.01,0.03,0.1,0.3;adam:3e-4,1e-3"`` -> {family: learning rates, ascending}."""
+def parse_grid(text: str, families: Sequence[str] | None = None) -> dict[str, tuple[float, ...]]:
+    """``"sgd:0.01,0.03,0.1,0.3;adam:3e-4,1e-3"`` -> {family: learning rates, ascending}; a
+    family not in `families` (when given) is refused before its rates are read."""
     grid: dict[str, tuple[float, ...]] = {}
     for part in (p.strip() for p in text.split(";") if p.strip()):
         family, sep, values = part.partition(":")
         if not sep or not family.strip():
             raise ValueError(f"a grid entry is FAMILY:LR,LR,...; got {part!r}")
+        if families is not None and family.strip() not in families:
+            raise ValueError(f"families must be from {', '.join(families)}; got {family.strip()!r}")
         try:
             lrs = sorted(float(v) for v in values.split(",") if v.strip())
         except ValueError:
