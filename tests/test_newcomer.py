@@ -151,3 +151,14 @@ def test_peft_names_an_unknown_family_and_refuses_an_infinite_rate_at_once():
     t0 = time.perf_counter()
     r = run_cli("peft", "--select", "none", "--lr", "inf")
     assert r.exit_code == 2 and "--lr" in r.stderr and time.perf_counter() - t0 < 1.0
+
+
+def test_ckpt_argument_errors_do_not_import_torch():
+    """`ckpt encode --out EXISTING` and `ckpt repair --worker 10` took 2–4.5 s (importing torch
+    through rankwise.ckpt); the codec and the file formats need numpy only."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rankwise.ckpt as c; c.load_commitment, c.Code2D, c.read_fragment; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

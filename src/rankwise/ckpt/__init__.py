@@ -1,18 +1,62 @@
-"""Two-dimensional coded checkpoints with peer repair: codec, commitments, on-disk format."""
+"""Two-dimensional coded checkpoints with peer repair: codec, commitments, on-disk format.
 
-from ._checkpointer import CodedCheckpointer as CodedCheckpointer
-from ._checkpointer import Restored as Restored
-from ._code2d import Code2D as Code2D
-from ._code2d import Dispersal as Dispersal
-from ._code2d import NotEnoughSymbols as NotEnoughSymbols
-from ._dcp import CodedStorageReader as CodedStorageReader
-from ._dcp import CodedStorageWriter as CodedStorageWriter
-from ._format import Commitment as Commitment
-from ._format import Fragment as Fragment
-from ._format import RepairSymbols as RepairSymbols
-from ._store import fragment_path as fragment_path
-from ._store import load_commitment as load_commitment
-from ._store import load_fragments as load_fragments
-from ._store import read_commitment as read_commitment
-from ._store import read_fragment as read_fragment
-from ._store import save_dispersal as save_dispersal
+The names are loaded on first use (as :mod:`rankwise` does), so that reading a commitment or
+checking a command's arguments does not import torch."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# public name -> the private module that defines it
+_LAZY: dict[str, str] = {
+    "CodedCheckpointer": "_checkpointer",
+    "Restored": "_checkpointer",
+    "Code2D": "_code2d",
+    "Dispersal": "_code2d",
+    "NotEnoughSymbols": "_code2d",
+    "CodedStorageReader": "_dcp",
+    "CodedStorageWriter": "_dcp",
+    "Commitment": "_format",
+    "Fragment": "_format",
+    "RepairSymbols": "_format",
+    "fragment_path": "_store",
+    "load_commitment": "_store",
+    "load_fragments": "_store",
+    "read_commitment": "_store",
+    "read_fragment": "_store",
+    "save_dispersal": "_store",
+}
+
+__all__ = sorted(_LAZY)
+
+if TYPE_CHECKING:  # what static tools and IDEs see
+    from ._checkpointer import CodedCheckpointer as CodedCheckpointer
+    from ._checkpointer import Restored as Restored
+    from ._code2d import Code2D as Code2D
+    from ._code2d import Dispersal as Dispersal
+    from ._code2d import NotEnoughSymbols as NotEnoughSymbols
+    from ._dcp import CodedStorageReader as CodedStorageReader
+    from ._dcp import CodedStorageWriter as CodedStorageWriter
+    from ._format import Commitment as Commitment
+    from ._format import Fragment as Fragment
+    from ._format import RepairSymbols as RepairSymbols
+    from ._store import fragment_path as fragment_path
+    from ._store import load_commitment as load_commitment
+    from ._store import load_fragments as load_fragments
+    from ._store import read_commitment as read_commitment
+    from ._store import read_fragment as read_fragment
+    from ._store import save_dispersal as save_dispersal
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rankwise.ckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"rankwise.ckpt.{module}"), name)
+    globals()[name] = value  # resolve once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
