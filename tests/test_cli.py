@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from helpers import run_cli
-from rankwise.train import Progress, TrainConfig, train, write_json_atomic
+from rankwise.experiments.train_run import Progress, train, write_json_atomic
+from rankwise.train import TrainConfig
 
 MLP_LAYERS = {"fc1": 64, "fc2": 500, "fc3": 10}  # name -> min(out, in), the largest rank
 

@@ -261,7 +261,8 @@ def test_fingerprint_sees_one_bit():
 
 
 def _train_worker(rank: int, out: str, method: str) -> dict:
-    from rankwise.train import TrainConfig, train
+    from rankwise.experiments.train_run import train
+    from rankwise.train import TrainConfig
 
     s = train(TrainConfig(method=method, model="mlp", rank=8, epochs=1, out=Path(out)))
     for h in s["history"]:
@@ -272,7 +273,8 @@ def _train_worker(rank: int, out: str, method: str) -> dict:
 def test_train_loop_data_parallel_matches_one_process(tmp_path, method="sdlrt"):
     """rankwise.train under 2 ranks: the whole batch's loss, the same ranks and accuracy as one
     process (float32: the sums round differently, so to 1e-4), records from rank 0 only."""
-    from rankwise.train import TrainConfig, train
+    from rankwise.experiments.train_run import train
+    from rankwise.train import TrainConfig
 
     ref = train(TrainConfig(method=method, model="mlp", rank=8, epochs=1))
     out = run_world(_train_worker, 2, tmp_path, str(tmp_path / "run"), method)

@@ -127,7 +127,8 @@ def test_ode_refuses_ignored_options_names_sizes_and_leaves_no_folder(tmp_path):
     assert r.exit_code == 2 and "--recurrence full applies to the gated model" in r.stderr
     r = run_cli("ode", "--grid", "gru:0", "--out", tmp_path / "b")
     assert r.exit_code == 2 and "HIDDEN must be >= 1" in r.stderr
-    r = run_cli("ode", "--grid", "fixed:8", "--validation", "0.0001", "--epochs", "1", "--out", tmp_path / "c")
+    r = run_cli("ode", "--grid", "fixed:8", "--validation", "0.0001", "--epochs", "1",
+                "--out", tmp_path / "c")
     assert r.exit_code != 0 and "validate on" in r.stderr and not (tmp_path / "c").exists()
 
 
@@ -162,3 +163,29 @@ def test_ckpt_argument_errors_do_not_import_torch():
     code = ("import sys, rankwise.ckpt as c; c.load_commitment, c.Code2D, c.read_fragment; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_library_imports_neither_the_studies_nor_the_command_line():
+    """Issue 41, item 8: no module of the library packages imports rankwise.experiments or
+    rankwise.cli (the package's lazy namespace and ``python -m rankwise`` aside)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(rankwise.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("experiments", "cli") or str(rel) in ("__init__.py", "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                mod = "." * node.level + (node.module or "")
+                names = [mod] + [f"{mod}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.lstrip(".").split(".")[0] in ("experiments", "cli")
+                   or n.startswith(("rankwise.experiments", "rankwise.cli")) for n in names):
+                offenders.append(str(rel))
+    assert offenders == []

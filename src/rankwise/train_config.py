@@ -1,4 +1,4 @@
-"""The configuration of one training run (:func:`rankwise.train.train`); torch-free, so the
+"""The configuration of one training run (:func:`rankwise.experiments.train_run.train`); torch-free, so the
 command line can build and check it before importing torch."""
 
 from __future__ import annotations

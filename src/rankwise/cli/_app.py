@@ -153,7 +153,7 @@ def train_cmd(
             raise
     from rich.console import Console
 
-    from ..train import train
+    from ..experiments.train_run import train
     from ._train_view import progress, summary_table
 
     console = Console()
@@ -216,7 +216,7 @@ def demo_cmd(
     from rich.console import Console
 
     from .._io import write_atomic
-    from ..train import train
+    from ..experiments.train_run import train
     from ._train_view import comparison_markdown, comparison_table, progress
 
     console = Console()

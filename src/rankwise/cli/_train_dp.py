@@ -1,8 +1,9 @@
 """``rankwise train --nproc N``: the same training run, data-parallel under torchrun.
 
 The parent starts ``torchrun --nproc_per_node N`` on this module; every worker joins the group
-(:func:`rankwise.dist.init_process_group`, gloo), runs :func:`rankwise.train.train` on its shard
-of every batch, and rank 0 writes the run records and the summary the parent prints.
+(:func:`rankwise.dist.init_process_group`, gloo), runs
+:func:`rankwise.experiments.train_run.train` on its shard of every batch, and rank 0 writes the
+run records and the summary the parent prints.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def _worker(config_json: str, summary_path: str) -> None:
 
     from .._io import write_atomic
     from ..dist import init_process_group
-    from ..train import train
+    from ..experiments.train_run import train
     from ..train_config import TrainConfig
 
     torch.set_num_threads(1)
