@@ -25,3 +25,20 @@ def test_a_costly_header_is_refused_at_once():
     with pytest.raises(ValueError, match=r"bytes of roots where n=4 and digest size 32 need 288"):
         Commitment.from_bytes(_forged(4, 32, b"\0" * 40))
     assert time.perf_counter() - t0 < 0.05
+
+
+def test_error_texts_quote_no_file_content(tmp_path):
+    """Issue 41, attack 7: a fragment file linked to any readable file put that file's first
+    bytes into the status a restore sends to every peer."""
+    from rankwise.ckpt._format import Fragment, RepairSymbols
+
+    secret = b"SECRETKEY=hunter2-" * 8
+    for parse in (Fragment.from_bytes, RepairSymbols.from_bytes, Commitment.from_bytes):
+        with pytest.raises(ValueError) as e:
+            parse(secret)
+        assert "SECR" not in str(e.value) and "hunter" not in str(e.value)
+    names = b"".join(len(x).to_bytes(1, "little") + x for x in (b"\xffSECRET", b"cauchy-gf256"))
+    blob = seal(COMMITMENT, struct.pack("<HHQQB", 4, 1, 100, 12, 32) + names + b"\0" * 288)
+    with pytest.raises(ValueError, match="not ASCII") as e:
+        Commitment.from_bytes(blob)
+    assert "SECRET" not in str(e.value) and "xff" not in str(e.value)

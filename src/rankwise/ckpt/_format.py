@@ -60,7 +60,7 @@ def unseal_versioned(blob: bytes, kind: int, what: str) -> tuple[int, memoryview
         raise ValueError(f"{what}: truncated ({len(blob)} bytes)")
     magic, version, got = _HEAD.unpack_from(blob)
     if magic != MAGIC:
-        raise ValueError(f"{what}: not a rankwise checkpoint file (magic {magic!r})")
+        raise ValueError(f"{what}: not a rankwise checkpoint file (no rankwise magic at its start)")
     if version not in READABLE:
         raise ValueError(f"{what}: format version {version}, this rankwise reads {READABLE}")
     if got != kind:
@@ -132,8 +132,11 @@ class Commitment:
         if d not in DIGEST_SIZES:
             raise ValueError(f"commitment: digest size {d}, not one of the known hashes' "
                              f"{sorted(DIGEST_SIZES)}")
-        hash_name = r.take(r.unpack("B")[0]).decode("ascii", "strict")
-        codec = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        try:
+            hash_name = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+            codec = r.take(r.unpack("B")[0]).decode("ascii", "strict")
+        except UnicodeDecodeError:  # (its message would quote the file's bytes)
+            raise ValueError("commitment: its hash or codec name is not ASCII") from None
         if len(r.body) - r.pos != (2 * n + 1) * d:
             raise ValueError(f"commitment: {len(r.body) - r.pos} bytes of roots where n={n} and digest "
                              f"size {d} need {(2 * n + 1) * d}")
@@ -286,8 +289,8 @@ class RepairSymbols:
             raise ValueError(f"{what}: truncated ({len(mv)} bytes)")
         magic, version, kind = _HEAD.unpack_from(mv)
         if magic != MAGIC or version != FRAGMENT_VERSION or kind != SYMBOLS:
-            raise ValueError(f"{what}: not repair symbols of version {FRAGMENT_VERSION} "
-                             f"(magic {bytes(magic)!r}, version {version}, kind {kind})")
+            raise ValueError(f"{what}: not repair symbols of version {FRAGMENT_VERSION} (magic "
+                             f"{'ok' if magic == MAGIC else 'wrong'}, version {version}, kind {kind})")
         helper, target, B, d, nc, nr = _SYM.unpack_from(mv, _HEAD.size)
         end = _HEAD.size + _SYM.size + (nc + nr) * d
         if len(mv) != end + _DIGEST + 2 * B:
