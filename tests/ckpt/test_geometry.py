@@ -42,3 +42,21 @@ def test_error_texts_quote_no_file_content(tmp_path):
     with pytest.raises(ValueError, match="not ASCII") as e:
         Commitment.from_bytes(blob)
     assert "SECRET" not in str(e.value) and "xff" not in str(e.value)
+
+
+def test_the_step_scan_reads_only_the_newest_folders(tmp_path, monkeypatch):
+    """Issue 41, attack 3: 60 `step_*` links to a costly commitment outlasted the group timeout;
+    a rank now reads at most keep + SCAN_SLACK step folders, the newest."""
+    from rankwise.ckpt import Code2D, _checkpointer, _store
+
+    com = Code2D(4, 1, hash="sha256").encode(b"x" * 1000).commitment
+    for step in range(60):
+        _store.write(_store.step_dir(tmp_path, 0, step) / _store.STEP_COMMITMENT, com)
+    reads = []
+    real = _store.read_commitment
+    monkeypatch.setattr(_store, "read_commitment", lambda p: reads.append(p) or real(p))
+    ck = _checkpointer.CodedCheckpointer.__new__(_checkpointer.CodedCheckpointer)
+    ck.dir, ck.keep = tmp_path / "rank0", 2
+    held = ck._local_steps()
+    assert len(reads) == 2 + _checkpointer.SCAN_SLACK
+    assert sorted(held) == list(range(60 - len(reads), 60))

@@ -70,6 +70,9 @@ def _self_consistent(com: Commitment) -> bool:
     return True
 
 
+SCAN_SLACK = 4  # step folders read beyond `keep` when a rank lists what it holds
+
+
 class CodedCheckpointer:
     """Save and restore a data-parallel training state as 2-D coded fragments, one per rank.
 
@@ -133,11 +136,12 @@ class CodedCheckpointer:
         out: dict[int, bytes] = {}
         if not self.dir.is_dir():
             return out
-        for d in self.dir.glob("step_*"):
-            step = _store.step_of(d)
+        # only the newest few folders are read (keep + SCAN_SLACK: a save in flight, crashed ones):
+        # a store stuffed with step folders costs a directory listing, not a read of each
+        named = sorted(((s, d) for d in self.dir.glob("step_*") if (s := _store.step_of(d)) is not None),
+                       key=lambda sd: sd[0], reverse=True)
+        for step, d in named[:self.keep + SCAN_SLACK]:
             try:
-                if step is None:
-                    continue
                 com = _store.read_commitment(d / _store.STEP_COMMITMENT)
                 if not _self_consistent(com):
                     continue
