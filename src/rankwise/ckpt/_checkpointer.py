@@ -20,7 +20,7 @@ import shutil
 import struct
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,8 @@ class Restored:
     rank's `per_rank` object (RNG states, ...; ``None`` if the save had none), the ranks whose
     fragments were rebuilt (`repaired`), the ranks named bad by more than t ranks
     (`bad_helpers`), who reported whom (`reported`: rank -> reporting ranks), and the figures
-    of :meth:`CodedCheckpointer.stats` (`stats`: bytes moved, seconds per phase).
+    of :meth:`CodedCheckpointer.stats` (`stats`: bytes moved, seconds per phase), and the newer
+    steps that k ranks held but could not be retrieved, with why (`skipped`).
 
     Unpacks as ``state, step = restored`` (the tuple the method returned before)."""
 
@@ -55,6 +56,7 @@ class Restored:
     bad_helpers: list[int]
     reported: dict[int, list[int]]
     stats: dict[str, Any]
+    skipped: list[tuple[int, str]] = field(default_factory=list)  # newer steps that could not be retrieved
 
     def __iter__(self):
         return iter((self.state, self.step))
@@ -68,6 +70,10 @@ def _self_consistent(com: Commitment) -> bool:
     except ValueError:
         return False
     return True
+
+
+class StepUnrecoverable(RuntimeError):
+    """Raised on every rank alike when a step's rows cannot be retrieved (fewer than k verify)."""
 
 
 SCAN_SLACK = 4  # step folders read beyond `keep` when a rank lists what it holds
@@ -150,12 +156,13 @@ class CodedCheckpointer:
                 continue
         return out
 
-    def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup) -> None:
-        """Collective: every rank raises if any rank failed (so none is left waiting)."""
+    def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup,
+                      exc: type[RuntimeError] = RuntimeError) -> None:
+        """Collective: every rank raises `exc` if any rank failed (so none is left waiting)."""
         errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
         bad = {r: e for r, e in enumerate(errs) if e}
         if bad:
-            raise RuntimeError(f"{what} failed on rank(s) {sorted(bad)}: "
+            raise exc(f"{what} failed on rank(s) {sorted(bad)}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
 
     # ------------------------------------------------------------------ save
@@ -331,8 +338,21 @@ class CodedCheckpointer:
                     f"survives on ranks {where} only (this code tolerates t={self.t} lost ranks)")
             self._stats = dict(op="restore", step=None)
             return None
-        step, root = ok_steps[0]
-        holders = votes[(step, root)]
+        skipped: list[tuple[int, str]] = []
+        for step, root in ok_steps:  # the newest first; an older one when a step cannot be retrieved
+            try:
+                return self._restore_step(step, root, votes[(step, root)], t0, skipped)
+            except StepUnrecoverable as e:
+                log.warning("restore: step %d cannot be retrieved (%s); trying the next older step", step, e)
+                skipped.append((step, str(e)))
+        raise RuntimeError("restore: no step that k ranks hold could be retrieved: "
+                           + "; ".join(f"step {s}: {why}" for s, why in skipped))
+
+    def _restore_step(self, step: int, root: bytes, holders: list[int], t0: float,
+                      skipped: list[tuple[int, str]]) -> Restored:
+        """Collective: restore `step` (its commitment root `root`, voted for by `holders`):
+        agree on the commitment, check, repair, retrieve, load. Raises
+        :class:`StepUnrecoverable` on every rank alike when fewer than k rows verify."""
         d = self._step_dir(step)
         com = self._agreed_commitment(d, step, root, holders)
         status, frag, lines = self._check_local(d, com)
@@ -386,9 +406,9 @@ class CodedCheckpointer:
                            repair_seconds=repair_seconds, write_seconds=write_seconds,
                            retrieve_seconds=t_load - t_ret, load_seconds=time.perf_counter() - t_load,
                            restore_seconds=time.perf_counter() - t0, state_bytes=com.data_len,
-                           block_size=com.block_size)
+                           block_size=com.block_size, skipped=list(skipped))
         return Restored(state, step, self.per_rank, list(targets), bad_helpers, self._stats["reported"],
-                        self.stats())
+                        self.stats(), list(skipped))
 
     def _agreed_commitment(self, d: Path, step: int, root: bytes, holders: list[int]) -> Commitment:
         """Collective: the commitment of `step` whose root `root` k ranks voted for. Every
@@ -581,7 +601,8 @@ class CodedCheckpointer:
             if bad:
                 log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
             err = None if len(mine) >= k else str(NotEnoughSymbols(len(mine), k, bad, "retrieve", "rows"))
-            self._raise_if_any(err, "retrieve", self.group)  # every rank takes part, whatever its count
+            # every rank takes part, whatever its count, and raises alike (restore then tries an older step)
+            self._raise_if_any(err, "retrieve", self.group, StepUnrecoverable)
         except BaseException:
             rows.close()  # (the memfd and its pages are not left behind)
             raise
