@@ -189,3 +189,25 @@ def test_the_library_imports_neither_the_studies_nor_the_command_line():
                    or n.startswith(("rankwise.experiments", "rankwise.cli")) for n in names):
                 offenders.append(str(rel))
     assert offenders == []
+
+
+def test_peft_resumes_a_folder_holding_only_its_token_cache(tmp_path, monkeypatch):
+    """An interrupted first `peft` run leaves bbc_tokens_*.pt and no record; the rerun was
+    refused as if the cache were someone's outputs."""
+    pytest.importorskip("peft")
+    import rankwise.experiments.peft_compare as pc
+    from helpers import run_cli
+
+    out = tmp_path / "p"
+    out.mkdir()
+    (out / "bbc_tokens_64.pt").write_bytes(b"cache")
+
+    def reached(*a, **k):
+        raise RuntimeError("reached the study")
+
+    monkeypatch.setattr(pc, "study", reached)
+    r = run_cli("peft", "--out", out)
+    assert "reached the study" in r.stderr and "already holds" not in r.stderr
+    (out / "summary.md").write_text("mine")  # someone's summary: still refused without --force
+    r = run_cli("peft", "--out", out)
+    assert r.exit_code == 1 and "already holds" in r.stderr

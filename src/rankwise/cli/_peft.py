@@ -78,8 +78,14 @@ def peft_cmd(
     small = [s for s in setting_list if SETTINGS[s] is not None and batch_size > SETTINGS[s]]
     if small:
         raise UserError(f"--batch-size {batch_size} is larger than the {small[0]} training articles")
-    check_output_dir(out, produced=PEFT_OUTPUTS, force=force or holds_records(out, "setting"),
-                     what="peft comparison")
+    # a folder holding only this command's token caches (a first run interrupted before it
+    # finished) is resumed like one with records: the caches are reused, nothing is deleted
+    import re
+
+    caches_only = out.is_dir() and any(out.glob("bbc_tokens_*.pt")) and not any(
+        re.fullmatch(pat, p.name) for p in out.iterdir() for pat in PEFT_OUTPUTS[:3])
+    check_output_dir(out, produced=PEFT_OUTPUTS,
+                     force=force or caches_only or holds_records(out, "setting"), what="peft comparison")
     try:  # everything it needs, before anything runs
         import peft  # noqa: F401
         import transformers  # noqa: F401
