@@ -211,3 +211,17 @@ def test_peft_resumes_a_folder_holding_only_its_token_cache(tmp_path, monkeypatc
     (out / "summary.md").write_text("mine")  # someone's summary: still refused without --force
     r = run_cli("peft", "--out", out)
     assert r.exit_code == 1 and "already holds" in r.stderr
+
+
+def test_two_trainings_into_one_folder_at_once_are_refused(tmp_path):
+    """Two `train --out same` started together both succeeded, the first one's records replaced."""
+    from helpers import run_cli
+    from rankwise.cli._common import exclusive
+
+    out = tmp_path / "r"
+    with exclusive(out):  # another command holds the folder
+        r = run_cli("train", "--epochs", "1", "--out", out)
+    assert r.exit_code == 1 and "in use by another rankwise command" in r.stderr
+    assert not (out / "metrics.csv").exists()
+    r = run_cli("train", "--epochs", "1", "--model", "mlp", "--out", tmp_path / "gone", "--lr", "nan")
+    assert r.exit_code == 2 and not (tmp_path / "gone").exists()

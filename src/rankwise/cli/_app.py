@@ -7,6 +7,7 @@ non-zero exit; ``--debug`` (or ``RANKWISE_DEBUG=1``) shows the traceback instead
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import sys
@@ -24,6 +25,7 @@ from ._common import (
     check_new_file,
     check_output_dir,
     claim_output_dir,
+    exclusive,
     new_app,
     num_threads,
 )
@@ -143,14 +145,22 @@ def train_cmd(
         from ._train_dp import check_checkpoint_dir
 
         check_checkpoint_dir(config, nproc)  # before --out is created
-    if out is not None:
-        try:
-            claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
-        except UserError as e:
-            if config.checkpoint_dir is not None and "--force" in str(e):  # say what --force does here
-                raise UserError(f"{e}; with --checkpoint-dir the training itself resumes from the newest "
-                                "checkpoint there, --force replaces only the records in --out", 1) from None
-            raise
+    with contextlib.ExitStack() as stack:
+        if out is not None:
+            stack.enter_context(exclusive(out))  # one run at a time in --out
+            try:
+                claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
+            except UserError as e:
+                if config.checkpoint_dir is not None and "--force" in str(e):  # what --force does here
+                    raise UserError(f"{e}; with --checkpoint-dir the training itself resumes from the "
+                                    "newest checkpoint there, --force replaces only the records in --out",
+                                    1) from None
+                raise
+        _train(config, nproc, threads, max_restarts)
+
+
+def _train(config, nproc: int, threads: int, max_restarts: int) -> None:
+    """The training run of ``train`` (its arguments checked and --out claimed)."""
     from rich.console import Console
 
     from ..experiments.train_run import train

@@ -163,6 +163,38 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     return old
 
 
+LOCK_FILE = ".rankwise.lock"
+
+
+@contextmanager
+def exclusive(folder: Path, option: str = "--out"):
+    """Hold an exclusive lock on `folder` (``.rankwise.lock`` in it, ``flock``) for the block: a
+    second command writing to the same folder at the same time is refused in one line instead
+    of both succeeding with one's records replaced. A folder this call created is removed again
+    if the block fails while the lock file is all it holds."""
+    import fcntl
+
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held for the block)
+    except OSError as e:
+        raise UserError(f"{option} {folder}: cannot create it ({e.strerror})", 1) from e
+    ok = False
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"{option} {folder} is in use by another rankwise command running now; wait for "
+                            f"it or choose another {option}", 1) from None
+        yield
+        ok = True
+    finally:
+        handle.close()
+        if not ok and created and {p.name for p in folder.iterdir()} == {LOCK_FILE}:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
                      what: str = "run", checked: list[Path] | None = None,
                      ours: Callable[[Path], bool] | None = None) -> None:
