@@ -188,10 +188,12 @@ def ode_cmd(
             raise
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
     rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,peak_bytes,recomputed,reloads"]
-    rows += [f"{r['name']},{r['config']['seed']},{t['it']},{t['loss']:.6g},{t['rank']:.3g},"
-             f"{t['checkpoints']},{t['max_delta']:.3g},{t['min_rho']:.3g},{t['tape_bytes']},{t['peak_bytes']},"
-             f"{t['recomputed']},{t['reloads']}"
-             for r in results for t in r["trace"]]
+    for r in results:
+        for t in r["trace"]:
+            rho = "" if t["min_rho"] is None else f"{t['min_rho']:.3g}"  # (None: no reversal, the GRU)
+            rows.append(f"{r['name']},{r['config']['seed']},{t['it']},{t['loss']:.6g},{t['rank']:.3g},"
+                        f"{t['checkpoints']},{t['max_delta']:.3g},{rho},{t['tape_bytes']},{t['peak_bytes']},"
+                        f"{t['recomputed']},{t['reloads']}")
     write_atomic(out / "traces.csv", ("\n".join(rows) + "\n").encode())
     what = f"{layers} layers" if model == "layered" else "gated"
     plot_traces(results, out / "ode_traces.png", title=f"{data}: {what}, {epochs} epoch(s)")
@@ -203,6 +205,6 @@ def ode_cmd(
         table.add_column(head)
     for name in dict.fromkeys(r["name"] for r in results):
         rs = [r for r in results if r["name"] == name]
-        table.add_row(name, *(mean_std([float(r[key]) for r in rs], fmt) for key, _, fmt in columns))
+        table.add_row(name, *(mean_std([r[key] for r in rs], fmt) for key, _, fmt in columns))
     console.print(table)
     console.print(f"wrote {out}/results.json, traces.csv, ode_traces.png")

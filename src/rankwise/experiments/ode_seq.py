@@ -12,6 +12,7 @@ memory against replay time. The rank is what can change accuracy.
 from __future__ import annotations
 
 import io
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -334,9 +335,9 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
     losses = [r["loss"] for r in trace]
     tail = losses[len(losses) // 2:]
     mean = sum(tail) / len(tail)
-    nan = float("nan")
-    return dict(config=asdict(cfg), name=cfg.name, test_acc=nan if cfg.validation else held_acc,
-                val_acc=held_acc if cfg.validation else nan, train_acc=train_acc,
+    return _json_ready(dict(
+                config=asdict(cfg), name=cfg.name, test_acc=None if cfg.validation else held_acc,
+                val_acc=held_acc if cfg.validation else None, train_acc=train_acc,
                 mean_rank=sum(r["rank"] for r in trace) / len(trace),
                 mean_checkpoints=sum(r["checkpoints"] for r in trace) / len(trace),
                 max_delta=max(r["max_delta"] for r in trace),
@@ -349,7 +350,19 @@ def run(cfg: OdeRunConfig, callback=None) -> dict:
                 grad_cosine=cos, mean_replays=sum(r["reloads"] for r in trace) / len(trace),
                 loss_var_2nd_half=sum((x - mean) ** 2 for x in tail) / len(tail),
                 loss_spikes=_spikes(losses),
-                seconds=seconds, trace=trace)
+                seconds=seconds, trace=trace))
+
+
+def _json_ready(x):
+    """`x` with every non-finite float (a metric the run does not have: the GRU's audit and
+    ρ, the test accuracy of a validation run) as ``None``: records are strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_ready(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_json_ready(v) for v in x)
+    return x
 
 
 def _spikes(losses: list[float], window: int = 10, rise: float = 0.1) -> int:
