@@ -225,3 +225,10 @@ def test_two_trainings_into_one_folder_at_once_are_refused(tmp_path):
     assert not (out / "metrics.csv").exists()
     r = run_cli("train", "--epochs", "1", "--model", "mlp", "--out", tmp_path / "gone", "--lr", "nan")
     assert r.exit_code == 2 and not (tmp_path / "gone").exists()
+
+
+def test_an_unwritable_checkpoint_dir_is_named():
+    from helpers import run_cli
+
+    r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", "/proc/ck")
+    assert r.exit_code == 1 and r.stderr.startswith("rankwise train: error: --checkpoint-dir /proc/ck")

@@ -20,12 +20,13 @@ def check_checkpoint_dir(config, nproc: int) -> None:
     ``run.json``), naming what differs; creates nothing."""
     from ..experiments.train_run import _resumable
     from ..train._checkpoints import mismatch as resume_mismatch
-    from ._common import UserError
+    from ._common import UserError, _check_writable
 
     folder = config.checkpoint_dir
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--checkpoint-dir {folder} is a file, not a folder; give a folder (created if "
                         "missing)")
+    _check_writable(folder, "--checkpoint-dir")  # (e.g. /proc/ck: names the option, not an errno)
     manifest = folder / "run.json"
     mine = {**_resumable(config), "nproc": nproc}
     if manifest.exists():
