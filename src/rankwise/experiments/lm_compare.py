@@ -450,8 +450,8 @@ def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tu
     ref_step = np.mean([r["step_seconds"] for r in dense[0]]) if dense else None
     head = ["method", "compression", "lr (chosen)", "seeds", "val bits/token", "test bits/token",
             "weights + grads + state, MB (peak)", "vs dense", "at the end, vs dense",
-            "optimizer state + buffers, MB", "ranks moved (Σ over layers)", "process peak RSS, MiB", "tokens/s",
-            "step vs dense"]
+            "optimizer state + buffers, MB", "ranks moved (Σ over layers)", "process peak RSS, MiB",
+            "tokens/s", "step vs dense"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (m, c), (rs, lr, edge) in rows.items():
         if not rs:
