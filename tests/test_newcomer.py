@@ -232,3 +232,17 @@ def test_an_unwritable_checkpoint_dir_is_named():
 
     r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", "/proc/ck")
     assert r.exit_code == 1 and r.stderr.startswith("rankwise train: error: --checkpoint-dir /proc/ck")
+
+
+def test_a_second_sweep_into_the_folder_drops_tables_it_does_not_rewrite(tmp_path):
+    """A second `sweep` into the same --out left the first call's equal_compression.md, which then
+    described runs the new tables do not hold."""
+    from helpers import run_cli
+
+    out = tmp_path / "sw"
+    base = ["sweep", "--tasks", "lenet-digits", "--taus", "0.4", "--seeds", "1", "--epochs", "1",
+            "--out", out]
+    assert run_cli(*base, "--methods", "dense,dlrt").exit_code == 0
+    assert (out / "equal_compression.md").is_file()
+    assert run_cli(*base, "--methods", "dense,sdlrt").exit_code == 0
+    assert not (out / "equal_compression.md").exists() and (out / "summary.md").is_file()

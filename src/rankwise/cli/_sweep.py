@@ -316,6 +316,13 @@ def sweep_cmd(
     if versus:
         write_atomic(out / "versus_baselines.md", versus_baselines_markdown(results).encode())
     pngs = plot(results, out)
+    # an earlier call's tables that this one does not rewrite would describe other runs: they go
+    # (the folder is this sweep's, or --force said its outputs may be replaced)
+    written = {"selection.md": bool(choices), "versus_baselines.md": versus,
+               "equal_compression.md": "dlrt" in method_list and target_list is None}
+    for name, wrote in written.items():
+        if not wrote and (out / name).is_file():
+            (out / name).unlink()
     console.print(table)
     trained = f"{count[0]} trained by this call" + (", the selection grid's included" if choices else "")
     console.print(f"{len(results)} runs in the tables ({trained}); wrote {out}/runs.csv, summary.md"
