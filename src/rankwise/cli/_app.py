@@ -148,14 +148,9 @@ def train_cmd(
     with contextlib.ExitStack() as stack:
         if out is not None:
             stack.enter_context(exclusive(out))  # one run at a time in --out
-            try:
-                claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run")
-            except UserError as e:
-                if config.checkpoint_dir is not None and "--force" in str(e):  # what --force does here
-                    raise UserError(f"{e}; with --checkpoint-dir the training itself resumes from the "
-                                    "newest checkpoint there, --force replaces only the records in --out",
-                                    1) from None
-                raise
+            means = ("" if config.checkpoint_dir is None else "; with --checkpoint-dir the training itself "
+                     "resumes from the newest checkpoint there, --force replaces only the records in --out")
+            claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run", force_means=means)
         _train(config, nproc, threads, max_restarts)
 
 

@@ -140,11 +140,13 @@ def holds_records(folder: Path, field: str) -> bool:
 
 
 def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
-                     what: str = "run", ours: Callable[[Path], bool] | None = None) -> list[Path]:
+                     what: str = "run", ours: Callable[[Path], bool] | None = None,
+                     force_means: str = "") -> list[Path]:
     """Can `folder` take the outputs whose names match the regular expressions `produced`? It
     is (or can become) a writable folder, and holds no earlier such outputs unless `force`;
     an entry with such a name that `ours` says this command did not write is refused even with
-    `force`. Returns the earlier outputs (what :func:`claim_output_dir` deletes); changes
+    `force`; `force_means` is appended to the refusal (what ``--force`` does for this command).
+    Returns the earlier outputs (what :func:`claim_output_dir` deletes); changes
     nothing."""
     if str(folder) in ("", "."):
         raise UserError(f"{option} is '.' or empty; give a named folder, e.g. ./out")
@@ -158,7 +160,8 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     if old and not force:
         names = ", ".join(p.name for p in old[:4]) + (" …" if len(old) > 4 else "")
         raise UserError(f"{option} {folder} already holds files a {what} writes ({names}), from an earlier "
-                        f"run or not; pass --force to replace them, or choose another {option}", 1)
+                        f"run or not; pass --force to replace them, or choose another {option}"
+                        + force_means, 1)
     _check_writable(folder, option)
     return old
 
@@ -197,7 +200,7 @@ def exclusive(folder: Path, option: str = "--out"):
 
 def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
                      what: str = "run", checked: list[Path] | None = None,
-                     ours: Callable[[Path], bool] | None = None) -> None:
+                     ours: Callable[[Path], bool] | None = None, force_means: str = "") -> None:
     """Make `folder` ready for a command that writes the files or folders whose names match the
     regular expressions `produced`: create it if missing; if an earlier run left such outputs there,
     refuse (exit 1) unless `force`, and with `force` delete exactly those (nothing else in the
@@ -205,7 +208,7 @@ def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     command with several output folders calls :func:`check_output_dir` on all of them first
     and passes each result as `checked`."""
     old = checked if checked is not None else check_output_dir(
-        folder, produced=produced, force=force, option=option, what=what, ours=ours)
+        folder, produced=produced, force=force, option=option, what=what, ours=ours, force_means=force_means)
     for p in old:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

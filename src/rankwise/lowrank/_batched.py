@@ -332,8 +332,9 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
             return {k_: (sel(v) if k_ in _MOMENTS else v) for k_, v in st.items()}
 
         ns = g.new_states
-        moved = {"K": transport(pick(ns["K"]), None, TV), "L": transport(pick(ns["L"]), None, TU),
-                 "S": transport(pick(ns["S"]), TU, TV)}
+        moved = {} if cfg.moments == "reset" else {  # reset: nothing to carry into the new bases
+            "K": transport(pick(ns["K"]), None, TV), "L": transport(pick(ns["L"]), None, TU),
+            "S": transport(pick(ns["S"]), TU, TV)}
         layers = [g.layers[i] for i in idx]
         states = [g.states[i] for i in idx]
         same = r1 == r0 and b == (layers[0].U_buf.shape[1] if cfg.buffer else 0)
