@@ -154,3 +154,25 @@ def test_dcp_async_save_with_the_coded_writer(tmp_path):
     got = _fresh(sd)
     dcp.load(got, storage_reader=CodedStorageReader(locs))
     assert _same(got, sd)
+
+
+def test_locations_that_are_one_folder_are_refused_by_identity(tmp_path):
+    """Issue 41, attack 2: one location a symbolic link to another was accepted (the path strings
+    differ), so both wrote one folder: 3 distinct fragments for n = 4, and no further location
+    could be lost."""
+    locs = [tmp_path / f"disk{i}" for i in range(4)]
+    locs[0].mkdir()
+    (tmp_path / "alias").symlink_to(locs[0], target_is_directory=True)
+    with pytest.raises(ValueError, match=r"distinct folders; .*disk0 and .*alias are the same folder"):
+        CodedStorageWriter([locs[0], tmp_path / "alias", locs[2], locs[3]], t=1)
+    with pytest.raises(ValueError, match="are the same folder"):  # spelled apart, not yet made
+        CodedStorageWriter([locs[1], tmp_path / "x" / ".." / "disk1", locs[2], locs[3]], t=1)
+    # a link made after the writer was built is caught when the save makes the folders
+    writer = CodedStorageWriter([locs[0], tmp_path / "late", locs[2], locs[3]], t=1)
+    locs[2].mkdir()
+    (tmp_path / "late").symlink_to(locs[2], target_is_directory=True)
+    with pytest.raises(CheckpointException, match="are the same folder"):
+        dcp.save(_sd(0), storage_writer=writer)
+    # and a reader would count one folder's metadata twice towards its quorum
+    with pytest.raises(ValueError, match="are the same folder"):
+        CodedStorageReader([locs[0], locs[2], tmp_path / "late", locs[3]])

@@ -137,21 +137,31 @@ class CodedCheckpointer:
 
     def _local_steps(self) -> dict[int, bytes]:
         """Complete local steps -> commitment root. Unreadable commitments are skipped, and so
-        are commitments whose fields do not hash to their root (rewritten by someone); one of
-        another code (another n, t or hash) keeps its vote, so that restoring it fails loudly."""
+        are commitments whose fields do not hash to their root (rewritten by someone) and step
+        folders that break the store's rules (a symbolic link: :func:`._store.real_folder`);
+        one of another code (another n, t or hash) keeps its vote, so that restoring it fails
+        loudly."""
         out: dict[int, bytes] = {}
-        if not self.dir.is_dir():
+        try:
+            mine = _store.rank_folder(self.root_dir, self.rank)
+        except FileNotFoundError:
+            return out
+        except (_store.StoreError, OSError) as e:  # this rank has no vote; it is repaired, not written
+            log.warning("rank %d's checkpoint folder is not used: %s", self.rank, e)
             return out
         # only the newest few folders are read (keep + SCAN_SLACK: a save in flight, crashed ones):
         # a store stuffed with step folders costs a directory listing, not a read of each
-        named = sorted(((s, d) for d in self.dir.glob("step_*") if (s := _store.step_of(d)) is not None),
+        named = sorted(((s, d) for d in mine.glob("step_*") if (s := _store.step_of(d)) is not None),
                        key=lambda sd: sd[0], reverse=True)
         for step, d in named[:self.keep + SCAN_SLACK]:
             try:
+                _store.real_folder(mine, d.name)
                 com = _store.read_commitment(d / _store.STEP_COMMITMENT)
                 if not _self_consistent(com):
                     continue
                 out[step] = com.root
+            except _store.StoreError as e:
+                log.warning("step %d of rank %d is not used: %s", step, self.rank, e)
             except (ValueError, OSError, MemoryError):
                 continue
         return out
@@ -268,10 +278,10 @@ class CodedCheckpointer:
         com = self.code.commitment_from_leaves(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
         try:
-            self._publish(d, frag, com)
+            self._publish(_store.step_folder(self.root_dir, self.rank, step, create=True), frag, com)
             err = None
-        except OSError as e:
-            err = f"writing {d}: {e}"
+        except (OSError, _store.StoreError) as e:  # (a StoreError names the folder itself)
+            err = str(e) if isinstance(e, _store.StoreError) else f"writing {d}: {e}"
         self._raise_if_any(err, f"save(step={step})", group)  # every rank has written: now prune
         self._prune(step)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
@@ -302,12 +312,19 @@ class CodedCheckpointer:
 
     def _prune(self, newest: int) -> None:
         """Keep the newest ``keep`` complete steps up to ``newest``; drop older ones and
-        incomplete folders (a crashed save) older than ``newest``."""
+        incomplete folders (a crashed save) older than ``newest``. Only real folders are
+        removed (a symbolic link in the store is left, with its target, and logged)."""
         complete = sorted(s for s in self._local_steps() if s <= newest)
         keep = set(complete[-self.keep:])
-        for d in self.dir.glob("step_*"):
+        mine = _store.rank_folder(self.root_dir, self.rank)  # (checked by the save that just wrote)
+        for d in mine.glob("step_*"):
             s = _store.step_of(d)
             if s is not None and s < newest and s not in keep:
+                try:
+                    _store.real_folder(mine, d.name)
+                except (_store.StoreError, OSError) as e:
+                    log.warning("prune: %s left in place: %s", d, e)
+                    continue
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ restore
@@ -377,11 +394,13 @@ class CodedCheckpointer:
         repair_seconds = time.perf_counter() - t_rep
         if self.rank not in targets or frag is not None:  # write back the fragment and the commitment
             try:
+                d = _store.step_folder(self.root_dir, self.rank, step, create=True)  # never through a link
                 if self.rank in targets:
                     _store.write(d / _store.STEP_FRAGMENT, frag)
                 if not _store.holds(d / _store.STEP_COMMITMENT, com):
                     _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) its vote
-            except OSError as e:  # (e.g. a folder in the file's place): this restore has what it
+            except (OSError, _store.StoreError) as e:  # (a folder in the file's place, a link in the
+                # store's): this restore has what it
                 # needs in memory, so a disk that refuses the write-back does not stop it
                 log.warning("restore step %d: could not write %s back (%s); the state is restored, "
                             "but this rank's disk still lacks it", step, d, e)
@@ -417,9 +436,12 @@ class CodedCheckpointer:
         mine, err = b"", None
         if self.rank in holders:
             try:
+                _store.real_folder(self.root_dir, f"rank{self.rank}", d.name)
                 com = _store.read_commitment(d / _store.STEP_COMMITMENT)
                 self.code._check(com)
                 mine = self._commitment_copy(com)
+            except _store.StoreError as e:  # a link in the store: this holder sends no copy (the
+                log.warning("restore step %d: %s", step, e)  # other holders' copies are the same)
             except ValueError as e:  # e.g. restarted with another world size, t or hash
                 err = f"step {step} was saved with another code: {e}"
             except OSError as e:
@@ -477,6 +499,12 @@ class CodedCheckpointer:
     def _check_local(self, d: Path, com: Commitment) -> tuple[str, Fragment | None, Lines | None]:
         """This rank's status ("ok" or what is wrong), fragment and verified :class:`Lines`."""
         path = d / _store.STEP_FRAGMENT
+        try:
+            _store.real_folder(self.root_dir, f"rank{self.rank}", d.name)
+        except FileNotFoundError:
+            return "missing", None, None
+        except (_store.StoreError, OSError) as e:  # a link in the store: repaired, never written through
+            return f"refused ({e})", None, None
         if not path.exists():
             return "missing", None, None
         try:

@@ -44,9 +44,26 @@ log = logging.getLogger(__name__)
 
 def _locations(locations) -> list[Path]:
     locs = [Path(p) for p in locations]
-    if len(set(locs)) != len(locs):
-        raise ValueError(f"storage locations must be distinct; got {locations}")
+    _distinct(locs)
     return locs
+
+
+def _distinct(locs: list[Path]) -> None:
+    """Refuse locations that are one folder under two names (the same spelling, a symbolic link
+    to another location, ``a`` and ``./a``): the existing ones are compared by identity (device
+    and inode), the others by their resolved path. Two names for one folder would hold one
+    fragment where the code counts two, so fewer than t losses could make the data unreadable."""
+    seen: dict[object, Path] = {}
+    for loc in locs:
+        try:
+            st = os.stat(loc)
+            key: object = (st.st_dev, st.st_ino)
+        except OSError:
+            key = loc.resolve()
+        if key in seen:
+            raise ValueError(f"storage locations must be distinct folders; {seen[key]} and {loc} are the "
+                             "same folder")
+        seen[key] = loc
 
 
 def _subfolders(roots: list[Path], checkpoint_id) -> list[Path]:
@@ -107,6 +124,7 @@ class CodedStorageWriter(StorageWriter):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         for loc in self.locations:
             loc.mkdir(parents=True, exist_ok=True)
+        _distinct(self.locations)  # now that they all exist: by identity
         return dataclasses.replace(plan, storage_data=self.rank)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -167,6 +185,7 @@ class CodedStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The metadata that a quorum of the n locations holds byte for byte (see the module
         docstring); decoded from JSON, never unpickled. Locations that disagree are logged."""
+        _distinct(self.locations)  # one folder under two names would count its metadata twice
         n = len(self.locations)
         quorum = n - (n - 1) // 3
         held: dict[bytes, list[Path]] = {}

@@ -7,13 +7,18 @@ atomically: temporary file, fsync, rename, directory fsync):
   ``worker{i}.rwck`` per worker (on a cluster each worker keeps only its own file);
 - a **checkpoint step** of :class:`CodedCheckpointer`:
   ``store_dir/rank{i}/step_{step:010d}/{fragment,commitment}.rwck``, the commitment written
-  last (a step folder with a commitment is complete);
+  last (a step folder with a commitment is complete). The tree below ``store_dir`` is
+  rankwise's own: ``rank{i}`` and ``step_*`` must be real folders (:func:`real_folder`), never
+  symbolic links, which could lead a write onto another rank's folder or outside the store;
 - a **DCP location** of :class:`CodedStorageWriter`: ``.metadata.rwck`` and, per writing rank
   r, ``__{r}.frag.rwck`` and ``__{r}.commit.rwck``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -145,6 +150,49 @@ def step_of(folder: Path) -> int | None:
     if not name.startswith("step_") or not name[5:].isdigit():
         return None
     return int(name[5:])
+
+
+class StoreError(ValueError):
+    """A folder of the store breaks its rules (a symbolic link, or not a folder)."""
+
+
+def real_folder(root: str | Path, *names: str, create: bool = False) -> Path:
+    """``root/names[0]/names[1]/…``, checked component by component below `root` (which the
+    user chose, and may be a link): each must be a real folder, not a symbolic link (its target
+    could be another rank's folder or a folder outside the store) nor anything else. Raises
+    :class:`StoreError` naming the component and the rule; ``FileNotFoundError`` for a missing
+    component unless `create`, which makes it (a real folder). Checked before each use: a link
+    made between the check and the write is outside the fault model (docs/ckpt.md)."""
+    path = Path(root)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        path = path / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            if not create:
+                raise
+            with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
+                os.mkdir(path)
+            st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode):
+            raise StoreError(f"{path} is a symbolic link; the checkpoint store's rank and step folders must "
+                             "be real folders inside store_dir (a link could lead writes onto another "
+                             "rank's folder or outside the store)")
+        if not stat.S_ISDIR(st.st_mode):
+            raise StoreError(f"{path} is not a folder")
+    return path
+
+
+def rank_folder(store_dir: str | Path, rank: int, *, create: bool = False) -> Path:
+    """``store_dir/rank{rank}``, a real folder (:func:`real_folder`)."""
+    return real_folder(store_dir, f"rank{rank}", create=create)
+
+
+def step_folder(store_dir: str | Path, rank: int, step: int, *, create: bool = False) -> Path:
+    """:func:`step_dir`, every folder below `store_dir` real (:func:`real_folder`)."""
+    return real_folder(store_dir, f"rank{rank}", f"step_{step:010d}", create=create)
 
 
 # ------------------------------------------------------------------ DCP locations
