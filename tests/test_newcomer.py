@@ -246,3 +246,56 @@ def test_a_second_sweep_into_the_folder_drops_tables_it_does_not_rewrite(tmp_pat
     assert (out / "equal_compression.md").is_file()
     assert run_cli(*base, "--methods", "dense,sdlrt").exit_code == 0
     assert not (out / "equal_compression.md").exists() and (out / "summary.md").is_file()
+
+
+_POOL_SCRIPT = """
+import sys, time
+from pathlib import Path
+from rankwise.experiments._pool import map_runs
+
+def slow(item, report):
+    Path(sys.argv[1], f"started{item}").write_text("")
+    for i in range(600):
+        time.sleep(0.1)
+        if report is not None:
+            report(i, 600, "")
+    return item
+
+if __name__ == "__main__":
+    try:
+        map_runs(slow, [0, 1, 2, 3], jobs=2, processes=True, fresh_process=sys.argv[2] == "fresh",
+                 on_progress=lambda *a: None)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+"""
+
+
+@pytest.mark.parametrize("fresh,presses", [("fresh", 1), ("fork", 2)])
+def test_ctrl_c_stops_a_pool_of_runs_at_once_without_tracebacks(tmp_path, fresh, presses):
+    """Issue 41, newcomer round: Ctrl-C on `lm` or `sweep` printed a worker's traceback (most with
+    a double Ctrl-C) and a sweep took ~5 s to stop (the pool waited for its running runs)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_SCRIPT)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path), fresh], stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)  # its own process group, as a terminal's job
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "started0").exists() and (tmp_path / "started1").exists()):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    for _ in range(presses):
+        os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
+        time.sleep(0.05)
+    _, err = p.communicate(timeout=30)
+    took = time.monotonic() - t0
+    assert p.returncode == 130 and err.strip() == "interrupted", err
+    assert took < 3.0, took
+    assert not (tmp_path / "started2").exists()  # the runs not started never start

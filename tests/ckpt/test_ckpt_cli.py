@@ -128,3 +128,40 @@ def test_retrieve_compares_the_pinned_root_before_reading_any_worker_file(tmp_pa
     monkeypatch.setattr(rankwise.ckpt, "load_fragments", no_reads)
     r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "a.bin", "--root", "ab" * 32)
     assert r.exit_code == 1 and "not the --root given" in r.stderr
+
+
+def _save_step(rank: int, store: str):
+    import torch
+
+    from rankwise.ckpt import CodedCheckpointer
+
+    CodedCheckpointer(t=1, store_dir=store).save({"w": torch.arange(3000.0)}, 10)
+
+
+def test_a_checkpointer_step_folder_is_read_as_one_checkpoint(tmp_path):
+    """Issue 41, newcomer round: `ckpt inspect`/`verify` on a `train --checkpoint-dir` step folder
+    reported every worker missing and the data unrecoverable although it was intact."""
+    import torch
+
+    from distributed import run_world
+
+    store = tmp_path / "store"
+    run_world(_save_step, 4, tmp_path, str(store), timeout=120)
+    step = store / "rank0" / "step_0000000010"
+    r = run_cli("ckpt", "inspect", str(step))
+    assert r.exit_code == 0 and "matching the commitment: [0, 1, 2, 3]" in r.output, r.output
+    assert "problems: none" in r.output
+    lost = store / "rank2" / "step_0000000010"
+    for f in lost.iterdir():
+        f.unlink()
+    lost.rmdir()  # rank 2 lost its step folder
+    r = run_cli("ckpt", "verify", str(step))
+    assert r.exit_code == 1 and "missing" in r.output, r.output
+    r = run_cli("ckpt", "repair", str(step), "--worker", "2")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in lost.iterdir()) == ["commitment.rwck", "fragment.rwck"]
+    assert run_cli("ckpt", "verify", str(step)).exit_code == 0
+    r = run_cli("ckpt", "retrieve", str(step), "--out", str(tmp_path / "blob"))
+    assert r.exit_code == 0, r.output
+    saved = torch.load(tmp_path / "blob", weights_only=True)
+    assert torch.equal(saved["state"]["w"], torch.arange(3000.0))

@@ -111,16 +111,27 @@ def load_commitment(folder: str | Path) -> Commitment:
     return read_commitment(path)
 
 
-def load_fragments(folder: str | Path, com: Commitment | int
+def load_fragments(folder: str | Path, com: Commitment | int, *,
+                   where: Callable[[int], Path] | None = None
                    ) -> tuple[dict[int, Fragment], dict[int, str]]:
     """Readable fragments by worker index, and a reason for each worker that has none. With
     the folder's commitment `com`, each file is read only if its geometry allows its size
-    (:func:`read_fragment`); an int `com` is the number of workers n, any size read."""
+    (:func:`read_fragment`); an int `com` is the number of workers n, any size read. `where`
+    maps a worker to its file (default: :func:`fragment_path` in `folder`; for a checkpointer
+    step, :func:`step_fragment`); it may raise :class:`StoreError` for a worker whose folder
+    breaks the store's rules."""
     found: dict[int, Fragment] = {}
     problems: dict[int, str] = {}
     n, bound = (com, None) if isinstance(com, int) else (com.n, com)
     for i in range(n):
-        path = fragment_path(folder, i)
+        try:
+            path = where(i) if where is not None else fragment_path(folder, i)
+        except FileNotFoundError:
+            problems[i] = "missing"
+            continue
+        except StoreError as e:
+            problems[i] = str(e)
+            continue
         if not path.exists():
             problems[i] = "missing"
             continue
@@ -142,6 +153,22 @@ def load_fragments(folder: str | Path, com: Commitment | int
 # ------------------------------------------------------------------ checkpoint steps
 def step_dir(store_dir: str | Path, rank: int, step: int) -> Path:
     return Path(store_dir) / f"rank{rank}" / f"step_{step:010d}"
+
+
+def step_fragment(store_dir: str | Path, rank: int, step: int, *, create: bool = False) -> Path:
+    """Rank `rank`'s fragment file of `step`, its folders checked (:func:`step_folder`)."""
+    return step_folder(store_dir, rank, step, create=create) / STEP_FRAGMENT
+
+
+def store_step(folder: str | Path) -> tuple[Path, int] | None:
+    """``(store_dir, step)`` when `folder` is a checkpointer step folder
+    ``store_dir/rank{i}/step_{step:010d}`` (it holds ``fragment.rwck``), else ``None``."""
+    folder = Path(folder)
+    step, rank = step_of(folder), folder.parent.name
+    if (step is None or not rank.startswith("rank") or not rank[4:].isdigit()
+            or not (folder / STEP_FRAGMENT).exists()):
+        return None
+    return folder.parent.parent, step
 
 
 def step_of(folder: Path) -> int | None:

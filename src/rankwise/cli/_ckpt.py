@@ -24,7 +24,9 @@ from ._common import Command, Force, UserError, check_new_file, check_range, cla
 app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
               "from two small symbols of each of k peers.")
 console = Console()
-Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck.",
+Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck, or a step "
+                                        "folder STORE/rank{i}/step_* of a CodedCheckpointer store (`rankwise "
+                                        "train --checkpoint-dir STORE`): worker i is rank i.",
                                         metavar="FOLDER", show_default=False)]
 CODED_OUTPUTS = (r"commitment\.rwck", r"worker\d+\.rwck")  # regexes
 
@@ -39,16 +41,18 @@ V1Ok = Annotated[bool, typer.Option(
 
 
 def _open(folder: Path, *, v1_ok: bool = True, pinned: bytes | None = None):
-    """(code, commitment, found fragments, problems) of a folder, or a one-line UserError. A
-    folder with no commitment is refused before the codec (and torch) is imported; one whose
-    commitment has format 1 unless `v1_ok`; one whose root is not `pinned` (``--root``) before
-    any worker file is read."""
+    """(code, commitment, found fragments, problems, the file of worker i) of a folder, or a
+    one-line UserError. A folder with no commitment is refused before the codec (and torch) is
+    imported; one whose commitment has format 1 unless `v1_ok`; one whose root is not `pinned`
+    (``--root``) before any worker file is read. A step folder of a ``CodedCheckpointer`` store
+    (``STORE/rank{i}/step_*``, e.g. from ``rankwise train --checkpoint-dir``) is read as one
+    checkpoint whose worker i is ``STORE/rank{i}/step_*/fragment.rwck``."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not (folder / COMMITMENT).exists():
         raise UserError(f"no {COMMITMENT} in {folder}; is this a folder written by `rankwise ckpt "
                         "encode`?", 1)
-    from ..ckpt import Code2D, load_commitment, load_fragments
+    from ..ckpt import Code2D, _store, fragment_path, load_commitment, load_fragments
 
     try:
         com = load_commitment(folder)
@@ -65,8 +69,16 @@ def _open(folder: Path, *, v1_ok: bool = True, pinned: bytes | None = None):
         raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
                         "header (n, t, data length, block size): a rewritten header is not detected. "
                         "Re-encode the data to upgrade, or pass --v1-not-tamper-evident to read it anyway", 1)
-    found, problems = load_fragments(folder, com)
-    return code, com, found, problems
+    if (in_store := _store.store_step(folder)) is not None:  # a checkpointer step: one rank per worker
+        store, step = in_store
+
+        def where(i: int) -> Path:
+            return _store.step_fragment(store, i, step)
+    else:
+        def where(i: int) -> Path:
+            return fragment_path(folder, i)
+    found, problems = load_fragments(folder, com, where=where)
+    return code, com, found, problems, where
 
 
 def _check(code, com, found: dict, problems: dict) -> dict[int, str]:
@@ -128,7 +140,7 @@ def verify_cmd(folder: Folder, v1: V1Ok = False) -> None:
     """Check every fragment against the commitment; exit 1 if any is missing or bad."""
     from rich.table import Table
 
-    code, com, found, problems = _open(folder, v1_ok=v1)
+    code, com, found, problems, _ = _open(folder, v1_ok=v1)
     status = _check(code, com, found, problems)
     table = Table("worker", "status")
     for i, s in status.items():
@@ -145,8 +157,8 @@ def repair_cmd(folder: Folder,
                                                    "if the present one is valid.")] = False,
                v1: V1Ok = False) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    code, com, found, _ = _open(folder, v1_ok=v1)
-    from ..ckpt import NotEnoughSymbols, _store, fragment_path
+    code, com, found, _, where = _open(folder, v1_ok=v1)
+    from ..ckpt import NotEnoughSymbols, _store
 
     if not 0 <= worker < com.n:
         raise UserError(f"--worker must be in 0 … {com.n - 1} for this {com.n}-worker checkpoint; "
@@ -161,7 +173,17 @@ def repair_cmd(folder: Folder,
         frag = code.repair(worker, syms, com)
     except NotEnoughSymbols as e:
         raise UserError(f"cannot repair worker {worker}: {e}", 1) from e
-    _store.write(fragment_path(folder, worker), frag)
+    if (in_store := _store.store_step(folder)) is not None:  # the rank's step folder, real, and its
+        store, step = in_store                                   # commitment copy if it lacks one
+        try:
+            target = _store.step_fragment(store, worker, step, create=True)
+        except _store.StoreError as e:
+            raise UserError(f"cannot write worker {worker}'s fragment: {e}", 1) from e
+        _store.write(target, frag)
+        if not _store.holds(target.parent / _store.STEP_COMMITMENT, com):
+            _store.write(target.parent / _store.STEP_COMMITMENT, com)
+    else:
+        _store.write(where(worker), frag)
     payload, wire = sum(s.nbytes for s in syms), sum(s.wire_bytes for s in syms)
     console.print(f"rebuilt worker {worker} from {len(syms)} helpers: read {payload:,} payload bytes "
                   f"({wire:,} with Merkle paths); full retrieval reads {com.data_len:,}")
@@ -185,7 +207,7 @@ def retrieve_cmd(folder: Folder,
         if len(pinned) != 32:
             raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
     check_new_file(out, force=force)
-    code, com, found, _ = _open(folder, v1_ok=v1, pinned=pinned if root is not None else None)
+    code, com, found, _, _ = _open(folder, v1_ok=v1, pinned=pinned if root is not None else None)
     from .. import _io
     from ..ckpt import NotEnoughSymbols
 
@@ -201,9 +223,14 @@ def retrieve_cmd(folder: Folder,
 def inspect_cmd(folder: Folder) -> None:
     """Show the commitment and whether each fragment matches it (exit 0 either way; `verify`
     exits 1 on a problem)."""
-    code, com, found, problems = _open(folder)
+    code, com, found, problems, _ = _open(folder)
+    from ..ckpt import _store
+
     status = _check(code, com, found, problems)
     bad = {i: s for i, s in status.items() if s != "ok"}
+    if (in_store := _store.store_step(folder)) is not None:
+        console.print(f"a CodedCheckpointer step: worker i is {in_store[0]}/rank{{i}}/{folder.name}/"
+                      "fragment.rwck")
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "
                   f"block {com.block_size:,} bytes, hash {com.hash}, codec {com.codec}, "
                   f"format {com.version}, root {com.root.hex()}")

@@ -8,7 +8,9 @@ so a command line can show progress *within* runs, not only between them.
 
 from __future__ import annotations
 
+import os
 import queue as _queue
+import signal
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -30,6 +32,19 @@ class _Throttled:
         if done >= total or now - self.last >= self.interval:
             self.last = now
             self.q.put((self.index, done, total, info))
+
+
+def _quiet_exit_on_interrupt() -> None:
+    """Worker initializer: Ctrl-C (SIGINT reaches the terminal's whole process group) ends the
+    worker at once and silently; the parent, which gets it too, stops the pool and says so once.
+    (By default each worker printed a KeyboardInterrupt traceback, and the pool waited for the
+    running runs to finish.)"""
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+
+def _ignore_interrupt() -> None:
+    """Manager initializer: the parent shuts the manager down when the pool has stopped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _call(fn: Callable[[Any, Report | None], Any], item: Any, index: int, q: Any) -> Any:
@@ -64,10 +79,10 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
 
     import multiprocessing as mp
 
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"initializer": _quiet_exit_on_interrupt}
     if fresh_process:  # max_tasks_per_child needs the "spawn" start method
-        kw = {"max_tasks_per_child": 1, "mp_context": mp.get_context("spawn")}
-    with (mp.Manager() if on_progress is not None else _NoManager()) as manager, \
+        kw |= {"max_tasks_per_child": 1, "mp_context": mp.get_context("spawn")}
+    with (_manager() if on_progress is not None else _NoManager()) as manager, \
             ProcessPoolExecutor(jobs, **kw) as ex:
         q = manager.Queue() if on_progress is not None else None
         futures = {ex.submit(_call, fn, item, i, q): i for i, item in enumerate(items)}
@@ -81,6 +96,13 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
                     results[i] = f.result()  # a run's exception propagates, as its own type
                     if on_done is not None:
                         on_done(i, results[i])
+        except KeyboardInterrupt:  # stop now: the workers (which got it too) are ended, not awaited;
+            # the pool is then broken and starts nothing more (cancelling the pending futures too
+            # would race the pool's own thread, which fails them: InvalidStateError, Python 3.11)
+            # (a SIGINT sent to this process alone: the pool has no public way to end its workers)
+            for proc in list((getattr(ex, "_processes", None) or {}).values()):
+                proc.terminate()
+            raise
         except BaseException:
             for f in pending:  # do not start the rest; the running ones finish
                 f.cancel()
@@ -99,6 +121,14 @@ def _drain(q: Any, on_progress: OnProgress | None) -> None:
             return
         except (EOFError, OSError):  # the manager is gone (shutdown)
             return
+
+
+def _manager() -> Any:
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager()
+    manager.start(_ignore_interrupt)
+    return manager
 
 
 class _NoManager:
