@@ -299,3 +299,23 @@ def test_ctrl_c_stops_a_pool_of_runs_at_once_without_tracebacks(tmp_path, fresh,
     assert p.returncode == 130 and err.strip() == "interrupted", err
     assert took < 3.0, took
     assert not (tmp_path / "started2").exists()  # the runs not started never start
+
+
+@pytest.mark.parametrize("command,field", [("peft", "setting"), ("sweep", "task"), ("lm", "context"),
+                                           ("ode", "controller")])
+def test_a_folder_of_another_commands_run_records_is_refused(tmp_path, command, field):
+    """Issue 41, newcomer round: `peft --out` a folder of an `ode` run mixed the records."""
+    import json
+
+    from helpers import run_cli
+
+    other = {"setting": "controller", "task": "setting", "context": "task", "controller": "context"}[field]
+    runs = tmp_path / "o" / "runs"
+    runs.mkdir(parents=True)
+    record = runs / "a.json"
+    record.write_text(json.dumps({"spec": {other: "x", "seed": 0}, "val_acc": 0.5}))
+    for force in ([], ["--force"]):
+        r = run_cli(command, "--out", tmp_path / "o", *force)
+        assert r.exit_code == 1 and "holds run records of rankwise" in r.output, r.output
+        assert "runs/a.json" in r.output and len(r.output.strip().splitlines()) == 1
+    assert sorted(p.name for p in runs.iterdir()) == ["a.json"]

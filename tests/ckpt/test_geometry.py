@@ -56,7 +56,7 @@ def test_the_step_scan_reads_only_the_newest_folders(tmp_path, monkeypatch):
     real = _store.read_commitment
     monkeypatch.setattr(_store, "read_commitment", lambda p: reads.append(p) or real(p))
     ck = _checkpointer.CodedCheckpointer.__new__(_checkpointer.CodedCheckpointer)
-    ck.dir, ck.keep = tmp_path / "rank0", 2
+    ck.root_dir, ck.rank, ck.keep = tmp_path, 0, 2
     held = ck._local_steps()
     assert len(reads) == 2 + _checkpointer.SCAN_SLACK
     assert sorted(held) == list(range(60 - len(reads), 60))

@@ -123,35 +123,61 @@ def earlier_outputs(folder: Path, produced: Sequence[str]) -> list[Path]:
     return sorted(p for p in folder.iterdir() if any(rx.fullmatch(p.name) for rx in patterns))
 
 
-def holds_records(folder: Path, field: str) -> bool:
-    """Does ``folder/runs/`` hold a run record (``*.json`` whose ``spec`` has `field`) of the
-    kind ``rankwise sweep`` / ``rankwise peft`` write? Such a folder is theirs to resume; a
-    ``runs/`` folder of anything else does not make its summaries theirs."""
+RECORD_FIELDS = {"context": "rankwise lm", "task": "rankwise sweep", "setting": "rankwise peft",
+                 "controller": "rankwise ode"}  # a field only that command's run records have
+
+
+def _records(folder: Path) -> list[tuple[Path, dict]]:
+    """The run records in ``folder/runs/``: ``*.json`` objects with a ``"spec"`` object."""
     import json
 
+    out = []
     for p in sorted((folder / "runs").glob("*.json")) if (folder / "runs").is_dir() else []:
         try:
             record = json.loads(p.read_text())
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and isinstance(record.get("spec"), dict) and field in record["spec"]:
-            return True
-    return False
+        if isinstance(record, dict) and isinstance(record.get("spec"), dict):
+            out.append((p, record["spec"]))
+    return out
+
+
+def holds_records(folder: Path, field: str) -> bool:
+    """Does ``folder/runs/`` hold a run record (``*.json`` whose ``spec`` has `field`) of the
+    kind ``rankwise sweep`` / ``rankwise peft`` write? Such a folder is theirs to resume; a
+    ``runs/`` folder of anything else does not make its summaries theirs."""
+    return any(field in spec for _, spec in _records(folder))
+
+
+def foreign_records(folder: Path, field: str, option: str = "--out") -> None:
+    """Refuse (exit 1) a folder whose ``runs/`` holds run records of another command (their spec
+    lacks `field`): a run would mix its records with them, and ``--force`` never deletes them."""
+    for p, spec in _records(folder):
+        if field not in spec:
+            who = next((cmd for f, cmd in RECORD_FIELDS.items() if f in spec), "another command")
+            raise UserError(f"{option} {folder} holds run records of {who} (runs/{p.name}); this command "
+                            f"would mix its own with them: choose another {option}", 1)
 
 
 def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
                      what: str = "run", ours: Callable[[Path], bool] | None = None,
-                     force_means: str = "") -> list[Path]:
+                     force_means: str = "", records: str | None = None) -> list[Path]:
     """Can `folder` take the outputs whose names match the regular expressions `produced`? It
     is (or can become) a writable folder, and holds no earlier such outputs unless `force`;
     an entry with such a name that `ours` says this command did not write is refused even with
     `force`; `force_means` is appended to the refusal (what ``--force`` does for this command).
+    A resumable command names the field its run records have (`records`, see
+    :data:`RECORD_FIELDS`): a folder with such records is resumed (as if `force`), one with
+    another command's records is refused.
     Returns the earlier outputs (what :func:`claim_output_dir` deletes); changes
     nothing."""
     if str(folder) in ("", "."):
         raise UserError(f"{option} is '.' or empty; give a named folder, e.g. ./out")
     if folder.exists() and not folder.is_dir():
         raise UserError(f"{option} {folder} is a file; give a folder")
+    if records is not None:
+        foreign_records(folder, records, option)
+        force = force or holds_records(folder, records)
     old = earlier_outputs(folder, produced)
     foreign = [p for p in old if ours is not None and not ours(p)]
     if foreign:
@@ -200,7 +226,8 @@ def exclusive(folder: Path, option: str = "--out"):
 
 def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
                      what: str = "run", checked: list[Path] | None = None,
-                     ours: Callable[[Path], bool] | None = None, force_means: str = "") -> None:
+                     ours: Callable[[Path], bool] | None = None, force_means: str = "",
+                     records: str | None = None) -> None:
     """Make `folder` ready for a command that writes the files or folders whose names match the
     regular expressions `produced`: create it if missing; if an earlier run left such outputs there,
     refuse (exit 1) unless `force`, and with `force` delete exactly those (nothing else in the
@@ -208,7 +235,8 @@ def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     command with several output folders calls :func:`check_output_dir` on all of them first
     and passes each result as `checked`."""
     old = checked if checked is not None else check_output_dir(
-        folder, produced=produced, force=force, option=option, what=what, ours=ours, force_means=force_means)
+        folder, produced=produced, force=force, option=option, what=what, ours=ours, force_means=force_means,
+        records=records)
     for p in old:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, holds_records, no_repeats
+from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, no_repeats
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
@@ -154,7 +154,7 @@ def ode_cmd(
     # a folder of this command's run records is resumed, its summaries rewritten from them;
     # summary-named files without such records are someone else's: replaced only with --force
     created = not out.exists()
-    claim_output_dir(out, produced=ODE_OUTPUTS, force=force or holds_records(out, "controller"),
+    claim_output_dir(out, produced=ODE_OUTPUTS, force=force, records="controller",
                      what="ode experiment")
 
     from rich.progress import Progress

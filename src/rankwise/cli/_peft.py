@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, holds_records, run_bars
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, run_bars
 from ._sweep import _split
 
 # what it writes besides runs/
@@ -85,7 +85,7 @@ def peft_cmd(
     caches_only = out.is_dir() and any(out.glob("bbc_tokens_*.pt")) and not any(
         re.fullmatch(pat, p.name) for p in out.iterdir() for pat in PEFT_OUTPUTS[:3])
     check_output_dir(out, produced=PEFT_OUTPUTS,
-                     force=force or caches_only or holds_records(out, "setting"), what="peft comparison")
+                     force=force or caches_only, records="setting", what="peft comparison")
     try:  # everything it needs, before anything runs
         import peft  # noqa: F401
         import transformers  # noqa: F401

@@ -26,7 +26,6 @@ from ._common import (
     UserError,
     check_output_dir,
     check_range,
-    holds_records,
     no_repeats,
     require_dir,
 )
@@ -257,7 +256,7 @@ def sweep_cmd(
             raise UserError(f"task cnn-digits-pretrained: {e}") from None
     # a sweep folder is resumed (its summaries rewritten from its records); summary-named files
     # in a folder without records are someone else's: replaced only with --force
-    check_output_dir(out, produced=SWEEP_SUMMARIES, force=force or holds_records(out, "task"), what="sweep")
+    check_output_dir(out, produced=SWEEP_SUMMARIES, force=force, records="task", what="sweep")
     from rich.console import Console
     from rich.progress import Progress
 
