@@ -276,6 +276,21 @@ def check_range(option: str, value: float, lo: float | None = None, hi: float | 
         raise UserError(f"{option} must be {rng}; got {value:g}")
 
 
+def print_whole(console, table) -> None:
+    """Print a results table whole: at its natural width when the console is narrower (80
+    columns, or a pipe), so that no cell is cut to "0.7…" (a terminal wraps the long lines
+    instead; a pipe or a file gets them as they are)."""
+    from rich.measure import Measurement
+
+    need = Measurement.get(console, console.options.update_width(10_000), table).maximum
+    width = console.width
+    console.width = max(width, need)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 # --------------------------------------------------------------------------- running
 @contextmanager
 def num_threads(n: int) -> Iterator[None]:

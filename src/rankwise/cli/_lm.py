@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, run_bars
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, print_whole, run_bars
 
 # as rankwise.experiments.lm_compare (no torch here)
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
@@ -114,5 +114,5 @@ def lm_cmd(
     write_atomic(out / "summary.md", table.encode())
     write_atomic(out / "rates.md", rates_markdown(result.records, result.chosen).encode())
     png = plot(result.records, result.chosen, out)
-    console.print(table)
+    print_whole(console, table)
     console.print(f"{len(result.records)} runs; wrote {out}/summary.md, {out}/rates.md and {png}")

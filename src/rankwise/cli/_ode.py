@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, no_repeats
+from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, no_repeats, print_whole
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
@@ -206,5 +206,5 @@ def ode_cmd(
     for name in dict.fromkeys(r["name"] for r in results):
         rs = [r for r in results if r["name"] == name]
         table.add_row(name, *(mean_std([r[key] for r in rs], fmt) for key, _, fmt in columns))
-    console.print(table)
+    print_whole(console, table)
     console.print(f"wrote {out}/results.json, traces.csv, ode_traces.png")

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, run_bars
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, print_whole, run_bars
 from ._sweep import _split
 
 # what it writes besides runs/
@@ -126,6 +126,6 @@ def peft_cmd(
     table = summary_markdown(records, result.choices, chosen_on)
     write_atomic(out / "summary.md", table.encode())
     png = plot(records, out, result.choices)
-    console.print(table)
+    print_whole(console, table)
     console.print(f"{len(result.records)} runs now, {len(records)} in the study; wrote "
                   f"{', '.join(f'{out}/{w}' for w in wrote)} and {png}")

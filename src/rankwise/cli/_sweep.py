@@ -27,6 +27,7 @@ from ._common import (
     check_output_dir,
     check_range,
     no_repeats,
+    print_whole,
     require_dir,
 )
 
@@ -322,7 +323,7 @@ def sweep_cmd(
     for name, wrote in written.items():
         if not wrote and (out / name).is_file():
             (out / name).unlink()
-    console.print(table)
+    print_whole(console, table)
     trained = f"{count[0]} trained by this call" + (", the selection grid's included" if choices else "")
     console.print(f"{len(results)} runs in the tables ({trained}); wrote {out}/runs.csv, summary.md"
                   + (", equal_compression.md" if "dlrt" in method_list and target_list is None else "")
