@@ -319,3 +319,21 @@ def test_a_folder_of_another_commands_run_records_is_refused(tmp_path, command, 
         assert r.exit_code == 1 and "holds run records of rankwise" in r.output, r.output
         assert "runs/a.json" in r.output and len(r.output.strip().splitlines()) == 1
     assert sorted(p.name for p in runs.iterdir()) == ["a.json"]
+
+
+def test_train_refuses_low_rank_options_for_dense_and_names_a_divergence(tmp_path):
+    """Found in this session's newcomer pass: `train --method dense --tau 0.1` ignored --tau, and a
+    diverging `--lr 1e9` ended in "internal error: FloatingPointError … pass on_nonfinite='skip'"
+    (an argument of the Python API)."""
+    from helpers import run_cli
+
+    r = run_cli("train", "--method", "dense", "--tau", "0.1", "--out", tmp_path / "a")
+    assert r.exit_code == 2 and "--tau applies to the low-rank methods" in r.stderr, r.stderr
+    assert not (tmp_path / "a").exists()
+    r = run_cli("train", "--method", "dense", "--rank", "3", "--update-every", "2")
+    assert r.exit_code == 2 and "--rank, --update-every apply to the low-rank methods" in r.stderr
+    r = run_cli("train", "--lr", "1e9", "--epochs", "1", "--out", tmp_path / "b")
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 1 and "internal error" not in r.stderr, r.stderr
+    assert "training diverged at --lr 1e+09" in lines[-1] and "try a lower --lr" in lines[-1]
+    assert f"records up to there are in {tmp_path / 'b'}" in lines[-1]

@@ -121,6 +121,13 @@ def train_cmd(
     if target is not None and tau_min:
         raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; with --target there is no τ (got "
                         f"--tau-min {tau_min:g})")
+    if method.value == "dense":
+        given = [f"--{name}" for name, v in (("tau", tau), ("target", target), ("rank", rank))
+                 if v is not None]
+        given += ["--update-every"] if update_every != 1 else []
+        if given:
+            raise UserError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the low-rank "
+                            "methods (dlrt, sdlrt); --method dense trains full matrices")
     if tau_min and method.value != "sdlrt":
         raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; --method {method.value} has none (got "
                         f"--tau-min {tau_min:g})")
@@ -177,7 +184,12 @@ def _train(config, nproc: int, threads: int, max_restarts: int) -> None:
         console.print(summary_table(summary))
         return
     with num_threads(threads), progress(console) as bar:
-        summary = train(config, callback=bar(config.method))
+        try:
+            summary = train(config, callback=bar(config.method))
+        except FloatingPointError as e:  # the low-rank step refuses a non-finite loss or gradient
+            kept = f"; the records up to there are in {config.out}" if config.out is not None else ""
+            raise UserError(f"training diverged at --lr {config.lr:g} ({str(e).split(';')[0]}): try a "
+                            f"lower --lr{kept}", 1) from None
     console.print(summary_table(summary))
 
 
