@@ -105,7 +105,7 @@ def test_train_refuses_options_that_would_be_ignored_or_misplaced(tmp_path):
     from helpers import run_cli
 
     r = run_cli("train", "--method", "dlrt", "--tau-min", "0.05")
-    assert r.exit_code == 2 and "--method dlrt has none" in r.stderr
+    assert r.exit_code == 2 and "method 'dlrt' has none" in r.stderr
     for where in ("", "."):
         r = run_cli("train", "--nproc", "4", "--checkpoint-every", "5", "--checkpoint-dir", where)
         assert r.exit_code == 2 and "--checkpoint-dir is empty or the current folder" in r.stderr
@@ -328,10 +328,10 @@ def test_train_refuses_low_rank_options_for_dense_and_names_a_divergence(tmp_pat
     from helpers import run_cli
 
     r = run_cli("train", "--method", "dense", "--tau", "0.1", "--out", tmp_path / "a")
-    assert r.exit_code == 2 and "--tau applies to the low-rank methods" in r.stderr, r.stderr
+    assert r.exit_code == 2 and "--tau needs a low-rank method (dlrt or sdlrt)" in r.stderr, r.stderr
     assert not (tmp_path / "a").exists()
     r = run_cli("train", "--method", "dense", "--rank", "3", "--update-every", "2")
-    assert r.exit_code == 2 and "--rank, --update-every apply to the low-rank methods" in r.stderr
+    assert r.exit_code == 2 and "--rank needs a low-rank method" in r.stderr
     r = run_cli("train", "--lr", "1e9", "--epochs", "1", "--out", tmp_path / "b")
     lines = r.stderr.strip().splitlines()
     assert r.exit_code == 1 and "internal error" not in r.stderr, r.stderr

@@ -86,9 +86,14 @@ class TrainConfig:
                 raise ValueError("`target` needs a low-rank method (dlrt or sdlrt); dense compresses nothing")
         if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
             raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
+        if self.rank is not None and self.method == "dense":
+            raise ValueError("`rank` needs a low-rank method (dlrt or sdlrt); dense trains full matrices")
+        if self.tau_min and self.method != "sdlrt":
+            raise ValueError(f"`tau_min` is a floor for SDLRT's τ feedback; method {self.method!r} has none "
+                             f"(got {self.tau_min!r})")
         if self.target is not None and self.tau_min:
             raise ValueError(f"`tau_min` is a floor for SDLRT's τ feedback, and a `target` has no τ; got "
-                             f"tau_min={self.tau_min}")
+                             f"{self.tau_min!r}")
         if self.target is None and not 0.0 <= self.tau_min <= self.tau:
             raise ValueError(f"`tau_min` must be in [0, tau={self.tau}]; got {self.tau_min}")
         if isinstance(self.exclude, str) or not all(isinstance(e, str) for e in self.exclude):

@@ -328,23 +328,30 @@ class CodedCheckpointer:
                 shutil.rmtree(d, ignore_errors=True)
 
     # ------------------------------------------------------------------ restore
+    # The restore runs in named phases, each collective (every rank calls it, in this order, and
+    # each ends in a collective whose size every rank knows beforehand):
+    #   1. _vote()                      which steps k ranks hold: {(step, root): holders}
+    #   then, per step, the newest first (_restore_step), until one is retrieved:
+    #   2. _agreed_commitment(...)      the holders' copies of the voted commitment -> one
+    #   3. _check(...)                  each rank checks its fragment; statuses all-gathered
+    #   4. _repair_all(...)             each failed rank rebuilt from the helpers' symbols
+    #   5. _write_back(...)             this rank's fragment and commitment copy to its disk
+    #                                   (local; then who holds a fragment is all-gathered)
+    #   6. _retrieve(...)               k verified rows broadcast; StepUnrecoverable -> older step
+    #   7. _load(...)                   the state decoded from those rows and torch.load-ed
+    # Phases 2–6 raise alike on every rank, so no rank is left waiting in a collective.
     def restore(self) -> Restored | None:
         """Collective. Find the newest step whose commitment at least k ranks agree on, check
         this rank's fragment against it, rebuild missing or corrupted fragments from peers'
         repair symbols, decode the state from any k rows and return a :class:`Restored` (state,
         step, this rank's per-rank extras, what was repaired and reported, timings; it unpacks
-        as ``state, step``); None when no step is restorable (a fresh start). A background save
-        in flight is waited for."""
+        as ``state, step``); None when no step is restorable (a fresh start). When the newest
+        step cannot be retrieved, the next older one that k ranks hold is tried
+        (``Restored.skipped`` names what was skipped and why). A background save in flight is
+        waited for."""
         self.wait()
         t0 = time.perf_counter()
-        digest = len(self.code._h(b""))
-        held = [_wire.unvotes(b, digest)
-                for b in self._gather(_wire.votes(self._local_steps(), digest), _wire.votes_size(digest),
-                                      self.group)]
-        votes: dict[tuple[int, bytes], list[int]] = {}
-        for r, steps in enumerate(held):
-            for s, root in steps.items():
-                votes.setdefault((s, root), []).append(r)
+        votes = self._vote()
         ok_steps = sorted((key for key, rs in votes.items() if len(rs) >= self.k), reverse=True)
         if not ok_steps:
             if votes:  # something was saved, but too little of it survives: say so, loudly
@@ -365,72 +372,111 @@ class CodedCheckpointer:
         raise RuntimeError("restore: no step that k ranks hold could be retrieved: "
                            + "; ".join(f"step {s}: {why}" for s, why in skipped))
 
+    def _vote(self) -> dict[tuple[int, bytes], list[int]]:
+        """Phase 1, collective: every rank's complete local steps (:meth:`_local_steps`, read
+        before the collective) all-gathered in fixed-size messages -> (step, root) -> the ranks
+        holding that commitment."""
+        digest = len(self.code._h(b""))
+        held = [_wire.unvotes(b, digest)
+                for b in self._gather(_wire.votes(self._local_steps(), digest), _wire.votes_size(digest),
+                                      self.group)]
+        votes: dict[tuple[int, bytes], list[int]] = {}
+        for r, steps in enumerate(held):
+            for s, root in steps.items():
+                votes.setdefault((s, root), []).append(r)
+        return votes
+
     def _restore_step(self, step: int, root: bytes, holders: list[int], t0: float,
                       skipped: list[tuple[int, str]]) -> Restored:
-        """Collective: restore `step` (its commitment root `root`, voted for by `holders`):
-        agree on the commitment, check, repair, retrieve, load. Raises
+        """Phases 2–7 for `step` (its commitment root `root`, voted for by `holders`). Raises
         :class:`StepUnrecoverable` on every rank alike when fewer than k rows verify."""
         d = self._step_dir(step)
         com = self._agreed_commitment(d, step, root, holders)
-        status, frag, lines = self._check_local(d, com)
-        statuses = [_wire.untext(b) or "(empty status)"
-                    for b in self._gather(_wire.text(status), _wire.TEXT_BYTES, self.group)]
+        statuses, frag, lines = self._check(d, com)
         targets = [r for r, s in enumerate(statuses) if s != "ok"]
         helpers = [r for r, s in enumerate(statuses) if s == "ok"]
         if targets:
             log.warning("restore step %d: rank(s) %s need repair (%s)", step, targets,
                         {r: statuses[r] for r in targets})
-        sent = recv = 0
-        reporters: dict[int, set[int]] = {}  # rank -> the ranks that reported its symbols or row bad
         t_rep = time.perf_counter()
-        check_seconds = t_rep - t0
-        for target in targets:
-            frag_or_none, s, rc, bad = self._repair(target, helpers, lines, com)
-            sent, recv = sent + s, recv + rc
-            for h in bad:  # the target's word alone: evidence, not a verdict
-                reporters.setdefault(h, set()).add(target)
-            if target == self.rank:
-                frag = frag_or_none
-        repair_seconds = time.perf_counter() - t_rep
-        if self.rank not in targets or frag is not None:  # write back the fragment and the commitment
-            try:
-                d = _store.step_folder(self.root_dir, self.rank, step, create=True)  # never through a link
-                if self.rank in targets:
-                    _store.write(d / _store.STEP_FRAGMENT, frag)
-                if not _store.holds(d / _store.STEP_COMMITMENT, com):
-                    _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) its vote
-            except (OSError, _store.StoreError) as e:  # (a folder in the file's place, a link in the
-                # store's): this restore has what it
-                # needs in memory, so a disk that refuses the write-back does not stop it
-                log.warning("restore step %d: could not write %s back (%s); the state is restored, "
-                            "but this rank's disk still lacks it", step, d, e)
-        have = [bool(b and b[0]) for b in self._gather(bytes([frag is not None]), 1, self.group)]
+        rebuilt, sent, recv, reporters = self._repair_all(targets, helpers, lines, com)
+        if self.rank in targets:
+            frag = rebuilt
+        t_write = time.perf_counter()
+        have = self._write_back(step, frag, com, self.rank in targets)
         t_ret = time.perf_counter()
-        write_seconds = t_ret - t_rep - repair_seconds
         rows, idx, s, rc, row_reporters = self._retrieve(frag, com, have)
         for i, by in row_reporters.items():
             reporters.setdefault(i, set()).update(by)
         # named only on the word of more than t ranks: at most t bad ones cannot name an honest rank
         bad_helpers = sorted(r for r, by in reporters.items() if len(by) > self.t)
         t_load = time.perf_counter()
-        saved = _load_rows(rows, idx, com.data_len, self.code, self.weights_only)  # verified rows
-        state = saved["state"]
-        mine = saved["per_rank"][self.rank] if saved["per_rank"] is not None else None
-        self.per_rank = deserialize(mine) if isinstance(mine, bytes) else mine  # (format v1: objects)
+        state = self._load(rows, idx, com)
         self._stats = dict(op="restore", step=step, repaired=targets, helpers=helpers,
                            repair_bytes_sent=sent, repair_bytes_received=recv,
                            retrieve_bytes_sent=s, retrieve_bytes_received=rc,
-                           bad_helpers=bad_helpers, check_seconds=check_seconds,
+                           bad_helpers=bad_helpers, check_seconds=t_rep - t0,
                            reported={r: sorted(by) for r, by in sorted(reporters.items())},
-                           repair_seconds=repair_seconds, write_seconds=write_seconds,
+                           repair_seconds=t_write - t_rep, write_seconds=t_ret - t_write,
                            retrieve_seconds=t_load - t_ret, load_seconds=time.perf_counter() - t_load,
                            restore_seconds=time.perf_counter() - t0, state_bytes=com.data_len,
                            block_size=com.block_size, skipped=list(skipped))
         return Restored(state, step, self.per_rank, list(targets), bad_helpers, self._stats["reported"],
                         self.stats(), list(skipped))
 
+    def _check(self, d: Path, com: Commitment) -> tuple[list[str], Fragment | None, Lines | None]:
+        """Phase 3, collective: this rank checks its fragment (:meth:`_check_local`); the
+        statuses ("ok" or what is wrong) are all-gathered -> (every rank's status, this rank's
+        fragment and verified lines, or None)."""
+        status, frag, lines = self._check_local(d, com)
+        statuses = [_wire.untext(b) or "(empty status)"
+                    for b in self._gather(_wire.text(status), _wire.TEXT_BYTES, self.group)]
+        return statuses, frag, lines
+
+    def _repair_all(self, targets: list[int], helpers: list[int], lines: Lines | None, com: Commitment
+                    ) -> tuple[Fragment | None, int, int, dict[int, set[int]]]:
+        """Phase 4, collective: :meth:`_repair` for every target in turn -> (this rank's rebuilt
+        fragment or None, bytes sent, bytes received, rank -> the targets that reported its
+        symbols bad)."""
+        out, sent, recv = None, 0, 0
+        reporters: dict[int, set[int]] = {}
+        for target in targets:
+            frag_or_none, s, rc, bad = self._repair(target, helpers, lines, com)
+            sent, recv = sent + s, recv + rc
+            for h in bad:  # the target's word alone: evidence, not a verdict
+                reporters.setdefault(h, set()).add(target)
+            if target == self.rank:
+                out = frag_or_none
+        return out, sent, recv, reporters
+
+    def _write_back(self, step: int, frag: Fragment | None, com: Commitment, rebuilt: bool) -> list[bool]:
+        """Phase 5: this rank's rebuilt fragment (if `rebuilt`) and its commitment copy (if it
+        differs) written to its step folder, never through a link (:func:`._store.step_folder`);
+        a disk that refuses is logged, the restore goes on from memory. Collective at its end:
+        which ranks hold a fragment (all-gathered)."""
+        if frag is not None:
+            try:
+                d = _store.step_folder(self.root_dir, self.rank, step, create=True)  # never through a link
+                if rebuilt:
+                    _store.write(d / _store.STEP_FRAGMENT, frag)
+                if not _store.holds(d / _store.STEP_COMMITMENT, com):
+                    _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) its vote
+            except (OSError, _store.StoreError) as e:  # (a folder in the file's place, a link in the
+                # store's): this restore has what it needs in memory, so it goes on
+                log.warning("restore step %d: could not write rank %d's files back (%s); the state is "
+                            "restored, but this rank's disk still lacks it", step, self.rank, e)
+        return [bool(b and b[0]) for b in self._gather(bytes([frag is not None]), 1, self.group)]
+
+    def _load(self, rows: _Rows, idx: list[int], com: Commitment) -> Any:
+        """Phase 7 (local): the state from k verified rows (``torch.load`` with `weights_only`);
+        this rank's per-rank extras go to ``self.per_rank``."""
+        saved = _load_rows(rows, idx, com.data_len, self.code, self.weights_only)
+        mine = saved["per_rank"][self.rank] if saved["per_rank"] is not None else None
+        self.per_rank = deserialize(mine) if isinstance(mine, bytes) else mine  # (format v1: objects)
+        return saved["state"]
+
     def _agreed_commitment(self, d: Path, step: int, root: bytes, holders: list[int]) -> Commitment:
-        """Collective: the commitment of `step` whose root `root` k ranks voted for. Every
+        """Phase 2, collective: the commitment of `step` whose root `root` k ranks voted for. Every
         holder sends its copy (a fixed number of bytes); each rank takes the first copy that
         parses, is consistent with this code and has that root, so a lying holder is passed over."""
         mine, err = b"", None
@@ -575,7 +621,7 @@ class CodedCheckpointer:
 
     def _retrieve(self, frag: Fragment | None, com: Commitment, have: list[bool]
                   ) -> tuple[_Rows, list[int], int, int, dict[int, set[int]]]:
-        """Collective: k rows C[i, :] (|m|/k bytes each) that this rank verified itself ->
+        """Phase 6, collective: k rows C[i, :] (|m|/k bytes each) that this rank verified itself ->
         (the rows, their indices, bytes sent, bytes received, the ranks that reported each
         row that any rank reported bad). Only ranks that hold a fragment (`have`, the same on
         every rank) send rows.

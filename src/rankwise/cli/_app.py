@@ -118,19 +118,8 @@ def train_cmd(
 
     if target is not None and tau is not None:
         raise UserError(f"give --target or --tau, not both (got --target {target:g}, --tau {tau:g})")
-    if target is not None and tau_min:
-        raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; with --target there is no τ (got "
-                        f"--tau-min {tau_min:g})")
-    if method.value == "dense":
-        given = [f"--{name}" for name, v in (("tau", tau), ("target", target), ("rank", rank))
-                 if v is not None]
-        given += ["--update-every"] if update_every != 1 else []
-        if given:
-            raise UserError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to the low-rank "
-                            "methods (dlrt, sdlrt); --method dense trains full matrices")
-    if tau_min and method.value != "sdlrt":
-        raise UserError(f"--tau-min is a floor for SDLRT's τ feedback; --method {method.value} has none (got "
-                        f"--tau-min {tau_min:g})")
+    if method.value == "dense" and tau is not None:  # (the other rules are TrainConfig's: _config)
+        raise UserError("--tau needs a low-rank method (dlrt or sdlrt); dense trains full matrices")
     if checkpoint_dir is not None and str(checkpoint_dir) in ("", "."):  # typer reads "" as "."
         raise UserError("--checkpoint-dir is empty or the current folder: give the checkpoint fragments a "
                         "folder of their own (rank<i>/ folders are made in it)")
