@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._checks import _is_int, check_training, check_unit_interval
+from ._fields import setting
 
 Method = Literal["dense", "dlrt", "sdlrt"]
 METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
@@ -53,22 +54,30 @@ class TrainConfig:
       resumes from the newest one, repairing a lost rank from its peers. Default: none.
     """
 
-    method: Method = "dlrt"
-    model: str = "lenet"
-    tau: float = 0.1
-    target: float | None = None
-    rank: int | None = None
-    tau_min: float = 0.0
+    method: Method = setting("dlrt", help="Training method: dense (SGD), dlrt or sdlrt.")
+    model: str = setting("lenet", help="Reference model.")
+    tau: float = setting(0.1, help="Relative truncation tolerance τ in [0, 1) of dlrt/sdlrt; default 0.1.")
+    target: float | None = setting(None, help="Instead of --tau: the compression to reach (e.g. 0.9 keeps "
+                                   "10 % of the parameters), by a global parameter budget.")
+    rank: int | None = setting(None, help="Initial rank of every low-rank layer (default: full rank).")
+    tau_min: float = setting(0.0, help="SDLRT only: floor of the τ feedback (default 0: the paper's rule).")
     exclude: tuple[str, ...] = ()
-    epochs: int = 10
-    lr: float = 0.05
-    momentum: float = 0.9
-    batch_size: int = 32
-    seed: int = 0
-    out: Path | None = None
-    update_every: int = 1
-    checkpoint_every: int | None = None
-    checkpoint_dir: Path | None = None
+    epochs: int = setting(10, help="Passes over the training set.")
+    lr: float = setting(0.05, help="Learning rate.")
+    momentum: float = setting(0.9, help="SGD momentum in [0, 1).")
+    batch_size: int = setting(32, help="Minibatch size.")
+    seed: int = setting(0, help="Seed of initialisation, shuffling and split.")
+    out: Path | None = setting(None, help="Folder for metrics.csv, TensorBoard events and final.json "
+                               "(default: none). An earlier run's records there are replaced only with "
+                               "--force.")
+    update_every: int = setting(1, help="dlrt/sdlrt: augment and truncate every this many steps (the steps "
+                                "between move the cores S and the dense parameters only).")
+    checkpoint_every: int | None = setting(None, help="With --nproc >= 4: a 2-D coded checkpoint every this "
+                                           "many steps (resumed after a restart, a lost rank repaired from "
+                                           "its peers).")
+    checkpoint_dir: Path | None = setting(None, help="Node-local folder for the checkpoint fragments "
+                                          "(rank<i>/ per process); a run started with the same settings "
+                                          "resumes from the newest checkpoint there.")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

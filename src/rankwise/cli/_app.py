@@ -17,6 +17,8 @@ from typing import Annotated, Any
 import typer
 
 from .. import __version__
+from .._fields import options_named
+from ..train_config import TrainConfig as TC
 from ._common import (
     MAX_WORKERS,
     Command,
@@ -25,6 +27,7 @@ from ._common import (
     check_new_file,
     check_output_dir,
     claim_output_dir,
+    config_option,
     exclusive,
     new_app,
     num_threads,
@@ -76,46 +79,31 @@ RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+
 
 @app.command("train", cls=Command)
 def train_cmd(
-    method: Annotated[Method, typer.Option(help="Training method.")] = Method.dlrt,
-    model: Annotated[ModelName, typer.Option(help="Reference model.")] = ModelName.lenet,
-    tau: Annotated[float | None, typer.Option(
-        help="Relative truncation tolerance τ in [0, 1); default 0.1.")] = None,
-    target: Annotated[float | None, typer.Option(
-        help="Instead of --tau: the compression to reach (e.g. 0.9 keeps 10 % of the parameters), "
-             "by a global parameter budget.")] = None,
-    tau_min: Annotated[float, typer.Option(
-        help="SDLRT only: floor of the τ feedback (default 0: the paper's rule).")] = 0.0,
-    rank: Annotated[int | None, typer.Option(
-        help="Initial rank of every low-rank layer (default: full rank).")] = None,
-    epochs: Annotated[int, typer.Option(help="Passes over the training set.")] = 10,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 0.05,
-    momentum: Annotated[float, typer.Option(help="SGD momentum in [0, 1).")] = 0.9,
-    batch_size: Annotated[int, typer.Option(help="Minibatch size.")] = 32,
-    seed: Annotated[int, typer.Option(help="Seed of initialisation, shuffling and split.", min=0,
-                                      max=2**32 - 1)] = 0,
-    update_every: Annotated[int, typer.Option(
-        help="dlrt/sdlrt: augment and truncate every this many steps (the steps between move the "
-             "cores S and the dense parameters only).", min=1)] = 1,
-    out: Annotated[Path | None, typer.Option(
-        help="Folder for metrics.csv, TensorBoard events and final.json (default: none). An earlier "
-             "run's records there are replaced only with --force.")] = None,
+    method: Annotated[Method, config_option(TC, "method")] = Method(TC.method),
+    model: Annotated[ModelName, config_option(TC, "model")] = ModelName(TC.model),
+    tau: Annotated[float | None, config_option(TC, "tau")] = None,  # (None: TC.tau, or not given)
+    target: Annotated[float | None, config_option(TC, "target")] = TC.target,
+    tau_min: Annotated[float, config_option(TC, "tau_min")] = TC.tau_min,
+    rank: Annotated[int | None, config_option(TC, "rank")] = TC.rank,
+    epochs: Annotated[int, config_option(TC, "epochs")] = TC.epochs,
+    lr: Annotated[float, config_option(TC, "lr")] = TC.lr,
+    momentum: Annotated[float, config_option(TC, "momentum")] = TC.momentum,
+    batch_size: Annotated[int, config_option(TC, "batch_size")] = TC.batch_size,
+    seed: Annotated[int, config_option(TC, "seed", min=0, max=2**32 - 1)] = TC.seed,
+    update_every: Annotated[int, config_option(TC, "update_every", min=1)] = TC.update_every,
+    out: Annotated[Path | None, config_option(TC, "out")] = TC.out,
     force: Force = False,
     threads: Annotated[int, typer.Option(help=_THREADS_HELP, min=1, max=MAX_WORKERS)] = 1,
     nproc: Annotated[int, typer.Option(help="Data-parallel processes (torchrun, gloo, one thread each): "
                                        "each trains on its shard of every batch.", min=1,
                                        max=MAX_WORKERS)] = 1,
-    checkpoint_every: Annotated[int | None, typer.Option(
-        help="With --nproc >= 4: a 2-D coded checkpoint every this many steps (resumed after a restart, a "
-             "lost rank repaired from its peers).", min=1)] = None,
-    checkpoint_dir: Annotated[Path | None, typer.Option(
-        help="Node-local folder for the checkpoint fragments (rank<i>/ per process); a run started with "
-             "the same settings resumes from the newest checkpoint there.")] = None,
+    checkpoint_every: Annotated[int | None, config_option(TC, "checkpoint_every", min=1)] \
+    = TC.checkpoint_every,
+    checkpoint_dir: Annotated[Path | None, config_option(TC, "checkpoint_dir")] = TC.checkpoint_dir,
     max_restarts: Annotated[int, typer.Option(help="With --nproc: torchrun restarts the group after a "
                                               "failure this many times.", min=0)] = 0,
 ) -> None:
     """Train one model on the bundled 8×8 digits and print a summary."""
-    from ..train_config import TrainConfig
-
     if target is not None and tau is not None:
         raise UserError(f"give --target or --tau, not both (got --target {target:g}, --tau {tau:g})")
     if method.value == "dense" and tau is not None:  # (the other rules are TrainConfig's: _config)
@@ -123,7 +111,7 @@ def train_cmd(
     if checkpoint_dir is not None and str(checkpoint_dir) in ("", "."):  # typer reads "" as "."
         raise UserError("--checkpoint-dir is empty or the current folder: give the checkpoint fragments a "
                         "folder of their own (rank<i>/ folders are made in it)")
-    config = _config(TrainConfig, method=method.value, model=model.value, tau=0.1 if tau is None else tau,
+    config = _config(TC, method=method.value, model=model.value, tau=TC.tau if tau is None else tau,
                      target=target, tau_min=tau_min, rank=rank, epochs=epochs, lr=lr, momentum=momentum,
                      batch_size=batch_size, seed=seed, out=out, update_every=update_every,
                      checkpoint_every=checkpoint_every,
@@ -203,12 +191,10 @@ def demo_cmd(
     Both low-rank methods start from the same compressed initialisation (every layer at
     `rank`, as in the SDLRT paper) and reach the same compression --target (or truncate at the
     same --tau)."""
-    from ..train_config import TrainConfig
-
     if tau is not None and target is not None:
         raise UserError(f"give --target or --tau, not both (got --target {target:g}, --tau {tau:g})")
     level = {"tau": tau} if tau is not None else {"target": 0.9 if target is None else target}
-    configs = [_config(TrainConfig, method=m, model="lenet", rank=None if m == "dense" else rank,
+    configs = [_config(TC, method=m, model="lenet", rank=None if m == "dense" else rank,
                        epochs=epochs, seed=seed, out=out / m, **({} if m == "dense" else level))
                for m in ("dense", "dlrt", "sdlrt")]
     if markdown is not None:  # replaced only if it is a table this command wrote (--force is for runs)
@@ -357,10 +343,7 @@ def _error(message: str) -> None:
 
 def _config(cls: type, **kwargs: Any):
     """``cls(**kwargs)``; its validation errors name fields (`` `tau` ``): say options (--tau)."""
-    import re
-
     try:
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
-        message = re.sub(r"`(\w+)`", lambda m: "--" + m.group(1).replace("_", "-"), str(e))
-        raise UserError(message) from e
+        raise UserError(options_named(str(e), cls)) from e

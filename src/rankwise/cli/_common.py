@@ -69,6 +69,15 @@ def new_app(help: str) -> typer.Typer:
                        pretty_exceptions_enable=False, rich_markup_mode="markdown")
 
 
+def config_option(cls: type, name: str, **kw: Any) -> Any:
+    """The typer option of config `cls`'s field `name`: its flag and help as the config declares
+    them (:func:`rankwise._fields.setting`); `kw` adds typer's own (``min=``, …). The default is
+    the config's too: ``= TrainConfig.epochs``."""
+    from .._fields import flag_of, help_of
+
+    return typer.Option(flag_of(cls, name), help=help_of(cls, name), **kw)
+
+
 Force = Annotated[bool, typer.Option("--force", help="Replace what an earlier run left in the output "
                                      "(only the files this command writes).")]
 

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from .._fields import options_named
 from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, no_repeats, print_whole
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
@@ -55,6 +56,12 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
                     None if r is None else int(r)))
     no_repeats([x.strip() for x in grid.split(",")], grid, "--grid", keys=out)
     return out
+
+
+# the OdeRunConfig fields this command sets, and how its messages name those set through --grid
+_EXPOSED = ("c", "c_max", "rank", "max_rank", "budget_in", "recurrence", "validation", "depth_steps",
+            "layers", "epochs", "data", "model")
+_SAID = {"c": "C in --grid", "c_max": "--c-max (or -CMAX in --grid)", "rank": "--rank (or :rR in --grid)"}
 
 
 def _drop_if_empty(out: Path, created: bool) -> None:
@@ -142,12 +149,7 @@ def ode_cmd(
                              budget_in=budget_in, recurrence=recurrence, validation=validation)
                 for k, c, cm, r in entries for s in range(seeds)]
     except ValueError as e:  # name the options, not the dataclass fields
-        msg = str(e).replace("`c_max`", "--c-max (or -CMAX in --grid)").replace("`c`", "C in --grid")
-        msg = msg.replace("`rank`", "--rank (or :rR in --grid)").replace("`budget_in`", "--budget-in")
-        msg = msg.replace("`recurrence`", "--recurrence").replace("`validation`", "--validation")
-        for f in ("max_rank", "depth_steps", "layers", "epochs"):
-            msg = msg.replace(f"`{f}`", "--" + f.replace("_", "-"))
-        raise UserError(msg) from e
+        raise UserError(options_named(str(e), OdeRunConfig, said=_SAID, only=_EXPOSED)) from e
     keys = [_key(c) for c in cfgs]
     if len(set(keys)) != len(keys):
         raise UserError(f"--grid names a run twice ({grid}): each would train the same runs")

@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from .._fields import options_named
 from ..experiments._sweep_spec import (
     ALLOCATIONS,
     DEFAULT_METHODS,
@@ -73,17 +74,9 @@ def _entries(text: str) -> list[tuple[str, dict]]:
     return out
 
 
-_OPTIONS = {"lr": "--lr", "omega": "--omega", "ramp": "--ramp", "alloc": "--alloc", "val": "--val",
-            "optimizer": "--optimizer", "epochs": "--epochs", "rank": "--rank", "dt_every": "--dt-every",
-            "finetune_epochs": "--finetune-epochs", "data_dir": "--data-dir"}
-
-
-def _as_option(message: str) -> str:
-    """A run spec's message about a field (``"omega must be …"``, ``"`lr` must be …"``) as one
-    about the option that sets it (``"--omega must be …"``)."""
-    head, sep, rest = message.partition(" ")
-    field = head.strip("`")
-    return f"{_OPTIONS[field]} {rest}" if sep and field in _OPTIONS else message
+# the RunSpec fields this command sets from options of the same name (the others are set for it)
+_EXPOSED = ("lr", "omega", "ramp", "alloc", "val", "optimizer", "epochs", "rank", "dt_every",
+            "finetune_epochs", "data_dir")
 
 
 SWEEP_SUMMARIES = (r"runs\.csv", r"summary\.md", r"selection\.md", r"equal_compression\.md",
@@ -240,7 +233,7 @@ def sweep_cmd(
                 for level in levels_of(method) for seed in range(seeds)]
         specs = [spec(*p) for p in plan]
     except ValueError as e:  # the run spec checks every setting; the message names the option
-        raise UserError(_as_option(str(e))) from None
+        raise UserError(options_named(str(e), RunSpec, only=_EXPOSED)) from None
     if data_dir is not None:
         require_dir(data_dir, "--data-dir")
     need = sorted({FILE_TASKS[t] for t in task_list if t in FILE_TASKS})
