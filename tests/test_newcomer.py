@@ -213,18 +213,26 @@ def test_peft_resumes_a_folder_holding_only_its_token_cache(tmp_path, monkeypatc
     assert r.exit_code == 1 and "already holds" in r.stderr
 
 
-def test_two_trainings_into_one_folder_at_once_are_refused(tmp_path):
-    """Two `train --out same` started together both succeeded, the first one's records replaced."""
+@pytest.mark.parametrize("command", [("train", "--epochs", "1"), ("demo", "--epochs", "1"), ("sweep",),
+                                     ("lm",), ("peft",), ("ode",)])
+def test_two_commands_into_one_folder_at_once_are_refused(tmp_path, command):
+    """Two `train --out same` started together both succeeded, the first one's records replaced;
+    every command that writes an --out now holds it for its run."""
+    import fcntl
+
     from helpers import run_cli
-    from rankwise.cli._common import exclusive
+    from rankwise.cli._common import _HELD, LOCK_FILE
 
     out = tmp_path / "r"
-    with exclusive(out):  # another command holds the folder
-        r = run_cli("train", "--epochs", "1", "--out", out)
-    assert r.exit_code == 1 and "in use by another rankwise command" in r.stderr
-    assert not (out / "metrics.csv").exists()
-    r = run_cli("train", "--epochs", "1", "--model", "mlp", "--out", tmp_path / "gone", "--lr", "nan")
-    assert r.exit_code == 2 and not (tmp_path / "gone").exists()
+    out.mkdir()
+    with open(out / LOCK_FILE, "a+") as held:  # another command holds the folder
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        r = run_cli(*command, "--out", out)
+    assert r.exit_code == 1 and "in use by another rankwise command" in r.stderr, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE] and not _HELD  # released
+    if command[0] == "train":
+        r = run_cli("train", "--epochs", "1", "--model", "mlp", "--out", tmp_path / "gone", "--lr", "nan")
+        assert r.exit_code == 2 and not (tmp_path / "gone").exists()
 
 
 def test_an_unwritable_checkpoint_dir_is_named():

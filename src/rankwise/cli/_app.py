@@ -7,7 +7,6 @@ non-zero exit; ``--debug`` (or ``RANKWISE_DEBUG=1``) shows the traceback instead
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import os
 import sys
@@ -28,9 +27,10 @@ from ._common import (
     check_output_dir,
     claim_output_dir,
     config_option,
-    exclusive,
+    lock_output,
     new_app,
     num_threads,
+    release_outputs,
 )
 
 app = new_app(
@@ -129,13 +129,12 @@ def train_cmd(
         from ._train_dp import check_checkpoint_dir
 
         check_checkpoint_dir(config, nproc)  # before --out is created
-    with contextlib.ExitStack() as stack:
-        if out is not None:
-            stack.enter_context(exclusive(out))  # one run at a time in --out
-            means = ("" if config.checkpoint_dir is None else "; with --checkpoint-dir the training itself "
-                     "resumes from the newest checkpoint there, --force replaces only the records in --out")
-            claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run", force_means=means)
-        _train(config, nproc, threads, max_restarts)
+    if out is not None:
+        lock_output(out)  # one run at a time in --out
+        means = ("" if config.checkpoint_dir is None else "; with --checkpoint-dir the training itself "
+                 "resumes from the newest checkpoint there, --force replaces only the records in --out")
+        claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run", force_means=means)
+    _train(config, nproc, threads, max_restarts)
 
 
 def _train(config, nproc: int, threads: int, max_restarts: int) -> None:
@@ -202,6 +201,7 @@ def demo_cmd(
             raise UserError(f"--markdown {markdown} exists and is not a table `rankwise demo` wrote; choose "
                             "another path", 1)
         check_new_file(markdown, force=True, option="--markdown")
+    lock_output(out)  # one command at a time in --out (released when it ends)
     old = [check_output_dir(c.out, produced=RUN_OUTPUTS, force=force, what="demo run") for c in configs]
     for c, checked in zip(configs, old, strict=True):  # all checked before any is touched
         claim_output_dir(c.out, produced=RUN_OUTPUTS, force=force, checked=checked)
@@ -279,6 +279,15 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_optional_logs()
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    rc = 1
+    try:
+        rc = _main(args)
+        return rc
+    finally:  # (rc stays 1 when --debug lets an exception through)
+        release_outputs(failed=rc != 0)
+
+
+def _main(args: list[str]) -> int:
     command = typer.main.get_command(app)
     try:
         rc = command.main(args=args, prog_name="rankwise", standalone_mode=False)

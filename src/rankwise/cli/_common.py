@@ -168,6 +168,14 @@ def foreign_records(folder: Path, field: str, option: str = "--out") -> None:
                             f"would mix its own with them: choose another {option}", 1)
 
 
+def _named_folder(folder: Path, option: str) -> None:
+    """`folder` names a folder of its own (not '' or '.', not a file), else a UserError."""
+    if str(folder) in ("", "."):
+        raise UserError(f"{option} is '.' or empty; give a named folder, e.g. ./out")
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{option} {folder} is a file; give a folder")
+
+
 def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, option: str = "--out",
                      what: str = "run", ours: Callable[[Path], bool] | None = None,
                      force_means: str = "", records: str | None = None) -> list[Path]:
@@ -180,10 +188,7 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     another command's records is refused.
     Returns the earlier outputs (what :func:`claim_output_dir` deletes); changes
     nothing."""
-    if str(folder) in ("", "."):
-        raise UserError(f"{option} is '.' or empty; give a named folder, e.g. ./out")
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"{option} {folder} is a file; give a folder")
+    _named_folder(folder, option)
     if records is not None:
         foreign_records(folder, records, option)
         force = force or holds_records(folder, records)
@@ -204,32 +209,45 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
 LOCK_FILE = ".rankwise.lock"
 
 
-@contextmanager
-def exclusive(folder: Path, option: str = "--out"):
-    """Hold an exclusive lock on `folder` (``.rankwise.lock`` in it, ``flock``) for the block: a
-    second command writing to the same folder at the same time is refused in one line instead
-    of both succeeding with one's records replaced. A folder this call created is removed again
-    if the block fails while the lock file is all it holds."""
+_HELD: list[tuple[Path, Any, bool]] = []  # (folder, its open lock file, created by this command)
+
+
+def lock_output(folder: Path, option: str = "--out") -> None:
+    """Hold an exclusive lock on `folder` (``.rankwise.lock`` in it, ``flock``) until the command
+    ends (:func:`release_outputs`, called by ``main``): a second command writing to the same
+    folder at the same time is refused in one line instead of both succeeding with one's records
+    replaced. Call it after the arguments are checked and before the folder is examined."""
     import fcntl
 
+    _named_folder(folder, option)
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held for the block)
+        handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held until the command ends)
     except OSError as e:
         raise UserError(f"{option} {folder}: cannot create it ({e.strerror})", 1) from e
-    ok = False
+    _HELD.append((folder, handle, created))
     try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UserError(f"{option} {folder} is in use by another rankwise command running now; wait for "
-                            f"it or choose another {option}", 1) from None
-        yield
-        ok = True
-    finally:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise UserError(f"{option} {folder} is in use by another rankwise command running now; wait for "
+                        f"it or choose another {option}", 1) from None
+
+
+def _holds_nothing(folder: Path) -> bool:
+    """Does `folder` hold only the lock file and (nested) empty folders?"""
+    return all(p.name == LOCK_FILE if p.is_file() or p.is_symlink() else p.is_dir() and _holds_nothing(p)
+               for p in folder.iterdir())
+
+
+def release_outputs(failed: bool) -> None:
+    """Release the locks of :func:`lock_output`; a folder the failed command created is removed
+    again when it holds nothing but the lock file and empty folders (a refused first run leaves
+    nothing behind)."""
+    while _HELD:
+        folder, handle, created = _HELD.pop()
         handle.close()
-        if not ok and created and {p.name for p in folder.iterdir()} == {LOCK_FILE}:
+        if failed and created and folder.is_dir() and _holds_nothing(folder):
             shutil.rmtree(folder, ignore_errors=True)
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, print_whole, run_bars
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, lock_output, print_whole, run_bars
 
 # as rankwise.experiments.lm_compare (no torch here)
 METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
@@ -88,6 +88,7 @@ def lm_cmd(
     check_range("--warm", warm, 0, 1, hi_open=True)
     if any(m.endswith("-warm") for m in method_list) and not 1 <= round(warm * steps) < steps:
         raise UserError(f"--warm {warm:g} × --steps {steps} must leave at least one dense step and one after")
+    lock_output(out)  # one command at a time in --out (released when it ends)
     check_output_dir(out, produced=LM_OUTPUTS, force=force, records="context",
                      what="language-model comparison")
     if "galore" in method_list:

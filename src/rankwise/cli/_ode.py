@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Annotated
 
@@ -13,7 +12,7 @@ import typer
 from rich.console import Console
 
 from .._fields import options_named
-from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, no_repeats, print_whole
+from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, lock_output, no_repeats, print_whole
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
@@ -62,13 +61,6 @@ def _parse_grid(grid: str) -> list[tuple[str, int, int | None, int | None]]:
 _EXPOSED = ("c", "c_max", "rank", "max_rank", "budget_in", "recurrence", "validation", "depth_steps",
             "layers", "epochs", "data", "model")
 _SAID = {"c": "C in --grid", "c_max": "--c-max (or -CMAX in --grid)", "rank": "--rank (or :rR in --grid)"}
-
-
-def _drop_if_empty(out: Path, created: bool) -> None:
-    """Remove `out` if this call created it and it holds nothing but an empty ``runs/``."""
-    if created and out.is_dir() and {p.name for p in out.iterdir()} <= {"runs"} and \
-            not any((out / "runs").iterdir() if (out / "runs").is_dir() else ()):
-        shutil.rmtree(out)
 
 
 def _run_one(cfg, report=None) -> dict:
@@ -155,7 +147,7 @@ def ode_cmd(
         raise UserError(f"--grid names a run twice ({grid}): each would train the same runs")
     # a folder of this command's run records is resumed, its summaries rewritten from them;
     # summary-named files without such records are someone else's: replaced only with --force
-    created = not out.exists()
+    lock_output(out)  # one command at a time in --out; a refused first run leaves no folder
     claim_output_dir(out, produced=ODE_OUTPUTS, force=force, records="controller",
                      what="ode experiment")
 
@@ -181,13 +173,9 @@ def ode_cmd(
         def on_done(r: dict) -> None:
             prog.update(bars[_key(OdeRunConfig(**r["spec"]))], info=f"{scored[1]} {r[scored[0]]:.3f}")
 
-        try:
-            results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
-                                    overwrite=force, on_progress=on_progress, on_done=on_done,
-                                    hint="rerun with --force to replace them, or choose another --out")
-        except BaseException:
-            _drop_if_empty(out, created)  # a refused first run leaves nothing behind
-            raise
+        results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
+                                overwrite=force, on_progress=on_progress, on_done=on_done,
+                                hint="rerun with --force to replace them, or choose another --out")
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
     rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,peak_bytes,recomputed,reloads"]
     for r in results:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, print_whole, run_bars
+from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, lock_output, print_whole, run_bars
 from ._sweep import _split
 
 # what it writes besides runs/
@@ -82,6 +82,7 @@ def peft_cmd(
     # finished) is resumed like one with records: the caches are reused, nothing is deleted
     import re
 
+    lock_output(out)  # one command at a time in --out (released when it ends)
     caches_only = out.is_dir() and any(out.glob("bbc_tokens_*.pt")) and not any(
         re.fullmatch(pat, p.name) for p in out.iterdir() for pat in PEFT_OUTPUTS[:3])
     check_output_dir(out, produced=PEFT_OUTPUTS,

@@ -27,6 +27,7 @@ from ._common import (
     UserError,
     check_output_dir,
     check_range,
+    lock_output,
     no_repeats,
     print_whole,
     require_dir,
@@ -250,6 +251,7 @@ def sweep_cmd(
             raise UserError(f"task cnn-digits-pretrained: {e}") from None
     # a sweep folder is resumed (its summaries rewritten from its records); summary-named files
     # in a folder without records are someone else's: replaced only with --force
+    lock_output(out)  # one command at a time in --out (released when it ends)
     check_output_dir(out, produced=SWEEP_SUMMARIES, force=force, records="task", what="sweep")
     from rich.console import Console
     from rich.progress import Progress
