@@ -72,3 +72,33 @@ def test_bad_arguments_are_refused():
     with pytest.raises(TypeError, match="not a torch optimizer"):
         fit(model, torch.optim.SGD(model.parameters(), 0.1), x, y, epochs=None, max_steps=2, batch_size=16,
             callbacks=[DenseWarmStart(1, lambda m: None)])
+
+
+def test_per_layer_ranks_factor_exactly_the_named_layers_each_at_its_rank():
+    """`rank={name: r}` (the LM study's start ranks; the study's own switch callback is now this
+    one): each named layer is its rank-r truncated SVD (checked against numpy's SVD), the others
+    stay dense."""
+    import numpy as np
+
+    x, y = _data()
+    plain, warm = _mlp(), _mlp()
+    run = dict(epochs=None, max_steps=4, batch_size=16)
+    fit(plain, torch.optim.SGD(plain.parameters(), 1e-2), x, y, shuffle=torch.Generator().manual_seed(0),
+        **run)
+    cb = DenseWarmStart(4, lambda m: rankwise.DLRT(m, 1e-2, tau=0.0), rank={"0": 3, "4": 2})
+    fit(warm, torch.optim.SGD(warm.parameters(), 1e-2), x, y, shuffle=torch.Generator().manual_seed(0),
+        callbacks=[cb], **run)
+    assert cb.switched_at == 4 and isinstance(warm[2], nn.Linear) and (warm[0].rank, warm[4].rank) == (3, 2)
+    torch.testing.assert_close(warm[2].weight, plain[2].weight, atol=0, rtol=0)
+    for name, r in (("0", 3), ("4", 2)):
+        u, s, vt = np.linalg.svd(plain.get_submodule(name).weight.detach().numpy())
+        np.testing.assert_allclose(warm.get_submodule(name).weight_matrix().detach().numpy(),
+                                   (u[:, :r] * s[:r]) @ vt[:r], atol=1e-10)
+    with pytest.raises(ValueError, match="not modules of the model"):
+        rankwise.to_low_rank(_mlp(), rank={"9": 2})
+    with pytest.raises(ValueError, match="without `tau`"):
+        rankwise.to_low_rank(_mlp(), rank={"0": 2}, tau=0.1)
+    with pytest.raises(ValueError, match=r"rank\['0'\]"):
+        rankwise.to_low_rank(_mlp(), rank={"0": 0})
+    with pytest.raises(ValueError, match="without `include`"):
+        DenseWarmStart(3, lambda m: None, rank={"0": 2}, include=["0"])

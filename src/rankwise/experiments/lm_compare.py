@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..train import Callback, Loop, fit
+from ..train import Callback, DenseWarmStart, Loop, fit
 
 ABLATIONS = ("dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
              "dlrt-core0.3")
@@ -178,8 +178,14 @@ def factorise(model: nn.Module, spec: LmRunSpec, ranks: dict[str, int], info: di
     the method's optimizer for the factored model."""
     import rankwise
 
-    for r in sorted(set(ranks.values())):  # every projection at its own start rank
-        rankwise.to_low_rank(model, rank=r, include=[n for n, k in ranks.items() if k == r])
+    rankwise.to_low_rank(model, rank=ranks)  # every projection at its own start rank
+    return optimizer_for(model, spec, info)
+
+
+def optimizer_for(model: nn.Module, spec: LmRunSpec, info: dict) -> torch.optim.Optimizer:
+    """The method's optimizer for the factored `model`."""
+    import rankwise
+
     base = spec.method.removesuffix("-warm")
     if base == "fixed":
         return torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM)
@@ -228,19 +234,6 @@ class _Schedule(Callback):
 
     def on_step_end(self, loop: Loop) -> None:
         self._set(loop)
-
-
-class _Warm(Callback):
-    """The ``*-warm`` methods: after ``warm × steps`` dense steps, factorise and switch."""
-
-    def __init__(self, spec: LmRunSpec, info: dict, wrap: Callable[[torch.optim.Optimizer], None]) -> None:
-        self.spec, self.info, self.wrap = spec, info, wrap
-        self.at = round(spec.warm * spec.steps)
-
-    def on_step_end(self, loop: Loop) -> None:
-        if loop.global_step == self.at:
-            loop.optimizer = factorise(loop.model, self.spec, self.info["start_ranks"], self.info)
-            self.wrap(loop.optimizer)
 
 
 class _Curve(Callback):
@@ -302,11 +295,15 @@ def run_one(spec: LmRunSpec, report=None, keep: list | None = None) -> dict:
     wrap(opt)
     held = [opt]  # the optimizer now (the warm methods switch)
 
-    def switched(new: torch.optim.Optimizer) -> None:
+    def switched(new: torch.optim.Optimizer) -> torch.optim.Optimizer:
         wrap(new)
         held.append(new)
+        return new
 
-    callbacks: list[Callback] = [_Warm(spec, info, switched)] if spec.method.endswith("-warm") else []
+    callbacks: list[Callback] = []
+    if spec.method.endswith("-warm"):  # dense steps, then the projections factored at their start ranks
+        callbacks.append(DenseWarmStart(round(spec.warm * spec.steps), rank=info["start_ranks"],
+                                        optimizer=lambda m: switched(optimizer_for(m, spec, info))))
     callbacks += [_Schedule(spec), curve]
     t0 = time.perf_counter()
     failed = None

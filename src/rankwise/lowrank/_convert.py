@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ def _matches(name: str, pattern: Pattern) -> bool:
     return any(name == p or name.endswith("." + p) for p in pattern)
 
 
-def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None = None,
+def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None, tau: float | None = None,
                 include: Pattern = None, exclude: Pattern = None,
                 max_rank: int | None = None, target: float | None = None,
                 allocation: str = "error-sqrt") -> nn.Module:
@@ -34,7 +34,9 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
 
     **Arguments:**
     - `model`: any module; it is modified in place and returned.
-    - `rank`: fixed initial rank, clamped to min(out, in) per layer.
+    - `rank`: fixed initial rank, clamped to min(out, in) per layer; or a mapping
+      ``{module name: rank}`` that names exactly the layers to convert, each at its own rank
+      (given alone: no `tau`, `target`, `include` or `exclude`).
     - `tau`: or the smallest rank with discarded tail ≤ tau·‖W‖_F (both: the smaller rank).
     - `include`, `exclude`: module-name filters (regex string, or a list of names/suffixes).
     - `max_rank`: cap for later rank growth (default: min(out, in) per layer).
@@ -71,6 +73,19 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
     if target is None and allocation != RULES[0]:
         raise ValueError(f"`allocation`={allocation!r} needs a `target` (it decides how the target's "
                          "parameters are shared out)")
+    per_layer: dict[str, int] = {}
+    if isinstance(rank, Mapping):
+        if tau is not None or target is not None or include is not None or exclude is not None:
+            raise ValueError("a `rank` mapping names every layer to convert and its rank: give it without "
+                             "`tau`, `target`, `include` or `exclude`")
+        modules = dict(model.named_modules())
+        unknown = [n for n in rank if n not in modules]
+        if unknown or not rank:
+            raise ValueError(f"`rank` maps names that are not modules of the model: {unknown}" if unknown
+                             else "`rank` is an empty mapping: it names no layer to convert")
+        for name, r in rank.items():
+            check_rank(r, f"rank[{name!r}]")
+        per_layer, rank = dict(rank), None
     for name, value in (("rank", rank), ("max_rank", max_rank)):
         if value is not None:
             check_rank(value, name)
@@ -89,6 +104,8 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
                              f"name or a suffix of one; the model's layers: {', '.join(map(repr, layers))})")
 
     def selected(name: str) -> bool:
+        if per_layer:
+            return name in per_layer
         return ((include is None or _matches(name, include))
                 and (exclude is None or not _matches(name, exclude)))
 
@@ -107,7 +124,7 @@ def to_low_rank(model: nn.Module, *, rank: int | None = None, tau: float | None 
                        if not isinstance(m, nn.Conv2d) or LowRankConv2d.unsupported(m) is None]
         ranks = _target_ranks(model, convertible, target, allocation) if convertible else {}
     else:
-        ranks = {}
+        ranks = per_layer  # (empty unless `rank` was a mapping)
     converted, left_dense = 0, []
     for name, mod in targets:
         r = ranks.get(name, rank)

@@ -8,7 +8,7 @@ the run. :class:`DenseWarmStart` is that recipe as one callback.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ class DenseWarmStart(Callback):
     - `steps` >= 1: dense steps before the switch (counted in the run's ``global_step``).
     - `optimizer(model) -> Optimizer`: the second phase's optimizer, built on the factored model.
     - `rank`: the factors' rank (``None``: full rank, min(out, in) per layer: the switch changes no
-      output, up to roundoff); `include` / `exclude`: as :func:`rankwise.to_low_rank`.
+      output, up to roundoff), or ``{module name: rank}`` (the layers to factor, each at its own
+      rank); `include` / `exclude`: as :func:`rankwise.to_low_rank`.
 
     The learning rate the dense phase ended with is carried into the new optimizer's param
     groups when `carry_lr` (default), so a schedule that sets the groups' rates goes on.
@@ -44,15 +45,24 @@ class DenseWarmStart(Callback):
     """
 
     def __init__(self, steps: int, optimizer: Callable[[nn.Module], torch.optim.Optimizer], *,
-                 rank: int | None = None, include: str | Sequence[str] | None = None,
+                 rank: int | Mapping[str, int] | None = None, include: str | Sequence[str] | None = None,
                  exclude: str | Sequence[str] | None = None, carry_lr: bool = True) -> None:
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"`steps` must be an int >= 1 (dense steps before the switch); got {steps!r}")
         if not callable(optimizer):
             raise TypeError("`optimizer` must be a function model -> optimizer (e.g. "
                             "lambda m: rankwise.DLRT(m, 1e-3, target=0.9, ramp_steps=400))")
-        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"`rank` must be None (full rank) or an int >= 1; got {rank!r}")
+        if isinstance(rank, Mapping):
+            if include is not None or exclude is not None:
+                raise ValueError("a `rank` mapping names the layers to factor: give it without `include` or "
+                                 "`exclude`")
+            for name, r in rank.items():
+                if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                    raise ValueError(f"`rank[{name!r}]` must be an int >= 1; got {r!r}")
+            rank = dict(rank)
+        elif rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"`rank` must be None (full rank), an int >= 1 or {{module name: rank}}; "
+                             f"got {rank!r}")
         self.steps, self.make, self.rank = steps, optimizer, rank
         self.include, self.exclude, self.carry_lr = include, exclude, carry_lr
         self.switched_at: int | None = None
