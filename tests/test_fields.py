@@ -39,18 +39,39 @@ def test_options_named_rewrites_fields_only():
     assert options_named("`c` is 0", _Cfg, said={"c": "C in --grid"}) == "C in --grid is 0"
 
 
-def test_the_train_command_takes_its_options_from_train_config():
+def _ode_spec():
+    from rankwise.experiments._ode_spec import OdeRunConfig
+
+    return OdeRunConfig
+
+
+@pytest.mark.parametrize("command,config", [("train", lambda: TrainConfig), ("ode", _ode_spec)])
+def test_commands_take_their_options_from_their_config(command, config):
     from rankwise.cli._app import app
 
-    train = typer.main.get_command(app).commands["train"]
-    derived = {f.name for f in dataclasses.fields(TrainConfig) if "help" in f.metadata}
-    params = {p.name: p for p in train.params}
+    cls = config()
+    cmd = typer.main.get_command(app).commands[command]
+    derived = {f.name for f in dataclasses.fields(cls) if "help" in f.metadata}
+    params = {p.name: p for p in cmd.params}
     assert derived <= set(params), derived - set(params)
     for name in derived:
         p = params[name]
-        assert p.help == help_of(TrainConfig, name), name
-        assert flag_of(TrainConfig, name) in p.opts, name
-        if name != "tau":  # (None on the command line: "not given", so that dense can refuse it)
-            default = getattr(TrainConfig, name)
-            assert p.default == (default.value if hasattr(default, "value") else default) or \
-                str(p.default) == str(default), name
+        assert p.help == help_of(cls, name), name
+        assert flag_of(cls, name).split("/")[0] in p.opts, name
+        if name != "tau":  # (train: None on the command line, "not given", so that dense can refuse it)
+            default = getattr(cls, name)
+            assert p.default == default or str(p.default) == str(default), name
+
+
+def test_the_ode_spec_is_torch_free_and_agrees_with_the_model():
+    import subprocess
+    import sys
+
+    code = ("import sys; from rankwise.experiments._ode_spec import OdeRunConfig; OdeRunConfig(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+    from rankwise.experiments._ode_spec import RECURRENCES
+    from rankwise.ode._gated import RECURRENCES as MODEL_RECURRENCES
+
+    assert RECURRENCES == MODEL_RECURRENCES

@@ -345,3 +345,17 @@ def test_train_refuses_low_rank_options_for_dense_and_names_a_divergence(tmp_pat
     assert r.exit_code == 1 and "internal error" not in r.stderr, r.stderr
     assert "training diverged at --lr 1e+09" in lines[-1] and "try a lower --lr" in lines[-1]
     assert f"records up to there are in {tmp_path / 'b'}" in lines[-1]
+
+
+def test_the_optional_4bit_kernels_warning_is_not_printed():
+    """Issue 41, newcomer round: every `peft`/`lm` run first printed bitsandbytes' "Failed to load
+    CPU gemm_4bit_forward … pip install kernels" (kernels rankwise never runs)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed here: there is no warning to silence")
+    code = "import rankwise.experiments, peft, bitsandbytes"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "gemm_4bit" not in r.stderr and "kernels" not in r.stderr, r.stderr

@@ -189,6 +189,15 @@ def test_sweep_selects_each_method_on_validation(tmp_path):
                 "--select", "0.9", "--grid", "sgd:0.03,0.1", "--widen", "0", "--seeds", "1",
                 "--epochs", "1", "--dt-every", "0", "--out", out)
     assert r.exit_code == 0, r
+    # issue 41: with --dt-every 0 no d_t is traced: final_d_t is absent, not 0; the last line counts
+    # the runs the tables hold and those this call trained
+    import csv
+
+    records = [json.loads(f.read_text()) for f in (out / "runs").glob("*.json")]
+    assert records and all(rec["final_d_t"] is None for rec in records)
+    assert {row["final_d_t"] for row in csv.DictReader((out / "runs.csv").open())} == {""}
+    assert "2 runs in the tables (4 trained by this call, the selection grid's included)" in \
+        " ".join(r.stdout.split()), r.stdout
     sel = (out / "selection.md").read_text()
     assert "| lenet-digits | dense |" in sel and "| lenet-digits | fixed-uniform |" in sel
     # 2 grid points for each of the two methods, on seed 0: 4 runs, and the chosen ones are reused

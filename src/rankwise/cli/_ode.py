@@ -12,7 +12,17 @@ import typer
 from rich.console import Console
 
 from .._fields import options_named
-from ._common import MAX_WORKERS, Force, UserError, claim_output_dir, lock_output, no_repeats, print_whole
+from ..experiments._ode_spec import OdeRunConfig as Spec
+from ._common import (
+    MAX_WORKERS,
+    Force,
+    UserError,
+    claim_output_dir,
+    config_option,
+    lock_output,
+    no_repeats,
+    print_whole,
+)
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
             ("mean_checkpoints", "checkpoints", "{:.1f}"), ("peak_mib", "peak MiB", "{:.2f}"),
@@ -82,34 +92,23 @@ def _key(cfg) -> str:
 
 
 def ode_cmd(
-    data: Annotated[str, typer.Option(help="digits (permuted, 64 steps) or mnist1d (40 steps).")] = "digits",
+    data: Annotated[str, config_option(Spec, "data")] = Spec.data,
     grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay|budget|"
                                       "autograd|gru (budget:STATES; autograd: the stored-graph baseline; "
                                       "gru:HIDDEN: torch.nn.GRU, same training)")]
     = "fixed:8,adaptive:8",
-    model: Annotated[str, typer.Option(help="gated (a GRU-ODE on the memory's core, one block) or layered "
-                                       "(the first study's 6-layer model).")] = "gated",
-    rank: Annotated[int, typer.Option(help="Initial rank of every layer (adaptive may grow it).", min=1)] = 8,
-    max_rank: Annotated[int, typer.Option(help="Adaptive rank cap.", min=1)] = 32,
-    c_max: Annotated[int, typer.Option(help="Adaptive spacing cap, unless an entry gives -CMAX.",
-                                       min=1)] = 32,
-    layers: Annotated[int, typer.Option(help="Layered model: ODE layers (1 reads the sequence, the rest "
-                                        "are depth).", min=1)] = 6,
-    depth_steps: Annotated[int, typer.Option(help="Layered model: steps of each depth block.", min=1)] = 8,
-    epochs: Annotated[int, typer.Option(help="Training epochs per run.", min=1)] = 1,
+    model: Annotated[str, config_option(Spec, "model")] = Spec.model,
+    rank: Annotated[int, config_option(Spec, "rank", min=1)] = Spec.rank,
+    max_rank: Annotated[int, config_option(Spec, "max_rank", min=1)] = Spec.max_rank,
+    c_max: Annotated[int, config_option(Spec, "c_max", min=1)] = Spec.c_max,
+    layers: Annotated[int, config_option(Spec, "layers", min=1)] = Spec.layers,
+    depth_steps: Annotated[int, config_option(Spec, "depth_steps", min=1)] = Spec.depth_steps,
+    epochs: Annotated[int, config_option(Spec, "epochs", min=1)] = Spec.epochs,
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 1,
-    causal: Annotated[bool, typer.Option(help="Gated model: each KSL step's S-substep at its start, so "
-                                         "step i reads elements <= i (--no-causal: at t + h, one "
-                                         "element ahead, the step before issue 28).")] = True,
-    recurrence: Annotated[str, typer.Option(help="Gated model: how the gates read the memory's core: kron "
-                                            "(A c Bᵀ, 2p² numbers per gate) or full (U vec(c), p⁴ per "
-                                            "gate, as a GRU of p² units).")] = "kron",
-    budget_in: Annotated[str, typer.Option(help="budget:STATES counts states (the same for every batch) or "
-                                           "bytes (STATES states of the first batch: a smaller batch "
-                                           "gets more, the rule before issue 28).")] = "states",
-    validation: Annotated[float, typer.Option(help="Hold out this last fraction of the training set and "
-                                              "report accuracy on it (val acc) instead of on the test "
-                                              "set, which is then not read: for choosing a setting.")] = 0.0,
+    causal: Annotated[bool, config_option(Spec, "causal")] = Spec.causal,
+    recurrence: Annotated[str, config_option(Spec, "recurrence")] = Spec.recurrence,
+    budget_in: Annotated[str, config_option(Spec, "budget_in")] = Spec.budget_in,
+    validation: Annotated[float, config_option(Spec, "validation")] = Spec.validation,
     jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Folder for runs/*.json (one record per run: a run stored there "
@@ -123,17 +122,11 @@ def ode_cmd(
     (mean ± std over seeds) and writes results, per-iteration traces and a δ/rank plot to
     --out."""
     entries = _parse_grid(grid)
-    if data not in ("digits", "mnist1d"):
-        raise UserError(f"--data must be 'digits' or 'mnist1d'; got {data!r}")
-    if model not in ("gated", "layered"):
-        raise UserError(f"--model must be 'gated' or 'layered'; got {model!r}")
     if model == "layered" and (recurrence != "kron" or not causal):
         given = "--recurrence " + recurrence if recurrence != "kron" else "--no-causal"
         raise UserError(f"{given} applies to the gated model; --model layered has no gates (leave it out)")
-    from ..experiments.ode_seq import OdeRunConfig
-
-    try:
-        cfgs = [OdeRunConfig(data=data, model=model, controller=k, c=8 if k in ("budget", "gru") else c,
+    try:  # (OdeRunConfig checks every setting; its messages name the options)
+        cfgs = [Spec(data=data, model=model, controller=k, c=8 if k in ("budget", "gru") else c,
                              budget_states=c if k == "budget" else 12, gru_hidden=c if k == "gru" else 128,
                              c_max=c_max if cm is None else cm,
                              rank=rank if r is None else r, max_rank=max_rank, layers=layers,
@@ -141,7 +134,7 @@ def ode_cmd(
                              budget_in=budget_in, recurrence=recurrence, validation=validation)
                 for k, c, cm, r in entries for s in range(seeds)]
     except ValueError as e:  # name the options, not the dataclass fields
-        raise UserError(options_named(str(e), OdeRunConfig, said=_SAID, only=_EXPOSED)) from e
+        raise UserError(options_named(str(e), Spec, said=_SAID, only=_EXPOSED)) from e
     keys = [_key(c) for c in cfgs]
     if len(set(keys)) != len(keys):
         raise UserError(f"--grid names a run twice ({grid}): each would train the same runs")
@@ -171,7 +164,7 @@ def ode_cmd(
             prog.update(bars[key], completed=done, total=total, info=f"it {done}/{total} {info}")
 
         def on_done(r: dict) -> None:
-            prog.update(bars[_key(OdeRunConfig(**r["spec"]))], info=f"{scored[1]} {r[scored[0]]:.3f}")
+            prog.update(bars[_key(Spec(**r["spec"]))], info=f"{scored[1]} {r[scored[0]]:.3f}")
 
         results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
                                 overwrite=force, on_progress=on_progress, on_done=on_done,
