@@ -45,7 +45,14 @@ def _ode_spec():
     return OdeRunConfig
 
 
-@pytest.mark.parametrize("command,config", [("train", lambda: TrainConfig), ("ode", _ode_spec)])
+def _lm_spec():
+    from rankwise.experiments._lm_spec import LmRunSpec
+
+    return LmRunSpec
+
+
+@pytest.mark.parametrize("command,config", [("train", lambda: TrainConfig), ("ode", _ode_spec),
+                                            ("lm", _lm_spec)])
 def test_commands_take_their_options_from_their_config(command, config):
     from rankwise.cli._app import app
 
@@ -63,11 +70,12 @@ def test_commands_take_their_options_from_their_config(command, config):
             assert p.default == default or str(p.default) == str(default), name
 
 
-def test_the_ode_spec_is_torch_free_and_agrees_with_the_model():
+def test_the_ode_and_lm_specs_are_torch_free_and_agree_with_the_model():
     import subprocess
     import sys
 
     code = ("import sys; from rankwise.experiments._ode_spec import OdeRunConfig; OdeRunConfig(); "
+            "from rankwise.experiments._lm_spec import LmRunSpec; LmRunSpec('dense'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

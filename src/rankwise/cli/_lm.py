@@ -8,11 +8,20 @@ from typing import Annotated
 
 import typer
 
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, lock_output, print_whole, run_bars
+from .._fields import options_named
+from ..experiments._lm_spec import METHODS
+from ..experiments._lm_spec import LmRunSpec as Spec
+from ._common import (
+    MAX_WORKERS,
+    UserError,
+    check_output_dir,
+    check_range,
+    config_option,
+    lock_output,
+    print_whole,
+    run_bars,
+)
 
-# as rankwise.experiments.lm_compare (no torch here)
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
-           "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3", "dlrt-core0.3")
 DEFAULT = METHODS[:5]  # the variants (update_every, ablations) only when asked for
 LM_OUTPUTS = (r"summary\.md", r"rates\.md", r"lm_curves\.png")
 
@@ -42,22 +51,18 @@ def lm_cmd(
     select_at: Annotated[float | None, typer.Option(help="Choose the low-rank methods' rates at this one "
                                                      "compression and reuse them at the others "
                                                      "(default: choose at each).")] = None,
-    steps: Annotated[int, typer.Option(help="Optimizer steps per run.", min=1)] = 600,
-    batch: Annotated[int, typer.Option(help="Windows per step.", min=1)] = 16,
-    context: Annotated[int, typer.Option(help="Tokens per window.", min=8, max=1024)] = 128,
-    width: Annotated[int, typer.Option(help="Model width.", min=8)] = 256,
-    depth: Annotated[int, typer.Option(help="Transformer blocks.", min=1)] = 4,
-    heads: Annotated[int, typer.Option(help="Attention heads (divides the width).", min=1)] = 4,
-    final_windows: Annotated[int, typer.Option(help="Windows of validation and of test for the final losses "
-                                               "(0: every window).", min=0)] = 0,
-    schedule: Annotated[str, typer.Option(help="Learning-rate schedule for every method: cosine (linear "
-                                          "warm-up, then cosine decay) or constant.")] = "cosine",
-    warmup: Annotated[float, typer.Option(help="Share of the steps in the warm-up (cosine).")] = 0.1,
-    final_lr: Annotated[float, typer.Option(help="The cosine ends at this share of the rate.")] = 0.1,
-    clip: Annotated[float, typer.Option(help="Clip every method's gradient norm at this value (0: no "
-                                        "clipping; DLRT/SDLRT: the norm of what the integrator reads).")]
-    = 0.0,
-    warm: Annotated[float, typer.Option(help="Share of the steps the *-warm methods train dense.")] = 0.2,
+    steps: Annotated[int, config_option(Spec, "steps", min=1)] = Spec.steps,
+    batch: Annotated[int, config_option(Spec, "batch", min=1)] = Spec.batch,
+    context: Annotated[int, config_option(Spec, "context", min=8, max=1024)] = Spec.context,
+    width: Annotated[int, config_option(Spec, "width", min=8)] = Spec.width,
+    depth: Annotated[int, config_option(Spec, "depth", min=1)] = Spec.depth,
+    heads: Annotated[int, config_option(Spec, "heads", min=1)] = Spec.heads,
+    final_windows: Annotated[int, config_option(Spec, "final_windows", min=0)] = Spec.final_windows,
+    schedule: Annotated[str, config_option(Spec, "schedule")] = Spec.schedule,
+    warmup: Annotated[float, config_option(Spec, "warmup")] = Spec.warmup,
+    final_lr: Annotated[float, config_option(Spec, "final_lr")] = Spec.final_lr,
+    clip: Annotated[float, config_option(Spec, "clip")] = Spec.clip,
+    warm: Annotated[float, config_option(Spec, "warm")] = Spec.warm,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, lm_curves.png.")]
@@ -80,14 +85,14 @@ def lm_cmd(
         check_range("--grid", lr, 0, 1e3, lo_open=True)  # (finite: inf is not a rate)
     if width % heads:
         raise UserError(f"--heads {heads} must divide --width {width}")
-    if schedule not in ("cosine", "constant"):
-        raise UserError(f"--schedule must be cosine or constant; got {schedule!r}")
-    check_range("--warmup", warmup, 0, 1, hi_open=True)
-    check_range("--final-lr", final_lr, 0, 1, hi_open=False)
-    check_range("--clip", clip, 0, 1e30)
-    check_range("--warm", warm, 0, 1, hi_open=True)
-    if any(m.endswith("-warm") for m in method_list) and not 1 <= round(warm * steps) < steps:
-        raise UserError(f"--warm {warm:g} × --steps {steps} must leave at least one dense step and one after")
+    fixed = dict(steps=steps, batch=batch, context=context, width=width, depth=depth, heads=heads,
+                 final_windows=final_windows, schedule=schedule, warmup=warmup, final_lr=final_lr, clip=clip,
+                 warm=warm)
+    try:  # every method's run spec, checked as the study will build it; its messages name the options
+        for m in method_list:
+            Spec(m, 0.0 if m == "dense" else comps[0], lr=lrs[0], **fixed)
+    except ValueError as e:
+        raise UserError(options_named(str(e), Spec, only=fixed)) from None
     lock_output(out)  # one command at a time in --out (released when it ends)
     check_output_dir(out, produced=LM_OUTPUTS, force=force, records="context",
                      what="language-model comparison")
@@ -107,10 +112,7 @@ def lm_cmd(
             f"{r['step_seconds']:.3f} s/step, {r['memory']['total'] / 1e6:.2f} MB")
     with run_bars(console, line) as (on_progress, done):
         result = study(method_list, comps, seeds, out, grid=lrs, widen=widen, select_at=select_at, jobs=jobs,
-                       overwrite=force, on_done=done, on_progress=on_progress, steps=steps, batch=batch,
-                       context=context, width=width, depth=depth, heads=heads,
-                       final_windows=final_windows, schedule=schedule, warmup=warmup, final_lr=final_lr,
-                       clip=clip, warm=warm)
+                       overwrite=force, on_done=done, on_progress=on_progress, **fixed)
     table = summary_markdown(result.records, result.chosen, select_at)
     write_atomic(out / "summary.md", table.encode())
     write_atomic(out / "rates.md", rates_markdown(result.records, result.chosen).encode())

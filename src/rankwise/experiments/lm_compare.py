@@ -51,85 +51,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..train import Callback, DenseWarmStart, Loop, fit
-
-ABLATIONS = ("dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
-             "dlrt-core0.3")
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", *ABLATIONS)
-LOWRANK = METHODS[1:]  # the methods that take a compression
-SCHEDULES = ("cosine", "constant")
-GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
-ADAM = {"eps": 1e-8, "weight_decay": 0.0}  # the same Adam for every method (no decay: DLRT's rule has none)
-VERSION = 2  # 2: schedule, clip, warm
-
-
-@dataclasses.dataclass(frozen=True)
-class LmRunSpec:
-    """One training run. ``compression`` is 0 for ``dense``."""
-
-    method: str
-    compression: float = 0.0
-    lr: float = 3e-3
-    seed: int = 0
-    steps: int = 600
-    batch: int = 16
-    context: int = 128
-    width: int = 256
-    depth: int = 4
-    heads: int = 4
-    eval_every: int = 50
-    eval_windows: int = 64  # validation windows for the curve
-    final_windows: int = 0  # evenly spaced windows of validation and test for the final losses (0: all)
-    schedule: str = "cosine"  # or "constant"
-    warmup: float = 0.1  # share of the steps in the linear warm-up (cosine)
-    final_lr: float = 0.1  # the cosine ends at this share of the rate
-    clip: float = 0.0  # gradient clipping at this global norm (0: none)
-    warm: float = 0.2  # share of the steps trained dense by the *-warm methods
-    version: int = VERSION
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"`method` must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if self.method == "dense" and self.compression != 0:
-            raise ValueError("the dense method takes no compression")
-        if self.method != "dense" and not 0 < self.compression < 1:
-            raise ValueError(f"`compression` must be in (0, 1) for {self.method}; got {self.compression!r}")
-        f = self.final_windows
-        if isinstance(f, bool) or not isinstance(f, int) or f < 0:
-            raise ValueError(f"`final_windows` must be an int >= 0; got {self.final_windows!r}")
-        for name in ("steps", "batch", "context", "width", "depth", "heads", "eval_every", "eval_windows"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"`{name}` must be a positive int; got {v!r}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"`lr` must be a positive number; got {self.lr!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"`schedule` must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
-        for name in ("warmup", "warm"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and 0 <= v < 1):
-                raise ValueError(f"`{name}` must be in [0, 1); got {v!r}")
-        if not (isinstance(self.final_lr, int | float) and 0 <= self.final_lr <= 1):
-            raise ValueError(f"`final_lr` must be in [0, 1]; got {self.final_lr!r}")
-        if not (isinstance(self.clip, int | float) and math.isfinite(self.clip) and self.clip >= 0):
-            raise ValueError(f"`clip` must be a number >= 0 (0: no clipping); got {self.clip!r}")
-        if self.method.endswith("-warm") and not 1 <= round(self.warm * self.steps) < self.steps:
-            raise ValueError(f"{self.method} trains dense for `warm` × steps ({self.warm} × {self.steps}), "
-                             "which must be at least one step and fewer than all")
-
-    def lr_factor(self, step: int) -> float:
-        """The schedule's multiple of `lr` for step `step` (0-based)."""
-        if self.schedule == "constant":
-            return 1.0
-        w = round(self.warmup * self.steps)
-        if step < w:
-            return (step + 1) / w
-        t = min(1.0, (step - w) / max(1, self.steps - w))
-        return self.final_lr + (1 - self.final_lr) * 0.5 * (1 + math.cos(math.pi * t))
-
-    @property
-    def key(self) -> str:
-        c = f"_c{self.compression:g}" if self.method != "dense" else ""
-        return f"{self.method}{c}_lr{self.lr:g}_s{self.seed}"
+from ._lm_spec import ABLATIONS as ABLATIONS
+from ._lm_spec import ADAM, GRID, LmRunSpec
+from ._lm_spec import LOWRANK as LOWRANK
+from ._lm_spec import METHODS as METHODS
+from ._lm_spec import SCHEDULES as SCHEDULES
+from ._lm_spec import VERSION as VERSION
 
 
 def rank_for(m: int, n: int, compression: float) -> int:
