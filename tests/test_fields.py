@@ -51,8 +51,14 @@ def _lm_spec():
     return LmRunSpec
 
 
+def _peft_spec():
+    from rankwise.experiments._peft_spec import PeftRunSpec
+
+    return PeftRunSpec
+
+
 @pytest.mark.parametrize("command,config", [("train", lambda: TrainConfig), ("ode", _ode_spec),
-                                            ("lm", _lm_spec)])
+                                            ("lm", _lm_spec), ("peft", _peft_spec)])
 def test_commands_take_their_options_from_their_config(command, config):
     from rankwise.cli._app import app
 

@@ -8,7 +8,17 @@ from typing import Annotated
 import typer
 
 from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
-from ._common import MAX_WORKERS, UserError, check_output_dir, check_range, lock_output, print_whole, run_bars
+from ..experiments._peft_spec import PeftRunSpec as Spec
+from ._common import (
+    MAX_WORKERS,
+    UserError,
+    check_output_dir,
+    check_range,
+    config_option,
+    lock_output,
+    print_whole,
+    run_bars,
+)
 from ._sweep import _split
 
 # what it writes besides runs/
@@ -39,10 +49,9 @@ def peft_cmd(
     steps: Annotated[int | None, typer.Option(
         help="Optimizer steps per run; default " + ", ".join(f"{n} ({s})" for s, n in STEPS.items()) + ".",
         min=1)] = None,
-    batch_size: Annotated[int, typer.Option(help="Articles per step.", min=1)] = 16,
-    max_len: Annotated[int, typer.Option(help="Tokens per article (truncated).", min=8, max=512)] = 128,
-    rank: Annotated[int, typer.Option(help="LoRA's rank r, whose trainable parameters every method gets.",
-                                      min=1)] = 10,
+    batch_size: Annotated[int, config_option(Spec, "batch_size", min=1)] = Spec.batch_size,
+    max_len: Annotated[int, config_option(Spec, "max_len", min=8, max=512)] = Spec.max_len,
+    rank: Annotated[int, config_option(Spec, "rank", min=1)] = Spec.rank,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, selection.md, "
@@ -114,10 +123,8 @@ def peft_cmd(
                        grid=lr_grid, widen=widen, optimizer=optimizer or "adam", lr=lr or 1e-3, jobs=jobs,
                        overwrite=force, on_done=done, on_progress=on_progress, batch_size=batch_size,
                        max_len=max_len, rank=rank)
-    from ..experiments._peft_spec import PeftRunSpec
-
-    records = study_records(out, PeftRunSpec(batch_size=batch_size, max_len=max_len, rank=rank,
-                                             setting=setting_list[0]))  # with earlier commands' runs
+    records = study_records(out, Spec(batch_size=batch_size, max_len=max_len, rank=rank,
+                                      setting=setting_list[0]))  # with earlier commands' runs
     wrote = ["summary.md"]
     if result.choices:
         rows = [(chosen_on, m, c) for m, c in result.choices.items()]

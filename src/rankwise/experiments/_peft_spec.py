@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .. import _fields  # (called as _fields.setting: this spec has a field named `setting`)
 from .._checks import check_training
 
 # Every method at LoRA r10's trainable parameters (r = PeftRunSpec.rank), unless its name says
@@ -31,9 +32,9 @@ class PeftRunSpec:
     optimizer: str = "adam"
     lr: float = 1e-3
     steps: int = 150
-    batch_size: int = 16
-    max_len: int = 128
-    rank: int = 10
+    batch_size: int = _fields.setting(16, help="Articles per step.")
+    max_len: int = _fields.setting(128, help="Tokens per article (truncated).")
+    rank: int = _fields.setting(10, help="LoRA's rank r, whose trainable parameters every method gets.")
     tau: float = 0.02  # the *-cap2r methods' truncation tolerance
     version: int = VERSION
 
