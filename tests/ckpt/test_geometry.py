@@ -60,3 +60,28 @@ def test_the_step_scan_reads_only_the_newest_folders(tmp_path, monkeypatch):
     held = ck._local_steps()
     assert len(reads) == 2 + _checkpointer.SCAN_SLACK
     assert sorted(held) == list(range(60 - len(reads), 60))
+
+
+def test_the_step_scan_has_its_own_time_bound(tmp_path, monkeypatch):
+    """Issue 41, item 2: the scan runs before the first collective "with its own time bound": on a
+    slow disk a rank votes with the newest steps it read in time instead of missing the vote."""
+    import types
+
+    from rankwise.ckpt import Code2D, _checkpointer, _store
+
+    com = Code2D(4, 1, hash="sha256").encode(b"x" * 1000).commitment
+    for step in range(6):
+        _store.write(_store.step_dir(tmp_path, 0, step) / _store.STEP_COMMITMENT, com)
+    clock = [0.0]
+    real = _store.read_commitment
+
+    def slow(p):  # each read takes one second of a fake clock
+        clock[0] += 1.0
+        return real(p)
+
+    monkeypatch.setattr(_store, "read_commitment", slow)
+    monkeypatch.setattr(_checkpointer, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    ck = _checkpointer.CodedCheckpointer.__new__(_checkpointer.CodedCheckpointer)
+    ck.root_dir, ck.rank, ck.keep = tmp_path, 0, 2
+    monkeypatch.setattr(ck, "_scan_seconds", lambda: 2.5)
+    assert sorted(ck._local_steps()) == [3, 4, 5]  # the newest three, read by t = 3 > 2.5

@@ -153,7 +153,12 @@ class CodedCheckpointer:
         # a store stuffed with step folders costs a directory listing, not a read of each
         named = sorted(((s, d) for d in mine.glob("step_*") if (s := _store.step_of(d)) is not None),
                        key=lambda sd: sd[0], reverse=True)
-        for step, d in named[:self.keep + SCAN_SLACK]:
+        deadline = time.monotonic() + self._scan_seconds()
+        for i, (step, d) in enumerate(named[:self.keep + SCAN_SLACK]):
+            if i and time.monotonic() > deadline:  # a slow disk: vote with what was read, in time
+                log.warning("rank %d's step scan stopped after %d folders (%.1f s bound); older steps "
+                            "are not voted for", self.rank, i, self._scan_seconds())
+                break
             try:
                 _store.real_folder(mine, d.name)
                 com = _store.read_commitment(d / _store.STEP_COMMITMENT)
@@ -165,6 +170,14 @@ class CodedCheckpointer:
             except (ValueError, OSError, MemoryError):
                 continue
         return out
+
+    def _scan_seconds(self) -> float:
+        """The step scan's own time bound (it runs before the first collective of a restore):
+        a quarter of the group's timeout, at most 60 s, so that a rank on a slow disk still
+        reaches the vote before its peers time out."""
+        if getattr(self, "group", None) is None:
+            return 60.0
+        return min(60.0, group_timeout(self.group).total_seconds() / 4)
 
     def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup,
                       exc: type[RuntimeError] = RuntimeError) -> None:
