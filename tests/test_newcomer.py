@@ -359,3 +359,18 @@ def test_the_optional_4bit_kernels_warning_is_not_printed():
     code = "import rankwise.experiments, peft, bitsandbytes"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "gemm_4bit" not in r.stderr and "kernels" not in r.stderr, r.stderr
+
+
+def test_ctrl_c_in_a_command_ends_in_one_line_and_status_130(monkeypatch, tmp_path):
+    """typer turns KeyboardInterrupt into a silent exit status 130: the command line says so, and
+    a folder its refused first run created is removed."""
+    from helpers import run_cli
+    from rankwise.cli import _app
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_app, "_train", interrupted)
+    r = run_cli("train", "--epochs", "1", "--out", tmp_path / "o")
+    assert r.exit_code == 130 and r.stderr.strip() == "rankwise: interrupted", r
+    assert not (tmp_path / "o").exists()

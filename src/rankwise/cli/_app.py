@@ -291,6 +291,8 @@ def _main(args: list[str]) -> int:
     command = typer.main.get_command(app)
     try:
         rc = command.main(args=args, prog_name="rankwise", standalone_mode=False)
+        if rc == 130:  # typer turns Ctrl-C (KeyboardInterrupt) into a silent exit status 130
+            _error("rankwise: interrupted")
         return rc if isinstance(rc, int) else 0
     except typer.TyperException as e:  # click's usage errors (typer vendors click)
         if type(e).__name__ == "NoArgsIsHelpError":  # the help was printed already

@@ -8,7 +8,6 @@ so a command line can show progress *within* runs, not only between them.
 
 from __future__ import annotations
 
-import os
 import queue as _queue
 import signal
 import time
@@ -34,16 +33,12 @@ class _Throttled:
             self.q.put((self.index, done, total, info))
 
 
-def _quiet_exit_on_interrupt() -> None:
-    """Worker initializer: Ctrl-C (SIGINT reaches the terminal's whole process group) ends the
-    worker at once and silently; the parent, which gets it too, stops the pool and says so once.
-    (By default each worker printed a KeyboardInterrupt traceback, and the pool waited for the
-    running runs to finish.)"""
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-
-
 def _ignore_interrupt() -> None:
-    """Manager initializer: the parent shuts the manager down when the pool has stopped."""
+    """Initializer of the workers and of the progress manager: Ctrl-C (SIGINT reaches the
+    terminal's whole process group) is the parent's to handle: it ends the workers and says so
+    once. (By default each worker printed a KeyboardInterrupt traceback and the pool waited for
+    its running runs; workers that ended themselves on SIGINT raced the parent, which could see
+    a broken pool before its own interrupt.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -79,7 +74,7 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
 
     import multiprocessing as mp
 
-    kw: dict[str, Any] = {"initializer": _quiet_exit_on_interrupt}
+    kw: dict[str, Any] = {"initializer": _ignore_interrupt}
     if fresh_process:  # max_tasks_per_child needs the "spawn" start method
         kw |= {"max_tasks_per_child": 1, "mp_context": mp.get_context("spawn")}
     with (_manager() if on_progress is not None else _NoManager()) as manager, \
@@ -96,10 +91,10 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
                     results[i] = f.result()  # a run's exception propagates, as its own type
                     if on_done is not None:
                         on_done(i, results[i])
-        except KeyboardInterrupt:  # stop now: the workers (which got it too) are ended, not awaited;
-            # the pool is then broken and starts nothing more (cancelling the pending futures too
-            # would race the pool's own thread, which fails them: InvalidStateError, Python 3.11)
-            # (a SIGINT sent to this process alone: the pool has no public way to end its workers)
+        except KeyboardInterrupt:  # stop now: the workers are ended, not awaited; the pool is then
+            # broken and starts nothing more (cancelling the pending futures too would race the
+            # pool's own thread, which fails them: InvalidStateError, Python 3.11); the pool has
+            # no public way to end its workers
             for proc in list((getattr(ex, "_processes", None) or {}).values()):
                 proc.terminate()
             raise
