@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 from pathlib import Path
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | list) -> None:
+def write_atomic(path: str | os.PathLike, data: bytes | list, *, dir_fd: int | None = None) -> None:
     """Write ``data`` (bytes, or a list of buffers written one after another) to ``path``
     atomically: a temporary file in the same directory is written, flushed and fsynced, then
     renamed over ``path``, and the directory is fsynced. A crash leaves either the old file or
     the new one, never a partial file. The temporary file is created as ``open(path, "w")``
     would create a file (mode 0666 less the umask), so the result has the permissions the user
-    expects (``tempfile.mkstemp`` would give 0600)."""
+    expects (``tempfile.mkstemp`` would give 0600). With `dir_fd` (an open folder), `path` is a
+    name in that folder, and no path is resolved again: a folder swapped for a link after it
+    was opened cannot redirect the write."""
     path = Path(path)
+    if dir_fd is not None and path.name != str(path):
+        raise ValueError(f"with dir_fd, path must be a bare file name; got {path}")
+    where = {} if dir_fd is None else {"dir_fd": dir_fd}
     while True:  # a fresh name, created exclusively (as mkstemp does)
         tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666,
+                         **where)
             break
         except FileExistsError:
             continue
@@ -28,27 +35,35 @@ def write_atomic(path: str | os.PathLike, data: bytes | list) -> None:
                 f.write(part)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        if dir_fd is None:
+            os.replace(tmp, path)
+        else:
+            os.replace(tmp, path, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp, **where)
         raise
-    if hasattr(os, "O_DIRECTORY"):
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    if dir_fd is not None:
+        os.fsync(dir_fd)
+    elif hasattr(os, "O_DIRECTORY"):
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            os.fsync(dir_fd)
+            os.fsync(parent)
         finally:
-            os.close(dir_fd)
+            os.close(parent)
 
 
-def read_regular(path: str | os.PathLike, limit: int) -> bytes:
+def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None) -> bytes:
     """The bytes of `path`, which must be a regular file (links are followed to one) of at
     most `limit` bytes. Opened without blocking, so a FIFO, a device (``/dev/zero``) or a socket
     is refused at once instead of hanging or reading without end; a file over `limit` (a 1 TiB
     sparse file) is refused before anything is allocated. Raises ``ValueError`` naming the
-    problem for those, ``OSError`` when the file cannot be opened or read."""
+    problem for those, ``OSError`` when the file cannot be opened or read. With `dir_fd`, `path`
+    is a name in that open folder."""
     import stat
 
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
+                 **({} if dir_fd is None else {"dir_fd": dir_fd}))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

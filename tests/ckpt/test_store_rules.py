@@ -134,3 +134,24 @@ def test_real_folder_names_the_component_and_creates_real_folders(tmp_path):
     # the store's root is the user's choice, and may be a link
     (tmp_path / "via").symlink_to(tmp_path / "new" / "store", target_is_directory=True)
     assert real_folder(tmp_path / "via", "rank2", "step_1") == tmp_path / "via" / "rank2" / "step_1"
+
+
+def test_a_write_lands_in_the_folder_that_was_checked_even_if_a_link_is_swapped_in(tmp_path):
+    """The folder is opened component by component without following links, and the files are
+    written through that descriptor: a link put in its place after the check cannot redirect the
+    write (the race the path-based check left open)."""
+    from rankwise.ckpt import Code2D
+    from rankwise.ckpt._store import STEP_COMMITMENT, holds, opened_folder, write
+
+    com = Code2D(4, 1).encode(b"y" * 500).commitment
+    (tmp_path / "victim").mkdir()
+    with opened_folder(tmp_path / "store", "rank1", STEP, create=True) as fd:
+        step = tmp_path / "store" / "rank1" / STEP
+        step.rename(tmp_path / "moved")  # swapped for a link to another folder after the check
+        step.symlink_to(tmp_path / "victim", target_is_directory=True)
+        write(STEP_COMMITMENT, com, dir_fd=fd)
+        assert holds(STEP_COMMITMENT, com, dir_fd=fd)
+    assert (tmp_path / "moved" / STEP_COMMITMENT).is_file() and list((tmp_path / "victim").iterdir()) == []
+    store = tmp_path / "store"
+    with pytest.raises(StoreError, match="is a symbolic link"), opened_folder(store, "rank1", STEP):
+        pass

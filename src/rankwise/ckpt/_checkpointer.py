@@ -291,7 +291,7 @@ class CodedCheckpointer:
         com = self.code.commitment_from_leaves(len(blob), [x[1] for x in shared], [x[2] for x in shared])
         d = self._step_dir(step)
         try:
-            self._publish(_store.step_folder(self.root_dir, self.rank, step, create=True), frag, com)
+            self._publish(d, frag, com)
             err = None
         except (OSError, _store.StoreError) as e:  # (a StoreError names the folder itself)
             err = str(e) if isinstance(e, _store.StoreError) else f"writing {d}: {e}"
@@ -319,9 +319,11 @@ class CodedCheckpointer:
         raise RuntimeError(f"save(step={step}): {who}; the step is not committed")
 
     def _publish(self, d: Path, frag: Fragment, com: Commitment) -> None:
-        """This rank's files of a step: the fragment, then the commitment (the step is complete)."""
-        _store.write(d / _store.STEP_FRAGMENT, frag)
-        _store.write(d / _store.STEP_COMMITMENT, com)
+        """This rank's files of a step (its folder `d`): the fragment, then the commitment (the
+        step is complete); written through the folder's descriptor, never through a link."""
+        with _store.opened_folder(self.root_dir, f"rank{self.rank}", d.name, create=True) as fd:
+            _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
+            _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)
 
     def _prune(self, newest: int) -> None:
         """Keep the newest ``keep`` complete steps up to ``newest``; drop older ones and
@@ -464,16 +466,17 @@ class CodedCheckpointer:
 
     def _write_back(self, step: int, frag: Fragment | None, com: Commitment, rebuilt: bool) -> list[bool]:
         """Phase 5: this rank's rebuilt fragment (if `rebuilt`) and its commitment copy (if it
-        differs) written to its step folder, never through a link (:func:`._store.step_folder`);
+        differs) written to its step folder, never through a link (:func:`._store.opened_folder`);
         a disk that refuses is logged, the restore goes on from memory. Collective at its end:
         which ranks hold a fragment (all-gathered)."""
         if frag is not None:
             try:
-                d = _store.step_folder(self.root_dir, self.rank, step, create=True)  # never through a link
-                if rebuilt:
-                    _store.write(d / _store.STEP_FRAGMENT, frag)
-                if not _store.holds(d / _store.STEP_COMMITMENT, com):
-                    _store.write(d / _store.STEP_COMMITMENT, com)  # restores (or repairs) its vote
+                with _store.opened_folder(self.root_dir, f"rank{self.rank}", f"step_{step:010d}",
+                                          create=True) as fd:  # never through a link
+                    if rebuilt:
+                        _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
+                    if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
+                        _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)  # restores its vote
             except (OSError, _store.StoreError) as e:  # (a folder in the file's place, a link in the
                 # store's): this restore has what it needs in memory, so it goes on
                 log.warning("restore step %d: could not write rank %d's files back (%s); the state is "

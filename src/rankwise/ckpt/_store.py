@@ -8,8 +8,9 @@ atomically: temporary file, fsync, rename, directory fsync):
 - a **checkpoint step** of :class:`CodedCheckpointer`:
   ``store_dir/rank{i}/step_{step:010d}/{fragment,commitment}.rwck``, the commitment written
   last (a step folder with a commitment is complete). The tree below ``store_dir`` is
-  rankwise's own: ``rank{i}`` and ``step_*`` must be real folders (:func:`real_folder`), never
-  symbolic links, which could lead a write onto another rank's folder or outside the store;
+  rankwise's own: ``rank{i}`` and ``step_*`` must be real folders, never symbolic links, which
+  could lead a write onto another rank's folder or outside the store (:func:`opened_folder`:
+  writes go through a descriptor of the checked folder);
 - a **DCP location** of :class:`CodedStorageWriter`: ``.metadata.rwck`` and, per writing rank
   r, ``__{r}.frag.rwck`` and ``__{r}.commit.rwck``.
 """
@@ -17,10 +18,10 @@ atomically: temporary file, fsync, rename, directory fsync):
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
-import stat
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .. import _io
@@ -38,11 +39,14 @@ _FRAGMENT_SLACK = 1 << 12  # header, sizes, digest (any format version)
 
 
 # ------------------------------------------------------------------ sealed files
-def write(path: str | Path, record: Fragment | Commitment) -> None:
-    """Publish a fragment or commitment at `path` atomically (parent folders created)."""
+def write(path: str | Path, record: Fragment | Commitment, *, dir_fd: int | None = None) -> None:
+    """Publish a fragment or commitment at `path` atomically (parent folders created); with
+    `dir_fd` (from :func:`opened_folder`), `path` is a file name in that folder."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _io.write_atomic(path, record.to_parts() if isinstance(record, Fragment) else record.to_bytes())
+    if dir_fd is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _io.write_atomic(path, record.to_parts() if isinstance(record, Fragment) else record.to_bytes(),
+                     dir_fd=dir_fd)
 
 
 def fragment_limit(com: Commitment) -> int:
@@ -65,11 +69,11 @@ def read_fragment(path: str | Path, com: Commitment | None = None) -> Fragment:
     return Fragment.from_bytes(_io.read_regular(path, limit))
 
 
-def holds(path: str | Path, record: Fragment | Commitment) -> bool:
-    """Does `path` hold exactly `record` (byte for byte)?"""
+def holds(path: str | Path, record: Fragment | Commitment, *, dir_fd: int | None = None) -> bool:
+    """Does `path` (a name in `dir_fd`, if given) hold exactly `record` (byte for byte)?"""
     want = record.to_bytes()
     try:
-        return _io.read_regular(path, len(want)) == want
+        return _io.read_regular(path, len(want), dir_fd=dir_fd) == want
     except (OSError, ValueError):
         return False
 
@@ -183,33 +187,48 @@ class StoreError(ValueError):
     """A folder of the store breaks its rules (a symbolic link, or not a folder)."""
 
 
-def real_folder(root: str | Path, *names: str, create: bool = False) -> Path:
-    """``root/names[0]/names[1]/…``, checked component by component below `root` (which the
-    user chose, and may be a link): each must be a real folder, not a symbolic link (its target
-    could be another rank's folder or a folder outside the store) nor anything else. Raises
-    :class:`StoreError` naming the component and the rule; ``FileNotFoundError`` for a missing
-    component unless `create`, which makes it (a real folder). Checked before each use: a link
-    made between the check and the write is outside the fault model (docs/ckpt.md)."""
-    path = Path(root)
+@contextlib.contextmanager
+def opened_folder(root: str | Path, *names: str, create: bool = False) -> Iterator[int]:
+    """A descriptor of ``root/names[0]/names[1]/…``, each component opened relative to the one
+    before without following a link (``O_NOFOLLOW``): below `root` (which the user chose, and
+    may be a link) each must be a real folder, not a symbolic link (its target could be another
+    rank's folder or a folder outside the store) nor anything else. Files written through the
+    descriptor (``write(name, rec, dir_fd=fd)``) land in the folder that was checked, even if a
+    link is swapped in afterwards. Raises :class:`StoreError` naming the component and the
+    rule; ``FileNotFoundError`` for a missing component unless `create`, which makes it."""
     if create:
-        path.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        path = path / name
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            if not create:
+        Path(root).mkdir(parents=True, exist_ok=True)
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        path = Path(root)
+        for name in names:
+            path = path / name
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, dir_fd=fd)
+            try:
+                inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:  # (Linux says ENOTDIR for a link with O_DIRECTORY | O_NOFOLLOW)
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+                    raise StoreError(f"{path} is a symbolic link; the checkpoint store's rank and step "
+                                     "folders must be real folders inside store_dir (a link could lead "
+                                     "writes onto another rank's folder or outside the store)") from None
+                if e.errno == errno.ENOTDIR:
+                    raise StoreError(f"{path} is not a folder") from None
                 raise
-            with contextlib.suppress(FileExistsError):  # made meanwhile: checked below
-                os.mkdir(path)
-            st = os.lstat(path)
-        if stat.S_ISLNK(st.st_mode):
-            raise StoreError(f"{path} is a symbolic link; the checkpoint store's rank and step folders must "
-                             "be real folders inside store_dir (a link could lead writes onto another "
-                             "rank's folder or outside the store)")
-        if not stat.S_ISDIR(st.st_mode):
-            raise StoreError(f"{path} is not a folder")
-    return path
+            os.close(fd)
+            fd = inner
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def real_folder(root: str | Path, *names: str, create: bool = False) -> Path:
+    """``root/names…`` after :func:`opened_folder` checked it (for listing and reading; writes
+    go through :func:`opened_folder`'s descriptor)."""
+    with opened_folder(root, *names, create=create):
+        pass
+    return Path(root).joinpath(*names)
 
 
 def rank_folder(store_dir: str | Path, rank: int, *, create: bool = False) -> Path:

@@ -176,12 +176,12 @@ def repair_cmd(folder: Folder,
     if (in_store := _store.store_step(folder)) is not None:  # the rank's step folder, real, and its
         store, step = in_store                                   # commitment copy if it lacks one
         try:
-            target = _store.step_fragment(store, worker, step, create=True)
+            with _store.opened_folder(store, f"rank{worker}", f"step_{step:010d}", create=True) as fd:
+                _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
+                if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
+                    _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)
         except _store.StoreError as e:
             raise UserError(f"cannot write worker {worker}'s fragment: {e}", 1) from e
-        _store.write(target, frag)
-        if not _store.holds(target.parent / _store.STEP_COMMITMENT, com):
-            _store.write(target.parent / _store.STEP_COMMITMENT, com)
     else:
         _store.write(where(worker), frag)
     payload, wire = sum(s.nbytes for s in syms), sum(s.wire_bytes for s in syms)
