@@ -257,9 +257,13 @@ def test_a_second_sweep_into_the_folder_drops_tables_it_does_not_rewrite(tmp_pat
 
 
 _POOL_SCRIPT = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
 from rankwise.experiments._pool import map_runs
+
+# as in a terminal: a job started in the background by a non-interactive shell (a CI script's
+# `cmd &`) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def slow(item, report):
     Path(sys.argv[1], f"started{item}").write_text("")
