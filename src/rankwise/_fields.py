@@ -45,8 +45,9 @@ def options_named(message: str, cls: type, *, said: Mapping[str, str] | None = N
     option that sets it: `` `tau_min` `` anywhere, or a bare name that starts the message
     (``omega must be …``), becomes ``--tau-min`` (or what `said` gives for it). `only` limits this
     to the fields a command exposes (the others keep their names)."""
-    names = {f.name for f in dataclasses.fields(cls)} & (set(only) if only is not None else {
-        f.name for f in dataclasses.fields(cls)})
+    names = {f.name for f in dataclasses.fields(cls)}
+    if only is not None:
+        names &= set(only)
     said = dict(said or {})
 
     def option(name: str) -> str:

@@ -56,7 +56,7 @@ def test_the_step_scan_reads_only_the_newest_folders(tmp_path, monkeypatch):
     real = _store.read_commitment
     monkeypatch.setattr(_store, "read_commitment", lambda p: reads.append(p) or real(p))
     ck = _checkpointer.CodedCheckpointer.__new__(_checkpointer.CodedCheckpointer)
-    ck.root_dir, ck.rank, ck.keep = tmp_path, 0, 2
+    ck.root_dir, ck.rank, ck.keep, ck.scan_seconds = tmp_path, 0, 2, 60.0
     held = ck._local_steps()
     assert len(reads) == 2 + _checkpointer.SCAN_SLACK
     assert sorted(held) == list(range(60 - len(reads), 60))
@@ -82,6 +82,5 @@ def test_the_step_scan_has_its_own_time_bound(tmp_path, monkeypatch):
     monkeypatch.setattr(_store, "read_commitment", slow)
     monkeypatch.setattr(_checkpointer, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     ck = _checkpointer.CodedCheckpointer.__new__(_checkpointer.CodedCheckpointer)
-    ck.root_dir, ck.rank, ck.keep = tmp_path, 0, 2
-    monkeypatch.setattr(ck, "_scan_seconds", lambda: 2.5)
+    ck.root_dir, ck.rank, ck.keep, ck.scan_seconds = tmp_path, 0, 2, 2.5
     assert sorted(ck._local_steps()) == [3, 4, 5]  # the newest three, read by t = 3 > 2.5

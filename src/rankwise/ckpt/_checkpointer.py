@@ -114,7 +114,9 @@ class CodedCheckpointer:
         self.code = Code2D(self.n, t, hash=hash)
         self.t, self.k = t, self.code.k
         self.root_dir = Path(store_dir)
-        self.dir = self.root_dir / f"rank{self.rank}"
+        # the step scan's own time bound (it runs before the restore's first collective): a
+        # quarter of the group's timeout, at most 60 s, so a rank on a slow disk still votes in time
+        self.scan_seconds = min(60.0, group_timeout(self.group).total_seconds() / 4)
         self.keep, self.weights_only = keep, weights_only
         self._stats: dict[str, Any] = {}
         self.per_rank: Any = None  # this rank's ``per_rank`` object after restore()
@@ -153,11 +155,11 @@ class CodedCheckpointer:
         # a store stuffed with step folders costs a directory listing, not a read of each
         named = sorted(((s, d) for d in mine.glob("step_*") if (s := _store.step_of(d)) is not None),
                        key=lambda sd: sd[0], reverse=True)
-        deadline = time.monotonic() + self._scan_seconds()
+        deadline = time.monotonic() + self.scan_seconds
         for i, (step, d) in enumerate(named[:self.keep + SCAN_SLACK]):
             if i and time.monotonic() > deadline:  # a slow disk: vote with what was read, in time
                 log.warning("rank %d's step scan stopped after %d folders (%.1f s bound); older steps "
-                            "are not voted for", self.rank, i, self._scan_seconds())
+                            "are not voted for", self.rank, i, self.scan_seconds)
                 break
             try:
                 _store.real_folder(mine, d.name)
@@ -170,14 +172,6 @@ class CodedCheckpointer:
             except (ValueError, OSError, MemoryError):
                 continue
         return out
-
-    def _scan_seconds(self) -> float:
-        """The step scan's own time bound (it runs before the first collective of a restore):
-        a quarter of the group's timeout, at most 60 s, so that a rank on a slow disk still
-        reaches the vote before its peers time out."""
-        if getattr(self, "group", None) is None:
-            return 60.0
-        return min(60.0, group_timeout(self.group).total_seconds() / 4)
 
     def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup,
                       exc: type[RuntimeError] = RuntimeError) -> None:
@@ -293,8 +287,10 @@ class CodedCheckpointer:
         try:
             self._publish(d, frag, com)
             err = None
-        except (OSError, _store.StoreError) as e:  # (a StoreError names the folder itself)
-            err = str(e) if isinstance(e, _store.StoreError) else f"writing {d}: {e}"
+        except _store.StoreError as e:  # (names the folder itself)
+            err = str(e)
+        except OSError as e:
+            err = f"writing {d}: {e}"
         self._raise_if_any(err, f"save(step={step})", group)  # every rank has written: now prune
         self._prune(step)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
@@ -471,7 +467,7 @@ class CodedCheckpointer:
         which ranks hold a fragment (all-gathered)."""
         if frag is not None:
             try:
-                with _store.opened_folder(self.root_dir, f"rank{self.rank}", f"step_{step:010d}",
+                with _store.opened_folder(self.root_dir, *_store.step_parts(self.rank, step),
                                           create=True) as fd:  # never through a link
                     if rebuilt:
                         _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)

@@ -155,13 +155,18 @@ def load_fragments(folder: str | Path, com: Commitment | int, *,
 
 
 # ------------------------------------------------------------------ checkpoint steps
+def step_parts(rank: int, step: int) -> tuple[str, str]:
+    """The folder names of rank `rank`'s `step` below ``store_dir``: ``("rank{rank}", "step_…")``."""
+    return f"rank{rank}", f"step_{step:010d}"
+
+
 def step_dir(store_dir: str | Path, rank: int, step: int) -> Path:
-    return Path(store_dir) / f"rank{rank}" / f"step_{step:010d}"
+    return Path(store_dir).joinpath(*step_parts(rank, step))
 
 
-def step_fragment(store_dir: str | Path, rank: int, step: int, *, create: bool = False) -> Path:
-    """Rank `rank`'s fragment file of `step`, its folders checked (:func:`step_folder`)."""
-    return step_folder(store_dir, rank, step, create=create) / STEP_FRAGMENT
+def step_fragment(store_dir: str | Path, rank: int, step: int) -> Path:
+    """Rank `rank`'s fragment file of `step`, its folders checked (:func:`real_folder`)."""
+    return real_folder(store_dir, *step_parts(rank, step)) / STEP_FRAGMENT
 
 
 def store_step(folder: str | Path) -> tuple[Path, int] | None:
@@ -231,14 +236,9 @@ def real_folder(root: str | Path, *names: str, create: bool = False) -> Path:
     return Path(root).joinpath(*names)
 
 
-def rank_folder(store_dir: str | Path, rank: int, *, create: bool = False) -> Path:
+def rank_folder(store_dir: str | Path, rank: int) -> Path:
     """``store_dir/rank{rank}``, a real folder (:func:`real_folder`)."""
-    return real_folder(store_dir, f"rank{rank}", create=create)
-
-
-def step_folder(store_dir: str | Path, rank: int, step: int, *, create: bool = False) -> Path:
-    """:func:`step_dir`, every folder below `store_dir` real (:func:`real_folder`)."""
-    return real_folder(store_dir, f"rank{rank}", f"step_{step:010d}", create=create)
+    return real_folder(store_dir, f"rank{rank}")
 
 
 # ------------------------------------------------------------------ DCP locations

@@ -41,18 +41,19 @@ V1Ok = Annotated[bool, typer.Option(
 
 
 def _open(folder: Path, *, v1_ok: bool = True, pinned: bytes | None = None):
-    """(code, commitment, found fragments, problems, the file of worker i) of a folder, or a
-    one-line UserError. A folder with no commitment is refused before the codec (and torch) is
-    imported; one whose commitment has format 1 unless `v1_ok`; one whose root is not `pinned`
-    (``--root``) before any worker file is read. A step folder of a ``CodedCheckpointer`` store
-    (``STORE/rank{i}/step_*``, e.g. from ``rankwise train --checkpoint-dir``) is read as one
-    checkpoint whose worker i is ``STORE/rank{i}/step_*/fragment.rwck``."""
+    """(code, commitment, found fragments, problems, ``(store, step)`` for a checkpointer step
+    folder else None) of a folder, or a one-line UserError. A folder with no commitment is
+    refused before the codec (and torch) is imported; one whose commitment has format 1 unless
+    `v1_ok`; one whose root is not `pinned` (``--root``) before any worker file is read. A step
+    folder of a ``CodedCheckpointer`` store (``STORE/rank{i}/step_*``, e.g. from ``rankwise train
+    --checkpoint-dir``) is read as one checkpoint whose worker i is
+    ``STORE/rank{i}/step_*/fragment.rwck``."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     if not (folder / COMMITMENT).exists():
         raise UserError(f"no {COMMITMENT} in {folder}; is this a folder written by `rankwise ckpt "
                         "encode`?", 1)
-    from ..ckpt import Code2D, _store, fragment_path, load_commitment, load_fragments
+    from ..ckpt import Code2D, _store, load_commitment, load_fragments
 
     try:
         com = load_commitment(folder)
@@ -69,16 +70,13 @@ def _open(folder: Path, *, v1_ok: bool = True, pinned: bytes | None = None):
         raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
                         "header (n, t, data length, block size): a rewritten header is not detected. "
                         "Re-encode the data to upgrade, or pass --v1-not-tamper-evident to read it anyway", 1)
-    if (in_store := _store.store_step(folder)) is not None:  # a checkpointer step: one rank per worker
+    in_store = _store.store_step(folder)
+    if in_store is None:
+        found, problems = load_fragments(folder, com)
+    else:  # a checkpointer step: worker i is rank i's fragment
         store, step = in_store
-
-        def where(i: int) -> Path:
-            return _store.step_fragment(store, i, step)
-    else:
-        def where(i: int) -> Path:
-            return fragment_path(folder, i)
-    found, problems = load_fragments(folder, com, where=where)
-    return code, com, found, problems, where
+        found, problems = load_fragments(folder, com, where=lambda i: _store.step_fragment(store, i, step))
+    return code, com, found, problems, in_store
 
 
 def _check(code, com, found: dict, problems: dict) -> dict[int, str]:
@@ -157,8 +155,8 @@ def repair_cmd(folder: Folder,
                                                    "if the present one is valid.")] = False,
                v1: V1Ok = False) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    code, com, found, _, where = _open(folder, v1_ok=v1)
-    from ..ckpt import NotEnoughSymbols, _store
+    code, com, found, _, in_store = _open(folder, v1_ok=v1)
+    from ..ckpt import NotEnoughSymbols, _store, fragment_path
 
     if not 0 <= worker < com.n:
         raise UserError(f"--worker must be in 0 … {com.n - 1} for this {com.n}-worker checkpoint; "
@@ -173,17 +171,17 @@ def repair_cmd(folder: Folder,
         frag = code.repair(worker, syms, com)
     except NotEnoughSymbols as e:
         raise UserError(f"cannot repair worker {worker}: {e}", 1) from e
-    if (in_store := _store.store_step(folder)) is not None:  # the rank's step folder, real, and its
-        store, step = in_store                                   # commitment copy if it lacks one
+    if in_store is not None:  # the rank's step folder (real), and its commitment copy if it lacks one
+        store, step = in_store
         try:
-            with _store.opened_folder(store, f"rank{worker}", f"step_{step:010d}", create=True) as fd:
+            with _store.opened_folder(store, *_store.step_parts(worker, step), create=True) as fd:
                 _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
                 if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
                     _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)
         except _store.StoreError as e:
             raise UserError(f"cannot write worker {worker}'s fragment: {e}", 1) from e
     else:
-        _store.write(where(worker), frag)
+        _store.write(fragment_path(folder, worker), frag)
     payload, wire = sum(s.nbytes for s in syms), sum(s.wire_bytes for s in syms)
     console.print(f"rebuilt worker {worker} from {len(syms)} helpers: read {payload:,} payload bytes "
                   f"({wire:,} with Merkle paths); full retrieval reads {com.data_len:,}")
@@ -223,12 +221,10 @@ def retrieve_cmd(folder: Folder,
 def inspect_cmd(folder: Folder) -> None:
     """Show the commitment and whether each fragment matches it (exit 0 either way; `verify`
     exits 1 on a problem)."""
-    code, com, found, problems, _ = _open(folder)
-    from ..ckpt import _store
-
+    code, com, found, problems, in_store = _open(folder)
     status = _check(code, com, found, problems)
     bad = {i: s for i, s in status.items() if s != "ok"}
-    if (in_store := _store.store_step(folder)) is not None:
+    if in_store is not None:
         console.print(f"a CodedCheckpointer step: worker i is {in_store[0]}/rank{{i}}/{folder.name}/"
                       "fragment.rwck")
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "

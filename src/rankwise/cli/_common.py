@@ -151,21 +151,18 @@ def _records(folder: Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def holds_records(folder: Path, field: str) -> bool:
-    """Does ``folder/runs/`` hold a run record (``*.json`` whose ``spec`` has `field`) of the
-    kind ``rankwise sweep`` / ``rankwise peft`` write? Such a folder is theirs to resume; a
-    ``runs/`` folder of anything else does not make its summaries theirs."""
-    return any(field in spec for _, spec in _records(folder))
-
-
-def foreign_records(folder: Path, field: str, option: str = "--out") -> None:
-    """Refuse (exit 1) a folder whose ``runs/`` holds run records of another command (their spec
-    lacks `field`): a run would mix its records with them, and ``--force`` never deletes them."""
+def resumes_records(folder: Path, field: str, option: str = "--out") -> bool:
+    """Does ``folder/runs/`` hold this command's run records (their ``spec`` has `field`, see
+    :data:`RECORD_FIELDS`), so that the folder is resumed? One holding another command's records
+    is refused (exit 1): a run would mix its own with them, and ``--force`` never deletes them."""
+    ours = False
     for p, spec in _records(folder):
         if field not in spec:
             who = next((cmd for f, cmd in RECORD_FIELDS.items() if f in spec), "another command")
             raise UserError(f"{option} {folder} holds run records of {who} (runs/{p.name}); this command "
                             f"would mix its own with them: choose another {option}", 1)
+        ours = True
+    return ours
 
 
 def _named_folder(folder: Path, option: str) -> None:
@@ -190,8 +187,7 @@ def check_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     nothing."""
     _named_folder(folder, option)
     if records is not None:
-        foreign_records(folder, records, option)
-        force = force or holds_records(folder, records)
+        force = resumes_records(folder, records, option) or force
     old = earlier_outputs(folder, produced)
     foreign = [p for p in old if ours is not None and not ours(p)]
     if foreign:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from .._checks import check_rank
 from ._loop import Callback, Loop
 
 
@@ -57,12 +58,10 @@ class DenseWarmStart(Callback):
                 raise ValueError("a `rank` mapping names the layers to factor: give it without `include` or "
                                  "`exclude`")
             for name, r in rank.items():
-                if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-                    raise ValueError(f"`rank[{name!r}]` must be an int >= 1; got {r!r}")
+                check_rank(r, f"rank[{name!r}]")
             rank = dict(rank)
-        elif rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
-            raise ValueError(f"`rank` must be None (full rank), an int >= 1 or {{module name: rank}}; "
-                             f"got {rank!r}")
+        elif rank is not None:  # (None: full rank)
+            check_rank(rank)
         self.steps, self.make, self.rank = steps, optimizer, rank
         self.include, self.exclude, self.carry_lr = include, exclude, carry_lr
         self.switched_at: int | None = None
