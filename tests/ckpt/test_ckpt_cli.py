@@ -165,3 +165,20 @@ def test_a_checkpointer_step_folder_is_read_as_one_checkpoint(tmp_path):
     assert r.exit_code == 0, r.output
     saved = torch.load(tmp_path / "blob", weights_only=True)
     assert torch.equal(saved["state"]["w"], torch.arange(3000.0))
+
+
+def test_repair_into_a_step_folder_it_cannot_write_is_one_line(tmp_path):
+    """The rank's step folder is a file: the repair names it and exits 1 (no internal error)."""
+    from distributed import run_world
+
+    store = tmp_path / "store"
+    run_world(_save_step, 4, tmp_path, str(store), timeout=120)
+    lost = store / "rank2" / "step_0000000010"
+    for f in lost.iterdir():
+        f.unlink()
+    lost.rmdir()
+    lost.write_text("not a folder")
+    r = run_cli("ckpt", "repair", str(store / "rank0" / "step_0000000010"), "--worker", "2")
+    assert r.exit_code == 1 and "internal error" not in r.stderr, r.stderr
+    assert "cannot write worker 2's fragment" in r.stderr and "is not a folder" in r.stderr
+    assert lost.read_text() == "not a folder"

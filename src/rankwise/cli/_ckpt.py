@@ -178,7 +178,7 @@ def repair_cmd(folder: Folder,
                 _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
                 if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
                     _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)
-        except _store.StoreError as e:
+        except (_store.StoreError, OSError) as e:  # (a link, a file in the folder's place, no permission)
             raise UserError(f"cannot write worker {worker}'s fragment: {e}", 1) from e
     else:
         _store.write(fragment_path(folder, worker), frag)
