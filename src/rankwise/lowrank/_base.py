@@ -108,6 +108,14 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
     def dense_weight(self) -> Tensor:
         """The equivalent dense weight in the matching torch layer's shape."""
 
+    @property
+    def weight(self) -> Tensor:
+        """A read-only dense view, :meth:`dense_weight`, in the shape the matching torch layer's
+        ``weight`` has: what code written for ``nn.Linear`` / ``nn.Conv2d`` reads (torch's
+        transformer fast path, HF helpers). It is computed on each access and differentiable
+        through the factors; it is not a parameter, and assigning to it raises."""
+        return self.dense_weight()
+
     @torch.no_grad()
     def set_factors(self, U: Tensor, S: Tensor, V: Tensor,
                     U_buf: Tensor | None = None, V_buf: Tensor | None = None) -> None:
