@@ -31,18 +31,31 @@ def sgd(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tup
     return -hp["lr"] * m, {**state, "m": m}
 
 
+def _decoupled(hp: Mapping[str, Any]) -> bool:
+    """Is the weight decay decoupled (``torch.optim.AdamW``: ``p ← p − lr·wd·p`` beside the
+    step) rather than L2 (``g + wd·p`` into the moments)? ``hp["decoupled_weight_decay"]``;
+    absent in groups saved before it, and then False."""
+    return bool(hp["weight_decay"]) and bool(hp.get("decoupled_weight_decay", False))
+
+
 def adam(grad: Tensor, param: Tensor, state: State, hp: Mapping[str, Any]) -> tuple[Tensor, State]:
-    """Adam with L2 weight decay added to the gradient, as ``torch.optim.Adam``:
-    ``Δ = −lr · m̂ / (√v̂ + eps)`` with bias-corrected moments. Pure, like :func:`sgd`."""
+    """Adam as ``torch.optim.Adam``: ``Δ = −lr · m̂ / (√v̂ + eps)`` with bias-corrected moments of
+    ``g + wd·p`` (L2 weight decay); with ``hp["decoupled_weight_decay"]`` (as
+    ``torch.optim.AdamW``) the moments see ``g`` alone and ``Δ`` gains ``−lr·wd·p``.
+    Pure, like :func:`sgd`."""
     b1, b2 = hp["betas"]
-    g = grad + hp["weight_decay"] * param if hp["weight_decay"] else grad
+    wd, decoupled = hp["weight_decay"], _decoupled(hp)
+    g = grad + wd * param if wd and not decoupled else grad
     m, v = state.get("m"), state.get("v")
     m = (1 - b1) * g if m is None else b1 * m.to(g.dtype) + (1 - b1) * g
     v = (1 - b2) * g * g if v is None else b2 * v.to(g.dtype) + (1 - b2) * g * g
     step = state.get("step", 0) + 1
     mhat = m / (1 - b1**step)
     vhat = v / (1 - b2**step)
-    return -hp["lr"] * mhat / (vhat.sqrt() + hp["eps"]), {**state, "m": m, "v": v, "step": step}
+    delta = -hp["lr"] * mhat / (vhat.sqrt() + hp["eps"])
+    if decoupled:
+        delta = delta - (hp["lr"] * wd) * param
+    return delta, {**state, "m": m, "v": v, "step": step}
 
 
 def transport(state: State, left: Tensor | None, right: Tensor | None) -> State:
@@ -68,14 +81,16 @@ def transport(state: State, left: Tensor | None, right: Tensor | None) -> State:
 
 def foreach_update(name: str, grads: list[Tensor], params: list[Tensor], states: list[State],
                    hp: Mapping[str, Any]) -> tuple[list[Tensor], list[State]]:
-    """:func:`sgd` (`name` ``"sgd"``) or :func:`adam` (``"adam"``) of many tensors at once, with
-    ``torch._foreach_*`` ops: a constant number of dispatched ops however many tensors. The
-    states must agree in which moments they hold and in Adam's step count (the caller groups
-    them so). Pure, like the rules: returns the deltas and new states."""
+    """:func:`sgd` (`name` ``"sgd"``) or :func:`adam` (``"adam"``, ``"adamw"``: the decay then
+    as ``hp["decoupled_weight_decay"]`` says) of many tensors at once, with ``torch._foreach_*``
+    ops: a constant number of dispatched ops however many tensors. The states must agree in
+    which moments they hold and in Adam's step count (the caller groups them so). Pure, like
+    the rules: returns the deltas and new states."""
     if not grads:
         return [], []
     wd = hp["weight_decay"]
-    g = torch._foreach_add(grads, torch._foreach_mul(params, wd)) if wd else grads
+    decoupled = name != "sgd" and _decoupled(hp)
+    g = torch._foreach_add(grads, torch._foreach_mul(params, wd)) if wd and not decoupled else grads
     first = states[0]
     if name == "sgd":
         mu = hp["momentum"]
@@ -86,7 +101,7 @@ def foreach_update(name: str, grads: list[Tensor], params: list[Tensor], states:
         else:
             m = torch._foreach_add(torch._foreach_mul([s["m"] for s in states], mu), g)
         return torch._foreach_mul(m, -hp["lr"]), [{**s, "m": mi} for s, mi in zip(states, m, strict=True)]
-    if name != "adam":
+    if name not in ("adam", "adamw"):
         raise ValueError(f"no foreach form of the rule {name!r}")
     b1, b2 = hp["betas"]
     gb = torch._foreach_mul(g, 1 - b1)
@@ -103,4 +118,6 @@ def foreach_update(name: str, grads: list[Tensor], params: list[Tensor], states:
     mhat = torch._foreach_div(m, 1 - b1**step)
     den = torch._foreach_add(torch._foreach_sqrt(torch._foreach_div(v, 1 - b2**step)), hp["eps"])
     delta = torch._foreach_div(torch._foreach_mul(mhat, -hp["lr"]), den)
+    if decoupled:
+        delta = torch._foreach_add(delta, torch._foreach_mul(params, -hp["lr"] * wd))
     return delta, [{**s, "m": mi, "v": vi, "step": step} for s, mi, vi in zip(states, m, v, strict=True)]

@@ -1,6 +1,6 @@
 r"""The optimizer's settings, validated once and held once.
 
-:class:`Sgd` and :class:`Adam` are the update rules (with their hyperparameters' starting
+:class:`Sgd`, :class:`Adam` and :class:`AdamW` are the update rules (with their hyperparameters' starting
 values; the live values sit in ``param_groups`` so that torch's LR and momentum schedulers
 work); :class:`Settings` holds every choice of an :class:`~rankwise.AugmentedBUG`:
 truncation, feedback, buffer, rule and the integrator's switches. All are frozen dataclasses
@@ -56,11 +56,15 @@ class Sgd:
 @dataclass(frozen=True)
 class Adam:
     """Adam with moment decay rates `betas` (each in [0, 1)), denominator term `eps` > 0 and
-    L2 `weight_decay` added to the gradient (as ``torch.optim.Adam``)."""
+    `weight_decay`, as ``torch.optim.Adam``: L2 (``wd·p`` added to the gradient) or, with
+    ``decoupled_weight_decay=True``, decoupled (``p ← p − lr·wd·p`` beside Adam's step, as
+    ``torch.optim.AdamW``; on a low-rank layer applied to K = US, L = VSᵀ and S, so that
+    the weight W = U S Vᵀ decays)."""
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decoupled_weight_decay: bool = False
     name: ClassVar[str] = "adam"
     update: ClassVar[Rule] = staticmethod(adam)
 
@@ -77,20 +81,38 @@ class Adam:
         if not (math.isfinite(v := _real("eps", self.eps, finite=False)) and v > 0):
             raise ValueError(f"`eps` must be a finite number > 0 (Adam's denominator term, "
                              f"default 1e-8); got {self.eps}")
-        _nonnegative("weight_decay", self.weight_decay, "L2 coefficient; 0 switches it off")
+        _nonnegative("weight_decay", self.weight_decay, "0 switches it off")
+        if not isinstance(self.decoupled_weight_decay, bool):
+            raise TypeError("`decoupled_weight_decay` must be True or False; "
+                            f"got {self.decoupled_weight_decay!r}")
 
     def hyper(self) -> dict[str, Any]:
-        return {"betas": self.betas, "eps": float(self.eps), "weight_decay": float(self.weight_decay)}
+        return {"betas": self.betas, "eps": float(self.eps), "weight_decay": float(self.weight_decay),
+                "decoupled_weight_decay": self.decoupled_weight_decay}
 
 
-RULES: dict[str, type[Sgd] | type[Adam]] = {"sgd": Sgd, "adam": Adam}
+@dataclass(frozen=True)
+class AdamW(Adam):
+    """:class:`Adam` with decoupled weight decay, as ``torch.optim.AdamW`` (and with its default
+    ``weight_decay=1e-2``): ``p ← p − lr·wd·p`` beside Adam's step of the plain gradient."""
+
+    weight_decay: float = 1e-2
+    decoupled_weight_decay: bool = True
+    name: ClassVar[str] = "adamw"
 
 
-def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: float = 0.0,
-              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Sgd | Adam:
+RULES: dict[str, type[Sgd] | type[Adam]] = {"sgd": Sgd, "adam": Adam, "adamw": AdamW}
+
+
+def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: float | None = None,
+              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+              decoupled_weight_decay: bool | None = None) -> Sgd | Adam:
     """The rule object for the presets' keyword arguments (``optimizer="adam"``, ``betas=...``).
     Every value is checked; those of the other rule (``momentum`` under Adam, ``betas`` and
-    ``eps`` under SGD) are not used, as before the settings objects."""
+    ``eps`` under SGD) are not used, as before the settings objects. `weight_decay` defaults
+    to the rule's own (torch's: 0, and 1e-2 for ``"adamw"``); `decoupled_weight_decay` is
+    Adam's (``torch.optim.Adam(decoupled_weight_decay=True)`` is AdamW) and refused under
+    SGD, which has no such form in torch."""
     if not isinstance(optimizer, str):
         raise TypeError(f"`optimizer` must be the name of an update rule, one of {sorted(RULES)}; "
                         f"got {optimizer!r} ({type(optimizer).__name__}); DLRT/SDLRT apply the "
@@ -98,11 +120,17 @@ def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: fl
     if optimizer not in RULES:
         raise ValueError(f"`optimizer` must be one of {sorted(RULES)}; got {optimizer!r} "
                          "(names are lower case)")
+    cls = RULES[optimizer]
+    wd = {} if weight_decay is None else {"weight_decay": weight_decay}
     if optimizer == "sgd":
         Adam(betas, eps)  # checked even where unused, as before
-        return Sgd(momentum, weight_decay)
+        if decoupled_weight_decay:
+            raise ValueError("`decoupled_weight_decay` is Adam's (torch.optim.SGD has none): use "
+                             "optimizer='adamw', or weight_decay= alone for SGD's L2 decay")
+        return Sgd(momentum, **wd)
     Sgd(momentum)
-    return Adam(betas, eps, weight_decay)
+    dec = {} if decoupled_weight_decay is None else {"decoupled_weight_decay": decoupled_weight_decay}
+    return cls(betas, eps, **wd, **dec)
 
 
 _POLICIES: dict[str, type] = {c.__name__: c for c in (Tolerance, Budget, SeedFeedback, TwoSidedFeedback)}
@@ -131,7 +159,7 @@ class Settings:
 
     **Arguments:** `truncation` (:class:`Tolerance` or :class:`Budget`), `feedback`
     (``None`` or a :class:`Feedback`; only with a Tolerance), `buffer` (SDLRT's compensation
-    buffer), `rule` (:class:`Sgd` or :class:`Adam`), `single_pass`, `min_rank`, `max_rank`,
+    buffer), `rule` (:class:`Sgd`, :class:`Adam` or :class:`AdamW`), `single_pass`, `min_rank`, `max_rank`,
     `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``), `moments`
     (``"rotate"``: the rule's moments are carried into the new bases at every truncation,
     :func:`._rules.transport`; ``"reset"``: they start afresh, with Adam's step count),
@@ -165,8 +193,8 @@ class Settings:
             raise TypeError(f"`feedback` must be None, rankwise.SeedFeedback(...) or "
                             f"rankwise.TwoSidedFeedback(...); got {self.feedback!r}")
         if not isinstance(self.rule, Sgd | Adam):
-            raise TypeError(f"`rule` must be rankwise.Sgd(momentum=...) or "
-                            f"rankwise.Adam(betas=..., eps=...); got {self.rule!r}")
+            raise TypeError(f"`rule` must be rankwise.Sgd(momentum=...), rankwise.Adam(betas=..., eps=...) "
+                            f"or rankwise.lowrank.AdamW(...); got {self.rule!r}")
         for name in ("buffer", "single_pass", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False; got {getattr(self, name)!r}")
@@ -231,12 +259,13 @@ class Settings:
                    rule=RULES[kind](**rule), **d)
 
 
-RULE_ARGS = ("optimizer", "momentum", "weight_decay", "betas", "eps")
+RULE_ARGS = ("optimizer", "momentum", "weight_decay", "betas", "eps", "decoupled_weight_decay")
 
 
 def pop_rule(kwargs: dict[str, Any]) -> Sgd | Adam:
     """Take the update rule out of keyword arguments (in place): `rule`, or the presets'
-    ``optimizer=``, ``momentum=``, ``weight_decay=``, ``betas=``, ``eps=`` (checked here), or
+    ``optimizer=`` (``"sgd"``, ``"adam"``, ``"adamw"``), ``momentum=``, ``weight_decay=``,
+    ``betas=``, ``eps=``, ``decoupled_weight_decay=`` (checked here, :func:`rule_from`), or
     the default ``Sgd()``."""
     legacy = {k: kwargs.pop(k) for k in RULE_ARGS if k in kwargs}
     rule = kwargs.pop("rule", None)
