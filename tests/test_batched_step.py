@@ -225,7 +225,7 @@ def test_a_layer_with_dropped_directions_steps_as_the_exact_path(monkeypatch):
         for _ in range(3):
             opt.zero_grad()
             ((layer(X) - Y) ** 2).sum().backward()
-            G_L = layer.sink.L.clone()
+            G_L = layer.V.grad.clone()  # (factor mode: G_L)
             opt.step()
         return layer, G_L
 

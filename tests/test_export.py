@@ -80,7 +80,7 @@ def assert_plain_torch(model: nn.Module) -> None:
         assert type(m).__module__.startswith("torch."), (name, type(m))
     names = [n for n, _ in model.named_buffers()]
     assert not any(n.endswith(("U_buf", "V_buf")) for n in names), names
-    assert not any(hasattr(m, "sink") for m in model.modules())
+    assert not any(hasattr(m, "grad_mode") for m in model.modules())
 
 
 # ----------------------------------------------------------------------------- (a) outputs
@@ -133,7 +133,7 @@ def test_only_torch_modules_no_buffers_and_same_dtype_mode(merge):
     model = low_rank_lenet(F64).train()
     model.fc1.eval()  # a mixed-mode model keeps each module's own mode
     assert all(m.U_buf.shape[1] == 2 for m in low_rank_layers(model))
-    low_rank_layers(model)[0].set_grad_mode("factors")  # U, V requires_grad=False while training
+    low_rank_layers(model)[0].set_grad_mode("core")  # U, V requires_grad=False while training
     out = export(model, merge=merge)
     assert_plain_torch(out)
     assert out.training and not out.fc1.training and all(not m.training for m in out.fc1.modules())

@@ -38,7 +38,7 @@ def test_conv_forward_and_grads_match_dense(stride, padding, dilation):
     assert W.shape == (7, 3, 3, 2) and layer.V.shape == (3 * 3 * 2, 4)
     torch.testing.assert_close(layer(x), F.conv2d(x, W, layer.bias, stride, padding, dilation))
     fn = lambda x, U, S, V, b: rankwise.lowrank._autograd.LowRankConv2dFn.apply(  # noqa: E731
-        x, U, S, V, b, layer.sink, layer.kernel_size, layer.stride, layer.padding, layer.dilation)
+        x, U, S, V, b, False, layer.kernel_size, layer.stride, layer.padding, layer.dilation)
     args = [t.detach().clone().requires_grad_(True) for t in (x[:1], layer.U, layer.S, layer.V, layer.bias)]
     assert torch.autograd.gradcheck(fn, args, fast_mode=True)
 
@@ -46,7 +46,7 @@ def test_conv_forward_and_grads_match_dense(stride, padding, dilation):
 def test_linear_gradcheck():
     layer = LowRankLinear(6, 5, 3, dtype=F64)
     fn = lambda x, U, S, V, b: rankwise.lowrank._autograd.LowRankLinearFn.apply(  # noqa: E731
-        x, U, S, V, b, layer.sink)
+        x, U, S, V, b, False)
     args = [t.detach().clone().requires_grad_(True)
             for t in (torch.randn(4, 6, dtype=F64), layer.U, layer.S, layer.V, layer.bias)]
     assert torch.autograd.gradcheck(fn, args)
@@ -70,7 +70,7 @@ def test_factor_grads_are_dense_gradient_times_bases(kind):
     torch.testing.assert_close(gk, gW @ layer.V.detach())
     torch.testing.assert_close(gl, gW.T @ layer.U.detach())
     torch.testing.assert_close(layer.S.grad, layer.U.detach().T @ gW @ layer.V.detach())
-    assert layer.U.grad is None and layer.V.grad is None
+    assert layer.U.grad is gk and layer.V.grad is gl  # factor mode: G_K, G_L are U's and V's .grad
     layer.set_grad_mode("core")
     layer.reset_factor_grads()
     layer.S.grad = None

@@ -51,7 +51,6 @@ def training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     buffers = 0
     for m in model.modules():
         if isinstance(m, AbstractLowRankLayer):
-            grads += sum(size(g) for g in m.factor_grads())
             buffers += size(m.U_buf) + size(m.V_buf)
     state = 0 if optimizer is None else sum(_state_bytes(v, size, 0) for v in optimizer.state.values())
     return MemoryCount(weights, grads, state, buffers)

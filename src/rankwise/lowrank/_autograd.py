@@ -7,65 +7,46 @@ integrator needs, with no division by S:
     G_L = ∇_W Lᵀ · U  (n, r)   the gradient of L = V Sᵀ,
 
 and from them the true parameter gradients dU = G_K Sᵀ, dV = G_L S, dS = Uᵀ ∇_W L V
-(r×r products, cheap). G_K and G_L are accumulated into a :class:`FactorGradSink` when the
-layer asks for them; plain autograd users get ordinary ``.grad`` values.
+(r×r products, cheap). In *factor mode* (``factors=True``, the mode DLRT/SDLRT set) the
+backward returns G_K as U's gradient and G_L as V's (they have U's and V's shapes), so that
+autograd accumulates them into ``U.grad`` and ``V.grad`` exactly as it accumulates any
+``.grad``: only a ``backward()`` that reaches the layer's parameters adds to them
+(``torch.autograd.grad(loss, x)`` does not), ``zero_grad`` clears them, ``GradScaler.unscale_``
+and ``clip_grad_norm_`` scale them and gradient accumulation sums them. Plain autograd users
+(``factors=False``) get the true gradients dU, dV.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
-from ..linalg import work_dtype
 
 
-@dataclass(eq=False)
-class FactorGradSink:
-    """Accumulates G_K (m, r) and G_L (n, r) over backward passes until :meth:`reset`."""
-
-    enabled: bool = False
-    K: Tensor | None = None
-    L: Tensor | None = None
-
-    def reset(self) -> None:
-        self.K = None
-        self.L = None
-
-    def add(self, gk: Tensor, gl: Tensor) -> None:
-        gk, gl = gk.to(work_dtype(gk.dtype)), gl.to(work_dtype(gl.dtype))
-        self.K = gk if self.K is None else self.K + gk
-        self.L = gl if self.L is None else self.L + gl
-
-
-def _finish(ctx, gk_fn, gl_fn, t_h: Tensor, U: Tensor, S: Tensor):
-    """Shared tail of both backward passes: dU, dS, dV and the sink."""
-    sink: FactorGradSink = ctx.sink
+def _finish(ctx, gk_fn, gl_fn, t_h, S):
+    """Shared tail of both backward passes: U's, S's and V's gradients (factor mode: G_K, G_S,
+    G_L; else dU = G_K Sᵀ, dS, dV = G_L S)."""
     need_u, need_s, need_v = ctx.needs_input_grad[1:4]
-    want = sink.enabled
-    gk = gk_fn() if (want or need_u) else None
-    gl = gl_fn() if (want or need_v) else None
-    if want:
-        sink.add(gk, gl)
+    gk = gk_fn() if need_u else None
+    gl = gl_fn() if need_v else None
+    if ctx.factors:
+        return gk, (t_h if need_s else None), gl
     dU = gk @ S.mT if need_u else None
     dV = gl @ S if need_v else None
-    dS = t_h if need_s else None
-    return dU, dS, dV
+    return dU, (t_h if need_s else None), dV
 
 
 class LowRankLinearFn(torch.autograd.Function):
-    """``y = ((x V) Sᵀ) Uᵀ + b`` for x (..., n), U (m, r), S (r, r), V (n, r)."""
+    """``y = ((x V) Sᵀ) Uᵀ + b`` for x (..., n), U (m, r), S (r, r), V (n, r); `factors`: the
+    backward gives (G_K, G_S, G_L) for (U, S, V) instead of their gradients."""
 
     @staticmethod
-    def forward(ctx, x, U, S, V, bias, sink):
+    def forward(ctx, x, U, S, V, bias, factors: bool):
         h = x @ V
         y = (h @ S.mT) @ U.mT
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x, U, S, V, h)
-        ctx.sink = sink
+        ctx.factors = factors
         ctx.has_bias = bias is not None
         return y
 
@@ -77,7 +58,7 @@ class LowRankLinearFn(torch.autograd.Function):
         x2, h2, dy2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
         t = dy2 @ U  # (N, r)
         dx = ((t @ S) @ V.mT).reshape(x.shape).to(x_in.dtype) if ctx.needs_input_grad[0] else None
-        dU, dS, dV = _finish(ctx, lambda: dy2.mT @ h2, lambda: x2.mT @ t, t.mT @ h2, U, S)
+        dU, dS, dV = _finish(ctx, lambda: dy2.mT @ h2, lambda: x2.mT @ t, t.mT @ h2, S)
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return dx, dU, dS, dV, db, None
 
@@ -86,12 +67,12 @@ class LowRankConv2dFn(torch.autograd.Function):
     """A conv with r filters (Vᵀ reshaped) followed by a 1×1 conv with U S; no unfold."""
 
     @staticmethod
-    def forward(ctx, x, U, S, V, bias, sink, ksize, stride, padding, dilation):
+    def forward(ctx, x, U, S, V, bias, factors: bool, ksize, stride, padding, dilation):
         filt = V.mT.reshape(V.shape[1], x.shape[1], *ksize)
         h = F.conv2d(x, filt, None, stride, padding, dilation)
         y = F.conv2d(h, (U @ S)[:, :, None, None], bias)
         ctx.save_for_backward(x, U, S, V, h)
-        ctx.sink, ctx.has_bias = sink, bias is not None
+        ctx.factors, ctx.has_bias = factors, bias is not None
         ctx.geom = (ksize, stride, padding, dilation)
         return y
 
@@ -115,7 +96,7 @@ class LowRankConv2dFn(torch.autograd.Function):
 
         dU, dS, dV = _finish(
             ctx, lambda: torch.einsum("nmhw,nrhw->mr", dy, h), gl,
-            torch.einsum("nrhw,nshw->rs", t, h), U, S,
+            torch.einsum("nrhw,nshw->rs", t, h), S,
         )
         db = dy.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return dx, dU, dS, dV, db, None, None, None, None, None

@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Literal
 
 import torch
 from torch import Tensor, nn
 
 from ..linalg import truncated_svd, work_dtype
-from ._autograd import FactorGradSink
 
 GradMode = Literal["full", "factors", "core"]
+
+
+_BY_PARAM: weakref.WeakValueDictionary[int, AbstractLowRankLayer] = weakref.WeakValueDictionary()
+
+
+def layer_of(p: Tensor) -> AbstractLowRankLayer | None:
+    """The low-rank layer whose U, S or V `p` is (None for any other tensor)."""
+    m = _BY_PARAM.get(id(p))
+    return m if m is not None and any(t is p for t in (m.U, m.S, m.V)) else None
 
 
 def _orthonormal(rows: int, cols: int, *, generator=None, **kw) -> Tensor:
@@ -58,6 +67,8 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
     freshly built layer loads a checkpoint of any rank.
     """
 
+    grad_mode: GradMode = "full"  # (a layer pickled before the attribute existed)
+
     def __init__(self, out_features: int, in_features: int, rank: int, *,
                  max_rank: int | None, bias: bool, device=None, dtype=None) -> None:
         super().__init__()
@@ -77,7 +88,8 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         self.register_buffer("U_buf", torch.empty(out_features, 0, **kw))
         self.register_buffer("V_buf", torch.empty(in_features, 0, **kw))
-        self.sink = FactorGradSink()
+        self.grad_mode: GradMode = "full"
+        self._register()
         self.reset_parameters()
 
     # ----------------------------------------------------------------- construction
@@ -142,26 +154,45 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
             self.U_buf = U_buf.to(like).contiguous()
             self.V_buf = V_buf.to(like).contiguous()
 
+    def _register(self) -> None:
+        """Make :func:`layer_of` find this layer from its U, S and V."""
+        for p in (self.U, self.S, self.V):
+            _BY_PARAM[id(p)] = self
+
+    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle: new U, S, V objects
+        super().__setstate__(state)
+        self._register()
+
     # ----------------------------------------------------------------- gradient modes
     def set_grad_mode(self, mode: GradMode) -> None:
-        """What the backward pass computes.
+        """What the backward pass computes (U's, S's and V's ``.grad``).
 
-        - ``"full"``: ordinary ``.grad`` for U, S, V (default; any torch optimizer works).
-        - ``"factors"``: G_K and G_L into :attr:`sink` plus ``S.grad``; no U/V ``.grad``.
-        - ``"core"``: only ``S.grad`` (cheap: no (out×r) or (in×r) products).
+        - ``"full"``: the true gradients dU, dS, dV (default; any torch optimizer works).
+        - ``"factors"``: the integrator's: ``U.grad`` = G_K = ∇W·V (out, r), ``V.grad`` =
+          G_L = ∇Wᵀ·U (in, r), ``S.grad`` = G_S = Uᵀ∇W V (r, r) (DLRT/SDLRT set this mode).
+        - ``"core"``: only ``S.grad`` (U, V do not require grad; no (out×r) or (in×r) products).
+
+        The gradients are ordinary ``.grad`` s, accumulated by autograd, cleared by
+        ``zero_grad``; a change of mode drops U's and V's (they would mean something else).
         """
         if mode not in ("full", "factors", "core"):
             raise ValueError(f"`mode` must be 'full', 'factors' or 'core'; got {mode!r}")
-        self.sink.enabled = mode == "factors"
-        self.U.requires_grad_(mode == "full")
-        self.V.requires_grad_(mode == "full")
+        if mode != self.grad_mode:
+            self.U.grad = self.V.grad = None
+        self.grad_mode = mode
+        self.U.requires_grad_(mode != "core")
+        self.V.requires_grad_(mode != "core")
 
     def factor_grads(self) -> tuple[Tensor | None, Tensor | None]:
-        """(G_K (out, r), G_L (in, r)) accumulated since the last :meth:`reset_factor_grads`."""
-        return self.sink.K, self.sink.L
+        """(G_K (out, r), G_L (in, r)) accumulated since the gradients were last cleared, in factor
+        mode (``U.grad``, ``V.grad``); (None, None) in the other modes."""
+        if self.grad_mode != "factors":
+            return None, None
+        return self.U.grad, self.V.grad
 
     def reset_factor_grads(self) -> None:
-        self.sink.reset()
+        if self.grad_mode == "factors":
+            self.U.grad = self.V.grad = None
 
     # ----------------------------------------------------------------- state dict
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,

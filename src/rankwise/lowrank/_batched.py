@@ -138,8 +138,8 @@ class _Group:
 
         f = bug.Factors(stack([m.U for m in layers]), stack([m.S for m in layers]),
                         stack([m.V for m in layers]),
-                        stack([m.sink.K for m in layers]), stack([m.S.grad for m in layers]),
-                        stack([m.sink.L for m in layers]),
+                        stack([m.U.grad for m in layers]), stack([m.S.grad for m in layers]),
+                        stack([m.V.grad for m in layers]),
                         stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
                         stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
         self.grads_finite = _all_finite_flag([f.G_K, f.G_L, f.G_S], f.U.device)
@@ -211,7 +211,7 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
     """Augment and truncate every layer with gradients (module docstring). Returns False if the
     step was skipped (non-finite values; nothing written)."""
     cfg = opt.settings
-    todo = [n for n, m in opt.layers.items() if m.sink.K is not None and m.S.grad is not None]
+    todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
     keyed: dict[tuple, list[str]] = defaultdict(list)
     for n in todo:
         m, st = opt.layers[n], opt.state[opt.layers[n].S]

@@ -49,7 +49,7 @@ class LowRankConv2d(AbstractLowRankLayer):
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (N, {self.in_channels}, H, W); got {tuple(x.shape)}")
-        return LowRankConv2dFn.apply(x, self.U, self.S, self.V, self.bias, self.sink,
+        return LowRankConv2dFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors",
                                      self.kernel_size, self.stride, self.padding, self.dilation)
 
     def dense_weight(self) -> Tensor:

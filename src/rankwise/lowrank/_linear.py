@@ -30,7 +30,7 @@ class LowRankLinear(AbstractLowRankLayer):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (..., {self.in_features}); got {tuple(x.shape)}")
-        return LowRankLinearFn.apply(x, self.U, self.S, self.V, self.bias, self.sink)
+        return LowRankLinearFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors")
 
     def dense_weight(self) -> Tensor:
         """(out_features, in_features), as ``nn.Linear.weight``."""

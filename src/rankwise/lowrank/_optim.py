@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +18,7 @@ from torch import Tensor, nn
 from ..linalg import work_dtype
 from . import _batched, _dp, _shard
 from . import _integrators as bug
-from ._base import AbstractLowRankLayer
+from ._base import AbstractLowRankLayer, layer_of
 from ._budget import tail_share
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._rules import State, transport
@@ -173,7 +174,10 @@ class AugmentedBUG(torch.optim.Optimizer):
     def __init__(self, model: nn.Module, lr: float, settings: Settings | None = None, *,
                  process_group=None, param_groups: list[dict] | None = None, **kwargs) -> None:
         if not isinstance(model, nn.Module):
-            raise TypeError(f"`model` must be an nn.Module; got {type(model).__name__}")
+            what = "model.parameters()" if isinstance(model, Iterator) else type(model).__name__
+            raise TypeError(f"`model` must be an nn.Module (the model itself, not {what}): the optimizer "
+                            "finds its low-rank layers in it")
+        _check_unwrapped(model)
         if not (math.isfinite(v := _real("lr", lr, finite=False)) and v >= 0):
             raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
         if settings is None:
@@ -190,6 +194,10 @@ class AugmentedBUG(torch.optim.Optimizer):
             _dp.check_model(model)
         self.settings = settings
         self.process_group = process_group
+        self._model = weakref.ref(model)
+        self._token = object()  # the layers' mark that this optimizer trains them (release, finalizer)
+        self._released = False
+        self._warned_world = False
         self._group_by_id: dict[int, dict] | None = None
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
@@ -232,10 +240,12 @@ class AugmentedBUG(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad or id(p) in self._factor_ids]
         super().__init__(_split_groups(params, param_groups, self.layers, self._param_names), defaults)
         for layer in self.layers.values():
-            self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
-            if not settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
-                self.state[layer.S]["tau"] = settings.tau
+            self._adopt(layer)
         self._set_modes()
+        _install_foreign_step_check()
+        # dropped without release(): the layers go back to plain autograd, as release() does
+        self._owned = list(self.layers.values())  # (add_param_group appends to it)
+        weakref.finalize(self, _release, self._owned, self._token)
         self.shared_bytes = 0  # sharded: bytes of new factors and state this rank sent in the last step
         self._owners: dict[str, int] | None = None  # sharded: {layer: the rank that integrates it}
         self._todo: list[str] = []  # data parallel: layers with factor gradients on any rank (_average)
@@ -250,6 +260,22 @@ class AugmentedBUG(torch.optim.Optimizer):
                  for n, m in self.layers.items()}, torch.distributed.get_world_size(process_group))
             if settings.data_parallel == "sharded":
                 self._owners = self._placement
+
+    def _adopt(self, layer: AbstractLowRankLayer) -> None:
+        """Start a layer's optimizer state and mark it as trained by this optimizer."""
+        self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
+        if not self.settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
+            self.state[layer.S]["tau"] = self.settings.tau
+        layer._grad_owner = self._token
+
+    def release(self) -> None:
+        """Hand the low-rank layers back to plain torch: they return to ``"full"`` gradient mode
+        (U, S and V get their true gradients, all require grad, the factor gradients G_K, G_L
+        are dropped), so that a torch optimizer built afterwards (``AdamW(model.parameters())``)
+        trains every factor. This optimizer takes no further step. Dropping the optimizer
+        (garbage collection) does the same."""
+        _release(self._owned, self._token)
+        self._released = True
 
     def owners(self) -> dict[str, int] | None:
         """Sharded data parallelism: {layer name: the rank of `process_group` that integrates
@@ -311,11 +337,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         return self.truncation.params_at(self._augmentation(), self._hp()["budget_start"], self._dense_params,
                                          self._other_params)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        for layer in self.layers.values():
-            layer.reset_factor_grads()
-
     # ----------------------------------------------------------------- the step
     def _batched_now(self, augment: bool) -> bool:
         """Does this step take the batched path (:mod:`._batched`)? On one process, for core
@@ -354,14 +375,50 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """As ``torch.optim.Optimizer.add_param_group`` (a layer's U, S and V go together), with
-        the group's ``lr`` and rule hyperparameters checked."""
+        the group's ``lr`` and rule hyperparameters checked. A low-rank layer new to this
+        optimizer (its U, S or V in the group) is integrated from the next step, as the layers
+        found at construction are (under a tolerance, on one process; a :class:`Budget` or
+        `process_group` plans for the layers it was built with, and refuses)."""
+        new: list[AbstractLowRankLayer] = []
         if hasattr(self, "settings"):  # torch's __init__ adds the first groups before we are set up
             _check_group(param_group, self.settings, self.layers)
+            param_group, new = self._with_new_layers(param_group)
         super().add_param_group(param_group)
         if len(self.param_groups) > 1:  # the optimizer's counters live in the first group only
             for key in ("global_step", "budget_start"):
                 self.param_groups[-1].pop(key, None)
         self._group_by_id = None
+        for layer in new:
+            model = self._model()
+            names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+            name = names.get(id(layer)) or f"<added {len(self.layers)}>"
+            self.layers[name] = layer
+            self._factor_ids.update(id(p) for p in (layer.U, layer.S, layer.V))
+            for key, p in layer.named_parameters():
+                self._param_names.setdefault(id(p), f"{name}.{key}")
+            self._adopt(layer)
+            self._owned.append(layer)
+        if new:
+            self._set_modes()
+
+    def _with_new_layers(self, group: dict) -> tuple[dict, list[AbstractLowRankLayer]]:
+        """The group with the U, S and V of every low-rank layer it touches (the three go
+        together), and the layers new to this optimizer."""
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, Tensor) else list(ps)
+        new: dict[int, AbstractLowRankLayer] = {}
+        for p in ps:
+            layer = layer_of(p) if isinstance(p, Tensor) else None
+            if layer is not None and id(p) not in self._factor_ids:
+                new[id(layer)] = layer
+        if new and (self.settings.budgeted or self.process_group is not None):
+            raise ValueError("add_param_group with a new low-rank layer: the optimizer plans a budget "
+                             "(`target`) or data-parallel owners for the layers it was built with; add the "
+                             "layer to the model first, then build the optimizer")
+        have = {id(p) for p in ps}
+        for layer in new.values():
+            ps += [t for t in (layer.U, layer.S, layer.V) if id(t) not in have]
+        return {**group, "params": ps}, list(new.values())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -381,6 +438,11 @@ class AugmentedBUG(torch.optim.Optimizer):
           Layers unused by a forward pass having no gradient is fine. Gradients that are zero
           tensors (``zero_grad(set_to_none=False)``) count as gradients.
         """
+        if self._released:
+            raise RuntimeError(f"this {type(self).__name__} was released (release()): its layers are back in "
+                               "plain autograd mode; build a new optimizer to train them again")
+        if not self._warned_world and self.process_group is None:
+            self._warn_world()
         augment = self._augment_now()
         two_pass = augment and not self.settings.single_pass and self.layers
         if closure is None and two_pass:
@@ -418,9 +480,23 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._set_modes()
         return loss
 
+    def _warn_world(self) -> None:
+        """Once: several processes but no `process_group` (a DDP wrapper cannot average the
+        factor gradients, and every rank would integrate its own shard's)."""
+        self._warned_world = True
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            warnings.warn(f"torch.distributed runs {dist.get_world_size()} processes but this "
+                          f"{type(self).__name__} was built without `process_group`: each process integrates "
+                          "its own gradients and the replicas drift apart (DDP does not average the "
+                          "integrator's factor gradients, and its buckets break when a rank changes); "
+                          "build it with process_group=torch.distributed.group.WORLD and no DDP wrapper",
+                          UserWarning, stacklevel=3)
+
     # torch.amp.GradScaler: with this flag, ``scaler.step(opt)`` checks ``.grad`` for inf, sets
-    # ``opt.grad_scale`` / ``opt.found_inf`` and calls ``opt.step()``; we unscale every gradient,
-    # including the factor gradients G_K, G_L that ``scaler.unscale_`` cannot see.
+    # ``opt.grad_scale`` (None after ``scaler.unscale_(opt)``) and ``opt.found_inf`` and calls
+    # ``opt.step()``. The factor gradients G_K, G_L are U's and V's ``.grad``, so
+    # ``scaler.unscale_(opt)`` (before clipping) covers them as it covers every gradient.
     _step_supports_amp_scaling = True
 
     def _amp_unscale(self) -> bool:
@@ -430,17 +506,15 @@ class AugmentedBUG(torch.optim.Optimizer):
         if self.process_group is not None:
             raise ValueError("torch.amp.GradScaler with a data-parallel DLRT/SDLRT (`process_group`) is "
                              "not supported: each rank would decide on its own whether to skip the step")
-        scale = getattr(self, "grad_scale", None)
-        if scale is None:
-            raise ValueError("with DLRT/SDLRT call scaler.step(opt) without scaler.unscale_(opt) first: "
-                             "unscale_ cannot see the factor gradients G_K, G_L")
-        if float(self.found_inf) > 0:
+        # (GradScaler deletes both after the step)
+        found_inf, scale = self.found_inf, getattr(self, "grad_scale", None)
+        if float(found_inf) > 0:
             return False
-        inv = 1.0 / scale.double()
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads += [t for layer in self.layers.values() for t in layer.factor_grads() if t is not None]
-        for t in grads:
-            t.mul_(inv.to(t))
+        if scale is not None:  # not unscaled yet (no scaler.unscale_(opt) before scaler.step(opt))
+            inv = 1.0 / scale.double()
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            for t in grads:
+                t.mul_(inv.to(t))
         return True
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -515,10 +589,8 @@ class AugmentedBUG(torch.optim.Optimizer):
                 "forward pass, call loss.backward(), then `return loss`); no weights were changed")
 
     def _has_grads(self) -> bool:
-        """Is there any gradient: a ``.grad`` on a parameter or a layer's G_K / G_L?"""
-        if any(p.grad is not None for g in self.param_groups for p in g["params"]):
-            return True
-        return any(t is not None for layer in self.layers.values() for t in layer.factor_grads())
+        """Is there any gradient: a ``.grad`` on a parameter (a layer's G_K / G_L included)?"""
+        return any(p.grad is not None for g in self.param_groups for p in g["params"])
 
     def _no_grad_message(self, closure, when: str = "") -> str:
         name = type(self).__name__
@@ -538,31 +610,26 @@ class AugmentedBUG(torch.optim.Optimizer):
             return self._nonfinite("non-finite loss on another data-parallel rank")
         tensors = [] if loss is None else [torch.as_tensor(loss)]
         tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        for layer in self.layers.values():
-            tensors += [t for t in layer.factor_grads() if t is not None]
         if _all_finite(tensors):
             return True
         return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
 
     def _grad_slots(self) -> list[_dp.Slot]:
-        """Every gradient a step reads: ``.grad`` of each trainable parameter and, in factor
-        mode, each layer's G_K (out, r) and G_L (in, r). Sharded, a factor-mode layer's G_K,
-        G_L and S gradient go to its owner only (the others never read them)."""
-        factor_mode = {id(m.S): n for n, m in self.layers.items() if m.sink.enabled}
+        """Every gradient a step reads: ``.grad`` of each parameter that requires grad (in
+        factor mode a layer's U and V hold G_K (out, r) and G_L (in, r)). Sharded, a
+        factor-mode layer's G_K, G_L and S gradient go to its owner only (the others never
+        read them)."""
+        roles = {}
+        for name, m in self.layers.items():
+            if m.grad_mode == "factors":
+                roles.update({id(m.U): (name, "K"), id(m.S): (name, "S"), id(m.V): (name, "L")})
         owners = self._owners or {}
         slots = []
         for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
-            name = factor_mode.get(id(p))
+            name, key = roles.get(id(p), (None, ""))
             slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device,
                                   lambda v, p=p: setattr(p, "grad", v), owners.get(name),
-                                  "" if name is None else f"{name}:S"))
-        for name, layer in self.layers.items():
-            if layer.sink.enabled:
-                dt, r, sink, dev = work_dtype(layer.U.dtype), layer.rank, layer.sink, layer.U.device
-                for key, rows in (("K", len(layer.U)), ("L", len(layer.V))):
-                    slots.append(_dp.Slot(getattr(sink, key), (rows, r), dt, dev,
-                                          lambda v, s=sink, k=key: setattr(s, k, v), owners.get(name),
-                                          f"{name}:{key}"))
+                                  "" if name is None else f"{name}:{key}"))
         return slots
 
     @staticmethod
@@ -855,6 +922,68 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _dense_step(self) -> None:
         _batched.dense_step(self)
+
+
+def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
+    """The layers still marked with `token` go back to plain autograd (``"full"`` mode)."""
+    for layer in layers:
+        if getattr(layer, "_grad_owner", None) is token:
+            layer.set_grad_mode("full")
+            layer._grad_owner = None
+
+
+def _check_unwrapped(model: nn.Module) -> None:
+    """Refuse data-parallel wrappers the integrator cannot train through (one line each)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise ValueError("DLRT/SDLRT cannot train a DistributedDataParallel-wrapped model: DDP averages "
+                         "only .grad in buckets fixed at construction, and the ranks change; pass the model "
+                         "itself with process_group=torch.distributed.group.WORLD (the optimizer averages "
+                         "every gradient it reads)")
+    fsdp = _fsdp_classes()
+    wrapped = next((n for n, m in model.named_modules() if fsdp and isinstance(m, fsdp)), None)
+    if wrapped is not None:
+        raise ValueError(f"DLRT/SDLRT does not support FSDP yet (module {wrapped or '<root>'!r} is sharded "
+                         "by fully_shard / FullyShardedDataParallel): use process_group= data parallelism, "
+                         "which shards the integrator's work by layer")
+
+
+def _fsdp_classes() -> tuple[type, ...]:
+    try:
+        from torch.distributed import fsdp
+    except ImportError:  # torch built without distributed
+        return ()
+    names = ("FSDPModule", "FullyShardedDataParallel")
+    return tuple(c for c in (getattr(fsdp, n, None) for n in names) if c is not None)
+
+
+_HOOKED = False
+
+
+def _install_foreign_step_check() -> None:
+    """Once per process: a torch optimizer that steps a layer while a DLRT/SDLRT trains it (its
+    U.grad, V.grad hold G_K, G_L, not dL/dU, dL/dV) is refused before it changes anything."""
+    global _HOOKED
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_foreign_step_check)
+        _HOOKED = True
+
+
+def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if isinstance(optimizer, AugmentedBUG):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            layer = layer_of(p)
+            if layer is not None and layer.grad_mode != "full":
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step() would update a {type(layer).__name__} that a "
+                    "rankwise DLRT/SDLRT is training (its U.grad and V.grad hold the integrator's factor "
+                    "gradients G_K, G_L): call release() on that optimizer (or drop it) first; the layer "
+                    "then gets plain gradients")
 
 
 _COMMON_DOC = """

@@ -47,7 +47,8 @@ class AdapterLinear(AbstractLowRankLayer):
                          _orthonormal(self.in_features, r, dtype=dt))
 
     def forward(self, x: Tensor) -> Tensor:
-        delta = LowRankLinearFn.apply(self.dropout(x), self.U, self.S, self.V, None, self.sink)
+        delta = LowRankLinearFn.apply(self.dropout(x), self.U, self.S, self.V, None,
+                                       self.grad_mode == "factors")
         return self.base(x) + self.alpha * delta
 
     def dense_weight(self) -> Tensor:
