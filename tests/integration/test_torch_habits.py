@@ -1,0 +1,282 @@
+"""Issue 46: PyTorch habits keep their meaning with DLRT/SDLRT (gradients, zero_grad, AMP,
+clipping, release, add_param_group, wrappers). Each test names the case it covers."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rankwise
+from rankwise import DLRT, SDLRT, LowRankLinear
+
+F64 = torch.float64
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(10, 16, dtype=dtype), nn.Tanh(), nn.Linear(16, 4, dtype=dtype))
+    return rankwise.to_low_rank(m, rank=3)
+
+
+def _data(dtype=torch.float32):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(32, 10, generator=g, dtype=dtype), torch.randn(32, 4, generator=g, dtype=dtype)
+
+
+def _loss(m, X, Y):
+    return ((m(X) - Y) ** 2).mean()
+
+
+def _train(m, opt, X, Y, steps=3, extra=None):
+    for _ in range(steps):
+        opt.zero_grad()
+        if extra is not None:
+            extra(m, X)
+        _loss(m, X, Y).backward()
+        opt.step()
+    return [t.detach().clone() for t in m.parameters()]
+
+
+# ---------------------------------------------------------------- case 1: autograd.grad
+def test_autograd_grad_adds_nothing_to_the_step():
+    """Case 1: torch.autograd.grad(loss, x) (adversarial examples, penalties) must not reach the
+    next step; only .backward() accumulates into the layer."""
+    X, Y = _data()
+    m1 = _model()
+    ref = _train(m1, DLRT(m1, 0.1, tau=0.2), X, Y)
+
+    def adversarial(m, X):
+        x = X.clone().requires_grad_(True)
+        torch.autograd.grad(_loss(m, x, Y) * 1e3, x)
+
+    m2 = _model()
+    got = _train(m2, DLRT(m2, 0.1, tau=0.2), X, Y, extra=adversarial)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- case 10: zero_grad
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_model_zero_grad_clears_the_factor_gradients(set_to_none):
+    """Case 10: a stray backward cleared by model.zero_grad() does not leak into the step."""
+    X, Y = _data()
+    m1 = _model()
+    opt1 = DLRT(m1, 0.1, tau=0.2)
+    for _ in range(3):
+        m1.zero_grad(set_to_none=set_to_none)
+        _loss(m1, X, Y).backward()
+        opt1.step()
+    m2 = _model()
+    opt2 = DLRT(m2, 0.1, tau=0.2)
+    for _ in range(3):
+        (_loss(m2, X, Y) * 100).backward()  # stray
+        m2.zero_grad(set_to_none=set_to_none)
+        _loss(m2, X, Y).backward()
+        opt2.step()
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    if set_to_none:
+        m2.zero_grad()
+        assert all(t is None for layer in (m2[0], m2[2]) for t in layer.factor_grads())
+
+
+# ---------------------------------------------------------------- case 11: torch's clip
+def test_torch_clip_grad_norm_scales_every_gradient_the_step_reads():
+    """Case 11: torch.nn.utils.clip_grad_norm_ clips the factor steps too (G_K, G_L are .grad);
+    rankwise's gives the projected norm; both scale every gradient by one factor."""
+    X, Y = _data(F64)
+    m = _model(F64)
+    opt = DLRT(m, 0.1, tau=0.2)  # (held: a dropped optimizer hands its layers back to plain autograd)
+    _loss(m, X, Y).backward()
+    layer = m[0]
+    assert layer.grad_mode == "factors" and opt.layers
+    before = [t.clone() for t in (layer.U.grad, layer.S.grad, layer.V.grad, layer.bias.grad)]
+    total = torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+    coef = 1e-3 / (float(total) + 1e-6)
+    after = (layer.U.grad, layer.S.grad, layer.V.grad, layer.bias.grad)
+    for b, a in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b * coef, rtol=1e-12, atol=0)
+    # rankwise's norm: ‖G_K‖² + ‖G_L‖² − ‖G_S‖² per layer, below torch's
+    assert float(rankwise.grad_norm(m)) < float(torch.nn.utils.get_total_norm(
+        [p.grad for p in m.parameters()]))
+
+
+# ---------------------------------------------------------------- case 12: AMP recipe
+def test_grad_scaler_unscale_then_clip_then_step_equals_unscaled_training():
+    """Case 12: scaler.unscale_(opt); clip; scaler.step(opt) — torch's AMP recipe."""
+    X, Y = _data()
+
+    def run(enabled):
+        m = _model()
+        opt = SDLRT(m, 0.05, tau=0.2, momentum=0.9)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, enabled=enabled)
+        for _ in range(3):
+            opt.zero_grad()
+            scaler.scale(_loss(m, X, Y)).backward()
+            scaler.unscale_(opt)
+            rankwise.clip_grad_norm_(m, 0.5)
+            scaler.step(opt)
+            scaler.update()
+        return [p.detach().clone() for p in m.parameters()], opt.ranks()
+
+    (a, ra), (b, rb) = run(True), run(False)
+    assert ra == rb
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- case 13: clip signature
+def test_clip_grad_norm_takes_what_torch_takes():
+    """Case 13 (and 17 for clipping): a model, model.parameters() (a generator), one tensor;
+    norm_type, error_if_nonfinite, foreach; plain parameters give torch's results."""
+    X, Y = _data(F64)
+    plain = nn.Sequential(nn.Linear(10, 16, dtype=F64), nn.Tanh(), nn.Linear(16, 4, dtype=F64))
+    plain.zero_grad()
+    _loss(plain, X, Y).backward()
+    grads = [p.grad.clone() for p in plain.parameters()]
+    for norm_type in (2.0, 1.0, "inf"):
+        for foreach in (None, False):
+            ref = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+            for p, g in zip(ref, grads, strict=True):
+                p.grad = g.clone()
+            want = torch.nn.utils.clip_grad_norm_(ref, 0.01, norm_type=norm_type)
+            for p, g in zip(plain.parameters(), grads, strict=True):
+                p.grad = g.clone()
+            got = rankwise.clip_grad_norm_(plain.parameters(), 0.01, norm_type=norm_type, foreach=foreach)
+            assert float(got) == pytest.approx(float(want), rel=1e-12)
+            for p, q in zip(plain.parameters(), ref, strict=True):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0)
+    m = _model(F64)
+    opt = DLRT(m, 0.1, tau=0.2)
+    _loss(m, X, Y).backward()
+    assert opt.layers and float(rankwise.grad_norm(m)) < float(torch.nn.utils.get_total_norm(
+        [p.grad for p in m.parameters()]))  # the projected norm
+    by_model = float(rankwise.grad_norm(m))
+    assert float(rankwise.grad_norm(m.parameters())) == pytest.approx(by_model, rel=1e-12)
+    assert float(rankwise.clip_grad_norm_(m.parameters(), 1e9)) == pytest.approx(by_model, rel=1e-12)
+    m[2].bias.grad[0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        rankwise.clip_grad_norm_(m, 1.0, error_if_nonfinite=True)
+    with pytest.raises(TypeError, match="iterable of tensors"):
+        rankwise.clip_grad_norm_(3, 1.0)
+
+
+# ---------------------------------------------------------------- case 14: release
+def test_release_hands_the_layers_back_to_plain_torch():
+    """Case 14: after DLRT, a torch optimizer trains U, S and V with their true gradients once
+    the DLRT is released (release() or dropped); before that its step is refused."""
+    X, Y = _data()
+    m = _model()
+    opt = DLRT(m, 0.1, tau=0.2)
+    _train(m, opt, X, Y, steps=2)
+    adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    adamw.zero_grad()
+    _loss(m, X, Y).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match="release"):
+        adamw.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    opt.release()
+    with pytest.raises(RuntimeError, match="released"):
+        opt.step()
+    layer = m[0]
+    assert layer.grad_mode == "full" and layer.U.requires_grad and layer.V.requires_grad
+    adamw.zero_grad()
+    _loss(m, X, Y).backward()
+    # the true gradient: dU = ∇W V Sᵀ (checked against dense autograd)
+    W = layer.weight_matrix().detach().requires_grad_(True)
+    h = torch.tanh(X @ W.T + layer.bias)
+    (gW,) = torch.autograd.grad(((m[2](h) - Y) ** 2).mean(), W)
+    torch.testing.assert_close(layer.U.grad, gW @ layer.V.detach() @ layer.S.detach().T)
+    U0 = layer.U.detach().clone()
+    adamw.step()
+    assert not torch.equal(U0, layer.U.detach())
+
+
+def test_a_dropped_optimizer_releases_its_layers():
+    m = _model()
+    opt = DLRT(m, 0.1, tau=0.2)
+    assert m[0].grad_mode == "factors"
+    other = DLRT(m, 0.1, tau=0.2)  # takes the layers over: dropping the first changes nothing
+    del opt
+    gc.collect()
+    assert m[0].grad_mode == "factors"
+    del other
+    gc.collect()
+    assert m[0].grad_mode == "full" and m[0].U.requires_grad
+
+
+# ---------------------------------------------------------------- case 16: add_param_group
+def test_add_param_group_integrates_a_new_low_rank_layer():
+    """Case 16: a LowRankLinear added with add_param_group is integrated (its rank adapts), not
+    trained as plain parameters."""
+    X, Y = _data()
+    torch.manual_seed(0)
+    body = rankwise.to_low_rank(nn.Sequential(nn.Linear(10, 16), nn.Tanh()), rank=3)
+    head = LowRankLinear(16, 4, rank=4)
+    opt = DLRT(body, 0.1, tau=0.3)
+    opt.add_param_group({"params": [head.S], "lr": 0.05})  # one of U, S, V places the three
+    assert {id(p) for p in opt.param_groups[-1]["params"]} == {id(head.U), id(head.S), id(head.V)}
+    assert head.grad_mode == "factors" and head in opt.layers.values()
+    model = nn.Sequential(body, head)
+    _train(model, opt, X, Y, steps=3)
+    assert head.rank < 4  # truncated at τ = 0.3: integrated, not a plain Adam/SGD step
+    with pytest.raises(ValueError, match="add_param_group with a new low-rank layer"):
+        DLRT(body, 0.1, target=0.5).add_param_group({"params": head.parameters()})
+
+
+# ---------------------------------------------------------------- case 2: wrappers
+def test_a_ddp_wrapped_model_is_refused_at_construction(tmp_path):
+    """Case 2: DLRT(DDP(model)) is refused in one line naming process_group= (world size 1)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(_model())
+        with pytest.raises(ValueError, match=r"process_group=torch\.distributed\.group\.WORLD"):
+            DLRT(ddp, 0.1, tau=0.1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_several_processes_without_a_process_group_warn_once(monkeypatch):
+    """Case 2: DLRT(model) then DDP(model) at world size 2 trained with no warning while the
+    replicas drifted; now the first step warns once (the world size is faked here)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    X, Y = _data()
+    m = _model()
+    opt = DLRT(m, 0.1, tau=0.2)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        _train(m, opt, X, Y, steps=2)
+    said = [x for x in w if "without `process_group`" in str(x.message)]
+    assert len(said) == 1 and "process_group=torch.distributed.group.WORLD" in str(said[0].message)
+
+
+def test_fsdp_is_refused_by_name(monkeypatch):
+    """Case 2 / FSDP: a model holding a module sharded by fully_shard (an FSDPModule) is refused
+    in one line (the sharded class is stood in for: fully_shard needs a process group)."""
+    from torch.distributed import fsdp
+
+    from rankwise.lowrank import _optim
+
+    assert fsdp.FSDPModule in _optim._fsdp_classes()
+
+    class Sharded(nn.Linear):
+        pass
+
+    monkeypatch.setattr(_optim, "_fsdp_classes", lambda: (Sharded,))
+    m = nn.Sequential(LowRankLinear(4, 4, 2), Sharded(4, 4))
+    with pytest.raises(ValueError, match=r"does not support FSDP yet \(module '1'"):
+        DLRT(m, 0.1, tau=0.1)
+
+
+def test_parameters_instead_of_the_model_are_refused_in_one_line():
+    """Case 17 for the optimizer: DLRT(model.parameters())."""
+    with pytest.raises(TypeError, match=r"not model.parameters\(\)"):
+        DLRT(_model().parameters(), 0.1, tau=0.1)
