@@ -1,9 +1,11 @@
-"""to_low_rank: replace a model's nn.Linear / nn.Conv2d layers by low-rank ones."""
+"""to_low_rank: replace a model's nn.Linear / nn.Conv2d / nn.MultiheadAttention layers (and
+Hugging Face's Conv1D) by low-rank ones."""
 
 from __future__ import annotations
 
 import re
 import warnings
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -11,11 +13,22 @@ from torch import nn
 
 from .._checks import check_rank
 from ..linalg import work_dtype
+from ._attention import PROJECTIONS, LowRankMultiheadAttention, dense_projections
+from ._attention import unsupported as attention_unsupported
 from ._base import AbstractLowRankLayer
 from ._conv import LowRankConv2d
+from ._hf import LowRankConv1D, is_hf_conv1d
 from ._linear import LowRankLinear
 
 Pattern = str | Iterable[str] | None
+LowRank = (AbstractLowRankLayer, LowRankMultiheadAttention)
+
+
+def check_model(model: object, fn: str) -> None:
+    """Refuse anything but an ``nn.Module`` (e.g. ``model.parameters()``) in one line."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn} takes the model (an nn.Module), not its parameters or a "
+                        f"{type(model).__name__}: call {fn}(model), not {fn}(model.parameters())")
 
 
 def _matches(name: str, pattern: Pattern) -> bool:
@@ -26,17 +39,33 @@ def _matches(name: str, pattern: Pattern) -> bool:
     return any(name == p or name.endswith("." + p) for p in pattern)
 
 
+def _kind(mod: nn.Module) -> str | None:
+    """Which conversion `mod` gets: exact torch / HF classes only, never subclasses."""
+    kinds = {nn.Linear: "linear", nn.Conv2d: "conv", nn.MultiheadAttention: "attention"}
+    if type(mod) in kinds:
+        return kinds[type(mod)]
+    return "conv1d" if is_hf_conv1d(mod) else None
+
+
 def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None, tau: float | None = None,
                 include: Pattern = None, exclude: Pattern = None,
                 max_rank: int | None = None, target: float | None = None,
                 allocation: str = "error-sqrt") -> nn.Module:
-    """Replace matching ``nn.Linear`` / ``nn.Conv2d`` modules by their truncated SVDs, in place.
+    """Replace matching dense layers by their truncated SVDs, in place.
+
+    Converted (exact classes, not their subclasses): ``nn.Linear`` → :class:`LowRankLinear`,
+    ``nn.Conv2d`` → :class:`LowRankConv2d`, ``nn.MultiheadAttention`` →
+    :class:`LowRankMultiheadAttention` (its q, k, v and output projections, each a
+    LowRankLinear), Hugging Face's ``transformers.pytorch_utils.Conv1D`` (GPT-2) →
+    :class:`LowRankConv1D` (transformers is imported by none of this).
 
     **Arguments:**
     - `model`: any module; it is modified in place and returned.
     - `rank`: fixed initial rank, clamped to min(out, in) per layer; or a mapping
       ``{module name: rank}`` that names exactly the layers to convert, each at its own rank
-      (given alone: no `tau`, `target`, `include` or `exclude`).
+      (given alone: no `tau`, `target`, `include` or `exclude`). An attention module is named
+      whole (one rank for its four projections) or per projection
+      (``"enc.self_attn.q_proj"``, ``.k_proj``, ``.v_proj``, ``.out_proj``: all four).
     - `tau`: or the smallest rank with discarded tail ≤ tau·‖W‖_F (both: the smaller rank).
     - `include`, `exclude`: module-name filters (regex string, or a list of names/suffixes).
     - `max_rank`: cap for later rank growth (default: min(out, in) per layer).
@@ -47,18 +76,27 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
     - `allocation`: with a `target`, how (``"error-sqrt"``: directions by the relative error they
       remove per √(parameters); ``"error"``, ``"energy"``; ``"uniform"``: one rank for all).
 
-    A pretrained model keeps its function up to the truncation error. Conv layers that
-    LowRankConv2d cannot express (groups ≠ 1, non-zero padding modes, 'same' padding with an
-    even kernel) are left dense, with a warning. Only exact ``nn.Linear`` / ``nn.Conv2d``
-    modules are converted (not their subclasses).
+    A pretrained model keeps its function up to the truncation error. Layers with no low-rank
+    equivalent are left dense, with one warning each: convolutions LowRankConv2d cannot express
+    (groups ≠ 1, non-zero padding modes, 'same' padding with an even kernel) and attention with
+    ``add_bias_kv`` / ``add_zero_attn``. A layer whose weight is tied to (is the same Parameter
+    as) another module's -- an ``lm_head`` tied to the input embedding -- is left dense too, so
+    the tie holds, with one warning naming all of them (naming one in a `rank` mapping raises).
+    A module registered under several names is replaced under all of them by one low-rank layer
+    (it is selected if one of its names passes `include` and none matches `exclude`).
 
-    Layers that are already low-rank (:class:`LowRankLinear`, :class:`LowRankConv2d`) are left
-    as they are: on a mixed model only the remaining dense layers are converted. If nothing
-    would be converted (every matching layer is already low-rank, no ``nn.Linear`` /
-    ``nn.Conv2d`` matches `include` / `exclude`, or none can be expressed) a ``ValueError`` is
+    On a model built on the meta device the layers are built on meta at the given `rank`,
+    without an SVD (load real weights afterwards); `tau` and `target` need the weights' values
+    and raise ``ValueError`` there.
+
+    Layers that are already low-rank are left as they are: on a mixed model only the remaining
+    dense layers are converted. If nothing would be converted (every matching layer is already
+    low-rank, tied, or inexpressible, or none matches `include` / `exclude`) a ``ValueError`` is
     raised and the model is not changed; ranks of low-rank layers change through the
     optimizer's truncation (``tau``, ``max_rank`` of DLRT/SDLRT), not through this function.
+    ``TypeError`` if `model` is not an ``nn.Module`` (e.g. ``model.parameters()``).
     """
+    check_model(model, "to_low_rank")
     if target is not None:
         if rank is not None or tau is not None:
             raise ValueError("give `target` alone, or `rank` / `tau`: the target sets every rank")
@@ -78,84 +116,213 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
         if tau is not None or target is not None or include is not None or exclude is not None:
             raise ValueError("a `rank` mapping names every layer to convert and its rank: give it without "
                              "`tau`, `target`, `include` or `exclude`")
-        modules = dict(model.named_modules())
-        unknown = [n for n in rank if n not in modules]
-        if unknown or not rank:
-            raise ValueError(f"`rank` maps names that are not modules of the model: {unknown}" if unknown
-                             else "`rank` is an empty mapping: it names no layer to convert")
-        for name, r in rank.items():
-            check_rank(r, f"rank[{name!r}]")
-        per_layer, rank = dict(rank), None
+        per_layer, rank = _check_rank_mapping(model, rank), None
     for name, value in (("rank", rank), ("max_rank", max_rank)):
         if value is not None:
             check_rank(value, name)
     # a one-shot iterator (e.g. a generator) would be used up by the first module name
     include = include if include is None or isinstance(include, str) else list(include)
     exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)
+    _check_filters(model, include, exclude)
 
-    names = [n for n, _ in model.named_modules()]
+    def selected(names: list[str]) -> bool:
+        if per_layer:
+            return any(n in per_layer or any(f"{n}.{p}" in per_layer for p in PROJECTIONS) for n in names)
+        return (any(include is None or _matches(n, include) for n in names)
+                and not any(exclude is not None and _matches(n, exclude) for n in names))
+
+    names_of = _names(model)
+    targets, low_rank, subclassed = [], [], []
+    for name, mod in model.named_modules():
+        if not selected(names_of[id(mod)]):
+            continue
+        if isinstance(mod, LowRank):
+            low_rank.append((name, mod))
+        elif _kind(mod) is not None:
+            targets.append((_key(names_of[id(mod)], per_layer), mod))
+        elif isinstance(mod, nn.Linear | nn.Conv2d | nn.MultiheadAttention):
+            subclassed.append((name, mod))
+    tied = _tied(model, targets)
+    if per_layer and tied:
+        raise ValueError(f"`rank` names layers whose weight is tied to another module's: {_tied_text(tied)}; "
+                         "converting them would untie the weights: leave them out")
+    targets = [(n, m) for n, m in targets if n not in tied]
+    expressible = [(n, m) for n, m in targets if _unsupported(m) is None]
+    _check_meta(expressible, tau, target)
+    if target is not None:  # layers with no low-rank form stay dense: not in the budget
+        ranks = _target_ranks(model, expressible, target, allocation) if expressible else {}
+    else:
+        ranks = _expand_attention(per_layer, targets) if per_layer else {}
+    left_dense = [(n, _unsupported(m)) for n, m in targets if _unsupported(m) is not None]
+    if not expressible:
+        raise ValueError(_nothing_converted(model, include, exclude, low_rank, subclassed, left_dense, tied))
+    for name, mod in expressible:
+        new = _low_rank(mod, _rank_of(name, mod, ranks, rank), tau, max_rank)
+        for alias in names_of[id(mod)]:
+            _set_submodule(model, alias, new.train(mod.training))
+    if tied:
+        warnings.warn(f"to_low_rank: leaving layers dense whose weight is tied to another module's (so the "
+                      f"tie holds; converting would untie it): {_tied_text(tied)}", stacklevel=2)
+    for name, reason in left_dense:
+        warnings.warn(f"to_low_rank: leaving {name!r} dense: {reason}", stacklevel=2)
+    return model
+
+
+# ----------------------------------------------------------------------------- selection
+def _names(model: nn.Module) -> dict[int, list[str]]:
+    """Every name each module is registered under, in registration order, by module identity."""
+    out: dict[int, list[str]] = defaultdict(list)
+    for name, mod in model.named_modules(remove_duplicate=False):
+        if name not in out[id(mod)]:
+            out[id(mod)].append(name)
+    return out
+
+
+def _key(names: list[str], per_layer: Mapping[str, int]) -> str:
+    """The name a module is known by here: the one a `rank` mapping uses, else its first."""
+    return next((n for n in names if n in per_layer or any(f"{n}.{p}" in per_layer for p in PROJECTIONS)),
+                names[0])
+
+
+def _check_rank_mapping(model: nn.Module, rank: Mapping[str, int]) -> dict[str, int]:
+    """A `rank` mapping's names must be modules (or projections of an nn.MultiheadAttention)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+
+    def known(name: str) -> bool:
+        parent, _, child = name.rpartition(".")
+        return name in modules or (child in PROJECTIONS
+                                   and type(modules.get(parent)) is nn.MultiheadAttention)
+
+    unknown = [n for n in rank if not known(n)]
+    if unknown or not rank:
+        raise ValueError(f"`rank` maps names that are not modules of the model: {unknown}" if unknown
+                         else "`rank` is an empty mapping: it names no layer to convert")
+    for name, r in rank.items():
+        check_rank(r, f"rank[{name!r}]")
+    return dict(rank)
+
+
+def _check_filters(model: nn.Module, include: Pattern, exclude: Pattern) -> None:
+    """List entries of `include` / `exclude` must name (or be a suffix of) a module."""
+    names = [n for n, _ in model.named_modules(remove_duplicate=False)]
     for option, entries in (("include", include), ("exclude", exclude)):
         unknown = [e for e in entries if not any(_matches(n, [e]) for n in names)] \
             if isinstance(entries, list) else []
         # (an include list that matches nothing at all gets the message below, which lists the layers)
         if unknown and (option == "exclude" or len(unknown) < len(entries)):
-            layers = [n for n, m in model.named_modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+            layers = [n for n, m in model.named_modules() if _kind(m) is not None or isinstance(m, LowRank)]
             raise ValueError(f"`{option}` names no module of the model: {unknown} (a list entry is a module "
                              f"name or a suffix of one; the model's layers: {', '.join(map(repr, layers))})")
 
-    def selected(name: str) -> bool:
-        if per_layer:
-            return name in per_layer
-        return ((include is None or _matches(name, include))
-                and (exclude is None or not _matches(name, exclude)))
 
-    targets, low_rank, subclassed = [], [], []
-    for name, mod in model.named_modules():
-        if not selected(name):
-            continue
-        if type(mod) in (nn.Linear, nn.Conv2d):
-            targets.append((name, mod))
-        elif isinstance(mod, AbstractLowRankLayer):
-            low_rank.append((name, mod))
-        elif isinstance(mod, nn.Linear | nn.Conv2d):
-            subclassed.append((name, mod))
-    if target is not None:  # convs LowRankConv2d cannot express stay dense: not in the budget
-        convertible = [(n, m) for n, m in targets
-                       if not isinstance(m, nn.Conv2d) or LowRankConv2d.unsupported(m) is None]
-        ranks = _target_ranks(model, convertible, target, allocation) if convertible else {}
-    else:
-        ranks = per_layer  # (empty unless `rank` was a mapping)
-    converted, left_dense = 0, []
+def _tied(model: nn.Module, targets: list) -> dict[str, list[str]]:
+    """``{target name: [names of the parameters it shares with modules outside it]}`` for the
+    targets holding a Parameter that another module holds too (tied weights)."""
+    owners: dict[int, list[tuple[str, nn.Module]]] = defaultdict(list)
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        for pname, p in mod.named_parameters(recurse=False):
+            owners[id(p)].append((f"{mname}.{pname}" if mname else pname, mod))
+    tied = {}
     for name, mod in targets:
-        r = ranks.get(name, rank)
-        if isinstance(mod, nn.Linear):
-            new = LowRankLinear.from_dense(mod, rank=r, tau=tau, max_rank=max_rank)
-        else:
-            try:
-                new = LowRankConv2d.from_dense(mod, rank=r, tau=tau, max_rank=max_rank)
-            except ValueError as e:  # groups, padding modes or 'same' padding we cannot express
-                left_dense.append((name, e))
-                continue
-        new.train(mod.training)
-        _set_submodule(model, name, new)
-        converted += 1
-    if not converted:
-        raise ValueError(_nothing_converted(model, include, exclude, low_rank, subclassed,
-                                            left_dense))
-    for name, e in left_dense:
-        warnings.warn(f"to_low_rank: leaving {name!r} dense: {e}", stacklevel=2)
-    return model
+        inside = {id(m) for m in mod.modules()}
+        shared = [n for p in mod.parameters() for n, owner in owners[id(p)] if id(owner) not in inside]
+        if shared:
+            tied[name] = list(dict.fromkeys(shared))
+    return tied
+
+
+def _tied_text(tied: dict[str, list[str]]) -> str:
+    return "; ".join(f"{_show(n)} (shares {', '.join(map(repr, shared))})" for n, shared in tied.items())
+
+
+def _check_meta(targets: list, tau: float | None, target: float | None) -> None:
+    meta = [n for n, m in targets if any(p.is_meta for p in m.parameters())]
+    if meta and (tau is not None or target is not None):
+        raise ValueError(f"to_low_rank: {_show(meta[0])} is on the meta device (no values): `tau` and "
+                         "`target` need the weights' singular values; give `rank=` alone to build meta "
+                         "low-rank layers of that rank, or convert after loading the weights")
+
+
+# ----------------------------------------------------------------------------- conversion
+def _unsupported(mod: nn.Module) -> str | None:
+    """Why `mod` (a target) has no low-rank equivalent, or None."""
+    kind = _kind(mod)
+    if kind == "conv":
+        return LowRankConv2d.unsupported(mod)
+    return attention_unsupported(mod) if kind == "attention" else None
+
+
+def _matrices(name: str, mod: nn.Module) -> dict[str, torch.Tensor]:
+    """The weight matrices (out, in) a target is converted from, by the names its ranks take."""
+    if _kind(mod) == "attention":
+        return {f"{name}.{p}": w for p, (w, _) in dense_projections(mod).items()}
+    W = mod.weight
+    return {name: W.mT if _kind(mod) == "conv1d" else W.reshape(W.shape[0], -1)}
+
+
+def _expand_attention(per_layer: dict[str, int], targets: list) -> dict[str, int]:
+    """A `rank` mapping with every attention target's rank given per projection."""
+    ranks = dict(per_layer)
+    for name, mod in targets:
+        if _kind(mod) != "attention":
+            continue
+        given = {p: per_layer.get(f"{name}.{p}", per_layer.get(name)) for p in PROJECTIONS}
+        missing = [f"{name}.{p}" for p, r in given.items() if r is None]
+        if missing:
+            raise ValueError(f"`rank` names some projections of the attention {name!r} but not {missing}: "
+                             f"name all four, or {name!r} itself for one rank")
+        ranks.update({f"{name}.{p}": r for p, r in given.items()})
+    return ranks
+
+
+def _rank_of(name: str, mod: nn.Module, ranks: dict[str, int], rank: int | None):
+    """A target's rank: an int (or None with `tau`), per projection for an attention."""
+    if _kind(mod) == "attention":
+        return {p: ranks.get(f"{name}.{p}", rank) for p in PROJECTIONS}
+    return ranks.get(name, rank)
+
+
+def _low_rank(mod: nn.Module, rank, tau: float | None, max_rank: int | None) -> nn.Module:
+    """The low-rank replacement of one target (on meta: built at `rank`, no SVD)."""
+    if any(p.is_meta for p in mod.parameters()):
+        with torch.device("meta"):
+            return _meta_low_rank(mod, rank, max_rank)
+    kind = _kind(mod)
+    cls = {"linear": LowRankLinear, "conv": LowRankConv2d, "conv1d": LowRankConv1D,
+           "attention": LowRankMultiheadAttention}[kind]
+    return cls.from_dense(mod, rank=rank, tau=tau, max_rank=max_rank)
+
+
+def _meta_low_rank(mod: nn.Module, rank, max_rank: int | None) -> nn.Module:
+    """A low-rank layer shaped like `mod` at `rank` (clamped), from the constructor alone."""
+    kind = _kind(mod)
+    if kind == "attention":
+        W = mod.out_proj.weight
+        return LowRankMultiheadAttention(
+            mod.embed_dim, mod.num_heads, rank, dropout=mod.dropout, bias=mod.in_proj_bias is not None,
+            kdim=mod.kdim, vdim=mod.vdim, batch_first=mod.batch_first, max_rank=max_rank, dtype=W.dtype)
+    W = mod.weight
+    out, inn = (W.shape[1], W.shape[0]) if kind == "conv1d" else (W.shape[0], W[0].numel())
+    r = min(rank, out, inn)
+    kw = {"bias": mod.bias is not None, "max_rank": max(r, max_rank) if max_rank else None, "dtype": W.dtype}
+    if kind == "linear":
+        return LowRankLinear(mod.in_features, mod.out_features, r, **kw)
+    if kind == "conv1d":
+        return LowRankConv1D(mod.nf, mod.nx, r, **kw)
+    return LowRankConv2d(mod.in_channels, mod.out_channels, mod.kernel_size, r, stride=mod.stride,
+                         padding=mod.padding, dilation=mod.dilation, **kw)
 
 
 @torch.no_grad()
 def _target_ranks(model: nn.Module, targets: list, target: float, allocation: str) -> dict[str, int]:
-    """Ranks of the dense `targets` that bring the model's compression to `target` (``max_rank``
-    of :func:`to_low_rank` caps later growth, not these ranks)."""
+    """Ranks of the dense `targets` (by matrix: an attention's per projection) that bring the
+    model's compression to `target` (``max_rank`` of :func:`to_low_rank` caps later growth, not
+    these ranks)."""
     from ._budget import allocate_ranks
     from ._metrics import compression
 
     c = compression(model)
-    weights = {name: mod.weight.reshape(mod.weight.shape[0], -1) for name, mod in targets}
+    weights = {k: w for name, mod in targets for k, w in _matrices(name, mod).items()}
     fixed = c["stored_params"] - sum(w.numel() for w in weights.values())  # biases, other layers
     budget = (1 - target) * c["dense_params"] - fixed
     if budget <= 0:
@@ -166,36 +333,46 @@ def _target_ranks(model: nn.Module, targets: list, target: float, allocation: st
     return allocate_ranks(spectra, shapes, budget, min_rank=1, rule=allocation)
 
 
+# ----------------------------------------------------------------------------- messages
 def _nothing_converted(model: nn.Module, include: Pattern, exclude: Pattern, low_rank: list,
-                       subclassed: list, left_dense: list) -> str:
+                       subclassed: list, left_dense: list, tied: dict[str, list[str]]) -> str:
     """The error message of a call of :func:`to_low_rank` that would convert no layer."""
     filters = ", ".join(f"{k}={v!r}" for k, v in (("include", include), ("exclude", exclude))
                         if v is not None)
     where = f" matching {filters}" if filters else ""
     msg = "to_low_rank converted nothing"
-    names = ", ".join(f"{_show(n)} ({type(m).__name__}, rank {m.rank})" for n, m in low_rank)
-    if left_dense:
-        already = f"; already low-rank: {names}" if names else ""
-        return (f"{msg}: every nn.Linear / nn.Conv2d{where} is a convolution LowRankConv2d "
-                f"cannot express ({'; '.join(f'{_show(n)}: {e}' for n, e in left_dense)})"
-                f"{already}; the model was not changed")
+    names = ", ".join(f"{_show(n)} ({type(m).__name__}, rank {_rank_text(m)})" for n, m in low_rank)
+    already = f"; already low-rank: {names}" if names else ""
+    if tied or left_dense:
+        parts = [f"{_show(n)}: {e}" for n, e in left_dense]
+        if tied:
+            parts.append(f"tied weights (left dense so the tie holds): {_tied_text(tied)}")
+        return (f"{msg}: every layer{where} is left dense: a convolution LowRankConv2d cannot express, "
+                f"an attention it cannot express, or a tied weight ({'; '.join(parts)}){already}; "
+                "the model was not changed")
     if low_rank:
         return (f"{msg}: the layers{where} are already low-rank: {names}. to_low_rank only "
-                "converts nn.Linear / nn.Conv2d; to start from another rank, build the dense "
-                "model again and convert that (a trained model: copy its weights into a fresh "
-                "dense model via dense_weight()); during training ranks change through the "
-                "optimizer's truncation (`tau`, `max_rank` of DLRT/SDLRT)")
-    dense = [n for n, m in model.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+                "converts nn.Linear / nn.Conv2d (and nn.MultiheadAttention, HF Conv1D); to start from "
+                "another rank, build the dense model again and convert that (a trained model: copy its "
+                "weights into a fresh dense model via dense_weight()); during training ranks change "
+                "through the optimizer's truncation (`tau`, `max_rank` of DLRT/SDLRT)")
+    dense = [n for n, m in model.named_modules() if _kind(m) is not None]
     if filters and dense:
         shown = ", ".join(_show(n) for n in dense[:10]) + (", ..." if len(dense) > 10 else "")
-        hint = (f"; its nn.Linear / nn.Conv2d modules are: {shown} (a str filter is a regex "
+        hint = (f"; its convertible modules are: {shown} (a str filter is a regex "
                 "matched against the full name, a list holds names or name suffixes)")
     else:
-        hint = "; the model has no nn.Linear / nn.Conv2d module"
+        hint = "; the model has no nn.Linear / nn.Conv2d module (nor nn.MultiheadAttention, HF Conv1D)"
     if subclassed:
-        hint += ("; subclasses of nn.Linear / nn.Conv2d are not converted: "
+        hint += ("; subclasses of nn.Linear / nn.Conv2d / nn.MultiheadAttention are not converted: "
                  + ", ".join(f"{_show(n)} ({type(m).__name__})" for n, m in subclassed[:10]))
     return f"{msg}: no nn.Linear / nn.Conv2d{where} in the model{hint}"
+
+
+def _rank_text(m: nn.Module) -> str:
+    if isinstance(m, LowRankMultiheadAttention):
+        return "/".join(str(r) for r in m.ranks.values())
+    return str(m.rank)
 
 
 def _show(name: str) -> str:
