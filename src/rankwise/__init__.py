@@ -85,4 +85,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names and the subpackages (not this module's own imports)."""
+    return sorted({*_LAZY, *_SUBMODULES, "__version__"})

@@ -210,6 +210,13 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
 
+    def __prepare_scriptable__(self):
+        """``torch.jit.script`` calls this first: refuse by name (the backward is a custom
+        ``autograd.Function``, which TorchScript cannot compile)."""
+        raise TypeError(f"torch.jit.script cannot compile {type(self).__name__} (its backward is a custom "
+                        "autograd.Function): script rankwise.export(model), a plain-PyTorch copy, or use "
+                        "torch.jit.trace / torch.export, which work on the low-rank model itself")
+
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
                 f"max_rank={self.max_rank}, bias={self.bias is not None}")

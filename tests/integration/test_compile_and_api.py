@@ -1,0 +1,92 @@
+"""Issue 46: torch.compile, torch.jit.script, dir(rankwise) and the docs' clipping line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import rankwise
+
+
+def _mlp(rank: int) -> nn.Module:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    return rankwise.to_low_rank(m, rank=rank)
+
+
+def _train_compiled(model, opt, steps: int) -> set[tuple[int, ...]]:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g)
+    seen = set()
+    for _ in range(steps):
+        opt.zero_grad()
+        ((compiled(x) - y) ** 2).mean().backward()
+        opt.step()
+        seen.add(tuple(opt.ranks().values()))
+    return seen
+
+
+def test_a_low_rank_model_compiles_without_graph_breaks():
+    """Case 21: no graph break per low-rank layer; at fixed ranks training compiles once (the
+    gradient store passed to the autograd.Function was an object: 6 graphs before)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    dynamo.reset()
+    model = _mlp(4)
+    assert dynamo.explain(model)(torch.randn(8, 16)).graph_break_count == 0
+    dynamo.reset()
+    opt = rankwise.DLRT(model, 0.01, tau=0.01, adaptive=False)
+    _train_compiled(model, opt, 4)
+    assert counters["stats"]["unique_graphs"] <= 2
+
+
+def test_rank_changes_recompile_a_bounded_number_of_times():
+    """Case 21: with torch's parameter shapes left dynamic (one documented switch), rank changes
+    do not recompile at every change (the recompile limit is 8)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    dynamo.reset()
+    model = _mlp(12)
+    opt = rankwise.DLRT(model, 0.05, tau=0.4)
+    with dynamo.config.patch(force_parameter_static_shapes=False):
+        seen = _train_compiled(model, opt, 30)
+    assert len(seen) >= 4  # the ranks did change, several times
+    assert counters["stats"]["unique_graphs"] <= 3
+    dynamo.reset()
+
+
+def test_jit_script_is_refused_by_name_and_the_export_scripts():
+    """Case 22: torch.jit.script of a low-rank model names the layer and the ways that work."""
+    model = _mlp(3)
+    with pytest.raises(TypeError, match=r"torch\.jit\.script cannot compile LowRankLinear.*rankwise\.export"):
+        torch.jit.script(model)
+    scripted = torch.jit.script(rankwise.export(model))
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(scripted(x), model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_dir_lists_the_public_api_and_the_subpackages():
+    """Case 25: dir(rankwise) lists the public names and the submodules, not its imports."""
+    names = dir(rankwise)
+    for private in ("Any", "TYPE_CHECKING", "annotations", "importlib", "_LAZY"):
+        assert private not in names
+    for public in ("DLRT", "to_low_rank", "clip_grad_norm_", "lowrank", "ode", "ckpt", "peft", "__version__"):
+        assert public in names
+    assert all(hasattr(rankwise, n) for n in names if n != "cli")
+
+
+def test_the_docs_no_longer_say_clipping_is_unsupported():
+    """Case 24: docs/lowrank.md said "Gradient clipping is not supported yet" (the README and the
+    code support it)."""
+    text = (Path(__file__).parents[2] / "docs" / "lowrank.md").read_text(encoding="utf-8")
+    assert "clipping is not supported" not in text.lower()
+    assert "clip_grad_norm_" in text
