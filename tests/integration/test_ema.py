@@ -105,3 +105,40 @@ def test_torch_averaged_model_fails_at_the_first_rank_change():
         for _ in range(8):
             opt.step(mse_closure(opt, model, X, Y))
             avg.update_parameters(model)
+
+
+def test_ema_of_a_converted_multihead_attention_and_gpt2():
+    """Layers whose export renames their parameters (LowRankMultiheadAttention →
+    nn.MultiheadAttention's in_proj_weight) are averaged through their dense export; GPT-2's
+    Conv1D layers through their (in, out) dense weight."""
+    pytest.importorskip("rankwise.lowrank._attention")
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.att = nn.MultiheadAttention(16, 2, batch_first=True, dtype=F64)
+
+        def forward(self, x):
+            return self.att(x, x, x)[0]
+
+    model = rankwise.to_low_rank(Attention(), rank=4)
+    ema = DenseEMA(model, 0.5)
+    ema.update_parameters(model)
+    first = ema.module.att.in_proj_weight.detach().clone()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.5)
+    ema.update_parameters(model)
+    now = rankwise.export(model, merge="always").att.in_proj_weight
+    torch.testing.assert_close(ema.module.att.in_proj_weight, 0.5 * first + 0.5 * now.detach())
+    x = torch.randn(2, 5, 16, dtype=F64)
+    assert now.shape == (48, 16) and ema(x).shape == (2, 5, 16)
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=2,
+                                  tie_word_embeddings=False, bos_token_id=0, eos_token_id=0)
+    gpt = rankwise.to_low_rank(transformers.GPT2LMHeadModel(cfg), rank=4).eval()
+    ema = DenseEMA(gpt, 0.9).eval()
+    ema.update_parameters(gpt)
+    ids = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(ema(input_ids=ids).logits, gpt(input_ids=ids).logits, rtol=1e-4, atol=1e-4)

@@ -11,6 +11,7 @@ W = U S Vᵀ, in a plain-PyTorch dense copy of the model (:func:`rankwise.export
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -20,21 +21,26 @@ from ._base import AbstractLowRankLayer
 from ._export import export
 
 
-def dense_parameters(model: nn.Module) -> dict[str, Tensor]:
+def dense_parameters(model: nn.Module, replaced: Collection[str] = ()) -> dict[str, Tensor]:
     """{name: tensor} of `model`'s weights as its dense export names them: for a low-rank layer
-    ``<layer>.weight``, its dense weight (:meth:`AbstractLowRankLayer.dense_weight`, (out, in)
-    or (C_out, C_in, kh, kw)), and its other parameters (the bias); every other parameter as
-    it is. Detached; a dense weight is computed afresh, the others are the parameters
-    themselves. A parameter reachable under several names (tied weights) appears under each."""
+    ``<layer>.weight``, its dense weight (:meth:`AbstractLowRankLayer.dense_weight`, in the
+    shape of the matching torch layer's weight), and its other parameters (the bias); for a
+    module named in `replaced` (one that the export replaces by a module with other parameter
+    names, e.g. a ``LowRankMultiheadAttention`` by an ``nn.MultiheadAttention``), the
+    parameters of its dense export; every other parameter as it is. Detached. A parameter
+    reachable under several names (tied weights) appears under each."""
     out: dict[str, Tensor] = {}
-    inside: set[str] = set()  # low-rank layers: their submodules are not parameters of the export
+    units: set[str] = set()  # modules whose parameters are read here: not descended into
     for name, m in model.named_modules(remove_duplicate=False):
         parts = name.split(".") if name else []
-        if any(".".join(parts[:i]) in inside for i in range(len(parts))):
+        if any(".".join(parts[:i]) in units for i in range(len(parts))):
             continue
         prefix = f"{name}." if name else ""
-        if isinstance(m, AbstractLowRankLayer):
-            inside.add(name)
+        if name in replaced:
+            units.add(name)
+            out.update({prefix + n: p.detach() for n, p in export(m, merge="always").named_parameters()})
+        elif isinstance(m, AbstractLowRankLayer):
+            units.add(name)
             out[f"{prefix}weight"] = m.dense_weight().detach()
             factors = {id(m.U), id(m.S), id(m.V)}
             out.update({prefix + n: p.detach() for n, p in m.named_parameters(recurse=False)
@@ -42,6 +48,14 @@ def dense_parameters(model: nn.Module) -> dict[str, Tensor]:
         else:
             out.update({prefix + n: p.detach() for n, p in m.named_parameters(recurse=False)})
     return out
+
+
+def replaced_modules(model: nn.Module, dense: nn.Module) -> tuple[str, ...]:
+    """Names of the modules of `model` other than low-rank layers that its export `dense`
+    replaced by a module of another type (rankwise's own composite layers)."""
+    mine = dict(dense.named_modules(remove_duplicate=False))
+    return tuple(n for n, m in model.named_modules(remove_duplicate=False)
+                 if n in mine and not isinstance(m, AbstractLowRankLayer) and type(mine[n]) is not type(m))
 
 
 class DenseEMA(nn.Module):
@@ -53,10 +67,12 @@ class DenseEMA(nn.Module):
     merge="always")``: every low-rank layer an ``nn.Linear`` / ``nn.Conv2d``) made once;
     :meth:`update_parameters` then sets each of its parameters, as AveragedModel does, to the
     model's current value at the first call and to ``decay·E + (1 − decay)·W`` afterwards, with
-    ``W`` a low-rank layer's dense weight U S Vᵀ (:func:`dense_parameters`) or the parameter
-    itself. Buffers (BatchNorm statistics) are copied from the model at each update, as
-    AveragedModel's default ``use_buffers=False`` does (``torch.optim.swa_utils.update_bn(loader,
-    ema.module)`` recomputes them for the averaged weights). Calling the EMA runs ``module``.
+    ``W`` a low-rank layer's dense weight U S Vᵀ (:func:`dense_parameters`), the parameters of
+    the dense export of a composite low-rank module (a ``LowRankMultiheadAttention``'s
+    ``in_proj_weight``, ...), or the parameter itself. Buffers (BatchNorm statistics) are
+    copied from the model at each update, as AveragedModel's default ``use_buffers=False``
+    does (``torch.optim.swa_utils.update_bn(loader, ema.module)`` recomputes them for the
+    averaged weights). Calling the EMA runs ``module``.
 
     **Arguments:** `model` (holding :class:`LowRankLinear` / :class:`LowRankConv2d` layers, or
     none), `decay` in [0, 1] (torch's default 0.999).
@@ -80,7 +96,8 @@ class DenseEMA(nn.Module):
             self.module = export(model, merge="always")
         except TypeError as e:
             raise TypeError(f"DenseEMA averages a dense copy of the model, and {e}") from None
-        sources = dense_parameters(model)
+        self._replaced = replaced_modules(model, self.module)
+        sources = dense_parameters(model, self._replaced)
         for name, p in self.module.named_parameters():
             if name not in sources or sources[name].shape != p.shape:
                 raise TypeError(f"DenseEMA: the dense copy's parameter {name!r} {tuple(p.shape)} has no "
@@ -95,7 +112,7 @@ class DenseEMA(nn.Module):
         """Average `model`'s current dense weights into :attr:`module` (copy them at the first
         call), and copy its buffers. `model` must be the model the EMA was made from (or one of
         the same structure), at any ranks."""
-        sources = dense_parameters(model)
+        sources = dense_parameters(model, self._replaced)
         mine = dict(self.module.named_parameters())
         if missing := sorted(set(mine) - set(sources)):
             raise ValueError(f"DenseEMA.update_parameters: `model` has no {missing[:4]}: pass the model "
