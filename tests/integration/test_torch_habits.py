@@ -280,3 +280,23 @@ def test_parameters_instead_of_the_model_are_refused_in_one_line():
     """Case 17 for the optimizer: DLRT(model.parameters())."""
     with pytest.raises(TypeError, match=r"not model.parameters\(\)"):
         DLRT(_model().parameters(), 0.1, tau=0.1)
+
+
+# ---------------------------------------------------------------- what worked, kept working
+def test_gradient_accumulation_equals_the_full_batch_and_jit_trace_works():
+    """Two half-batch backward calls (each half the mean) step as one full batch (autograd sums
+    G_K, G_L like any .grad); torch.jit.trace of a trained low-rank model computes the same."""
+    X, Y = _data(F64)
+    m1 = _model(F64)
+    ref = _train(m1, DLRT(m1, 0.1, tau=0.2), X, Y)
+    m2 = _model(F64)
+    opt = DLRT(m2, 0.1, tau=0.2)
+    for _ in range(3):
+        opt.zero_grad()
+        for half in (slice(0, 16), slice(16, 32)):
+            (_loss(m2, X[half], Y[half]) / 2).backward()
+        opt.step()
+    for a, b in zip(ref, m2.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
+    traced = torch.jit.trace(m2, X[:4])
+    torch.testing.assert_close(traced(X), m2(X))
