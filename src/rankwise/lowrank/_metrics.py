@@ -7,9 +7,11 @@ from torch import nn
 
 from ..linalg import work_dtype
 from ._base import AbstractLowRankLayer
+from ._convert import check_model
 
 
 def _low_rank_layers(model: nn.Module) -> dict[str, AbstractLowRankLayer]:
+    """Each low-rank layer once (under its first name), however many names it is registered under."""
     return {n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
 
 
@@ -24,11 +26,16 @@ def compression(model: nn.Module) -> dict[str, float]:
     - `buffer_params`: SDLRT compensation buffers (b·(out+in)), training only,
     - `ratio` = 1 − stored/dense and `training_ratio` = 1 − (stored + buffer)/dense.
 
-    Only parameters are counted (not buffers such as BatchNorm statistics), in both totals.
+    Only parameters are counted (not buffers such as BatchNorm statistics), in both totals, and
+    each once by identity: a tied weight (an ``lm_head`` sharing the embedding's Parameter) or a
+    layer registered under several names counts once, as ``model.parameters()`` lists it.
+    ``TypeError`` if `model` is not an ``nn.Module`` (e.g. ``model.parameters()``).
     """
+    check_model(model, "compression")
     lr = _low_rank_layers(model)
     factor_ids = {id(p) for m in lr.values() for p in (m.U, m.S, m.V)}
-    other = sum(p.numel() for p in model.parameters() if id(p) not in factor_ids)
+    unique = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
+    other = sum(p.numel() for i, p in unique.items() if i not in factor_ids)
     dense = other + sum(m.out_features * m.in_features for m in lr.values())
     stored = other + sum(m.U.numel() + m.S.numel() + m.V.numel() for m in lr.values())
     buf = sum(m.U_buf.numel() + m.V_buf.numel() for m in lr.values())
@@ -49,6 +56,8 @@ def stability_distance(low_rank_model: nn.Module, dense_model: nn.Module) -> flo
     the same batches from the same initialisation. Each low-rank layer is paired with the
     module of the same name in the shadow, whose ``weight`` is viewed as (out, in·kh·kw).
     """
+    check_model(low_rank_model, "stability_distance")
+    check_model(dense_model, "stability_distance")
     dense_mods = dict(dense_model.named_modules())
     total = 0.0
     for name, layer in _low_rank_layers(low_rank_model).items():
