@@ -157,7 +157,8 @@ def test_trainer_runs_the_integrator_without_extra_calls(tmp_path):
                                           per_device_train_batch_size=8, logging_steps=2, report_to=[],
                                           save_strategy="no", use_cpu=True, disable_tqdm=True)
     trainer = RankwiseTrainer(model=model, args=args, train_dataset=data)
-    assert trainer.clip_norm == 1.0 and trainer.args.max_grad_norm == 0.0  # clipped by rankwise instead
+    # clipped by rankwise (factor gradients included); the caller's arguments are untouched
+    assert trainer.clip_norm == 1.0 and trainer.args.max_grad_norm == 1.0 and args.max_grad_norm == 1.0
     before = {n: m.rank for n, m in adapters(model)}
     trainer.train()
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # (accelerate's wrapper)

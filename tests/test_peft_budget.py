@@ -59,8 +59,14 @@ def test_trainable_parameters_count_the_factors_whatever_their_requires_grad():
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == by_hand
     assert trainable_parameters(model) == (by_hand, base_total + 6 * (4 * 64 + 16))
     opt = adapter_optimizer(model, 0.05, momentum=0.9)
-    # the integrator switches U and V's requires_grad off: counting requires_grad misses them
+    # in core steps (update_every > 1) the integrator switches U and V's requires_grad off:
+    # counting requires_grad would miss them
+    for layer in (m for _, m in adapters(model)):
+        layer.set_grad_mode("core")
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == 6 * 16 + 32 * 3 + 3
+    assert trainable_parameters(model)[0] == by_hand
+    for layer in (m for _, m in adapters(model)):
+        layer.set_grad_mode("factors")
     for i in range(3):
         step(model, opt, i)
     ranks = {n: m.rank for n, m in adapters(model)}

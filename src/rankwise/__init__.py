@@ -26,6 +26,8 @@ _LAZY: dict[str, str] = {
     "TwoSidedFeedback": "rankwise.lowrank",
     "Sgd": "rankwise.lowrank",
     "Adam": "rankwise.lowrank",
+    "AdamW": "rankwise.lowrank",
+    "DenseEMA": "rankwise.lowrank",
     "Settings": "rankwise.lowrank",
     "SDLRT": "rankwise.lowrank",
     "AbstractLowRankLayer": "rankwise.lowrank",
@@ -54,6 +56,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import SDLRT as SDLRT
     from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
     from .lowrank import Adam as Adam
+    from .lowrank import AdamW as AdamW
+    from .lowrank import DenseEMA as DenseEMA
     from .lowrank import AugmentedBUG as AugmentedBUG
     from .lowrank import Budget as Budget
     from .lowrank import Feedback as Feedback

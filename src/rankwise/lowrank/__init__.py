@@ -18,6 +18,8 @@ from ._policies import Feedback as Feedback
 from ._policies import SeedFeedback as SeedFeedback
 from ._policies import Tolerance as Tolerance
 from ._policies import TwoSidedFeedback as TwoSidedFeedback
+from ._average import DenseEMA as DenseEMA
 from ._settings import Adam as Adam
+from ._settings import AdamW as AdamW
 from ._settings import Settings as Settings
 from ._settings import Sgd as Sgd

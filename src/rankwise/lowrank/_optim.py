@@ -122,7 +122,7 @@ def _check_group(group: dict, settings: Settings, layers: dict[str, AbstractLowR
     given = {k: group[k] for k in rule.hyper() if k in group}
     if given:
         type(rule)(**given)  # validates, with the constructor's messages
-    unknown = {"momentum", "betas", "eps"} - set(rule.hyper())
+    unknown = {"momentum", "betas", "eps", "decoupled_weight_decay"} - set(rule.hyper())
     if wrong := sorted(k for k in unknown if k in group):
         raise ValueError(f"a param group sets {wrong} but the rule is {type(rule).__name__} "
                          f"(its hyperparameters: {sorted(rule.hyper())})")
@@ -149,9 +149,9 @@ class AugmentedBUG(torch.optim.Optimizer):
       :class:`Feedback`): adjusts each layer's τ after every truncation; only with a
       :class:`Tolerance` (a budget sets the ranks itself).
     - `buffer`: SDLRT's compensation buffer of recently discarded directions.
-    - `rule`: :class:`Sgd` (``momentum``, ``weight_decay``) or :class:`Adam` (``betas``,
-      ``eps``, ``weight_decay``), applied to K, L, S and every other trainable parameter; the
-      presets' ``optimizer=``, ``momentum=``, ... are accepted instead. Their values start the
+    - `rule`: :class:`Sgd` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``,
+      ``eps``, ``weight_decay``, ``decoupled_weight_decay``) or :class:`AdamW`, applied to K, L,
+      S and every other trainable parameter; the presets' ``optimizer=``, ``momentum=``, ... are accepted instead. Their values start the
       param group, where torch's schedulers may change them.
     - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
       under :class:`DLRT`.
@@ -1011,8 +1011,10 @@ _COMMON_DOC = """
       ``budget()`` the budget and the compression reached. SDLRT's τ feedback does not apply.
     - `momentum`: SGD momentum μ in [0, 1) (``torch.optim.SGD`` accepts μ >= 1, but then the
       buffer m ← μm + g never decays and training diverges, so it is rejected here).
-    - `weight_decay`: L2 weight decay >= 0 (on W for low-rank layers).
-    - `optimizer`: ``"sgd"`` or ``"adam"`` (with `betas`, each in [0, 1), and `eps` > 0),
+    - `weight_decay`: weight decay >= 0 (on W for low-rank layers): L2 (added to the gradient) for
+      ``"sgd"`` and ``"adam"``, decoupled (``p ← p − lr·wd·p``, as ``torch.optim.AdamW``) for
+      ``"adamw"`` or with ``decoupled_weight_decay=True``; default 0 (1e-2 for ``"adamw"``, as torch).
+    - `optimizer`: ``"sgd"``, ``"adam"`` or ``"adamw"`` (with `betas`, each in [0, 1), and `eps` > 0),
       applied to K, L, S and the dense parameters; its state is rotated into new bases after
       every truncation.
     - `single_pass`: one closure call per step, the gradient projected onto the augmented bases
