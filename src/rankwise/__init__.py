@@ -57,9 +57,9 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
     from .lowrank import Adam as Adam
     from .lowrank import AdamW as AdamW
-    from .lowrank import DenseEMA as DenseEMA
     from .lowrank import AugmentedBUG as AugmentedBUG
     from .lowrank import Budget as Budget
+    from .lowrank import DenseEMA as DenseEMA
     from .lowrank import Feedback as Feedback
     from .lowrank import LowRankConv2d as LowRankConv2d
     from .lowrank import LowRankLinear as LowRankLinear

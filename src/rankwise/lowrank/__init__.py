@@ -1,5 +1,6 @@
 """Dynamical low-rank training (DLRT) and its stabilised variant (SDLRT)."""
 
+from ._average import DenseEMA as DenseEMA
 from ._base import AbstractLowRankLayer as AbstractLowRankLayer
 from ._budget import ALLOCATION_RULES as ALLOCATION_RULES
 from ._clip import clip_grad_norm_ as clip_grad_norm_
@@ -18,7 +19,6 @@ from ._policies import Feedback as Feedback
 from ._policies import SeedFeedback as SeedFeedback
 from ._policies import Tolerance as Tolerance
 from ._policies import TwoSidedFeedback as TwoSidedFeedback
-from ._average import DenseEMA as DenseEMA
 from ._settings import Adam as Adam
 from ._settings import AdamW as AdamW
 from ._settings import Settings as Settings

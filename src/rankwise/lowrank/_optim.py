@@ -151,8 +151,9 @@ class AugmentedBUG(torch.optim.Optimizer):
     - `buffer`: SDLRT's compensation buffer of recently discarded directions.
     - `rule`: :class:`Sgd` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``,
       ``eps``, ``weight_decay``, ``decoupled_weight_decay``) or :class:`AdamW`, applied to K, L,
-      S and every other trainable parameter; the presets' ``optimizer=``, ``momentum=``, ... are accepted instead. Their values start the
-      param group, where torch's schedulers may change them.
+      S and every other trainable parameter; the presets' ``optimizer=``, ``momentum=``, ... are
+      accepted instead. Their values start the param group, where torch's schedulers may change
+      them.
     - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
       under :class:`DLRT`.
     - `core_lr_ratio`: the core S's rate as a multiple of the group's (1: the same rate for the
