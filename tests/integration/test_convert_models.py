@@ -19,6 +19,7 @@ from rankwise.lowrank import DLRT, LowRankLinear, compression, export, to_low_ra
 from rankwise.lowrank._attention import LowRankMultiheadAttention
 from rankwise.lowrank._hf import LowRankConv1D
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny SVDs: threads only wait on each other
 FULL = 10_000  # a rank above every layer's: the truncation keeps everything
 TOL = dict(atol=1e-5, rtol=1e-5)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,7 +57,7 @@ def llama(transformers):
 
 
 # ----------------------------------------------------------------------------- item 3: encoder fast path
-def test_encoder_layer_fast_path_and_export_compute_the_slow_path_function(monkeypatch, one_thread):
+def test_encoder_layer_fast_path_and_export_compute_the_slow_path_function(monkeypatch):
     """eval + no_grad + batch_first takes torch's fused encoder kernel, which reads the layers'
     ``weight`` (and the attention's ``in_proj_weight``): the low-rank model's dense views and the
     exported copy (factorised linears inside the encoder are stored dense) give the slow path's
@@ -81,7 +82,8 @@ def test_encoder_layer_fast_path_and_export_compute_the_slow_path_function(monke
     assert type(plain.linear1) is nn.Linear and type(plain.self_attn) is nn.MultiheadAttention
 
 
-def test_encoder_stack_nested_fast_path_with_padding_matches(one_thread):
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_encoder_stack_nested_fast_path_with_padding_matches():
     """nn.TransformerEncoder with a padding mask in eval/no_grad packs the batch into a nested
     tensor and runs the fused kernel on it: same output at the unpadded positions."""
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2,
@@ -126,7 +128,7 @@ CASES = {
 
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("case", list(CASES))
-def test_attention_matches_torch(batch_first, case, one_thread):
+def test_attention_matches_torch(batch_first, case):
     dense, low = _pair(batch_first)
     assert isinstance(low, LowRankMultiheadAttention) and isinstance(low, nn.MultiheadAttention)
     assert all(type(m) is LowRankLinear for m in low.projections().values())
@@ -142,7 +144,7 @@ def test_attention_matches_torch(batch_first, case, one_thread):
             torch.testing.assert_close(w2, w, **TOL)
 
 
-def test_attention_causal_unbatched_separate_dims_and_dropout(one_thread):
+def test_attention_causal_unbatched_separate_dims_and_dropout():
     causal = nn.Transformer.generate_square_subsequent_mask(5)
     dense, low = _pair(True)
     x = torch.randn(2, 5, 16)
@@ -177,7 +179,7 @@ def test_attention_options_without_a_low_rank_form_are_refused_by_name():
 
 
 @pytest.mark.parametrize("kind", ["encoder", "decoder"])
-def test_attention_inside_transformer_layers_train_eval_and_export(kind, one_thread):
+def test_attention_inside_transformer_layers_train_eval_and_export(kind):
     """Full rank: the converted layer is the dense one in train mode (same dropout draws) and in
     eval; export gives a torch nn.MultiheadAttention computing the same."""
     if kind == "encoder":
@@ -205,7 +207,7 @@ def test_attention_inside_transformer_layers_train_eval_and_export(kind, one_thr
         torch.testing.assert_close(outs[2], outs[0], **TOL)
 
 
-def test_dlrt_trains_the_attention_projections(one_thread):
+def test_dlrt_trains_the_attention_projections():
     model = to_low_rank(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True), rank=3)
     opt = DLRT(model, 0.05, tau=0.1)
     assert {f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "out_proj")} <= set(opt.layers)
@@ -237,7 +239,7 @@ def test_attention_ranks_by_mapping_and_by_target():
 
 
 # ----------------------------------------------------------------------------- item 4: GPT-2 Conv1D
-def test_gpt2_conv1d_projections_are_converted_and_exported(transformers, one_thread):
+def test_gpt2_conv1d_projections_are_converted_and_exported(transformers):
     model = gpt2(transformers)
     conv1d = transformers.pytorch_utils.Conv1D
     names = [n for n, m in model.named_modules() if type(m) is conv1d]
@@ -290,7 +292,7 @@ def test_tied_linears_stay_tied_with_one_warning_and_compression_counts_once():
 
 
 @pytest.mark.parametrize("make", [gpt2, llama])
-def test_hf_lm_head_stays_tied_to_the_embedding(make, transformers, one_thread):
+def test_hf_lm_head_stays_tied_to_the_embedding(make, transformers):
     model = make(transformers)
     before, x = n_params(model), torch.randint(0, 64, (2, 7))
     with pytest.warns(UserWarning, match="'lm_head' \\(shares '.*(wte|embed_tokens).weight'\\)"):

@@ -147,7 +147,8 @@ def _outermost(model: nn.Module) -> list[nn.Module]:
     """The low-rank layers and attention modules to replace: not the projections inside an attention."""
     inner = {id(p) for m in model.modules() if isinstance(m, LowRankMultiheadAttention)
              for p in m.projections().values()}
-    return [m for m in model.modules() if isinstance(m, _EXPORTABLE) and id(m) not in inner]
+    return [m for m in model.modules()
+            if isinstance(m, AbstractLowRankLayer | LowRankMultiheadAttention) and id(m) not in inner]
 
 
 def _read_by_parent(model: nn.Module) -> dict[int, str]:
