@@ -372,3 +372,27 @@ def test_meta_gpt2_converts_at_rank(transformers):
         to_low_rank(model, rank=4)
     c_attn = model.transformer.h[0].attn.c_attn
     assert type(c_attn) is LowRankConv1D and c_attn.U.is_meta and c_attn.rank == 4
+
+
+# ----------------------------------------------------------------------------- the new modules' plumbing
+def test_stability_distance_pairs_conv1d_and_attention_with_their_dense_shadows(transformers):
+    from rankwise.lowrank import stability_distance
+
+    for dense in (gpt2(transformers), nn.Sequential(nn.MultiheadAttention(16, 2), nn.Linear(16, 8))):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # GPT-2's tied lm_head
+            low = to_low_rank(copy.deepcopy(dense), rank=3)
+        assert stability_distance(low, dense) < 1e-4  # each layer is its shadow's truncated SVD
+
+
+def test_low_rank_attention_pickles_and_loads_a_state_dict_of_other_ranks(tmp_path):
+    src = to_low_rank(nn.Sequential(nn.MultiheadAttention(16, 2, batch_first=True)),
+                      rank={"0.q_proj": 2, "0.k_proj": 3, "0.v_proj": 4, "0.out_proj": 5})
+    torch.save(src, tmp_path / "m.pt")
+    again = torch.load(tmp_path / "m.pt", weights_only=False)
+    fresh = nn.Sequential(LowRankMultiheadAttention(16, 2, 1, batch_first=True))
+    fresh.load_state_dict(src.state_dict())
+    x = torch.randn(2, 5, 16)
+    for m in (again, fresh, copy.deepcopy(src)):
+        assert m[0].ranks == src[0].ranks
+        torch.testing.assert_close(m[0](x, x, x)[0], src[0](x, x, x)[0])

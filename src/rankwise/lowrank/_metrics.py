@@ -6,8 +6,10 @@ import torch
 from torch import nn
 
 from ..linalg import work_dtype
+from ._attention import PROJECTIONS, dense_projections
 from ._base import AbstractLowRankLayer
 from ._convert import check_model
+from ._hf import is_hf_conv1d
 
 
 def _low_rank_layers(model: nn.Module) -> dict[str, AbstractLowRankLayer]:
@@ -54,17 +56,17 @@ def stability_distance(low_rank_model: nn.Module, dense_model: nn.Module) -> flo
 
     `dense_model` is a dense shadow with the same architecture (same module names) trained on
     the same batches from the same initialisation. Each low-rank layer is paired with the
-    module of the same name in the shadow, whose ``weight`` is viewed as (out, in·kh·kw).
+    module of the same name in the shadow, whose ``weight`` is viewed as (out, in·kh·kw) (a
+    Hugging Face ``Conv1D``'s (in, out) weight transposed); the projections of a
+    :class:`LowRankMultiheadAttention` with the shadow ``nn.MultiheadAttention``'s q, k, v and
+    output weights.
     """
     check_model(low_rank_model, "stability_distance")
     check_model(dense_model, "stability_distance")
     dense_mods = dict(dense_model.named_modules())
     total = 0.0
     for name, layer in _low_rank_layers(low_rank_model).items():
-        shadow = dense_mods.get(name)
-        if shadow is None or not hasattr(shadow, "weight"):
-            raise ValueError(f"dense_model has no layer {name!r} with a weight to compare against")
-        W = shadow.weight.reshape(shadow.weight.shape[0], -1)
+        W = _shadow_matrix(dense_mods, name)
         if W.shape != (layer.out_features, layer.in_features):
             raise ValueError(f"layer {name!r}: dense weight {tuple(W.shape)} does not match "
                              f"low-rank ({layer.out_features}, {layer.in_features})")
@@ -74,3 +76,16 @@ def stability_distance(low_rank_model: nn.Module, dense_model: nn.Module) -> flo
         best = (U[:, :r] * s[:r]) @ Vh[:r]
         total += float(torch.linalg.matrix_norm(best - layer.weight_matrix().to(dt)))
     return total
+
+
+def _shadow_matrix(dense_mods: dict[str, nn.Module], name: str) -> torch.Tensor:
+    """The dense shadow's weight matrix (out, in) for the low-rank layer called `name`."""
+    parent, _, child = name.rpartition(".")
+    if isinstance(dense_mods.get(parent), nn.MultiheadAttention) and child in PROJECTIONS:
+        return dense_projections(dense_mods[parent])[child][0]
+    shadow = dense_mods.get(name)
+    if shadow is None or not hasattr(shadow, "weight"):
+        raise ValueError(f"dense_model has no layer {name!r} with a weight to compare against")
+    if is_hf_conv1d(shadow):
+        return shadow.weight.mT
+    return shadow.weight.reshape(shadow.weight.shape[0], -1)
