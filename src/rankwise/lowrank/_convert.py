@@ -132,16 +132,7 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
                 and not any(exclude is not None and _matches(n, exclude) for n in names))
 
     names_of = _names(model)
-    targets, low_rank, subclassed = [], [], []
-    for name, mod in model.named_modules():
-        if not selected(names_of[id(mod)]):
-            continue
-        if isinstance(mod, LowRank):
-            low_rank.append((name, mod))
-        elif _kind(mod) is not None:
-            targets.append((_key(names_of[id(mod)], per_layer), mod))
-        elif isinstance(mod, nn.Linear | nn.Conv2d | nn.MultiheadAttention):
-            subclassed.append((name, mod))
+    targets, low_rank, subclassed = _classify(model, names_of, selected, per_layer)
     tied = _tied(model, targets)
     if per_layer and tied:
         raise ValueError(f"`rank` names layers whose weight is tied to another module's: {_tied_text(tied)}; "
@@ -176,6 +167,22 @@ def _names(model: nn.Module) -> dict[int, list[str]]:
         if name not in out[id(mod)]:
             out[id(mod)].append(name)
     return out
+
+
+def _classify(model: nn.Module, names_of: dict[int, list[str]], selected, per_layer: Mapping[str, int]):
+    """The selected modules, as (targets to convert, already low-rank, subclasses left alone):
+    lists of (name, module), each module once."""
+    targets, low_rank, subclassed = [], [], []
+    for name, mod in model.named_modules():
+        if not selected(names_of[id(mod)]):
+            continue
+        if isinstance(mod, LowRank):
+            low_rank.append((name, mod))
+        elif _kind(mod) is not None:
+            targets.append((_key(names_of[id(mod)], per_layer), mod))
+        elif isinstance(mod, nn.Linear | nn.Conv2d | nn.MultiheadAttention):
+            subclassed.append((name, mod))
+    return targets, low_rank, subclassed
 
 
 def _key(names: list[str], per_layer: Mapping[str, int]) -> str:
