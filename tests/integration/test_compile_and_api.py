@@ -90,3 +90,23 @@ def test_the_docs_no_longer_say_clipping_is_unsupported():
     text = (Path(__file__).parents[2] / "docs" / "lowrank.md").read_text(encoding="utf-8")
     assert "clipping is not supported" not in text.lower()
     assert "clip_grad_norm_" in text
+
+
+def test_every_test_named_in_the_integration_page_exists():
+    """docs/integration.md's table: each row's test (file, and function where named) exists."""
+    import re
+
+    root = Path(__file__).parents[2]
+    text = (root / "docs" / "integration.md").read_text(encoding="utf-8")
+    cells = re.findall(r"`((?:integration/)?test_\w+\.py)(?:::(\w+))?`", text)
+    assert len(cells) > 20
+    last = None
+    for file, func in cells:
+        path = root / "tests" / file
+        assert path.is_file(), file
+        last = path.read_text(encoding="utf-8")
+        if func:
+            assert re.search(rf"def {func}\b", last), f"{file}::{func}"
+    for func in re.findall(r"`::(\w+)`", text):  # '::name' continues the file named before it
+        assert any(re.search(rf"def {func}\b", (root / "tests" / f).read_text(encoding="utf-8"))
+                   for f, _ in cells), func
