@@ -6,7 +6,6 @@ of the model. Each low-rank model at full rank is checked against the dense mode
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 import sys
 import warnings
@@ -22,7 +21,6 @@ from rankwise.lowrank._hf import LowRankConv1D
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny SVDs: threads only wait on each other
 FULL = 10_000  # a rank above every layer's: the truncation keeps everything
 TOL = dict(atol=1e-5, rtol=1e-5)
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def n_params(model: nn.Module) -> int:

@@ -4,7 +4,6 @@ rankwise.lowrank._pretrained.from_pretrained restores the low-rank model, at its
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -14,7 +13,6 @@ from rankwise.lowrank import export, to_low_rank
 from rankwise.lowrank._base import AbstractLowRankLayer
 from rankwise.lowrank._pretrained import from_pretrained
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")  # the rankwise[peft] extra; make test installs it
 transformers.logging.set_verbosity_error()
 transformers.utils.logging.disable_progress_bar()
