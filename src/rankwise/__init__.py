@@ -33,6 +33,8 @@ _LAZY: dict[str, str] = {
     "AbstractLowRankLayer": "rankwise.lowrank",
     "LowRankConv2d": "rankwise.lowrank",
     "LowRankLinear": "rankwise.lowrank",
+    "LowRankConv1D": "rankwise.lowrank",
+    "LowRankMultiheadAttention": "rankwise.lowrank",
     "compression": "rankwise.lowrank",
     "clip_grad_norm_": "rankwise.lowrank",
     "grad_norm": "rankwise.lowrank",
@@ -61,8 +63,10 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import Budget as Budget
     from .lowrank import DenseEMA as DenseEMA
     from .lowrank import Feedback as Feedback
+    from .lowrank import LowRankConv1D as LowRankConv1D
     from .lowrank import LowRankConv2d as LowRankConv2d
     from .lowrank import LowRankLinear as LowRankLinear
+    from .lowrank import LowRankMultiheadAttention as LowRankMultiheadAttention
     from .lowrank import SeedFeedback as SeedFeedback
     from .lowrank import Settings as Settings
     from .lowrank import Sgd as Sgd
