@@ -11,16 +11,20 @@ What is counted
     depth 8 over those at depth 2.
 
     ``--per-layer`` counts the per-layer path instead (every augmentation integrated layer by
-    layer, as before issue 39: the reference the batched path is tested against).
+    layer: the reference the batched path is tested against). ``--process-group replicated`` or
+    ``sharded`` builds the optimizer data parallel over a one-process gloo group (the
+    collectives' own host reads included).
 
 How to run
     .venv/bin/python benchmarks/step_ops.py               # about 30 s on 2 cores
     .venv/bin/python benchmarks/step_ops.py --per-layer
+    .venv/bin/python benchmarks/step_ops.py --process-group sharded [--per-layer]
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 
 import torch
 from torch import nn
@@ -57,17 +61,26 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--per-layer", action="store_true", help="count the per-layer path")
     p.add_argument("--after", type=int, default=1, help="steps taken before the counted one")
+    p.add_argument("--process-group", choices=("none", "replicated", "sharded"), default="none",
+                   help="data parallel over a one-process gloo group")
     a = p.parse_args(argv)
+    extra = {}
+    if a.process_group != "none":
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+        extra = dict(process_group=dist.group.WORLD, data_parallel=a.process_group)
     if a.per_layer:
         AugmentedBUG._batched_now = lambda self, augment: False
     path = "per-layer" if a.per_layer else "batched"
-    print(f"torch {torch.__version__}, {path} path, counted at step {a.after + 1}")
+    print(f"torch {torch.__version__}, {path} path, process group: {a.process_group}, "
+          f"counted at step {a.after + 1}")
     print("| optimizer | ranks | depth | layers | distinct ranks | optimizer ops | optimizer host reads "
           "| step host reads | ops depth 8 / depth 2 |")
     print("|---|---|---|---|---|---|---|---|---|")
     for cls in (rankwise.DLRT, rankwise.SDLRT):
         for adaptive in (False, True):
-            rows = [(d, counts(d, cls, a.after, adaptive=adaptive)) for d in (2, 8)]
+            rows = [(d, counts(d, cls, a.after, adaptive=adaptive, **extra)) for d in (2, 8)]
             for d, (n, ops, reads, whole, distinct) in rows:
                 ratio = f"{rows[1][1][1] / rows[0][1][1]:.2f}" if d == 8 else ""
                 kind = "adaptive" if adaptive else "fixed"

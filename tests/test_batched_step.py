@@ -377,3 +377,19 @@ def test_sdlrt_with_momentum_narrows_its_augmentation(monkeypatch):
             return loss
         opt.step(closure)
     assert any(got < full for got, full in widths), widths
+
+
+@pytest.mark.parametrize("mode,most", [("replicated", 4), ("sharded", 8)])
+def test_a_data_parallel_step_takes_the_batched_path_with_few_host_reads(mode, most, tmp_path):
+    """With `process_group` (a one-process gloo group here) the augmenting step is the batched
+    one: the 48-layer GPT's step reads the host a few times (the presence vector of the
+    gradient exchange, the replica check's hash, the sharded state's shapes and agreement flag),
+    not once per slot and layer (the per-layer path: 708 sharded, 939 replicated, adaptive ranks)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        (_, reads), whole = _gpt_step_counts(8, process_group=dist.group.WORLD, data_parallel=mode)
+    finally:
+        dist.destroy_process_group()
+    assert reads <= most and whole <= most + 1, (reads, whole)

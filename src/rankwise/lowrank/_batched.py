@@ -218,7 +218,9 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
         shape = (m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0)
         states = tuple(_signature(st[k]) for k in ("K", "L", "S"))
-        keyed[(*shape, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)), *states)].append(n)
+        # (data parallel: also by owner, so that sharded and replicated runs form the same groups)
+        keyed[(*shape, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)), opt._batch_key(n),
+               *states)].append(n)
     groups = [_Group(opt, chunk, key[6]) for key, names in keyed.items() for chunk in _chunks(key, names)]
     device = groups[0].f.U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
@@ -264,12 +266,16 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         return opt._nonfinite("non-finite loss or gradient" + (
             "" if loss is None else f" (loss={float(loss)})"))
     overflow = "non-finite augmented core (overflow in the update)"
+    bad, exact = None, {}
     if not all(ok or bad for g in groups for ok, bad in zip(g.finite, g.failed, strict=True)):
-        return opt._nonfinite(overflow)
-    try:  # the rare layers the fixed width failed for, by the exact path (its own host reads)
-        exact = _exact_plans(opt, groups)
-    except (bug.NonFiniteUpdate, FloatingPointError):
-        return opt._nonfinite(overflow)
+        bad = overflow
+    else:
+        try:  # the rare layers the fixed width failed for, by the exact path (its own host reads)
+            exact = _exact_plans(opt, groups)
+        except (bug.NonFiniteUpdate, FloatingPointError):
+            bad = overflow
+    if (bad := opt._agree(bad)) is not None:  # sharded: each rank saw only its own layers
+        return opt._nonfinite(bad)
     ranks: dict[str, int] = {}
     if cfg.budgeted:
         spectra = {}
@@ -283,6 +289,8 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
             g.tails = [tail_share(spectra[n], ranks[n]) for n in g.names]
     for g in groups:
         _commit(opt, g, exact)
+    if opt._owners is not None:  # sharded: the owners send their layers' results to every rank
+        opt._share(dict.fromkeys(todo))
     return True
 
 

@@ -35,18 +35,22 @@ class Slot:
     tag: str = ""  # what the caller calls it
 
 
-def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, int, list[bool]]:
+def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False
+            ) -> tuple[bool, bool, int, list[bool]]:
     """Average every slot over the ranks of `group` (a slot missing on a rank counts as zero, as
     in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype
     and destination, split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's
-    presence and `flag`. A slot with an `owner` is reduced to that rank only; the others get
-    ``None`` in it. Returns whether any rank raised `flag` (e.g. "my loss is not finite"), the
-    bytes this rank sent, and each slot's presence on any rank."""
+    presence and `flag` (a bool, or a device bool tensor: it is not read on its own). A slot
+    with an `owner` is reduced to that rank only; the others get ``None`` in it. Returns
+    whether any rank raised `flag` (e.g. "my loss is not finite"), whether this rank did, the
+    bytes this rank sent, and each slot's presence on any rank. One host read: the presence
+    vector and the flags, together."""
     n = dist.get_world_size(group)
     me = dist.get_rank(group)
     device = slots[0].device if slots else torch.device("cpu")  # (NCCL reduces only GPU tensors)
-    meta = torch.tensor([float(s.value is not None) for s in slots] + [float(flag)], dtype=torch.float64,
-                        device=device)
+    local = torch.as_tensor(flag, device=device).to(torch.float64).reshape(1)
+    meta = torch.cat([torch.tensor([float(s.value is not None) for s in slots], dtype=torch.float64,
+                                   device=device), local])
     works = [dist.all_reduce(meta, group=group, async_op=True)]
     by_key: dict[tuple, list[int]] = {}
     for i, s in enumerate(slots):
@@ -69,7 +73,8 @@ def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, 
         w.wait()
     sent = meta.numel() * 8 + sum(flat.numel() * flat.element_size() for flat, _, owner in buckets
                                   if owner != me)  # (what an owner receives it does not send)
-    meta = meta.cpu()
+    host = torch.cat([meta, local]).tolist()  # the one host read
+    present = [v > 0 for v in host[:-2]]
     for flat, part, owner in buckets:
         mine = owner is None or owner == me
         if mine:
@@ -78,9 +83,9 @@ def average(slots: Sequence[Slot], group, *, flag: bool = False) -> tuple[bool, 
         for i in part:
             s = slots[i]
             k = math.prod(s.shape)
-            s.put(flat[offset:offset + k].view(s.shape).clone() if mine and meta[i] > 0 else None)
+            s.put(flat[offset:offset + k].view(s.shape).clone() if mine and present[i] else None)
             offset += k
-    return bool(meta[-1] > 0), sent, [bool(v > 0) for v in meta[:-1]]
+    return host[-2] > 0, host[-1] > 0, sent, present
 
 
 def _flat(s: Slot) -> Tensor:
@@ -92,10 +97,33 @@ def _flat(s: Slot) -> Tensor:
 def fingerprint(tensors: Sequence[Tensor]) -> int:
     """BLAKE2b (64 bits) of the tensors' shapes, dtypes and bytes: equal tensors give equal
     fingerprints; a flipped bit almost surely does not."""
+    return fingerprints([tensors])[0]
+
+
+def fingerprints(entries: Sequence[Sequence[Tensor]]) -> list[int]:
+    """:func:`fingerprint` of each entry, from one copy of all their bytes to the host."""
+    if not any(len(ts) for ts in entries):
+        return [fingerprint_of(ts, []) for ts in entries]
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for ts in entries for t in ts]
+    device = parts[0].device
+    data = torch.cat([p.to(device) for p in parts]).cpu().numpy()  # the one host read
+    out, pos, i = [], 0, 0
+    for ts in entries:
+        chunks = []
+        for _ in ts:
+            k = parts[i].numel()
+            chunks.append(data[pos:pos + k])
+            pos, i = pos + k, i + 1
+        out.append(fingerprint_of(ts, chunks))
+    return out
+
+
+def fingerprint_of(tensors: Sequence[Tensor], chunks: Sequence) -> int:
+    """BLAKE2b (64 bits) of the tensors' shapes and dtypes and their bytes `chunks` (host arrays)."""
     h = hashlib.blake2b(digest_size=8)
-    for t in tensors:
+    for t, c in zip(tensors, chunks, strict=True):
         h.update(f"{tuple(t.shape)}{t.dtype};".encode())
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
+        h.update(c)
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
@@ -104,16 +132,16 @@ def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> N
     group's rank 0; one all-gather of one int64 per entry."""
     names = list(named)
     device = next((t.device for ts in named.values() for t in ts), torch.device("cpu"))
-    mine = torch.tensor([fingerprint(named[k]) for k in names], dtype=torch.int64, device=device)
+    mine = torch.tensor(fingerprints([named[k] for k in names]), dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    everyone = [t.cpu() for t in everyone]
-    for r, theirs in enumerate(everyone[1:], start=1):
-        diff = (theirs != everyone[0]).nonzero()
-        if diff.numel():
+    rows = torch.stack(everyone).tolist()  # one host read
+    for r, theirs in enumerate(rows[1:], start=1):
+        diff = [i for i, (a, b) in enumerate(zip(theirs, rows[0], strict=True)) if a != b]
+        if diff:
             raise RuntimeError(
                 f"data-parallel replicas diverged {when}: rank {_global(group, r)} holds other factors than "
-                f"rank {_global(group, 0)} in layer {names[int(diff[0])]!r} (ranks, bases or τ differ). "
+                f"rank {_global(group, 0)} in layer {names[diff[0]]!r} (ranks, bases or τ differ). "
                 "Every rank must start from the same model and see the same averaged gradients; across "
                 "machines whose floating-point results differ, the integrator's results can drift apart")
 

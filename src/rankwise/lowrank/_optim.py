@@ -340,11 +340,9 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
     def _batched_now(self, augment: bool) -> bool:
-        """Does this step take the batched path (:mod:`._batched`)? On one process, for core
-        steps and single-pass augmentations other than the data-aware (`sensitivity`) budget;
-        two-pass BUG and data parallelism take the per-layer path."""
-        if self.process_group is not None:
-            return False
+        """Does this step take the batched path (:mod:`._batched`)? Core steps and single-pass
+        augmentations other than the data-aware (`sensitivity`) budget, on one process or data
+        parallel; two-pass BUG and the sensitivity budget take the per-layer path."""
         if not augment:
             return True
         return self.settings.single_pass and not self.truncation.data_aware
@@ -455,25 +453,26 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
             dp = self.process_group is not None
-            if self._batched_now(augment):  # one process: batched groups, one host read per augmentation
-                ok = _batched.augmenting_step(self, loss) if augment else _batched.core_step(self, loss)
+            if self._batched_now(augment):  # batched: one host read per augmentation (+ DP's exchanges)
+                if dp and self._average(self._grad_slots(), loss, first=True):
+                    ok = self._nonfinite("non-finite loss on another data-parallel rank")
+                else:
+                    ok = _batched.augmenting_step(self, loss) if augment else _batched.core_step(self, loss)
                 if ok and augment:
                     _batched.dense_step(self)
+            else:
+                ok = self._finite(loss, elsewhere=dp and self._average(self._grad_slots(), loss, first=True))
+                if ok and augment:
+                    ok = self._augmented_step(closure if two_pass else None)
+                elif ok:
+                    for layer in self.layers.values():
+                        self._core_step(layer)
                 if ok:
-                    self._hp()["global_step"] += 1
-                return loss
-            ok = self._finite(loss, elsewhere=dp and self._average(self._grad_slots(), loss, first=True))
-            if ok and augment:
-                ok = self._augmented_step(closure if two_pass else None)
-            elif ok:
-                for layer in self.layers.values():
-                    self._core_step(layer)
+                    self._dense_step()
             if ok:
-                self._dense_step()
                 self._hp()["global_step"] += 1
                 every = self.settings.check_every
-                if augment and self.process_group is not None and every and \
-                        self._augmentation() % every == 0:
+                if augment and dp and every and self._augmentation() % every == 0:
                     self._check_replicas()
         finally:
             for layer in self.layers.values():
@@ -640,16 +639,21 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _average(self, slots: list[_dp.Slot], loss, *, first: bool) -> bool:
         """Data-parallel (`process_group`): average `slots` over the ranks (the step's `first`
-        exchange resets :attr:`allreduce_bytes`). Returns whether another rank's loss was not
-        finite, so that every rank skips (or raises) together."""
-        local_bad = loss is not None and not _all_finite([torch.as_tensor(loss)])
+        exchange resets :attr:`allreduce_bytes`). Returns whether another rank's loss (sharded,
+        first exchange: any rank's loss or gradients, this rank's included) was not finite, so
+        that every rank skips (or raises) together."""
+        checked = [] if loss is None else [torch.as_tensor(loss).detach()]
         if first and self._owners is not None:  # only the owners see their layers' gradients: check here
-            local_bad = local_bad or not _all_finite([s.value for s in slots if s.value is not None])
-        bad, sent, present = _dp.average(slots, self.process_group, flag=local_bad)
+            checked += [s.value for s in slots if s.value is not None]
+        device = slots[0].device if slots else torch.device("cpu")
+        flag = ~_batched._all_finite_flag(checked, device)  # read with the presence vector, not alone
+        bad, local_bad, sent, present = _dp.average(slots, self.process_group, flag=flag)
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         if first:  # the layers with S and factor gradients on any rank: the same list everywhere
             tags = {s.tag for s, p in zip(slots, present, strict=True) if p}
             self._todo = [n for n in self.layers if f"{n}:S" in tags and f"{n}:K" in tags]
+        if first and self._owners is not None:  # a bad gradient here may sit in a slot only its owner got
+            return bad
         return bad and not local_bad
 
     def _check_replicas(self) -> None:
