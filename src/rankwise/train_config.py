@@ -10,9 +10,10 @@ from typing import Any, Literal
 
 from ._checks import _is_int, check_training, check_unit_interval
 from ._fields import setting
+from .methods import COMMANDS
 
 Method = Literal["dense", "dlrt", "sdlrt"]
-METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt")
+METHODS: tuple[str, ...] = COMMANDS["train"]  # what each name means: rankwise.methods
 FORMAT_VERSION = 1
 # with a compression target: the share of the training steps over which the budget falls to it
 # (the rest trains at the final ranks)
@@ -26,7 +27,8 @@ class TrainConfig:
 
     **Arguments:**
     - `method`: ``"dense"`` (``torch.optim.SGD``), ``"dlrt"`` (:class:`rankwise.DLRT`) or
-      ``"sdlrt"`` (:class:`rankwise.SDLRT`); default ``"dlrt"``.
+      ``"sdlrt"`` (:class:`rankwise.SDLRT`: the buffer and the τ feedback τ ← ωτ), as
+      :mod:`rankwise.methods` defines them; default ``"dlrt"``.
     - `model`: a name in :data:`rankwise.models.MODELS` (``"lenet"``, ``"mlp"``); default
       ``"lenet"``.
     - `tau`: relative truncation tolerance τ in [0, 1) of the low-rank methods; default 0.1.

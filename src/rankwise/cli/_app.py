@@ -17,6 +17,7 @@ import typer
 
 from .. import __version__
 from .._fields import options_named
+from ..train_config import METHODS as TRAIN_METHODS
 from ..train_config import TrainConfig as TC
 from ._common import (
     MAX_WORKERS,
@@ -59,10 +60,7 @@ def _root(
     del debug, version  # read by main() before the command runs
 
 
-class Method(str, enum.Enum):
-    dense = "dense"
-    dlrt = "dlrt"
-    sdlrt = "sdlrt"
+Method = enum.Enum("Method", {m: m for m in TRAIN_METHODS}, type=str)  # rankwise train's, by name
 
 
 class ModelName(str, enum.Enum):

@@ -21,6 +21,7 @@ from ..experiments._sweep_spec import (
     TASK_NAMES,
     TASK_RANK,
 )
+from ..methods import REGISTRY, renamed
 from ..train_config import RAMP_SHARE
 from ._common import (
     MAX_WORKERS,
@@ -39,7 +40,7 @@ def _split(text: str, allowed, option: str) -> list[str]:
     bad = [x for x in items if x not in allowed]
     if bad or not items:
         raise UserError(f"{option} must be a comma-separated list from {', '.join(allowed)}; "
-                        f"got {', '.join(bad) if bad else repr(text)}")
+                        f"got {', '.join(bad) if bad else repr(text)}{renamed(bad)}")
     no_repeats(items, text, option)
     return items
 
@@ -51,7 +52,7 @@ def _entries(text: str) -> list[tuple[str, dict]]:
         method, *mods = item.split(":")
         if method not in METHODS:
             raise UserError(f"--methods must be a comma-separated list from {', '.join(METHODS)} (each "
-                            f"optionally :ALLOC, :floorX, :freeze); got {method}")
+                            f"optionally :ALLOC, :floorX, :freeze); got {method}{renamed([method])}")
         extra: dict = {}
         for mod in mods:
             if mod in ALLOCATIONS:
@@ -305,7 +306,7 @@ def sweep_cmd(
     if "dlrt" in method_list and target_list is None:
         write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
     versus = target_list is not None and bool(set(method_list) & set(RANKWISE)) and bool(
-        {m for m in method_list if (METHODS[m] or {}).get("baseline")})
+        {m for m in method_list if REGISTRY[m].baseline and m != "dense"})
     if versus:
         write_atomic(out / "versus_baselines.md", versus_baselines_markdown(results).encode())
     pngs = plot(results, out)

@@ -7,11 +7,11 @@ import dataclasses
 import math
 
 from .._fields import setting
+from ..methods import COMMANDS, REGISTRY
 
-ABLATIONS = ("dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
-             "dlrt-core0.3")
-METHODS = ("dense", "dlrt", "sdlrt", "fixed", "galore", "dlrt-ue5", "dlrt-ue20", *ABLATIONS)
-LOWRANK = METHODS[1:]  # the methods that take a compression
+METHODS = COMMANDS["lm"]  # what each name means: rankwise.methods
+ABLATIONS = METHODS[METHODS.index("dlrt-fixedrank"):]  # the variants of the ablation table (docs/lm.md)
+LOWRANK = tuple(m for m in METHODS if m != "dense")  # the methods that take a compression
 SCHEDULES = ("cosine", "constant")
 GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
 ADAM = {"eps": 1e-8, "weight_decay": 0.0}  # the same Adam for every method (no decay: DLRT's rule has none)
@@ -71,7 +71,7 @@ class LmRunSpec:
             raise ValueError(f"`final_lr` must be in [0, 1]; got {self.final_lr!r}")
         if not (isinstance(self.clip, int | float) and math.isfinite(self.clip) and self.clip >= 0):
             raise ValueError(f"`clip` must be a number >= 0 (0: no clipping); got {self.clip!r}")
-        if self.method.endswith("-warm") and not 1 <= round(self.warm * self.steps) < self.steps:
+        if REGISTRY[self.method].warm and not 1 <= round(self.warm * self.steps) < self.steps:
             raise ValueError(f"{self.method} trains dense for `warm` × steps ({self.warm} × {self.steps}), "
                              "which must be at least one step and fewer than all")
 

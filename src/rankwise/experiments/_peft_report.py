@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..methods import REGISTRY
 from ._peft_spec import METHODS, SETTINGS, PeftRunSpec
 from ._select import Choice
 
@@ -124,7 +125,7 @@ def plot(results: list[dict], out: Path, choices: Mapping[str, Choice] | None = 
         for x, (method, rs) in enumerate(rows):
             accs = [r["test_acc"] for r in rs]
             m, sd = mean_sd(accs)
-            color = "C1" if method.startswith(("dlrt", "sdlrt")) else "C0"
+            color = "C0" if REGISTRY[method].baseline else "C1"  # rankwise's integrators in C1
             ax.errorbar([x], [m], yerr=[sd], fmt="o", color=color, capsize=3)
             ax.plot([x] * len(accs), accs, ".", color="0.6", ms=3)
         ax.set_xticks(range(len(rows)), [m for m, _ in rows], rotation=45, ha="right", fontsize=8)

@@ -8,20 +8,21 @@ from typing import Any
 
 from .. import _fields  # (called as _fields.setting: this spec has a field named `setting`)
 from .._checks import check_training
+from ..methods import COMMANDS, REGISTRY
 
 # Every method at LoRA r10's trainable parameters (r = PeftRunSpec.rank), unless its name says
 # otherwise: LoRA; LoRA at 2r; AdaLoRA with the final budget of LoRA at r (target_r = r, from
 # init_r = 1.5 r, PEFT's default ratio 12 → 8); LoRA+; DLRT and SDLRT adapters holding the
 # trainable parameters of LoRA at r (AdapterConfig.budget "lora:r", SDLRT's buffer counted).
-# The *-cap2r methods are the first study's: τ = 0.02 from rank r, capped at 2r (up to 2× LoRA
-# r's parameters, SDLRT 4× with its buffer).
-METHODS = ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r")
-PEFT_METHODS = ("lora", "lora-2r", "adalora", "loraplus")  # through the peft library
-BUDGET_METHODS = ("dlrt", "sdlrt")
+# The *-cap2r methods (rankwise.methods' `cap`): τ = 0.02 from rank r, capped at 2r (up to 2×
+# LoRA r's parameters, SDLRT 4× with its buffer).
+METHODS = COMMANDS["peft"]  # what each name means: rankwise.methods
+PEFT_METHODS = tuple(m for m in METHODS if REGISTRY[m].baseline)  # through the peft library
+BUDGET_METHODS = tuple(m for m in METHODS if not REGISTRY[m].baseline and REGISTRY[m].cap is None)
 SETTINGS = {"full": None, "100": 100, "25": 25}  # training articles (None: the whole training split)
 STEPS = {"full": 200, "100": 150, "25": 150}  # default optimizer steps per setting
 OPTIMIZERS = ("adam", "sgd")  # Adam (AdamW without weight decay for PEFT's methods); SGD, momentum 0.9
-VERSION = 2  # 1: before issue 24 (methods dlrt/sdlrt were the capped ones, no optimizer field)
+VERSION = 2  # records of version 1: dlrt and sdlrt were the capped methods, no optimizer field
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class PeftRunSpec:
     def differences(self, stored: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
         """{field: (stored value, this value)} where the stored spec `stored` (a run record's
         ``"spec"``) differs; a field the record predates counts as its default, and a record
-        without ``version`` is of version 1 (the protocol before issue 24)."""
+        without ``version`` is of version 1 (before equal budgets)."""
         mine = asdict(self)
         theirs = {f.name: stored.get(f.name, 1 if f.name == "version" else f.default) for f in fields(self)}
         return {k: (theirs[k], mine[k]) for k in mine if theirs[k] != mine[k]}

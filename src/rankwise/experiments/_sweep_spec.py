@@ -7,41 +7,30 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .._checks import check_training, check_unit_interval
+from ..methods import COMMANDS, REGISTRY
 from ..train_config import RAMP_SHARE
 
-METHODS: dict[str, dict[str, Any] | None] = {
-    "dense": None,
-    "dlrt": {},
-    "sdlrt": {"buffer": True, "feedback": "two-sided"},  # the τ feedback that converges
-    "sdlrt-seed": {"buffer": True, "feedback": "seed"},  # the paper's τ ← ωτ
-    "sdlrt-buffer": {"buffer": True, "feedback": False},
-    "sdlrt-feedback": {"buffer": False, "feedback": True},
-    "dlrt-2pass": {"single_pass": False},  # classic two-pass BUG (a second forward/backward)
-    # baselines a user might pick instead (need a target): a fixed factorisation at the target's
-    # ranks trained by Adam; dense training (SGD), SVD to the target, Adam fine-tuning of the
-    # factors. Adam, because plain SGD at the sweep's lr trains factor pairs badly (a one-off
-    # trial, LeNet at 90 % at DLRT's final ranks, 3 seeds: 0.66 with SGD at lr 0.05 and
-    # momentum 0.9, 0.97 with Adam at lr 3e-3)
-    "fixed": {"baseline": "fixed"},
-    "dense-svd": {"baseline": "dense-svd"},
-    # a dense warm start: `warm_epochs` of dense training, then the integrator from full rank
-    # with the budget falling to the target over the rest (what dense-svd does in one cut)
-    "dlrt-warm": {"warm": True},
-    "sdlrt-warm": {"buffer": True, "warm": True},
-}
+# the methods this command offers; what each name means: rankwise.methods. Its baselines:
+# "fixed", a fixed factorisation at the target's ranks trained by the run's optimizer, and
+# "dense-svd", dense training, the SVD to the target and fine-tuning of the factors. The *-warm
+# methods train dense for `warm_epochs`, then run the integrator from full rank with the budget
+# falling to the target over the rest (what dense-svd does in one cut).
+METHODS: tuple[str, ...] = COMMANDS["sweep"]
 # what `rankwise sweep` runs unless --methods says otherwise (the SDLRT study)
-DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt-seed", "sdlrt", "sdlrt-buffer", "sdlrt-feedback")
+DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-two-sided", "sdlrt-buffer",
+                                    "sdlrt-feedback")
 # the methods that stay distinct with a compression target (a target replaces SDLRT's τ
-# feedback, so sdlrt-seed and sdlrt-buffer would repeat sdlrt, sdlrt-feedback dlrt)
+# feedback, so sdlrt-two-sided and sdlrt-buffer would repeat sdlrt, sdlrt-feedback dlrt)
 TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd", "dlrt-warm",
                                    "sdlrt-warm")
 TARGET_DEFAULT: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "fixed", "dense-svd")  # --targets' study
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
-# 2 (2026-11-30): sdlrt = two-sided feedback (was the seed's), the VGG has batch norm, the
-# budget's allocation rule and ramp, baselines trained with Adam
-# 3 (2026-12-02): a validation split held out of the training split, `optimizer` and `lr` for every
-# method (baselines included), dense-svd's fine-tuning counted inside `epochs`
-SPEC_VERSION = 3
+# what a record's `version` says its settings meant: 2, the sweep's sdlrt was the two-sided
+# feedback, the VGG has batch norm, the budget has an allocation rule and a ramp, baselines
+# train with Adam; 3, a validation split, `optimizer` and `lr` for every method, dense-svd's
+# fine-tuning inside `epochs`; 4, the names of rankwise.methods (sdlrt: the seed feedback;
+# the two-sided one is sdlrt-two-sided)
+SPEC_VERSION = 4
 # rankwise.lowrank.ALLOCATION_RULES (a torch-free copy); "sensitivity" only while training
 ALLOCATIONS = ("error-sqrt", "error", "energy", "uniform", "sensitivity")
 OPTIMIZERS = ("sgd", "adam")  # SGD with `momentum`, or Adam
@@ -129,20 +118,20 @@ class RunSpec:
                              f"got {self.val}")
         if not 0 <= self.floor <= 1:
             raise ValueError(f"floor must be in [0, 1]; got {self.floor}")
-        opts = METHODS[self.method] or {}
+        method, baseline = REGISTRY[self.method], _compressing_baseline(self.method)
         if self.target is not None and self.method not in TARGET_METHODS:
             raise ValueError(f"method {self.method} differs from another only in its τ feedback, which a "
                              f"target replaces; with targets use {', '.join(TARGET_METHODS)}")
-        if (opts.get("baseline") or opts.get("warm")) and self.target is None:
+        if (baseline or method.warm) and self.target is None:
             raise ValueError(f"method {self.method} trains to a compression target: give a target "
                              "(--targets)")
-        if self.target is not None and self.alloc == "sensitivity" and opts.get("baseline"):
+        if self.target is not None and self.alloc == "sensitivity" and baseline:
             raise ValueError(f"method {self.method} allocates its ranks once, before training, where no "
                              "loss gradient exists: alloc 'sensitivity' needs a training method")
         if self.method == "dense-svd" and not 1 <= self.finetune_epochs < self.epochs:
             raise ValueError(f"dense-svd fine-tunes inside `epochs` ({self.epochs}): finetune_epochs must be "
                              f"in [1, epochs); got {self.finetune_epochs}")
-        if opts.get("warm") and not 1 <= self.warm_epochs < self.epochs:
+        if method.warm and not 1 <= self.warm_epochs < self.epochs:
             raise ValueError(f"{self.method} trains dense for warm_epochs inside `epochs` ({self.epochs}): "
                              f"warm_epochs must be in [1, epochs); got {self.warm_epochs}")
         if self.task in FILE_TASKS and not self.data_dir:
@@ -151,14 +140,13 @@ class RunSpec:
 
     def unused(self) -> set[str]:
         """The fields this run's method does not read (changing them changes nothing)."""
-        opts = METHODS[self.method] or {}
-        baseline = opts.get("baseline")
+        method, baseline = REGISTRY[self.method], _compressing_baseline(self.method)
         out = set()
         if self.method == "dense" or baseline:
             out |= {"tau", "rank", "omega", "ramp", "dt_every"}
         if self.method != "dense-svd":
             out.add("finetune_epochs")
-        if not opts.get("warm"):
+        if not method.warm:
             out.add("warm_epochs")
         if self.optimizer != "sgd":
             out.add("momentum")
@@ -170,7 +158,7 @@ class RunSpec:
             out |= {"ramp", "alloc", "floor", "freeze"}
         if baseline:
             out |= {"floor", "freeze"}
-        if not self.method.startswith("sdlrt") or self.target is not None:  # (a budget has no feedback)
+        if method.feedback is None or self.target is not None:  # (a budget has no feedback)
             out.add("omega")
         return out
 
@@ -198,6 +186,11 @@ class RunSpec:
         return f"{self.task}_{self.label}{level}{opt}_s{self.seed}"
 
 
+def _compressing_baseline(method: str) -> bool:
+    """Is `method` a baseline that compresses to a target (fixed, dense-svd; not dense)?"""
+    return REGISTRY[method].baseline and method != "dense"
+
+
 def label(spec: dict[str, Any]) -> str:
     """:attr:`RunSpec.label` of a run record's spec."""
     out = spec["method"]
@@ -205,9 +198,9 @@ def label(spec: dict[str, Any]) -> str:
         return out
     if spec.get("alloc", ALLOCATIONS[0]) != ALLOCATIONS[0]:
         out += f"-{spec['alloc']}"
-    if spec.get("floor", 0.0) and not (METHODS[spec["method"]] or {}).get("baseline"):
+    if spec.get("floor", 0.0) and not _compressing_baseline(spec["method"]):
         out += f"-floor{spec['floor']:g}"
-    if spec.get("freeze") and not (METHODS[spec["method"]] or {}).get("baseline"):
+    if spec.get("freeze") and not _compressing_baseline(spec["method"]):
         out += "-freeze"
     return out
 

@@ -4,7 +4,7 @@ few steps.
 ``worker`` runs under ``torchrun --nproc_per_node=N --max-restarts=1``: it restores from the
 newest coded checkpoint (repairing a lost rank from its peers), trains an MLP on scikit-learn's
 digits data-parallel (gloo) — dense with DDP and Adam (``--method dense``), or low-rank with
-``rankwise.SDLRT`` / ``rankwise.DLRT`` and ``process_group`` (``--method sdlrt``/``dlrt``:
+SDLRT / DLRT (:mod:`rankwise.methods`) and ``process_group`` (``--method sdlrt``/``dlrt``:
 the hidden layers from rank 16, τ = 0.2, Adam at 0.01: the ranks change as it trains) —
 checkpoints every ``every`` steps and logs each step's loss, a digest of the parameters and the
 ranks exactly (``float.hex``). On the first attempt, rank ``kill_rank`` stops at ``kill_step`` and
@@ -31,6 +31,8 @@ import threading
 import time
 from pathlib import Path
 
+from ..methods import COMMANDS
+
 # ---------------------------------------------------------------------------- worker
 
 
@@ -40,7 +42,7 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .. import lowrank
+    from .. import lowrank, methods
     from ..ckpt import CodedCheckpointer
     from ..ckpt.testing import LyingCheckpointer
     from ..data import load_digits
@@ -60,8 +62,8 @@ def _worker(args: argparse.Namespace) -> None:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:  # DDP cannot see the factor gradients: the optimizer averages them (same layout on restart)
         trained = lowrank.to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
-        preset = lowrank.SDLRT if args.method == "sdlrt" else lowrank.DLRT
-        opt = preset(model, 1e-2, tau=0.2, optimizer="adam", process_group=dist.group.WORLD)
+        opt = methods.build(args.method, model, 1e-2, lowrank.Tolerance(0.2), optimizer="adam",
+                            process_group=dist.group.WORLD)
     train, _ = load_digits(seed=0)
     X, y = train.tensors[0].flatten(1), train.tensors[1]
     ck = (LyingCheckpointer if rank == args.fault_rank else CodedCheckpointer)(t=1, store_dir=args.store)
@@ -133,7 +135,7 @@ def _curve(out: Path) -> dict[int, str]:
 
 
 DEMO_OUTPUTS = ("reference", "faulty", "corrupt")
-METHODS = ("dense", "sdlrt", "dlrt")
+METHODS = COMMANDS["ckpt"]  # what each name means: rankwise.methods
 
 
 def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int = 5, kill_rank: int = 2,

@@ -9,30 +9,32 @@ UTF-8 text or the separator after an article), memory is counted from the tensor
 (:func:`rankwise.training_memory`) and the peak resident memory of the run's process is
 measured.
 
-Methods (``compression`` c is of the projections' parameters):
+Methods (``compression`` c is of the projections' parameters; the names are
+:mod:`rankwise.methods`'):
 
 - ``dense``: ``torch.optim.AdamW``.
-- ``dlrt`` / ``sdlrt``: :class:`rankwise.DLRT` / :class:`rankwise.SDLRT` with the Adam rule,
-  every projection starting at the rank r with r(m + n) + r² ≈ (1 − c)·m·n, the ranks then
-  allocated model-wide by a :class:`rankwise.Budget` holding (1 − c) of the projections'
-  parameters (SDLRT's buffer counted in it).
+- ``dlrt`` / ``sdlrt``: DLRT / SDLRT with the Adam rule, every projection starting at the rank
+  r with r(m + n) + r² ≈ (1 − c)·m·n, the ranks then allocated model-wide by a
+  :class:`rankwise.Budget` holding (1 − c) of the projections' parameters (SDLRT's buffer
+  counted in it; a budget sets the ranks itself, so SDLRT has no τ feedback here).
 - ``dlrt-ue5``, ``dlrt-ue20``: ``dlrt`` augmenting every 5th / 20th step (``update_every``;
   the steps between move the cores S and the dense parameters only).
-- ablations of ``dlrt`` (issue 40): ``dlrt-fixedrank`` (the start ranks kept: no budget,
+- ablations of ``dlrt``: ``dlrt-fixedrank`` (the start ranks kept: no budget,
   ``adaptive=False``), ``dlrt-uniform`` (the budget allocated uniformly), ``dlrt-reset`` (the
   rule's moments start afresh at every truncation instead of being rotated), ``dlrt-warm`` and
   ``fixed-warm`` (dense AdamW for the first `warm` share of the steps, then the SVD of the
   trained weights at the start ranks, trained on by ``dlrt`` / ``fixed``), ``dlrt-core3`` and
   ``dlrt-core0.3`` (the core's rate 3× / 0.3× the bases', ``core_lr_ratio``).
-
-Every method runs under the same learning-rate schedule (``cosine``: a linear warm-up over
-`warmup` of the steps, then a cosine decay to `final_lr` × the rate; or ``constant``) and, with
-`clip` > 0, the same gradient clipping (:func:`rankwise.clip_grad_norm_`: for DLRT and SDLRT the
-norm of what the integrator reads).
 - ``fixed``: the same factorisation at rank r, U, S and V trained by AdamW.
 - ``galore``: ``galore_torch.GaLoreAdamW`` on the dense model, the projections' gradients
   projected to rank r (DLRT's starting rank at the same c, so that their optimizer states are
   about equal), projection refreshed every 200 steps, scale 0.25 (the paper's defaults).
+
+Every method runs under the same learning-rate schedule (``cosine``: a linear warm-up over
+`warmup` of the steps, then a cosine decay to `final_lr` × the rate; or ``constant``) and, with
+`clip` > 0, the same gradient clipping (:func:`rankwise.clip_grad_norm_`: for DLRT and SDLRT the
+norm of what the integrator reads). The training memory is counted after every backward (with
+the step's gradients) and after every step, and the largest count kept.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..methods import REGISTRY
 from ..train import Callback, DenseWarmStart, Loop, fit
 from ._lm_spec import ABLATIONS as ABLATIONS
 from ._lm_spec import ADAM, GRID, LmRunSpec
@@ -95,7 +98,7 @@ def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
                            "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"})
         info["galore_ranks"] = ranks
         return model, GaLoreAdamW(groups, lr=spec.lr, **ADAM), info
-    if spec.method.endswith("-warm"):
+    if REGISTRY[spec.method].warm:
         return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
     return model, factorise(model, spec, ranks, info), info
 
@@ -110,26 +113,19 @@ def factorise(model: nn.Module, spec: LmRunSpec, ranks: dict[str, int], info: di
 
 
 def optimizer_for(model: nn.Module, spec: LmRunSpec, info: dict) -> torch.optim.Optimizer:
-    """The method's optimizer for the factored `model`."""
+    """The method's optimizer for the factored `model`: AdamW for the fixed factorisations, else
+    the method's integrator (:mod:`rankwise.methods`) with the Adam rule and a budget holding the
+    parameters of the starting ranks (SDLRT's buffer counted in it)."""
     import rankwise
+    from rankwise import methods
 
-    base = spec.method.removesuffix("-warm")
-    if base == "fixed":
+    if REGISTRY[spec.method].baseline:  # fixed, fixed-warm
         return torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM)
     lowrank = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
     params = sum(m.rank * (m.out_features + m.in_features) + m.rank**2 for m in lowrank)
-    sdlrt = base == "sdlrt"
-    every = int(base.split("-ue")[1]) if "-ue" in base else 1  # dlrt-ueK: update_every=K
-    allocation = "uniform" if base == "dlrt-uniform" else "error-sqrt"
-    budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=sdlrt, allocation=allocation)
-    truncation = rankwise.Tolerance(0.0) if base == "dlrt-fixedrank" else budget
+    budget = rankwise.Budget(params=params, ramp_steps=0, count_buffer=REGISTRY[spec.method].buffer)
     info["budget_params"] = params
-    settings = rankwise.Settings(truncation=truncation, buffer=sdlrt, rule=rankwise.Adam(eps=ADAM["eps"]),
-                                 feedback=None, max_rank=None, update_every=every,
-                                 adaptive=base != "dlrt-fixedrank",
-                                 moments="reset" if base == "dlrt-reset" else "rotate",
-                                 core_lr_ratio=float(base.split("-core")[1]) if "-core" in base else 1.0)
-    return rankwise.AugmentedBUG(model, spec.lr, settings)
+    return methods.build(spec.method, model, spec.lr, budget, rule=rankwise.Adam(eps=ADAM["eps"]))
 
 
 def _bits(model: nn.Module, x: Tensor, y: Tensor, batch: int = 32) -> float:
@@ -175,13 +171,17 @@ class _Curve(Callback):
         self.memory = None
 
     def count(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-        """Keep the largest training-memory count: called after the backward inside the step
-        (where DLRT/SDLRT's factor gradients exist; the step clears them) and after the step."""
+        """Keep the largest training-memory count."""
         import rankwise
 
         count = rankwise.training_memory(model, opt)
         if self.memory is None or count.total > self.memory.total:
             self.memory = count
+
+    def on_after_backward(self, loop: Loop) -> None:
+        """The count with the step's gradients (DLRT/SDLRT's factor gradients exist from the
+        backward until their step clears them)."""
+        self.count(loop.model, loop.optimizer)
 
     def on_step_end(self, loop: Loop) -> None:
         self.losses.append(loop.loss / math.log(2))
@@ -207,28 +207,14 @@ def run_one(spec: LmRunSpec, report=None, keep: list | None = None) -> dict:
     pick = torch.randperm(len(vx), generator=torch.Generator().manual_seed(1234))[:spec.eval_windows]
     curve = _Curve(vx[pick], vy[pick], spec.eval_every, report)
 
-    def wrap(opt: torch.optim.Optimizer) -> None:
-        step = opt.step
-
-        def counted_step(closure):  # the memory count after the backward, inside the step
-            def counted():
-                loss = closure()
-                curve.count(model, opt)
-                return loss
-            return step(counted)
-
-        opt.step = counted_step  # type: ignore[method-assign]
-
-    wrap(opt)
     held = [opt]  # the optimizer now (the warm methods switch)
 
     def switched(new: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        wrap(new)
         held.append(new)
         return new
 
     callbacks: list[Callback] = []
-    if spec.method.endswith("-warm"):  # dense steps, then the projections factored at their start ranks
+    if REGISTRY[spec.method].warm:  # dense steps, then the projections factored at their start ranks
         callbacks.append(DenseWarmStart(round(spec.warm * spec.steps), rank=info["start_ranks"],
                                         optimizer=lambda m: switched(optimizer_for(m, spec, info))))
     callbacks += [_Schedule(spec), curve]

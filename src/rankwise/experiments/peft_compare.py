@@ -133,19 +133,32 @@ def _build(spec: PeftRunSpec, total_steps: int):
             def hook(step: int) -> None:  # the call PEFT users forget
                 model.base_model.update_and_allocate(step)
     else:
-        from ..peft import AdapterConfig, adapter_optimizer, get_adapter_model
-
-        method = spec.method.split("-")[0]
-        if spec.budget is not None:  # at LoRA r's trainable parameters, SDLRT's buffer counted
-            config = AdapterConfig(TARGETS, r=r, method=method, budget=spec.budget,
-                                   modules_to_save=["classifier"])
-        else:  # *-cap2r: τ from rank r, capped at 2r
-            config = AdapterConfig(TARGETS, r=r, tau=spec.tau, method=method, max_rank=2 * r,
-                                   modules_to_save=["classifier"])
-        model = get_adapter_model(model, config)
-        family = {"optimizer": "adam"} if spec.optimizer == "adam" else {"momentum": MOMENTUM}
-        opt = adapter_optimizer(model, spec.lr, **family)  # (the integrator's default rule: SGD)
+        model, opt = _adapters(model, spec)
     return model, opt, hook
+
+
+def _adapters(model: nn.Module, spec: PeftRunSpec) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """`model` with rankwise adapters and the integrator of `spec.method` (:mod:`rankwise.methods`):
+    at LoRA r's trainable parameters (a budget, SDLRT's buffer counted), or for a method with a
+    `cap` at the tolerance ``spec.tau`` from rank r, every rank capped at cap × r."""
+    from .. import methods
+    from ..lowrank import Budget, Tolerance
+    from ..peft import AdapterConfig, adapter_budget, get_adapter_model
+
+    method, r = methods.get(spec.method), spec.rank
+    kind = "sdlrt" if method.buffer else "dlrt"  # (the adapters' budget counts SDLRT's buffer)
+    if spec.budget is not None:
+        config = AdapterConfig(TARGETS, r=r, method=kind, budget=spec.budget, modules_to_save=["classifier"])
+    else:
+        config = AdapterConfig(TARGETS, r=r, tau=spec.tau, method=kind, max_rank=method.cap * r,
+                               modules_to_save=["classifier"])
+    model = get_adapter_model(model, config)
+    family = {"optimizer": "adam"} if spec.optimizer == "adam" else {"momentum": MOMENTUM}
+    if spec.budget is not None:
+        budget = Budget(params=adapter_budget(model), ramp_steps=0, count_buffer=True)
+        return model, methods.build(spec.method, model, spec.lr, budget, min_rank=1, **family)
+    return model, methods.build(spec.method, model, spec.lr, Tolerance(config.tau), omega=config.omega,
+                                **family)
 
 
 def _loss_fn(model: nn.Module, method: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -293,13 +306,13 @@ def compare(specs: Sequence[PeftRunSpec], out: Path, *, jobs: int = 1, overwrite
 
     Refused with ``FileExistsError`` before anything runs, unless `overwrite`: a stored record
     of one of `specs` with other settings or unreadable (`overwrite` reruns it), and a folder
-    holding records of the protocol before issue 24 (`overwrite` runs beside them; they stay out
-    of the tables)."""
+    holding records of the protocol before equal budgets (version 1; `overwrite` runs beside them;
+    they stay out of the tables)."""
     folder = out / "runs"
     old = _older_protocol(folder)
     if old and not overwrite:
         raise FileExistsError(f"{folder} holds {len(old)} run records of the protocol before equal "
-                              f"budgets (issue 24; e.g. {old[0]}); rerun with --force to run beside them "
+                              f"budgets (e.g. {old[0]}); rerun with --force to run beside them "
                               "(they stay out of the tables), or choose another --out")
     from ._resume import run_resumable
 

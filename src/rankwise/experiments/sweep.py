@@ -23,18 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import methods
 from .._io import write_atomic
 from ..lowrank import (
     ALLOCATION_RULES,
-    DLRT,
-    SDLRT,
     AbstractLowRankLayer,
     AugmentedBUG,
     Budget,
+    Tolerance,
     compression,
     stability_distance,
     to_low_rank,
 )
+from ..methods import REGISTRY
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
 from ..train import Callback, Loop, accuracy, fit
 from . import _resume
@@ -127,20 +128,17 @@ def _optimizer(params, spec: RunSpec) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum)
 
 
-def _integrator(model: nn.Module, spec: RunSpec, steps: int):
-    """DLRT / SDLRT for `spec` (τ, or a budget ramped over ``spec.ramp`` of `steps`)."""
-    opts = dict(METHODS[spec.method])
-    opts.pop("warm", None)
+def _integrator(model: nn.Module, spec: RunSpec, steps: int) -> AugmentedBUG:
+    """The integrator of `spec`'s method (:mod:`rankwise.methods`) at τ, or at a budget ramped
+    over ``spec.ramp`` of `steps` (where SDLRT's τ feedback does not apply)."""
     family = dict(optimizer=spec.optimizer, momentum=spec.momentum if spec.optimizer == "sgd" else 0.0)
     if spec.target is None:
-        cls = DLRT if spec.method.startswith("dlrt") else SDLRT
-        extra = opts if cls is DLRT else dict(opts, omega=spec.omega)
-        return cls(model, spec.lr, tau=spec.tau, **family, **extra)
-    ramp = int(spec.ramp * steps)  # a global budget (SDLRT's τ feedback does not apply)
-    budget = Budget(spec.target, ramp_steps=ramp, allocation=spec.alloc, floor=spec.floor,
-                    freeze_after=ramp if spec.freeze else None)
-    return AugmentedBUG(model, spec.lr, truncation=budget, buffer=bool(opts.get("buffer")),
-                        single_pass=opts.get("single_pass", True), **family)
+        truncation = Tolerance(spec.tau)
+    else:
+        ramp = int(spec.ramp * steps)
+        truncation = Budget(spec.target, ramp_steps=ramp, allocation=spec.alloc, floor=spec.floor,
+                            freeze_after=ramp if spec.freeze else None)
+    return methods.build(spec.method, model, spec.lr, truncation, omega=spec.omega, **family)
 
 
 class _Switch(Callback):
@@ -214,16 +212,15 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
     x, y, xv, yv = _split_validation(x, y, spec.val, spec.seed)
     torch.manual_seed(spec.seed)
     base = factory()
-    opts = METHODS[spec.method] or {}
-    kind = opts.get("baseline")
-    low = METHODS[spec.method] is not None and kind is None  # DLRT / SDLRT
+    method = REGISTRY[spec.method]
+    low = not method.baseline  # one of rankwise's integrators
     steps = spec.epochs * math.ceil(len(x) / spec.batch_size)
     shadow = shadow_opt = None  # low-rank runs: the dense model trained alongside
     callbacks: list[Callback] = []
-    if kind == "fixed":  # the target's ranks from the SVD of the initialisation
+    if spec.method == "fixed":  # the target's ranks from the SVD of the initialisation
         model = _balanced(to_low_rank(copy.deepcopy(base), target=spec.target, allocation=spec.alloc))
         opt = _optimizer(model.parameters(), spec)
-    elif kind == "dense-svd":  # dense, then the SVD to the target and fine-tuning, in `epochs`
+    elif spec.method == "dense-svd":  # dense, then the SVD to the target and fine-tuning, in `epochs`
         model, opt = base, _optimizer(base.parameters(), spec)
 
         def cut(m: nn.Module, _: int) -> torch.optim.Optimizer:
@@ -231,7 +228,7 @@ def run_one(spec: RunSpec, progress: Callable[[int, int, str], None] | None = No
             return _optimizer(factors.parameters(), spec)
 
         callbacks.append(_Switch(spec.epochs - spec.finetune_epochs + 1, cut))
-    elif low and opts.get("warm"):  # dense, then the integrator from full rank down to the target
+    elif low and method.warm:  # dense, then the integrator from full rank down to the target
         model, opt = base, _optimizer(base.parameters(), spec)
 
         def start(m: nn.Module, left: int):

@@ -1,4 +1,5 @@
-"""``rankwise train``'s run: dense SGD, DLRT or SDLRT on the bundled digits, with run records.
+"""``rankwise train``'s run: dense SGD, DLRT or SDLRT (:mod:`rankwise.methods`) on the bundled digits,
+with run records.
 
 It never prints. Progress goes to an optional callback and, when ``config.out`` is set, to
 ``metrics.csv``, TensorBoard events and ``final.json``. The loop itself is :func:`fit`.
@@ -19,8 +20,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .. import methods
 from .._io import write_atomic
-from ..lowrank import DLRT, SDLRT, compression, to_low_rank
+from ..lowrank import AugmentedBUG, Budget, Tolerance, compression, to_low_rank
 from ..models import get_model
 from ..train import Callback, CodedCheckpoints, Loop, accuracy, fit
 from ..train_config import FORMAT_VERSION, RAMP_SHARE, TrainConfig
@@ -118,7 +120,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         split = load_digits(seed=config.seed)
         t_start = time.perf_counter()  # wall time: model building, training, evaluation
         model, opt = _build(config, config.epochs * math.ceil(len(split.train) / config.batch_size), group)
-        low_rank = isinstance(opt, DLRT | SDLRT)
+        low_rank = isinstance(opt, AugmentedBUG)
         dtype = next(model.parameters()).dtype  # the data follow the model (e.g. float64)
         x_tr, y_tr = split.train.tensors
         x_te, y_te = split.test.tensors
@@ -175,14 +177,13 @@ def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module
     # rank=None: start at full rank (to_low_rank clamps the rank to min(out, in) per layer).
     rank = sys.maxsize if config.rank is None else config.rank
     to_low_rank(model, rank=rank, exclude=list(config.exclude) or None)
-    if config.target is not None:
-        level = {"target": config.target,  # the ramp counts augmentations
-                 "ramp_steps": int(RAMP_SHARE * total_steps) // config.update_every}
+    if config.target is not None:  # the ramp counts augmentations
+        truncation = Budget(config.target, ramp_steps=int(RAMP_SHARE * total_steps) // config.update_every)
     else:
-        level = {"tau": config.tau} | ({"tau_min": config.tau_min} if config.method == "sdlrt" else {})
-    cls = DLRT if config.method == "dlrt" else SDLRT
-    return model, cls(model, config.lr, momentum=config.momentum, process_group=group,
-                      update_every=config.update_every, **level)
+        truncation = Tolerance(config.tau)
+    return model, methods.build(config.method, model, config.lr, truncation, tau_min=config.tau_min,
+                                momentum=config.momentum, update_every=config.update_every,
+                                process_group=group)
 
 
 def _resumable(config: TrainConfig) -> dict:
@@ -216,7 +217,7 @@ class _EpochRecords(Callback):
 
     def _progress(self, loop: Loop, record: EpochRecord | None) -> None:
         if self.callback is not None:
-            ranks = loop.optimizer.ranks() if isinstance(loop.optimizer, DLRT | SDLRT) else {}
+            ranks = loop.optimizer.ranks() if isinstance(loop.optimizer, AugmentedBUG) else {}
             self.callback(Progress(loop.epoch, loop.epochs, loop.step, loop.steps, loop.loss_sum / loop.seen,
                                    loop.correct_sum / loop.seen, ranks, record))
 
@@ -227,7 +228,7 @@ class _EpochRecords(Callback):
     def on_epoch_end(self, loop: Loop) -> None:
         model, opt = loop.model, loop.optimizer
         x_tr, y_tr, x_te, y_te = self.data
-        low_rank = isinstance(opt, DLRT | SDLRT)
+        low_rank = isinstance(opt, AugmentedBUG)
         elapsed = time.perf_counter() - loop.epoch_started
         if loop.process_group is not None:  # every rank's record (and checkpoint) the same: the slowest's
             t = torch.tensor([elapsed], dtype=torch.float64)

@@ -34,6 +34,13 @@ class Callback:
     def on_epoch_start(self, loop: Loop) -> None:
         """After the epoch's order is drawn, before its first step (not for a resumed epoch)."""
 
+    def on_after_backward(self, loop: Loop) -> None:
+        """After the backward pass (and the clipping) of a step, before the optimizer changes
+        the weights: the gradients of this step are in place (for the low-rank layers of an
+        integrator, the factor gradients it reads). Called from the closure the optimizer calls,
+        so once per closure call: twice a step for a two-pass integrator (``single_pass=False``).
+        ``loop.loss``, ``loop.x``, ``loop.y`` are still the previous step's."""
+
     def on_step_end(self, loop: Loop) -> None:
         """After every optimizer step; ``loop.loss``, ``loop.x``, ``loop.y`` are that step's."""
 
@@ -127,9 +134,10 @@ def fit(model: nn.Module, optimizer: torch.optim.Optimizer, x: Tensor, y: Tensor
     with the global RNG when it is ``None``) and takes minibatches of `batch_size` from it, the
     last one possibly smaller (or left out, with `drop_last`). Each step calls
     ``optimizer.step(closure)``; the closure zeroes the gradients, computes
-    ``loss_fn(model(x_b), y_b)`` (a mean over the batch), back-propagates and, with
-    `clip_grad_norm`, clips the gradients' global norm (:func:`rankwise.clip_grad_norm_`: for
-    low-rank layers trained by an integrator, the factor gradients it reads). Works with torch
+    ``loss_fn(model(x_b), y_b)`` (a mean over the batch), back-propagates, with
+    `clip_grad_norm` clips the gradients' global norm (:func:`rankwise.clip_grad_norm_`: for
+    low-rank layers trained by an integrator, the factor gradients it reads) and calls the
+    callbacks' :meth:`Callback.on_after_backward`. Works with torch
     optimizers and with rankwise's integrators (:class:`rankwise.DLRT`, :class:`rankwise.SDLRT`),
     which call the closure themselves.
 
@@ -224,6 +232,7 @@ def _step(loop: Loop, x: Tensor, y: Tensor, loss_fn, clip: float | None, transfo
         loss.backward()
         if clip is not None:  # also the factor gradients of low-rank layers (torch's misses them)
             clip_grad_norm_(model, clip)
+        loop._emit("on_after_backward")
         outputs.append(out.detach())
         return loss
 
