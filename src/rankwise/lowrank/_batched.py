@@ -121,11 +121,41 @@ def dense_step(opt: AugmentedBUG, ok: Tensor | None = None) -> None:
             st.update(n)
 
 
+def _augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Tensor, mU: Tensor,
+                          mV: Tensor, r0: int) -> State:
+    r"""Two-pass BUG: the S rule's state in the augmented coordinates (Ū, V̄), stacked (L, ...),
+    from the S, K and L states of the old bases: in blocks ``[[m_S, m_LᵀṼ], [Ũᵀm_K, 0]]``
+    (Ũ = Ū[:, r0:], Ṽ = V̄[:, r0:]; second moments through their square roots), rows and
+    columns of fill directions zero. The derivation: :func:`._optim._augmented_core_state`."""
+    EU = U[..., r0:] * mU[:, None, r0:].to(U.dtype)
+    EV = V[..., r0:] * mV[:, None, r0:].to(V.dtype)
+    out = dict(st_S)
+    for key, into, back in (("m", None, None), ("v", torch.sqrt, torch.square)):
+        xS, xK, xL = (st.get(key) for st in (st_S, st_K, st_L))
+        if xS is None and xK is None and xL is None:
+            continue
+        X = U.new_zeros(U.shape[0], U.shape[-1], V.shape[-1])
+
+        def f(x: Tensor, into=into, X=X) -> Tensor:
+            return x.to(X) if into is None else into(x.to(X))
+
+        if xS is not None:
+            X[:, :r0, :r0] = f(xS)
+        if xK is not None:
+            X[:, r0:, :r0] = batch_mm(EU.mT, f(xK))
+        if xL is not None:
+            X[:, :r0, r0:] = batch_mm(f(xL).mT, EV)
+        out[key] = X if back is None else back(X)
+    return out
+
+
 class _Group:
     """One group's stacked inputs, rule outputs and plan (``names``: its layers, in order)."""
 
-    def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool) -> None:
+    def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool, two_pass: bool = False) -> None:
         cfg = opt.settings
+        self.opt = opt
+        self.plan_two_pass = two_pass
         self.names = names
         self.layers = layers = [opt.layers[n] for n in names]
         self.states = [opt.state[m.S] for m in layers]
@@ -150,18 +180,51 @@ class _Group:
         self.dK, stK = rule(f.G_K, f.U @ f.S, _stack_states([s["K"] for s in self.states], dt), hp)
         self.dL, stL = rule(f.G_L, f.V @ f.S.mT, _stack_states([s["L"] for s in self.states], dt), hp)
         stS = _stack_states([s["S"] for s in self.states], dt)
+        width = _width(self.states) if cfg.buffer else None
+        self.ranks: Tensor | None = None
+        if two_pass:  # the second phase (finish_two_pass) takes the S rule at the augmented point
+            self.new_states = {"K": stK, "L": stL}
+            U, V, mU, mV, failed = _step.augment_group(f.U, f.V, self.dK, self.dL, f.U_buf, f.V_buf, width)
+            r0 = f.S.shape[-1]
+            S0 = f.S.new_zeros(len(names), U.shape[-1], V.shape[-1])
+            S0[:, :r0, :r0] = f.S  # the Galerkin core at the augmented point: the same weight
+            self.point = (U, S0, V, mU, mV, failed)
+            # the K and L states before this step's rule
+            old_K, old_L = (_stack_states([s[k] for s in self.states], dt) for k in ("K", "L"))
+            self.state_S = _augmented_core_state(stS, old_K, old_L, U, V, mU, mV, r0)
+            self.plan = None
+            return
         self.dS, stS = rule(f.G_S, f.S, stS, opt._core_hp(first.S))
         self.new_states = {"K": stK, "L": stL, "S": stS}
         self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto",
-                                     width=_width(self.states) if cfg.buffer else None)
-        self.ranks: Tensor | None = None
+                                     width=width)
+        self._tolerance_ranks()
+
+    def _tolerance_ranks(self) -> None:
+        opt, cfg = self.opt, self.opt.settings
         if not cfg.budgeted and cfg.adaptive:
-            dev = f.U.device
-            caps = [opt._rank_cap(m) for m in layers]
+            dev = self.plan.s.device
+            caps = [opt._rank_cap(m) for m in self.layers]
             self.ranks = cfg.truncation.ranks(
                 self.plan.s, torch.tensor([s["tau"] for s in self.states], dtype=torch.float64, device=dev),
                 torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
                 torch.tensor(caps, device=dev), self.plan.k)
+
+    def finish_two_pass(self, G: Tensor) -> None:
+        """Two-pass BUG's second phase: the S rule on the core gradient G (L, ku, kv) measured at
+        the augmented point (fill directions masked out, as if absent), the core's SVD, the plan."""
+        U, S0, V, mU, mV, failed = self.point
+        mask = (mU[:, :, None] & mV[:, None, :]).to(S0.dtype)
+        dS, stS = self.opt.rule(G.to(S0.dtype) * mask, S0, self.state_S, self.opt._core_hp(self.layers[0].S))
+        S = (S0 + dS) * mask
+        self.new_states["S"] = stS
+        finite = torch.isfinite(S).all(-1).all(-1)
+        P, s, Q = _step.svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)))
+        kU, kV = mU.sum(-1), mV.sum(-1)
+        r0 = self.f.S.shape[-1]
+        self.plan = _step.GroupPlan(U, V, S, P, s, Q, r0, torch.minimum(kU, kV), failed, finite,
+                                    torch.maximum(kU, kV) - (r0 + self.f.U_buf.shape[-1]))
+        self._tolerance_ranks()
 
     def layer_state(self, i: int) -> dict[str, State]:
         """Layer i's slice of the stacked rule states (the exact path's input)."""
@@ -207,9 +270,11 @@ def _report(opt: AugmentedBUG) -> Tensor:
     return skipped
 
 
-def augmenting_step(opt: AugmentedBUG, loss) -> bool:
+def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
     """Augment and truncate every layer with gradients (module docstring). Returns False if the
-    step was skipped (non-finite values; nothing written)."""
+    step was skipped (non-finite values; nothing written). With a `closure`, two-pass BUG: the
+    closure is evaluated again at the augmented point (:func:`_second_pass`); None then means
+    that a layer's augmentation failed and the caller takes the per-layer path (nothing written)."""
     cfg = opt.settings
     todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
     keyed: dict[tuple, list[str]] = defaultdict(list)
@@ -221,10 +286,16 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
         # (data parallel: also by owner, so that sharded and replicated runs form the same groups)
         keyed[(*shape, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)), opt._batch_key(n),
                *states)].append(n)
-    groups = [_Group(opt, chunk, key[6]) for key, names in keyed.items() for chunk in _chunks(key, names)]
+    groups = [_Group(opt, chunk, key[6], closure is not None)
+              for key, names in keyed.items() for chunk in _chunks(key, names)]
     device = groups[0].f.U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok_in = inputs_finite(opt, loss, device)
+    if closure is not None:
+        second = _second_pass(opt, groups, closure, loss, device)
+        if second is None or second is False:
+            return second
+        ok_in = ok_in & second
     for g in groups:
         ok_in = ok_in & g.grads_finite.to(device)
     skipped = _report(opt)
@@ -294,6 +365,51 @@ def augmenting_step(opt: AugmentedBUG, loss) -> bool:
     return True
 
 
+def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device: torch.device):
+    """Two-pass BUG's second evaluation, for every group at once: each layer is set to its
+    augmented point (Ū, S̄(0), V̄) (the same weight; fill directions have zero rows), the closure
+    runs again in core mode, and each group takes its S rule on the new core gradient
+    (:meth:`_Group.finish_two_pass`). The layers get their factors back before returning (the
+    commit writes the new ones). One host read first: a layer whose fixed-width augmentation
+    failed, or a non-finite input, sends the whole step to the per-layer path (returns None).
+    Returns a device bool (the second loss is finite), or False (skipped on another rank)."""
+    flags = [~inputs_finite(opt, loss, device).reshape(1)]
+    flags += [(g.point[5] | ~g.grads_finite).reshape(-1).to(device) for g in groups]
+    if bool(torch.cat(flags).any()):  # (the step's first host read)
+        return None
+    saved = {p: None if p.grad is None else p.grad.clone() for p in _dense_params(opt)}
+    originals = {id(m): (m, m.U.data, m.S.data, m.V.data) for g in groups for m in g.layers}
+    elsewhere = False
+    try:
+        for g in groups:
+            U, S0, V = g.point[:3]
+            for i, m in enumerate(g.layers):
+                m.set_factors(U[i], S0[i], V[i])
+                m.set_grad_mode("core")
+        with torch.enable_grad():
+            loss2 = closure()
+        opt._check_loss(loss2)
+        got = any(p.grad is not None for group in opt.param_groups for p in group["params"])
+        if not got:
+            raise RuntimeError(opt._no_grad_message(closure, " on its second call (two-pass, "
+                                                             "`single_pass=False`)"))
+        if opt.process_group is not None:  # every rank's core gradients, averaged
+            slots = [opt._core_slot(m) for g in groups for m in g.layers]
+            elsewhere = opt._average(slots, loss2, first=False)
+        grads = [torch.stack([m.S.grad if m.S.grad is not None else torch.zeros_like(m.S) for m in g.layers])
+                 for g in groups]
+    finally:
+        for p, grad in saved.items():
+            p.grad = grad
+        for m, U, S, V in originals.values():
+            m.set_factors(U, S, V)
+    if elsewhere:
+        return opt._nonfinite("non-finite loss on another data-parallel rank")
+    for g, G in zip(groups, grads, strict=True):
+        g.finish_two_pass(G)
+    return torch.isfinite(torch.as_tensor(loss2).detach()).to(device).reshape(())
+
+
 def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
     """The exact per-layer path for the layers whose fixed-width augmentation failed (its
     Cholesky factorisation: not expected after the eigen filter): {name: (aug, S_bar, states,
@@ -340,9 +456,11 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
             return {k_: (sel(v) if k_ in _MOMENTS else v) for k_, v in st.items()}
 
         ns = g.new_states
+        # the S state's coordinates: the old bases (one pass) or the augmented ones (two-pass)
+        SU, SV = (P[..., :r1], Q[..., :r1]) if g.plan_two_pass else (TU, TV)
         moved = {} if cfg.moments == "reset" else {  # reset: nothing to carry into the new bases
             "K": transport(pick(ns["K"]), None, TV), "L": transport(pick(ns["L"]), None, TU),
-            "S": transport(pick(ns["S"]), TU, TV)}
+            "S": transport(pick(ns["S"]), SU, SV)}
         layers = [g.layers[i] for i in idx]
         states = [g.states[i] for i in idx]
         same = r1 == r0 and b == (layers[0].U_buf.shape[1] if cfg.buffer else 0)

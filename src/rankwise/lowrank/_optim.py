@@ -340,12 +340,12 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
     def _batched_now(self, augment: bool) -> bool:
-        """Does this step take the batched path (:mod:`._batched`)? Core steps and single-pass
-        augmentations other than the data-aware (`sensitivity`) budget, on one process or data
-        parallel; two-pass BUG and the sensitivity budget take the per-layer path."""
+        """Does this step take the batched path (:mod:`._batched`)? Core steps and augmentations
+        other than the data-aware (`sensitivity`) budget, on one process or data parallel;
+        data-parallel two-pass BUG and the sensitivity budget take the per-layer path."""
         if not augment:
             return True
-        return self.settings.single_pass and not self.truncation.data_aware
+        return not self.truncation.data_aware and (self.settings.single_pass or self.process_group is None)
 
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
@@ -456,10 +456,16 @@ class AugmentedBUG(torch.optim.Optimizer):
             if self._batched_now(augment):  # batched: one host read per augmentation (+ DP's exchanges)
                 if dp and self._average(self._grad_slots(), loss, first=True):
                     ok = self._nonfinite("non-finite loss on another data-parallel rank")
+                elif augment:
+                    ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
+                    if ok is None:  # two-pass, a layer's fixed-width augmentation failed: layer by layer
+                        ok = self._finite(loss) and self._augmented_step(closure)
+                        if ok:
+                            self._dense_step()
+                    elif ok:
+                        _batched.dense_step(self)
                 else:
-                    ok = _batched.augmenting_step(self, loss) if augment else _batched.core_step(self, loss)
-                if ok and augment:
-                    _batched.dense_step(self)
+                    ok = _batched.core_step(self, loss)
             else:
                 ok = self._finite(loss, elsewhere=dp and self._average(self._grad_slots(), loss, first=True))
                 if ok and augment:
