@@ -149,7 +149,7 @@ def test_stored_runs_conflict_only_on_settings_their_method_uses():
     assert RunSpec(method="sdlrt", tau=0.2).differences({**asdict(sdlrt), "target": None, "omega": 0.5,
                                                         "tau": 0.2}) == {"omega": (0.5, 0.8)}
     with pytest.raises(ValueError, match="only in its τ feedback"):
-        RunSpec(method="sdlrt-seed", target=0.9)
+        RunSpec(method="sdlrt-two-sided", target=0.9)
     with pytest.raises(ValueError, match="alloc"):
         RunSpec(method="dlrt", target=0.9, alloc="sqrt")
 

@@ -36,13 +36,22 @@ from ..methods import COMMANDS
 # ---------------------------------------------------------------------------- worker
 
 
+def lowrank_optimizer(method: str, model, process_group=None):
+    """The demo's integrator of `method` (:mod:`rankwise.methods`) for the factored `model`:
+    τ = 0.2, the Adam rule at 0.01."""
+    from .. import lowrank, methods
+
+    return methods.build(method, model, 1e-2, lowrank.Tolerance(0.2), optimizer="adam",
+                         process_group=process_group)
+
+
 def _worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .. import lowrank, methods
+    from .. import lowrank
     from ..ckpt import CodedCheckpointer
     from ..ckpt.testing import LyingCheckpointer
     from ..data import load_digits
@@ -62,8 +71,7 @@ def _worker(args: argparse.Namespace) -> None:
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:  # DDP cannot see the factor gradients: the optimizer averages them (same layout on restart)
         trained = lowrank.to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
-        opt = methods.build(args.method, model, 1e-2, lowrank.Tolerance(0.2), optimizer="adam",
-                            process_group=dist.group.WORLD)
+        opt = lowrank_optimizer(args.method, model, dist.group.WORLD)
     train, _ = load_digits(seed=0)
     X, y = train.tensors[0].flatten(1), train.tensors[1]
     ck = (LyingCheckpointer if rank == args.fault_rank else CodedCheckpointer)(t=1, store_dir=args.store)
