@@ -20,7 +20,7 @@ def _model() -> nn.Module:
 
 class _Seen(Callback):
     def __init__(self) -> None:
-        self.calls: list[tuple[int, bool, bool]] = []  # (global step, gradients there, weights as before)
+        self.calls: list[tuple[int, bool, bool]] = []  # (global step, gradients there, weights unmoved)
         self.before: torch.Tensor | None = None
 
     def on_after_backward(self, loop) -> None:

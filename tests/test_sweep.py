@@ -189,7 +189,7 @@ def test_sweep_selects_each_method_on_validation(tmp_path):
                 "--select", "0.9", "--grid", "sgd:0.03,0.1", "--widen", "0", "--seeds", "1",
                 "--epochs", "1", "--dt-every", "0", "--out", out)
     assert r.exit_code == 0, r
-    # issue 41: with --dt-every 0 no d_t is traced: final_d_t is absent, not 0; the last line counts
+    # with --dt-every 0 no d_t is traced: final_d_t is absent, not 0; the last line counts
     # the runs the tables hold and those this call trained
     import csv
 

@@ -135,7 +135,7 @@ COMMANDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "ckpt": ("dense", "sdlrt", "dlrt"),
 })
 
-# names that commands no longer take, with the one to use instead
+# old names the commands refuse, each with the name of the same method
 RENAMED: Mapping[str, str] = MappingProxyType({"sdlrt-seed": "sdlrt"})
 
 
