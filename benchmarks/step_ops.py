@@ -19,6 +19,7 @@ How to run
     .venv/bin/python benchmarks/step_ops.py               # about 30 s on 2 cores
     .venv/bin/python benchmarks/step_ops.py --per-layer
     .venv/bin/python benchmarks/step_ops.py --process-group sharded [--per-layer]
+    .venv/bin/python benchmarks/step_ops.py --two-pass [--per-layer]
 """
 
 from __future__ import annotations
@@ -63,18 +64,19 @@ def main(argv=None) -> None:
     p.add_argument("--after", type=int, default=1, help="steps taken before the counted one")
     p.add_argument("--process-group", choices=("none", "replicated", "sharded"), default="none",
                    help="data parallel over a one-process gloo group")
+    p.add_argument("--two-pass", action="store_true", help="two-pass BUG (single_pass=False)")
     a = p.parse_args(argv)
-    extra = {}
+    extra = {"single_pass": False} if a.two_pass else {}
     if a.process_group != "none":
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
-        extra = dict(process_group=dist.group.WORLD, data_parallel=a.process_group)
+        extra.update(process_group=dist.group.WORLD, data_parallel=a.process_group)
     if a.per_layer:
         AugmentedBUG._batched_now = lambda self, augment: False
     path = "per-layer" if a.per_layer else "batched"
     print(f"torch {torch.__version__}, {path} path, process group: {a.process_group}, "
-          f"counted at step {a.after + 1}")
+          f"{'two-pass, ' if a.two_pass else ''}counted at step {a.after + 1}")
     print("| optimizer | ranks | depth | layers | distinct ranks | optimizer ops | optimizer host reads "
           "| step host reads | ops depth 8 / depth 2 |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..linalg import batch_mm, work_dtype
 from . import _integrators as bug
-from . import _step
+from . import _shard, _step
 from ._budget import tail_share
 from ._rules import State, foreach_update, transport
 
@@ -375,17 +375,21 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     Returns a device bool (the second loss is finite), or False (skipped on another rank)."""
     flags = [~inputs_finite(opt, loss, device).reshape(1)]
     flags += [(g.point[5] | ~g.grads_finite).reshape(-1).to(device) for g in groups]
-    if bool(torch.cat(flags).any()):  # (the step's first host read)
+    failed = bool(torch.cat(flags).any())  # (the step's first host read)
+    if opt._owners is not None:  # sharded: each rank saw its own layers only
+        failed = _shard.any_flag(failed, opt.process_group, device)
+    if failed:
         return None
+    points = {n: (g.point[0][i], g.point[1][i], g.point[2][i]) for g in groups for i, n in enumerate(g.names)}
+    if opt._owners is not None:  # every rank evaluates the model at every layer's augmented point
+        points, opt.shared_bytes = _shard.share_from_owners(points, opt._owners, opt.process_group, device)
     saved = {p: None if p.grad is None else p.grad.clone() for p in _dense_params(opt)}
-    originals = {id(m): (m, m.U.data, m.S.data, m.V.data) for g in groups for m in g.layers}
+    originals = {n: (opt.layers[n].U.data, opt.layers[n].S.data, opt.layers[n].V.data) for n in points}
     elsewhere = False
     try:
-        for g in groups:
-            U, S0, V = g.point[:3]
-            for i, m in enumerate(g.layers):
-                m.set_factors(U[i], S0[i], V[i])
-                m.set_grad_mode("core")
+        for n, (U, S0, V) in points.items():
+            opt.layers[n].set_factors(U, S0, V)
+            opt.layers[n].set_grad_mode("core")
         with torch.enable_grad():
             loss2 = closure()
         opt._check_loss(loss2)
@@ -394,15 +398,14 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
             raise RuntimeError(opt._no_grad_message(closure, " on its second call (two-pass, "
                                                              "`single_pass=False`)"))
         if opt.process_group is not None:  # every rank's core gradients, averaged
-            slots = [opt._core_slot(m) for g in groups for m in g.layers]
-            elsewhere = opt._average(slots, loss2, first=False)
+            elsewhere = opt._average([opt._core_slot(opt.layers[n]) for n in points], loss2, first=False)
         grads = [torch.stack([m.S.grad if m.S.grad is not None else torch.zeros_like(m.S) for m in g.layers])
                  for g in groups]
     finally:
         for p, grad in saved.items():
             p.grad = grad
-        for m, U, S, V in originals.values():
-            m.set_factors(U, S, V)
+        for n, (U, S, V) in originals.items():
+            opt.layers[n].set_factors(U, S, V)
     if elsewhere:
         return opt._nonfinite("non-finite loss on another data-parallel rank")
     for g, G in zip(groups, grads, strict=True):

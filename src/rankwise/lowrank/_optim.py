@@ -341,11 +341,11 @@ class AugmentedBUG(torch.optim.Optimizer):
     # ----------------------------------------------------------------- the step
     def _batched_now(self, augment: bool) -> bool:
         """Does this step take the batched path (:mod:`._batched`)? Core steps and augmentations
-        other than the data-aware (`sensitivity`) budget, on one process or data parallel;
-        data-parallel two-pass BUG and the sensitivity budget take the per-layer path."""
+        other than the data-aware (`sensitivity`) budget (which takes the per-layer path), on one
+        process or data parallel, single-pass or two-pass."""
         if not augment:
             return True
-        return not self.truncation.data_aware and (self.settings.single_pass or self.process_group is None)
+        return not self.truncation.data_aware
 
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
