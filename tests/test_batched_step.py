@@ -461,3 +461,41 @@ def test_two_pass_bug_is_batched_with_two_host_reads_and_follows_the_per_layer_p
     assert all(r == 2 for r in reads) and min(ref_reads) > 10
     for a, b in zip(_invariants(got, opt), _invariants(ref, ref_opt), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("preset,kw", [("DLRT", {}), ("DLRT", dict(single_pass=False)), ("SDLRT", {})])
+def test_the_sensitivity_budget_is_batched_and_follows_the_per_layer_path(preset, kw, monkeypatch):
+    """`Budget(allocation="sensitivity")` takes the batched step (scores, smoothing and the
+    reordering of every layer's directions stacked; the scores come back in the step's read):
+    the per-layer path's ranks, weights and smoothed sensitivities to roundoff."""
+    from rankwise.lowrank._optim import AugmentedBUG
+
+    def run(per_layer: bool):
+        with monkeypatch.context() as mp:
+            if per_layer:
+                mp.setattr(AugmentedBUG, "_batched_now", lambda self, augment: False)
+            torch.manual_seed(0)
+            m = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(),
+                              nn.Linear(16, 3)).double()
+            rankwise.to_low_rank(m, rank=3, exclude=["4"], max_rank=12)
+            opt = getattr(rankwise, preset)(m, 2.0, target=0.3, ramp_steps=4, allocation="sensitivity", **kw)
+            g = torch.Generator().manual_seed(1)
+            X, Y = torch.randn(6, 32, 12, generator=g, dtype=F64), torch.randint(0, 3, (6, 32), generator=g)
+            ranks = []
+            for t in range(6):
+                def closure(t=t):
+                    opt.zero_grad()
+                    loss = nn.functional.cross_entropy(m(X[t]), Y[t])
+                    loss.backward()
+                    return loss
+
+                opt.step(closure)
+                ranks.append(tuple(opt.ranks().values()))
+            layers = list(opt.layers.values())
+            return ranks, [m.dense_weight().detach() for m in layers], \
+                [t for m in layers for t in opt.state[m.S]["sensitivity"]]
+
+    (ranks, W, sens), (ref_ranks, ref_W, ref_sens) = run(False), run(True)
+    assert len(set(ranks)) > 1 and ranks == ref_ranks
+    for a, b in zip(W + sens, ref_W + ref_sens, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -200,8 +200,40 @@ class _Group:
                                      width=width)
         self._tolerance_ranks()
 
+    def _by_sensitivity(self) -> None:
+        """The data-aware budget: each layer's SVD directions reordered by their smoothed
+        sensitivity scores (:mod:`._sensitivity`; the directions beyond each layer's core size,
+        fills, last), and the smoothed values in that order (:attr:`smoothed`, :attr:`scores`)."""
+        from . import _sensitivity as sens
+
+        plan, f, cfg = self.plan, self.f, self.opt.settings
+        r0 = plan.r0
+        EU = plan.U[..., r0:] * plan.mU[:, None, r0:].to(plan.U.dtype)
+        EV = plan.V[..., r0:] * plan.mV[:, None, r0:].to(plan.V.dtype)
+        G = f.S.new_zeros(len(self.names), plan.U.shape[-1], plan.V.shape[-1])
+        G[:, :r0, :r0] = f.G_S
+        G[:, r0:, :r0] = batch_mm(EU.mT, f.G_K)
+        G[:, :r0, r0:] = batch_mm(f.G_L.mT, EV)
+        inst = sens.importance(plan.P, plan.s, plan.Q, G)
+        prev = [st.get("sensitivity") for st in self.states]
+        previous = None if prev[0] is None else sens.Smoothed(
+            torch.stack([p[0] for p in prev]).to(inst), torch.stack([p[1] for p in prev]).to(inst))
+        b = cfg.truncation
+        sm = sens.smooth(previous, plan.P, plan.Q, inst, beta1=b.beta1, beta2=b.beta2)
+        score = sens.scores(sm)
+        inside = torch.arange(score.shape[-1], device=score.device) < plan.k[:, None]
+        order = torch.argsort(torch.where(inside, score, -torch.inf), dim=-1, descending=True, stable=True)
+        self.plan = plan._replace(P=plan.P.gather(-1, order[:, None, :].expand(-1, plan.P.shape[-2], -1)),
+                                  s=plan.s.gather(-1, order),
+                                  Q=plan.Q.gather(-1, order[:, None, :].expand(-1, plan.Q.shape[-2], -1)))
+        self.smoothed = sens.Smoothed(sm.I.gather(-1, order), sm.U.gather(-1, order))
+        cost = torch.tensor([m.out_features + m.in_features for m in self.layers], device=score.device)
+        self.scores = score.gather(-1, order) / cost[:, None].to(score.dtype)
+
     def _tolerance_ranks(self) -> None:
         opt, cfg = self.opt, self.opt.settings
+        if cfg.budgeted and cfg.truncation.data_aware:
+            self._by_sensitivity()
         if not cfg.budgeted and cfg.adaptive:
             dev = self.plan.s.device
             caps = [opt._rank_cap(m) for m in self.layers]
@@ -223,7 +255,7 @@ class _Group:
         kU, kV = mU.sum(-1), mV.sum(-1)
         r0 = self.f.S.shape[-1]
         self.plan = _step.GroupPlan(U, V, S, P, s, Q, r0, torch.minimum(kU, kV), failed, finite,
-                                    torch.maximum(kU, kV) - (r0 + self.f.U_buf.shape[-1]))
+                                    torch.maximum(kU, kV) - (r0 + self.f.U_buf.shape[-1]), mU, mV)
         self._tolerance_ranks()
 
     def layer_state(self, i: int) -> dict[str, State]:
@@ -282,7 +314,7 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
         m, st = opt.layers[n], opt.state[opt.layers[n].S]
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
         shape = (m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0)
-        states = tuple(_signature(st[k]) for k in ("K", "L", "S"))
+        states = (*(_signature(st[k]) for k in ("K", "L", "S")), "sensitivity" in st)
         # (data parallel: also by owner, so that sharded and replicated runs form the same groups)
         keyed[(*shape, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)), opt._batch_key(n),
                *states)].append(n)
@@ -310,6 +342,8 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
             parts.append(g.ranks.double().to(device))
         if cfg.budgeted:
             parts.append(g.plan.s.double().flatten().to(device))
+        if cfg.budgeted and cfg.truncation.data_aware:
+            parts.append(g.scores.double().flatten().to(device))
     host = torch.cat(parts).cpu().tolist()
     ok_inputs, n_skipped = host[0] > 0, int(host[1])
     pos = 2
@@ -330,6 +364,9 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
             g.spectra = [torch.tensor(host[pos + i * k:pos + i * k + g.k[i]], dtype=torch.float64)
                          for i in range(L)]
             pos += L * k
+        if cfg.budgeted and cfg.truncation.data_aware:
+            g.score_lists = [host[pos + i * k:pos + i * k + g.k[i]] for i in range(L)]
+            pos += L * k
     if n_skipped:
         opt._nonfinite(f"{n_skipped} step(s) between augmentations had a non-finite loss or gradient and "
                        "changed nothing")
@@ -349,12 +386,14 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
         return opt._nonfinite(bad)
     ranks: dict[str, int] = {}
     if cfg.budgeted:
-        spectra = {}
+        spectra, scores = {}, {}
         for g in groups:
             for i, n in enumerate(g.names):
                 spectra[n] = exact[n][3][1].double().cpu() if n in exact else g.spectra[i]
+                if cfg.truncation.data_aware:
+                    scores[n] = exact[n][4] if n in exact else g.score_lists[i]
         spectra = {n: spectra[n] for n in opt.layers if n in spectra}
-        ranks = opt._budget_ranks(spectra)
+        ranks = opt._budget_ranks(spectra, scores=scores if cfg.truncation.data_aware else None)
         for g in groups:
             g.r1 = [ranks[n] for n in g.names]
             g.tails = [tail_share(spectra[n], ranks[n]) for n in g.names]
@@ -425,7 +464,14 @@ def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
             f = g.f
             aug = bug.augment(f.U[i], f.V[i], g.dK[i], g.dL[i], f.U_buf[i], f.V_buf[i])
             S_bar = bug.galerkin_core(aug, f.S[i]) + bug.projected_update(aug, g.dK[i], g.dS[i], g.dL[i])
-            out[n] = (aug, S_bar, g.layer_state(i), bug.core_svd(S_bar))
+            states, svd = g.layer_state(i), bug.core_svd(S_bar)
+            out[n] = (aug, S_bar, states, svd)
+            if opt.settings.budgeted and opt.settings.truncation.data_aware:  # this layer's order
+                svds, smoothed = opt._by_sensitivity({n: (aug, S_bar, states)}, {n: svd},
+                                                     {n: (f.G_K[i], f.G_S[i], f.G_L[i])})
+                m = g.layers[i]
+                score = (smoothed[n].I + smoothed[n].U) / (m.out_features + m.in_features)
+                out[n] = (aug, S_bar, states, svds[n], score.tolist(), smoothed[n])
             old = f.U.shape[-1] + f.U_buf.shape[-1]  # the width the next step needs
             g.states[i]["new_directions"] = max(aug.U.shape[1], aug.V.shape[1]) - old
     return out
@@ -437,9 +483,11 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
     sub: dict[tuple[int, int], list[int]] = defaultdict(list)
     for i, n in enumerate(g.names):
         if n in exact:
-            aug, S_bar, states, svd = exact[n]
+            aug, S_bar, states, svd, *sens = exact[n]
             opt._truncate(g.layers[i], aug, S_bar, states, two_pass=False,
                           rank=g.r1[i] if cfg.budgeted else None, svd=svd)
+            if sens:  # the data-aware budget's smoothed values, in the kept order
+                opt.state[g.layers[i].S]["sensitivity"] = [t[:g.layers[i].rank] for t in sens[1]]
             continue
         r1 = g.r1[i]
         sub[(r1, min(r1, g.k[i] - r1) if cfg.buffer else 0)].append(i)
@@ -489,6 +537,8 @@ def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
         for i, st in zip(idx, states, strict=True):
             if cfg.budgeted:
                 st["tail"] = g.tails[i]
+            if cfg.budgeted and cfg.truncation.data_aware:
+                st["sensitivity"] = [g.smoothed.I[i, :r1].clone(), g.smoothed.U[i, :r1].clone()]
             elif opt.feedback is not None:
                 st["tau"] = opt.feedback(st["tau"], r1, st["r_init"], cfg.tau)
             st["augmentations"] = st.get("augmentations", 0) + 1

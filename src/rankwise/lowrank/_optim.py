@@ -340,12 +340,11 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
     def _batched_now(self, augment: bool) -> bool:
-        """Does this step take the batched path (:mod:`._batched`)? Core steps and augmentations
-        other than the data-aware (`sensitivity`) budget (which takes the per-layer path), on one
-        process or data parallel, single-pass or two-pass."""
-        if not augment:
-            return True
-        return not self.truncation.data_aware
+        """Does this step take the batched path (:mod:`._batched`)? Every configuration does (one
+        process or data parallel, single or two-pass, any truncation); the per-layer path is the
+        tests' reference and the fall-back of a two-pass step whose fixed-width augmentation
+        failed. (Tests replace this method to run the per-layer path.)"""
+        return True
 
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
@@ -870,17 +869,18 @@ class AugmentedBUG(torch.optim.Optimizer):
             smoothed[name] = sens.Smoothed(sm.I[order], sm.U[order])
         return out, smoothed
 
-    def _budget_ranks(self, spectra: dict[str, Tensor], smoothed=None) -> dict[str, int]:
+    def _budget_ranks(self, spectra: dict[str, Tensor], smoothed=None,
+                      scores: dict[str, list[float]] | None = None) -> dict[str, int]:
         """The rank of each layer planned in this step (`spectra`: its augmented core's
         singular values, in the order the layer keeps its directions) under the current
         budget, allocated model-wide (:func:`._budget.allocate_ranks`); layers not in this step
         keep their rank and cost. From `Budget.freeze_after` on, every layer keeps its rank.
         Sharded, the spectra (and sensitivity scores) of every owner's layers are gathered
-        first, and every rank allocates, identically; it returns the ranks of all layers."""
+        first, and every rank allocates, identically; it returns the ranks of all layers.
+        `scores`: the data-aware budget's scores per cost, given (else from `smoothed`)."""
         from . import _sensitivity as sens
         from ._budget import layer_cost
 
-        scores = None
         if smoothed:
             scores = {n: (sens.scores(sm) / (m.out_features + m.in_features)).tolist()
                       for n, sm in smoothed.items() for m in (self.layers[n],)}

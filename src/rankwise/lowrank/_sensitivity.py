@@ -72,13 +72,15 @@ def smooth(prev: Smoothed | None, P: Tensor, Q: Tensor, inst: Tensor, *, beta1: 
     """The smoothed importance and uncertainty of the k new directions (module docstring,
     step 3). `prev`: those of the r0 old directions (``None``: no history); `P` (ku, k),
     `Q` (kv, k): the SVD's coordinate maps, whose first r0 rows are the old directions;
-    `inst` (k,): this step's :func:`importance`."""
-    if prev is None or prev.I.numel() == 0:
+    `inst` (k,): this step's :func:`importance`. Batches (a leading dimension on every
+    argument) are taken as they are."""
+    if prev is None or prev.I.shape[-1] == 0:
         return Smoothed(inst.clone(), torch.zeros_like(inst))
-    r0 = prev.I.numel()
-    w = 0.5 * (P[:r0].square() + Q[:r0].square())  # (r0, k)
-    seen = w.sum(0).clamp(max=1.0)                    # how much of each new direction is old
-    I_old, U_old = w.mT @ prev.I.to(inst), w.mT @ prev.U.to(inst)
+    r0 = prev.I.shape[-1]
+    w = 0.5 * (P[..., :r0, :].square() + Q[..., :r0, :].square())  # (..., r0, k)
+    seen = w.sum(-2).clamp(max=1.0)                                   # how much of each new direction is old
+    I_old = (w * prev.I.to(inst)[..., :, None]).sum(-2)
+    U_old = (w * prev.U.to(inst)[..., :, None]).sum(-2)
     I_new = beta1 * (I_old + (1 - seen) * inst) + (1 - beta1) * inst
     U_new = beta2 * U_old + (1 - beta2) * (inst - I_new).abs()
     return Smoothed(I_new, U_new)

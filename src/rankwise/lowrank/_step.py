@@ -51,6 +51,8 @@ class GroupPlan(NamedTuple):
     failed: Tensor
     finite: Tensor
     new: Tensor
+    mU: Tensor | None = None  # (L, ku) bool: Ū's columns that carry the step (False: a fill)
+    mV: Tensor | None = None  # (L, kv) bool
 
 
 def _sub_mm(X: Tensor, A: Tensor, B: Tensor) -> Tensor:
@@ -226,7 +228,7 @@ def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: T
     kU, kV = mU.sum(-1), mV.sum(-1)
     old = S0.shape[-1] + U_buf.shape[-1]
     return GroupPlan(U, V, S, P, s, Q, S0.shape[-1], torch.minimum(kU, kV), failed, finite,
-                     torch.maximum(kU, kV) - old)
+                     torch.maximum(kU, kV) - old, mU, mV)
 
 
 def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
