@@ -110,3 +110,32 @@ def test_every_test_named_in_the_integration_page_exists():
     for func in re.findall(r"`::(\w+)`", text):  # '::name' continues the file named before it
         assert any(re.search(rf"def {func}\b", (root / "tests" / f).read_text(encoding="utf-8"))
                    for f, _ in cells), func
+
+
+def test_the_step_between_augmentations_compiles_without_graph_breaks():
+    """Issue 47's target: the core step (`update_every` > 1, between augmentations: the rule on
+    every core S and the dense parameters, no host read) traces into one graph."""
+    import torch._dynamo as dynamo
+
+    from rankwise.lowrank import _batched
+
+    dynamo.reset()
+    model = _mlp(4)
+    opt = rankwise.DLRT(model, 0.01, tau=0.1, optimizer="adam", update_every=5)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)  # the augmentation
+    closure()
+
+    def core_step():
+        with torch.no_grad():
+            return _batched.core_step(opt, None)
+
+    assert dynamo.explain(core_step)().graph_break_count == 0
+    dynamo.reset()
