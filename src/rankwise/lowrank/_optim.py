@@ -273,8 +273,10 @@ class AugmentedBUG(torch.optim.Optimizer):
         """Hand the low-rank layers back to plain torch: they return to ``"full"`` gradient mode
         (U, S and V get their true gradients, all require grad, the factor gradients G_K, G_L
         are dropped), so that a torch optimizer built afterwards (``AdamW(model.parameters())``)
-        trains every factor. This optimizer takes no further step. Dropping the optimizer
-        (garbage collection) does the same."""
+        trains every factor. This optimizer takes no further step. Dropping the optimizer does
+        the same once Python collects it (at once by reference counting, except for the first
+        optimizer of a process, which torch's lazy import of its compiler, started inside the
+        constructor, keeps referenced until a garbage collection): call release() to be sure."""
         _release(self._owned, self._token)
         self._released = True
 
@@ -993,8 +995,8 @@ def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                 raise RuntimeError(
                     f"{type(optimizer).__name__}.step() would update a {type(layer).__name__} that a "
                     "rankwise DLRT/SDLRT is training (its U.grad and V.grad hold the integrator's factor "
-                    "gradients G_K, G_L): call release() on that optimizer (or drop it) first; the layer "
-                    "then gets plain gradients")
+                    "gradients G_K, G_L): call release() on that optimizer first (a dropped one releases "
+                    "its layers when Python collects it); the layer then gets plain gradients")
 
 
 _COMMON_DOC = """
