@@ -427,9 +427,9 @@ def target_checks(configs: list[Config]) -> list[str]:
 
 # ----------------------------------------------------------------------------- phases
 PHASES = {  # phase: the functions whose exclusive time it collects (module, attribute)
-    # the per-layer path (two-pass, data parallel) and the batched one (lowrank/_batched.py)
+    # the per-layer path (the reference) and the batched one (lowrank/_batched.py)
     "fwd+bwd": [("opt", "_evaluate")],
-    "2nd pass": [("opt", "_second_pass")],
+    "2nd pass": [("opt", "_second_pass"), ("batched", "_second_pass")],
     "working copies": [("opt", "_factors"), ("batched", "_Group")],  # _Group: stacking, rules
     "rules": [("batched", "dense_step"), ("batched", "core_step"), ("opt", "_core_step")],
     "new bases (QR)": [("bug", "augment"), ("bug", "augment_many"), ("step", "augment_group")],
