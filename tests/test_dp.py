@@ -295,3 +295,42 @@ def test_rankwise_train_nproc_runs_under_torchrun(tmp_path):
     assert r.exit_code == 0, r.stderr
     assert "2 processes, data-parallel" in r.stdout
     assert (tmp_path / "run" / "final.json").exists() and (tmp_path / "run" / "metrics.csv").exists()
+
+
+def _skip_worker(rank: int, data_parallel: str) -> list[int]:
+    """update_every=2, on_nonfinite='skip': rank 1's loss is NaN at step 1 (a core step)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    m = rankwise.to_low_rank(m, rank=2, exclude=["2"], max_rank=8)
+    opt = rankwise.DLRT(m, 0.1, tau=0.05, update_every=2, on_nonfinite="skip",
+                        process_group=dist.group.WORLD, data_parallel=data_parallel)
+    g = torch.Generator().manual_seed(rank)
+    steps = []
+    for t in range(4):
+        x, y = torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+
+        def closure(t=t, x=x, y=y):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(m(x), y)
+            if t == 1 and rank == 1:
+                loss = loss * float("nan")
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+        steps.append(opt.param_groups[0]["global_step"])
+    return steps
+
+
+@pytest.mark.parametrize("data_parallel", ["replicated", "sharded"])
+def test_a_rank_with_a_non_finite_loss_skips_with_the_others(data_parallel, tmp_path):
+    """Every rank takes the same decision: the rank whose loss is NaN skips the core step as the
+    others do (it once took the device-side skip alone, advanced its step count and the next
+    collective failed)."""
+    out = run_world(_skip_worker, 2, tmp_path, data_parallel)
+    assert out[0] == out[1] == [1, 1, 2, 3]

@@ -300,3 +300,86 @@ def test_gradient_accumulation_equals_the_full_batch_and_jit_trace_works():
         torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-12)
     traced = torch.jit.trace(m2, X[:4])
     torch.testing.assert_close(traced(X), m2(X))
+
+
+# ---------------------------------------------------------------- review findings
+def test_a_loss_term_on_the_dense_weight_adds_the_integrators_gradients():
+    """`layer.weight` (the dense view) in the loss: in factor mode its backward adds G_K = ∇W·V,
+    G_L = ∇Wᵀ·U and G_S, as the layer's own backward does (not dU = ∇W·V·Sᵀ)."""
+    X, Y = _data(F64)
+    m = _model(F64)
+    opt = DLRT(m, 0.1, tau=0.2)
+    layer = m[0]
+    (_loss(m, X, Y) + 0.5 * layer.weight.square().sum()).backward()
+    W = layer.weight_matrix().detach().requires_grad_(True)
+    h = torch.tanh(X @ W.T + layer.bias)
+    (gW,) = torch.autograd.grad(((m[2](h) - Y) ** 2).mean() + 0.5 * W.square().sum(), W)
+    U, V = layer.U.detach(), layer.V.detach()
+    torch.testing.assert_close(layer.U.grad, gW @ V)
+    torch.testing.assert_close(layer.V.grad, gW.T @ U)
+    torch.testing.assert_close(layer.S.grad, U.T @ gW @ V)
+    assert opt.layers
+
+
+def test_copies_start_in_plain_mode_and_ownership_is_kept():
+    """A deepcopy of a model DLRT trains is plain torch (true gradients, AdamW works); two
+    optimizers on one model, each released: the layers end in plain mode; a frozen low-rank
+    layer is left alone; layer_of still finds the factors after load_state_dict(assign=True)."""
+    import copy
+
+    from rankwise.lowrank._base import layer_of
+
+    X, Y = _data()
+    m = _model()
+    first = DLRT(m, 0.1, tau=0.2)
+    twin = copy.deepcopy(m)
+    assert twin[0].grad_mode == "full" and m[0].grad_mode == "factors"
+    adamw = torch.optim.AdamW(twin.parameters())
+    _loss(twin, X, Y).backward()
+    adamw.step()  # not refused: the copy is nobody's
+    second = SDLRT(m, 0.1, tau=0.2)
+    second.release()
+    _train(m, first, X, Y, steps=1)
+    first.release()
+    assert m[0].grad_mode == "full" and m[2].grad_mode == "full"
+    frozen = _model()
+    for p in frozen[0].parameters():
+        p.requires_grad_(False)
+    opt = DLRT(frozen, 0.1, tau=0.2)
+    assert list(opt.layers) == ["2"] and not frozen[0].U.requires_grad
+    opt.release()
+    assert not any(p.requires_grad for p in frozen[0].parameters())
+    fresh = _model()
+    fresh.load_state_dict(m.state_dict(), assign=True)
+    assert layer_of(fresh[0].U) is fresh[0] and layer_of(fresh[0].S) is fresh[0]
+
+
+def test_a_gradient_first_made_by_the_second_pass_is_not_applied(monkeypatch):
+    """Two-pass BUG: a dense parameter that only the second closure call reaches gets its
+    first-pass gradient (none) back, on the batched path as on the per-layer one."""
+    from rankwise.lowrank._optim import AugmentedBUG
+
+    def run(per_layer: bool):
+        with monkeypatch.context() as mp:
+            if per_layer:
+                mp.setattr(AugmentedBUG, "_batched_now", lambda self, augment: False)
+            m = _model(F64)
+            extra = nn.Parameter(torch.ones(3, dtype=F64))
+            holder = nn.Module()
+            holder.m, holder.extra = m, extra
+            opt = DLRT(holder, 0.1, tau=0.2, single_pass=False)
+            X, Y = _data(F64)
+            calls = []
+
+            def closure():
+                opt.zero_grad()
+                calls.append(1)
+                loss = _loss(m, X, Y) + (extra.sum() if len(calls) % 2 == 0 else 0.0)
+                loss.backward()
+                return loss
+
+            opt.step(closure)
+            return extra.detach().clone()
+
+    torch.testing.assert_close(run(False), run(True))
+    torch.testing.assert_close(run(False), torch.ones(3, dtype=F64))

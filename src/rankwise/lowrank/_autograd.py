@@ -100,3 +100,27 @@ class LowRankConv2dFn(torch.autograd.Function):
         )
         db = dy.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return dx, dU, dS, dV, db, None, None, None, None, None
+
+
+class DenseWeightFn(torch.autograd.Function):
+    """``W = U S Vᵀ`` (m, n) from U (m, r), S (r, r), V (n, r); `factors`: the backward gives
+    (G_K = ∇W·V, G_S = Uᵀ∇W·V, G_L = ∇Wᵀ·U) for (U, S, V), as the layers' own backward does in
+    factor mode, so that a loss term on the dense weight adds what the integrator reads."""
+
+    @staticmethod
+    def forward(ctx, U, S, V, factors: bool):
+        ctx.save_for_backward(U, S, V)
+        ctx.factors = factors
+        return U @ S @ V.mT
+
+    @staticmethod
+    def backward(ctx, gW):
+        U, S, V = ctx.saved_tensors
+        need_u, need_s, need_v = ctx.needs_input_grad[:3]
+        gk = gW @ V if (need_u or need_s) else None
+        dS = U.mT @ gk if need_s else None
+        gl = gW.mT @ U if need_v else None
+        if ctx.factors:
+            return (gk if need_u else None), dS, gl, None
+        return (gk @ S.mT if need_u else None), dS, (gl @ S if need_v else None), None
+

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg import truncated_svd, work_dtype
+from ._autograd import DenseWeightFn
 
 GradMode = Literal["full", "factors", "core"]
 
@@ -113,8 +114,11 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         return self.S.shape[0]
 
     def weight_matrix(self) -> Tensor:
-        """``U S Vᵀ`` as a matrix (out_features, in_features)."""
-        return self.U @ self.S @ self.V.mT
+        """``U S Vᵀ`` as a matrix (out_features, in_features); differentiable, in factor mode with
+        the integrator's gradients (:class:`._autograd.DenseWeightFn`)."""
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (self.U, self.S, self.V)):
+            return self.U @ self.S @ self.V.mT
+        return DenseWeightFn.apply(self.U, self.S, self.V, self.grad_mode == "factors")
 
     @abc.abstractmethod
     def dense_weight(self) -> Tensor:
@@ -159,9 +163,19 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         for p in (self.U, self.S, self.V):
             _BY_PARAM[id(p)] = self
 
-    def __setstate__(self, state) -> None:  # copy.deepcopy and pickle: new U, S, V objects
+    def __setstate__(self, state) -> None:
+        """copy.deepcopy and pickle: new U, S, V objects, found by :func:`layer_of`; a copy is
+        trained by no optimizer yet, so it starts in plain autograd (``"full"``) mode."""
         super().__setstate__(state)
         self._register()
+        if self.grad_mode != "full":
+            self.set_grad_mode("full")
+        self._grad_owner = None
+
+    def _apply(self, fn, recurse=True):  # .to() / .cuda() may give new Parameter objects
+        out = super()._apply(fn, recurse)
+        self._register()
+        return out
 
     # ----------------------------------------------------------------- gradient modes
     def set_grad_mode(self, mode: GradMode) -> None:
@@ -209,6 +223,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
             self.V_buf = self.V_buf.new_empty(self.in_features, b)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
+        self._register()  # load_state_dict(assign=True) puts new Parameter objects in place
 
     def __prepare_scriptable__(self):
         """``torch.jit.script`` calls this first: refuse by name (the backward is a custom

@@ -370,12 +370,11 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
     if n_skipped:
         opt._nonfinite(f"{n_skipped} step(s) between augmentations had a non-finite loss or gradient and "
                        "changed nothing")
-    if not ok_inputs:
-        return opt._nonfinite("non-finite loss or gradient" + (
-            "" if loss is None else f" (loss={float(loss)})"))
     overflow = "non-finite augmented core (overflow in the update)"
     bad, exact = None, {}
-    if not all(ok or bad for g in groups for ok, bad in zip(g.finite, g.failed, strict=True)):
+    if not ok_inputs:  # (sharded: the averaged factor gradients are on their owner only)
+        bad = "non-finite loss or gradient" + ("" if loss is None else f" (loss={float(loss)})")
+    elif not all(ok or failed for g in groups for ok, failed in zip(g.finite, g.failed, strict=True)):
         bad = overflow
     else:
         try:  # the rare layers the fixed width failed for, by the exact path (its own host reads)
@@ -422,7 +421,9 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     points = {n: (g.point[0][i], g.point[1][i], g.point[2][i]) for g in groups for i, n in enumerate(g.names)}
     if opt._owners is not None:  # every rank evaluates the model at every layer's augmented point
         points, opt.shared_bytes = _shard.share_from_owners(points, opt._owners, opt.process_group, device)
-    saved = {p: None if p.grad is None else p.grad.clone() for p in _dense_params(opt)}
+    saved = {p: None if p.grad is None else p.grad.clone()  # every dense parameter: one whose first
+             for g in opt.param_groups for p in g["params"]       # gradient comes in pass 2 gets None back
+             if id(p) not in opt._factor_ids}
     originals = {n: (opt.layers[n].U.data, opt.layers[n].S.data, opt.layers[n].V.data) for n in points}
     elsewhere = False
     try:

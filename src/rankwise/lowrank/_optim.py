@@ -7,6 +7,7 @@ gradient modes, dense parameters, optimizer-state transport and SDLRT's τ feedb
 
 from __future__ import annotations
 
+import gc
 import math
 import warnings
 import weakref
@@ -203,8 +204,10 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
+        # (a layer whose core S is frozen is left alone, as torch optimizers leave frozen parameters)
         self.layers: dict[str, AbstractLowRankLayer] = {
-            n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
+            n: m for n, m in model.named_modules()
+            if isinstance(m, AbstractLowRankLayer) and m.S.requires_grad
         }
         if not self.layers:
             warnings.warn("no low-rank layers in `model`; every parameter is updated densely "
@@ -267,16 +270,18 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
         if not self.settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
             self.state[layer.S]["tau"] = self.settings.tau
+        if getattr(layer, "_grad_owner", None) is None:  # what release() gives back
+            layer._requires_grad = (layer.U.requires_grad, layer.V.requires_grad)
         layer._grad_owner = self._token
 
     def release(self) -> None:
         """Hand the low-rank layers back to plain torch: they return to ``"full"`` gradient mode
         (U, S and V get their true gradients, all require grad, the factor gradients G_K, G_L
         are dropped), so that a torch optimizer built afterwards (``AdamW(model.parameters())``)
-        trains every factor. This optimizer takes no further step. Dropping the optimizer does
-        the same once Python collects it (at once by reference counting, except for the first
-        optimizer of a process, which torch's lazy import of its compiler, started inside the
-        constructor, keeps referenced until a garbage collection): call release() to be sure."""
+        trains every factor (U's and V's ``requires_grad`` as they were before this optimizer).
+        This optimizer takes no further step. Dropping the optimizer does the same once Python
+        collects it (a torch optimizer refused for a layer a dropped DLRT still holds first runs
+        a garbage collection)."""
         _release(self._owned, self._token)
         self._released = True
 
@@ -352,9 +357,12 @@ class AugmentedBUG(torch.optim.Optimizer):
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
 
     def _set_modes(self) -> None:
+        """The layers this optimizer trains (not released, not taken over by another) into the
+        gradient mode of the next step."""
         mode = "factors" if self._augment_now() else "core"
         for layer in self.layers.values():
-            layer.set_grad_mode(mode)
+            if getattr(layer, "_grad_owner", None) is self._token:
+                layer.set_grad_mode(mode)
 
     def _hp(self) -> dict:
         """The first param group: the optimizer's own counters (``global_step``,
@@ -456,7 +464,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             dp = self.process_group is not None
             if self._batched_now(augment):  # batched: one host read per augmentation (+ DP's exchanges)
                 if dp and self._average(self._grad_slots(), loss, first=True):
-                    ok = self._nonfinite("non-finite loss on another data-parallel rank")
+                    ok = self._nonfinite("non-finite loss or gradient on a data-parallel rank")
                 elif augment:
                     ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
                     if ok is None:  # two-pass, a layer's fixed-width augmentation failed: layer by layer
@@ -614,7 +622,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         """Is the loss and every gradient (``.grad`` and the layers' G_K, G_L) finite, and (data
         parallel) was no other rank's loss non-finite (`elsewhere`)?"""
         if elsewhere:
-            return self._nonfinite("non-finite loss on another data-parallel rank")
+            return self._nonfinite("non-finite loss or gradient on a data-parallel rank")
         tensors = [] if loss is None else [torch.as_tensor(loss)]
         tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         if _all_finite(tensors):
@@ -634,9 +642,12 @@ class AugmentedBUG(torch.optim.Optimizer):
         slots = []
         for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
             name, key = roles.get(id(p), (None, ""))
-            slots.append(_dp.Slot(p.grad, tuple(p.shape), p.dtype, p.device,
-                                  lambda v, p=p: setattr(p, "grad", v), owners.get(name),
-                                  "" if name is None else f"{name}:{key}"))
+            # the integrator's gradients are averaged in its working precision (a half-precision
+            # sum of finite gradients can overflow), then stored in the parameter's dtype
+            dt = p.dtype if name is None else work_dtype(p.dtype)
+            slots.append(_dp.Slot(p.grad, tuple(p.shape), dt, p.device,
+                                  lambda v, p=p: setattr(p, "grad", None if v is None else v.to(p.dtype)),
+                                  owners.get(name), "" if name is None else f"{name}:{key}"))
         return slots
 
     @staticmethod
@@ -646,22 +657,20 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _average(self, slots: list[_dp.Slot], loss, *, first: bool) -> bool:
         """Data-parallel (`process_group`): average `slots` over the ranks (the step's `first`
-        exchange resets :attr:`allreduce_bytes`). Returns whether another rank's loss (sharded,
-        first exchange: any rank's loss or gradients, this rank's included) was not finite, so
-        that every rank skips (or raises) together."""
+        exchange resets :attr:`allreduce_bytes`). Returns whether any rank's loss (sharded, first
+        exchange: or its gradients), this rank's included, was not finite, so that every rank
+        skips (or raises) together, from the same decision."""
         checked = [] if loss is None else [torch.as_tensor(loss).detach()]
         if first and self._owners is not None:  # only the owners see their layers' gradients: check here
             checked += [s.value for s in slots if s.value is not None]
         device = slots[0].device if slots else torch.device("cpu")
         flag = ~_batched._all_finite_flag(checked, device)  # read with the presence vector, not alone
-        bad, local_bad, sent, present = _dp.average(slots, self.process_group, flag=flag)
+        bad, _, sent, present = _dp.average(slots, self.process_group, flag=flag)
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         if first:  # the layers with S and factor gradients on any rank: the same list everywhere
             tags = {s.tag for s, p in zip(slots, present, strict=True) if p}
             self._todo = [n for n in self.layers if f"{n}:S" in tags and f"{n}:K" in tags]
-        if first and self._owners is not None:  # a bad gradient here may sit in a slot only its owner got
-            return bad
-        return bad and not local_bad
+        return bad  # (every rank, the one that found it included: all skip or raise together)
 
     def _check_replicas(self) -> None:
         """After a truncation: every rank must hold the same ranks, factors, buffers and τ
@@ -943,6 +952,9 @@ def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
         if getattr(layer, "_grad_owner", None) is token:
             layer.set_grad_mode("full")
             layer._grad_owner = None
+            u, v = getattr(layer, "_requires_grad", (True, True))  # as they were before
+            layer.U.requires_grad_(u)
+            layer.V.requires_grad_(v)
 
 
 def _check_unwrapped(model: nn.Module) -> None:
@@ -988,15 +1000,26 @@ def _install_foreign_step_check() -> None:
 def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if isinstance(optimizer, AugmentedBUG):
         return
+    layer = _trained_layer(optimizer)
+    if layer is not None:
+        gc.collect()  # a dropped DLRT in a reference cycle releases its layers when collected
+        layer = _trained_layer(optimizer)
+    if layer is not None:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() would update a {type(layer).__name__} that a "
+            "rankwise DLRT/SDLRT is training (its U.grad and V.grad hold the integrator's factor "
+            "gradients G_K, G_L): call release() on that optimizer first (a dropped one releases "
+            "its layers when Python collects it); the layer then gets plain gradients")
+
+
+def _trained_layer(optimizer: torch.optim.Optimizer) -> AbstractLowRankLayer | None:
+    """A low-rank layer among `optimizer`'s parameters that a DLRT/SDLRT trains, if any."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             layer = layer_of(p)
             if layer is not None and layer.grad_mode != "full":
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step() would update a {type(layer).__name__} that a "
-                    "rankwise DLRT/SDLRT is training (its U.grad and V.grad hold the integrator's factor "
-                    "gradients G_K, G_L): call release() on that optimizer first (a dropped one releases "
-                    "its layers when Python collects it); the layer then gets plain gradients")
+                return layer
+    return None
 
 
 _COMMON_DOC = """
