@@ -395,16 +395,20 @@ def test_a_data_parallel_step_takes_the_batched_path_with_few_host_reads(mode, m
     assert reads <= most and whole <= most + 1, (reads, whole)
 
 
+def _mixed_mlp() -> nn.Module:
+    """Two low-rank layers (rank 3, cap 12) and a dense head, float64."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    return rankwise.to_low_rank(m, rank=3, exclude=["4"], max_rank=12)
+
+
 def _two_pass_run(per_layer: bool, steps: int, monkeypatch, **kw):
     from rankwise.lowrank._optim import AugmentedBUG
 
     with monkeypatch.context() as mp:
         if per_layer:
             mp.setattr(AugmentedBUG, "_batched_now", lambda self, augment: False)
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(),
-                          nn.Linear(16, 3)).double()
-        rankwise.to_low_rank(m, rank=3, exclude=["4"], max_rank=12)
+        m = _mixed_mlp()
         opt = SDLRT(m, kw.pop("lr", 2.0), single_pass=False, **kw)
         g = torch.Generator().manual_seed(1)
         X = torch.randn(steps, 32, 12, generator=g, dtype=F64)
@@ -474,10 +478,7 @@ def test_the_sensitivity_budget_is_batched_and_follows_the_per_layer_path(preset
         with monkeypatch.context() as mp:
             if per_layer:
                 mp.setattr(AugmentedBUG, "_batched_now", lambda self, augment: False)
-            torch.manual_seed(0)
-            m = nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh(),
-                              nn.Linear(16, 3)).double()
-            rankwise.to_low_rank(m, rank=3, exclude=["4"], max_rank=12)
+            m = _mixed_mlp()
             opt = getattr(rankwise, preset)(m, 2.0, target=0.3, ramp_steps=4, allocation="sensitivity", **kw)
             g = torch.Generator().manual_seed(1)
             X, Y = torch.randn(6, 32, 12, generator=g, dtype=F64), torch.randint(0, 3, (6, 32), generator=g)
