@@ -82,3 +82,17 @@ def run_cli(*args: object) -> CliResult:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main([str(a) for a in args])
     return CliResult(code, out.getvalue(), err.getvalue())
+
+
+def step_beside_torch(opt, torch_opt, model, ref, steps: int = 4) -> None:
+    """`steps` steps of `opt` on `model` (a low-rank first layer, then dense layers) and of the
+    torch optimizer `torch_opt` on `ref` (a copy of the dense layers), both on the first layer's
+    features of one fixed batch (7, 6) against zero targets (2 outputs)."""
+    x = torch.randn(7, 6, dtype=F64)
+    for _ in range(steps):
+        h = model[0](x).detach()
+        opt.step(mse_closure(opt, model, x, torch.zeros(7, 2, dtype=F64)))
+        torch_opt.zero_grad()
+        (ref(h) ** 2).sum(-1).mean().backward()
+        torch_opt.step()
+

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import rankwise
-from helpers import F64, dense_grad, mse_closure, projector, rank3_problem
+from helpers import F64, dense_grad, mse_closure, projector, rank3_problem, step_beside_torch
 from rankwise import DLRT, SDLRT, LowRankConv2d, LowRankLinear
 from rankwise.lowrank._rules import adam, sgd, transport
 
@@ -157,13 +157,7 @@ def test_dense_parameters_follow_the_torch_rule(name, rule, hp):
     kw = {k: v for k, v in hp.items() if k != "lr"}
     opt = DLRT(model, hp["lr"], tau=0.1, optimizer=name, adaptive=False, **kw)
     torch_opt = (torch.optim.SGD if name == "sgd" else torch.optim.Adam)(ref.parameters(), **hp)
-    x = torch.randn(7, 6, dtype=F64)
-    for _ in range(4):
-        h = model[0](x).detach()
-        opt.step(mse_closure(opt, model, x, torch.zeros(7, 2, dtype=F64)))
-        torch_opt.zero_grad()
-        (ref(h) ** 2).sum(-1).mean().backward()
-        torch_opt.step()
+    step_beside_torch(opt, torch_opt, model, ref)
     for a, b in zip(nn.Sequential(model[1], model[2]).parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b)
 

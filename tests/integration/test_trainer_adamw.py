@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import rankwise
-from helpers import F64, mse_closure
+from helpers import F64, step_beside_torch
 from rankwise.lowrank import DLRT, LowRankLinear, Settings
 from rankwise.lowrank._rules import adam, foreach_update
 from rankwise.lowrank._settings import AdamW
@@ -80,13 +80,7 @@ def test_dense_parameters_follow_torch_adamw(kind):
         groups = [{"params": ref[1].parameters()},
                   {"params": ref[0].parameters(), "weight_decay": 0.0, "lr": 0.03}]
         torch_opt = torch.optim.AdamW(groups, lr, **hp)
-    x = torch.randn(7, 6, dtype=F64)
-    for _ in range(4):
-        h = model[0](x).detach()
-        opt.step(mse_closure(opt, model, x, torch.zeros(7, 2, dtype=F64)))
-        torch_opt.zero_grad()
-        (ref(h) ** 2).sum(-1).mean().backward()
-        torch_opt.step()
+    step_beside_torch(opt, torch_opt, model, ref)
     for a, b in zip(nn.Sequential(model[1], model[2]).parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
