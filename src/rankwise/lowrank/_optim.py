@@ -50,12 +50,12 @@ def _augmented_core_state(aug: bug.Augmented, st_S: State, st_K: State, st_L: St
     ŨᵀGṼ, starts without history. The two-pass update is thus the single-pass update plus
     that block (exactly so for SGD; see ``tests/test_two_pass_momentum.py``).
 
-    (Before, the augmented state was ``m_S`` padded with zeros: m_K and m_L then only chose the
-    new basis directions and never reached the weights, so every component of the update
-    outside span(U0) × span(V0) was a plain SGD step, 1/(1 − μ) = 10× smaller at μ = 0.9
-    than with momentum. Those small new directions then fell below the truncation tolerance,
-    and two-pass training with momentum stalled: on LeNet/digits at τ = 0.2 it reached 0.43
-    test accuracy, about what it reaches without momentum, against 0.94 single-pass.)
+    (``m_S`` padded with zeros would not do: m_K and m_L would then only choose the new basis
+    directions and never reach the weights, so every component of the update outside
+    span(U0) × span(V0) would be a plain SGD step, 1/(1 − μ) = 10× smaller at μ = 0.9 than
+    with momentum; those small new directions fall below the truncation tolerance, and
+    two-pass training with momentum stalls: on LeNet/digits at τ = 0.2 it reached 0.43 test
+    accuracy that way, about what it reaches without momentum, against 0.94 single-pass.)
 
     First moments are assembled linearly, Adam's second moments through their square roots
     (as :func:`._rules.transport` does); a moment absent from all three states stays absent
@@ -163,7 +163,7 @@ class AugmentedBUG(torch.optim.Optimizer):
       bases at every truncation; ``"reset"`` starts them afresh (with the Adam rule and
       ``update_every=1`` every factor step is then Adam's first, a per-coordinate sign step).
       On a small GPT with the Adam rule ``"reset"`` was 0.115 validation bits ahead of
-      ``"rotate"`` and ahead of dense AdamW (docs/lm.md, issue 40): recommended there.
+      ``"rotate"`` and ahead of dense AdamW (docs/lm.md): recommended there.
 
     The optimizer holds the low-rank factors and every parameter that requires grad; frozen
     parameters (a PEFT base model) are left out, as a torch optimizer built from the trainable
@@ -1149,7 +1149,7 @@ class SDLRT(AugmentedBUG):
                  omega: float = 0.8, buffer: bool = True, feedback: bool | str = True,
                  tau_min: float = 0.0, process_group=None, **settings) -> None:
         _refuse(type(self).__name__, settings, ("truncation",))
-        rule = pop_rule(settings)  # its arguments checked before the policies', as before
+        rule = pop_rule(settings)  # its arguments are checked before the policies'
         truncation = _truncation(tau, target, ramp_steps, allocation)
         if feedback not in (True, False, "seed", "two-sided"):
             raise ValueError(f"`feedback` must be True / 'seed' (the paper's τ ← ωτ), 'two-sided' or "

@@ -109,7 +109,7 @@ def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: fl
               decoupled_weight_decay: bool | None = None) -> Sgd | Adam:
     """The rule object for the presets' keyword arguments (``optimizer="adam"``, ``betas=...``).
     Every value is checked; those of the other rule (``momentum`` under Adam, ``betas`` and
-    ``eps`` under SGD) are not used, as before the settings objects. `weight_decay` defaults
+    ``eps`` under SGD) are not used. `weight_decay` defaults
     to the rule's own (torch's: 0, and 1e-2 for ``"adamw"``); `decoupled_weight_decay` is
     Adam's (``torch.optim.Adam(decoupled_weight_decay=True)`` is AdamW) and refused under
     SGD, which has no such form in torch."""
@@ -123,7 +123,7 @@ def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: fl
     cls = RULES[optimizer]
     wd = {} if weight_decay is None else {"weight_decay": weight_decay}
     if optimizer == "sgd":
-        Adam(betas, eps)  # checked even where unused, as before
+        Adam(betas, eps)  # checked even where unused: a mistake in them is named
         if decoupled_weight_decay:
             raise ValueError("`decoupled_weight_decay` is Adam's (torch.optim.SGD has none): use "
                              "optimizer='adamw', or weight_decay= alone for SGD's L2 decay")
