@@ -500,3 +500,25 @@ def test_the_sensitivity_budget_is_batched_and_follows_the_per_layer_path(preset
     assert len(set(ranks)) > 1 and ranks == ref_ranks
     for a, b in zip(W + sens, ref_W + ref_sens, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_the_implementation_is_an_option_and_both_agree():
+    """`implementation="per-layer"` (as torch's `foreach=`): the reference path, chosen by an
+    argument; the same ranks and weights as the batched default; anything else refused."""
+    def run(implementation: str):
+        m = _mixed_mlp()
+        opt = SDLRT(m, 2.0, tau=0.02, momentum=0.5, implementation=implementation)
+        g = torch.Generator().manual_seed(1)
+        X, Y = torch.randn(4, 32, 12, generator=g, dtype=F64), torch.randint(0, 3, (4, 32), generator=g)
+        for t in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(X[t]), Y[t]).backward()
+            opt.step()
+        return opt.ranks(), [layer.dense_weight().detach() for layer in opt.layers.values()]
+
+    (ranks, W), (ref_ranks, ref_W) = run("batched"), run("per-layer")
+    assert ranks == ref_ranks
+    for a, b in zip(W, ref_W, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="`implementation` must be one of"):
+        DLRT(_mixed_mlp(), 0.1, tau=0.1, implementation="fast")

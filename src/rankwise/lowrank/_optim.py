@@ -130,6 +130,7 @@ def _check_group(group: dict, settings: Settings, layers: dict[str, AbstractLowR
 
 
 _FEEDBACK = {True: SeedFeedback, "seed": SeedFeedback, "two-sided": TwoSidedFeedback}
+IMPLEMENTATIONS = ("batched", "per-layer")
 
 
 class AugmentedBUG(torch.optim.Optimizer):
@@ -157,6 +158,9 @@ class AugmentedBUG(torch.optim.Optimizer):
       them.
     - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
       under :class:`DLRT`.
+    - `implementation`: ``"batched"`` (default: layers of one shape and rank integrated together,
+      one host read a step) or ``"per-layer"`` (layer by layer: the reference; the same results
+      to roundoff, as torch's ``foreach=`` choice).
     - `core_lr_ratio`: the core S's rate as a multiple of the group's (1: the same rate for the
       bases' K and L steps and the core's).
     - `moments`: ``"rotate"`` (default) carries the rule's K, L and S moments into the new
@@ -174,7 +178,11 @@ class AugmentedBUG(torch.optim.Optimizer):
     """
 
     def __init__(self, model: nn.Module, lr: float, settings: Settings | None = None, *,
-                 process_group=None, param_groups: list[dict] | None = None, **kwargs) -> None:
+                 process_group=None, param_groups: list[dict] | None = None,
+                 implementation: str = "batched", **kwargs) -> None:
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}")
+        self.implementation = implementation
         if not isinstance(model, nn.Module):
             what = "model.parameters()" if isinstance(model, Iterator) else type(model).__name__
             raise TypeError(f"`model` must be an nn.Module (the model itself, not {what}): the optimizer "
@@ -347,11 +355,11 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------- the step
     def _batched_now(self, augment: bool) -> bool:
-        """Does this step take the batched path (:mod:`._batched`)? Every configuration does (one
-        process or data parallel, single or two-pass, any truncation); the per-layer path is the
-        tests' reference and the fall-back of a two-pass step whose fixed-width augmentation
-        failed. (Tests replace this method to run the per-layer path.)"""
-        return True
+        """Does this step take the batched path (:mod:`._batched`)? Every configuration can (one
+        process or data parallel, single or two-pass, any truncation); ``implementation=
+        "per-layer"`` takes the per-layer path instead (the reference the batched step is tested
+        against; also the fall-back of a two-pass step whose fixed-width augmentation failed)."""
+        return self.implementation == "batched"
 
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
