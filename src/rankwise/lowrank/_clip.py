@@ -86,7 +86,10 @@ def _norm(plus: list[Tensor], factors: list[Tensor], minus: list[Tensor], norm_t
 
 
 def _norm_type(norm_type: float | str) -> float:
-    value = float(norm_type)
+    try:
+        value = float(norm_type)
+    except (TypeError, ValueError):
+        value = float("nan")
     if not value > 0:
         raise ValueError(f"`norm_type` must be > 0 or 'inf'; got {norm_type!r}")
     return value

@@ -35,22 +35,20 @@ class Slot:
     tag: str = ""  # what the caller calls it
 
 
-def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False
-            ) -> tuple[bool, bool, int, list[bool]]:
+def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False) -> tuple[bool, int, list[bool]]:
     """Average every slot over the ranks of `group` (a slot missing on a rank counts as zero, as
     in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype
     and destination, split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's
     presence and `flag` (a bool, or a device bool tensor: it is not read on its own). A slot
     with an `owner` is reduced to that rank only; the others get ``None`` in it. Returns
-    whether any rank raised `flag` (e.g. "my loss is not finite"), whether this rank did, the
-    bytes this rank sent, and each slot's presence on any rank. One host read: the presence
-    vector and the flags, together."""
+    whether any rank raised `flag` (e.g. "my loss is not finite"), the bytes this rank sent,
+    and each slot's presence on any rank. One host read: the presence vector with the flag."""
     n = dist.get_world_size(group)
     me = dist.get_rank(group)
     device = slots[0].device if slots else torch.device("cpu")  # (NCCL reduces only GPU tensors)
-    local = torch.as_tensor(flag, device=device).to(torch.float64).reshape(1)
+    flag_t = torch.as_tensor(flag, device=device).to(torch.float64).reshape(1)
     meta = torch.cat([torch.tensor([float(s.value is not None) for s in slots], dtype=torch.float64,
-                                   device=device), local])
+                                   device=device), flag_t])
     works = [dist.all_reduce(meta, group=group, async_op=True)]
     by_key: dict[tuple, list[int]] = {}
     for i, s in enumerate(slots):
@@ -73,8 +71,8 @@ def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False
         w.wait()
     sent = meta.numel() * 8 + sum(flat.numel() * flat.element_size() for flat, _, owner in buckets
                                   if owner != me)  # (what an owner receives it does not send)
-    host = torch.cat([meta, local]).tolist()  # the one host read
-    present = [v > 0 for v in host[:-2]]
+    host = meta.tolist()  # the one host read
+    present = [v > 0 for v in host[:-1]]
     for flat, part, owner in buckets:
         mine = owner is None or owner == me
         if mine:
@@ -85,7 +83,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False
             k = math.prod(s.shape)
             s.put(flat[offset:offset + k].view(s.shape).clone() if mine and present[i] else None)
             offset += k
-    return host[-2] > 0, host[-1] > 0, sent, present
+    return host[-1] > 0, sent, present
 
 
 def _flat(s: Slot) -> Tensor:

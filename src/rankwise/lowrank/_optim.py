@@ -673,7 +673,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             checked += [s.value for s in slots if s.value is not None]
         device = slots[0].device if slots else torch.device("cpu")
         flag = ~_batched._all_finite_flag(checked, device)  # read with the presence vector, not alone
-        bad, _, sent, present = _dp.average(slots, self.process_group, flag=flag)
+        bad, sent, present = _dp.average(slots, self.process_group, flag=flag)
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         if first:  # the layers with S and factor gradients on any rank: the same list everywhere
             tags = {s.tag for s, p in zip(slots, present, strict=True) if p}
