@@ -25,7 +25,7 @@ How to run
     PYTHONPATH=src python benchmarks/gpu_step.py            # CUDA if present; < 5 min on one H200
     .venv/bin/python benchmarks/gpu_step.py --small         # CPU sizes (about 3 min on 2 cores)
     .venv/bin/python benchmarks/gpu_step.py --only mlp      # only rows whose model name has 'mlp'
-    .venv/bin/python benchmarks/gpu_step.py --per-layer     # the per-layer path (before issue 39)
+    .venv/bin/python benchmarks/gpu_step.py --implementation exact  # groups of one rank
 """
 
 from __future__ import annotations
@@ -216,13 +216,16 @@ def main(argv=None) -> None:
     p.add_argument("--update-every", type=int, default=10)
     p.add_argument("--only", default=None, help="only models whose name contains this")
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--per-layer", action="store_true",
-                   help="integrate layer by layer (the path before issue 39, for a before/after)")
+    p.add_argument("--implementation", choices=("batched", "exact"), default="batched",
+                   help="the optimizer's implementation (exact: groups of one rank)")
     a = p.parse_args(argv)
-    if a.per_layer:
+    if a.implementation != "batched":
+        import functools
+
         from rankwise.lowrank._optim import AugmentedBUG
 
-        AugmentedBUG._batched_now = lambda self, augment: False
+        init = AugmentedBUG.__init__
+        AugmentedBUG.__init__ = functools.partialmethod(init, implementation=a.implementation)
     if a.threads:
         torch.set_num_threads(a.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -245,7 +248,7 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name() if device.type == "cuda" else cpu
     print(f"device: {device} ({name}), torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"fp32, median of {steps} steps after {a.warmup} warm-up, "
-          f"{'per-layer' if a.per_layer else 'batched'} path")
+          f"implementation {a.implementation}")
     rows = run(configs, device, steps, a.warmup, a.update_every)
     print(table(rows, device))
 

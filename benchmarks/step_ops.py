@@ -2,24 +2,25 @@
 
 What is counted
     ``rankwise.models.gpt(width=128, context=16)`` at depth 2 and 8 (12 and 48 low-rank
-    projections, rank 16 at the start), Adam rule, ``tau=1e-3``; after one step, one more
-    step is counted with ``rankwise._opcount.OpCounter``: the optimizer's own dispatched aten
-    ops (the closure's forward and backward paused) and its host reads (``.item()``,
-    ``nonzero``, ``tolist``...; on CUDA each is a device→host synchronisation), then the host
-    reads of a whole ``opt.step(closure)`` (forward and backward included). Rows: fixed ranks
-    (``adaptive=False``) and adaptive ranks, DLRT and SDLRT; the last column is the ops at
-    depth 8 over those at depth 2.
+    projections, rank 16 at the start), Adam rule, ``tau`` (default 1e-3); after `--after`
+    steps (default 1), one more step is counted with ``rankwise._opcount.OpCounter``: the
+    optimizer's own dispatched aten ops (the closure's forward and backward paused), those of
+    them that are not views ("kernel ops": a slice or transpose launches nothing on a GPU) and
+    its host reads (``.item()``, ``nonzero``, ``tolist``...; on CUDA each is a device→host
+    synchronisation), then the host reads of a whole ``opt.step(closure)`` (forward and
+    backward included). Rows: fixed ranks (``adaptive=False``) and adaptive ranks, DLRT and
+    SDLRT; the last columns are the ops at depth 8 over those at depth 2, and over those of the
+    same optimizer at fixed ranks (depth 8).
 
-    ``--per-layer`` counts the per-layer path instead (every augmentation integrated layer by
-    layer: the reference the batched path is tested against). ``--process-group replicated`` or
-    ``sharded`` builds the optimizer data parallel over a one-process gloo group (the
-    collectives' own host reads included).
+    ``--implementation exact`` counts groups of one rank (no rank buckets) instead.
+    ``--process-group replicated`` or ``sharded`` builds the optimizer data parallel over a
+    one-process gloo group (the collectives' own host reads included).
 
 How to run
     .venv/bin/python benchmarks/step_ops.py               # about 30 s on 2 cores
-    .venv/bin/python benchmarks/step_ops.py --per-layer
-    .venv/bin/python benchmarks/step_ops.py --process-group sharded [--per-layer]
-    .venv/bin/python benchmarks/step_ops.py --two-pass [--per-layer]
+    .venv/bin/python benchmarks/step_ops.py --tau 0.05 --lr 3e-3 --after 8 [--implementation exact]
+    .venv/bin/python benchmarks/step_ops.py --process-group sharded
+    .venv/bin/python benchmarks/step_ops.py --two-pass
 """
 
 from __future__ import annotations
@@ -32,17 +33,16 @@ from torch import nn
 
 import rankwise
 from rankwise._opcount import step_counts
-from rankwise.lowrank._optim import AugmentedBUG
 from rankwise.models import gpt
 
 
-def counts(depth: int, cls, after: int = 1, **kw) -> tuple[int, int, int, int, int]:
+def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3, **kw) -> tuple[int, ...]:
     """(low-rank layers, optimizer ops, optimizer host reads, host reads of the whole step,
-    distinct ranks), counted after `after` steps."""
+    kernel ops, distinct ranks), counted after `after` steps."""
     torch.manual_seed(0)
     m = gpt(width=128, depth=depth, context=16)
     rankwise.to_low_rank(m, rank=16)
-    opt = cls(m, 1e-3, tau=1e-3, optimizer="adam", **kw)
+    opt = cls(m, lr, tau=tau, optimizer="adam", **kw)
     x = torch.randint(0, 256, (2, 17))
 
     def closure():
@@ -55,13 +55,15 @@ def counts(depth: int, cls, after: int = 1, **kw) -> tuple[int, int, int, int, i
     for _ in range(after):
         opt.step(closure)
     ranks = len(set(opt.ranks().values()))  # before the counted step
-    return (len(opt.layers), *step_counts(opt, closure), ranks)
+    return (len(opt.layers), *step_counts(opt, closure, kernels=True), ranks)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--per-layer", action="store_true", help="count the per-layer path")
+    p.add_argument("--implementation", choices=("batched", "exact"), default="batched")
     p.add_argument("--after", type=int, default=1, help="steps taken before the counted one")
+    p.add_argument("--tau", type=float, default=1e-3, help="truncation tolerance")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--process-group", choices=("none", "replicated", "sharded"), default="none",
                    help="data parallel over a one-process gloo group")
     p.add_argument("--two-pass", action="store_true", help="two-pass BUG (single_pass=False)")
@@ -72,22 +74,24 @@ def main(argv=None) -> None:
 
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
         extra.update(process_group=dist.group.WORLD, data_parallel=a.process_group)
-    if a.per_layer:
-        AugmentedBUG._batched_now = lambda self, augment: False
-    path = "per-layer" if a.per_layer else "batched"
-    print(f"torch {torch.__version__}, {path} path, process group: {a.process_group}, "
-          f"{'two-pass, ' if a.two_pass else ''}counted at step {a.after + 1}")
-    print("| optimizer | ranks | depth | layers | distinct ranks | optimizer ops | optimizer host reads "
-          "| step host reads | ops depth 8 / depth 2 |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    extra["implementation"] = a.implementation
+    print(f"torch {torch.__version__}, implementation {a.implementation}, process group: {a.process_group}, "
+          f"{'two-pass, ' if a.two_pass else ''}tau {a.tau}, lr {a.lr}, counted at step {a.after + 1}")
+    print("| optimizer | ranks | depth | layers | distinct ranks | optimizer ops | kernel ops "
+          "| optimizer host reads | step host reads | ops depth 8 / depth 2 | ops / fixed ranks |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cls in (rankwise.DLRT, rankwise.SDLRT):
+        fixed = None
         for adaptive in (False, True):
-            rows = [(d, counts(d, cls, a.after, adaptive=adaptive, **extra)) for d in (2, 8)]
-            for d, (n, ops, reads, whole, distinct) in rows:
-                ratio = f"{rows[1][1][1] / rows[0][1][1]:.2f}" if d == 8 else ""
+            rows = [(d, counts(d, cls, a.after, a.tau, a.lr, adaptive=adaptive, **extra)) for d in (2, 8)]
+            fixed = rows[1][1] if not adaptive else fixed
+            for d, (n, ops, reads, whole, kernels, distinct) in rows:
+                depth = f"{ops / rows[0][1][1]:.2f} ({kernels / rows[0][1][4]:.2f})" if d == 8 else ""
+                vs = f"{ops / fixed[1]:.2f} ({kernels / fixed[4]:.2f})" if d == 8 else ""
                 kind = "adaptive" if adaptive else "fixed"
-                print(f"| {cls.__name__} | {kind} | {d} | {n} | {distinct} | {ops} | {reads} | {whole} "
-                      f"| {ratio} |")
+                print(f"| {cls.__name__} | {kind} | {d} | {n} | {distinct} | {ops} | {kernels} | {reads} "
+                      f"| {whole} | {depth} | {vs} |")
+    print("(ratios: all ops, in parentheses kernel ops)")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""The batched step against the per-layer step, interleaved in one process (CPU or GPU).
+"""The optimizer's two implementations, interleaved in one process (CPU or GPU).
 
 What is measured
     Wall-clock ms of one ``opt.step(closure)`` (forward, backward, update) for dense (SGD with
-    momentum 0.9 on the MLP, AdamW on the GPT), DLRT and SDLRT on the batched path and on the
-    per-layer path (every augmentation integrated layer by layer, as before issue 39; switched
-    per block inside one process, so both see the same machine state). After a warm-up, every
+    momentum 0.9 on the MLP, AdamW on the GPT), DLRT and SDLRT with ``implementation="batched"``
+    (rank buckets, the default) and ``"exact"`` (groups of one rank, room for every new
+    direction), in one process, so both see the same machine state. After a warm-up, every
     repeat times one block of ``--steps`` steps per configuration in a fixed order; the table
     shows the median block mean and the ratio to dense.
 
@@ -28,17 +28,14 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise.lowrank._optim import AugmentedBUG
 from rankwise.models import gpt
-
-BATCHED = AugmentedBUG._batched_now
 
 
 def _mlp_problem():
     g = torch.Generator().manual_seed(0)
     X, Y = torch.randn(256, 2048, generator=g), torch.randn(256, 2048, generator=g)
 
-    def make(kind: str):
+    def make(kind: str, implementation: str = "batched"):
         torch.manual_seed(0)
         layers: list[nn.Module] = []
         for i in range(4):
@@ -48,7 +45,8 @@ def _mlp_problem():
             return m, torch.optim.SGD(m.parameters(), 1e-3, momentum=0.9)
         rankwise.to_low_rank(m, rank=100)
         cls = rankwise.DLRT if kind == "DLRT" else rankwise.SDLRT
-        return m, cls(m, 1e-3, tau=0.1, momentum=0.9, min_rank=100, max_rank=100)
+        return m, cls(m, 1e-3, tau=0.1, momentum=0.9, min_rank=100, max_rank=100,
+                      implementation=implementation)
 
     return make, lambda m: ((m(X) - Y) ** 2).mean()
 
@@ -56,7 +54,7 @@ def _mlp_problem():
 def _gpt_problem():
     x = torch.randint(0, 256, (8, 65), generator=torch.Generator().manual_seed(0))
 
-    def make(kind: str):
+    def make(kind: str, implementation: str = "batched"):
         torch.manual_seed(0)
         m = gpt(width=128, depth=4, context=64)
         if kind == "dense":
@@ -65,7 +63,7 @@ def _gpt_problem():
                  if isinstance(mm, nn.Linear) and (".attn." in n or n.endswith((".fc", ".proj")))]
         rankwise.to_low_rank(m, rank=32, max_rank=32, include=names)
         cls = rankwise.DLRT if kind == "DLRT" else rankwise.SDLRT
-        return m, cls(m, 1e-3, tau=1e-3, optimizer="adam")
+        return m, cls(m, 1e-3, tau=1e-3, optimizer="adam", implementation=implementation)
 
     def loss(m):
         out = m(x[:, :-1])
@@ -76,11 +74,11 @@ def _gpt_problem():
 
 def measure(problem, repeats: int, steps: int) -> dict[str, float]:
     make, loss_fn = problem
-    configs = [("dense", "dense", True), ("DLRT", "DLRT", True), ("DLRT per-layer", "DLRT", False),
-               ("SDLRT", "SDLRT", True), ("SDLRT per-layer", "SDLRT", False)]
+    configs = [("dense", "dense", "batched"), ("DLRT", "DLRT", "batched"), ("DLRT exact", "DLRT", "exact"),
+               ("SDLRT", "SDLRT", "batched"), ("SDLRT exact", "SDLRT", "exact")]
     runs = {}
-    for label, kind, batched in configs:
-        model, opt = make(kind)
+    for label, kind, implementation in configs:
+        model, opt = make(kind) if kind == "dense" else make(kind, implementation)
 
         def closure(model=model, opt=opt):
             opt.zero_grad()
@@ -88,17 +86,15 @@ def measure(problem, repeats: int, steps: int) -> dict[str, float]:
             loss.backward()
             return loss
 
-        runs[label] = (opt, closure, batched)
+        runs[label] = (opt, closure)
     times: dict[str, list[float]] = {label: [] for label, *_ in configs}
     for rep in range(repeats + 1):  # the first round warms up
-        for label, (opt, closure, batched) in runs.items():
-            AugmentedBUG._batched_now = BATCHED if batched else (lambda self, augment: False)
+        for label, (opt, closure) in runs.items():
             t = time.perf_counter()
             for _ in range(steps):
                 opt.step(closure)
             if rep:
                 times[label].append((time.perf_counter() - t) / steps * 1e3)
-    AugmentedBUG._batched_now = BATCHED
     return {label: statistics.median(v) for label, v in times.items()}
 
 

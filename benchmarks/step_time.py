@@ -427,19 +427,16 @@ def target_checks(configs: list[Config]) -> list[str]:
 
 # ----------------------------------------------------------------------------- phases
 PHASES = {  # phase: the functions whose exclusive time it collects (module, attribute)
-    # the per-layer path (the reference) and the batched one (lowrank/_batched.py)
     "fwd+bwd": [("opt", "_evaluate")],
-    "2nd pass": [("opt", "_second_pass"), ("batched", "_second_pass")],
-    "working copies": [("opt", "_factors"), ("batched", "_Group")],  # _Group: stacking, rules
-    "rules": [("batched", "dense_step"), ("batched", "core_step"), ("opt", "_core_step")],
-    "new bases (QR)": [("bug", "augment"), ("bug", "augment_many"), ("step", "augment_group")],
-    "Galerkin core": [("bug", "galerkin_core"), ("bug", "projected_update"),
-                      ("optim", "_augmented_core_state"), ("step", "core_group")],
-    "SVD + truncation + buffer": [("bug", "truncate"), ("bug", "core_svd"), ("bug", "core_svd_many"),
-                                  ("step", "svd_group"), ("batched", "_commit")],
-    "budget allocation": [("opt", "_budget_ranks"), ("opt", "_by_sensitivity")],
-    "state transport": [("optim", "transport"), ("batched", "transport")],
-    "finiteness checks": [("optim", "_all_finite"), ("batched", "inputs_finite")],
+    "2nd pass": [("batched", "_second_pass")],
+    "working copies": [("batched", "_Group")],  # _Group: stacking, rules
+    "rules": [("batched", "dense_step"), ("batched", "core_step")],
+    "new bases (QR)": [("step", "augment_group")],
+    "Galerkin core": [("step", "core_group")],
+    "SVD + truncation + buffer": [("step", "svd_group"), ("batched", "_commit")],
+    "budget allocation": [("opt", "_budget_ranks")],
+    "state transport": [("batched", "transport")],
+    "finiteness checks": [("batched", "inputs_finite")],
 }
 
 

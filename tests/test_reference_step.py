@@ -26,7 +26,7 @@ F64 = torch.float64
 
 # (in, out, rank) per layer, tanh between layers
 MIXED = [(16, 16, 4), (16, 24, 5), (24, 3, 2)]
-SAME_SHAPE = [(16, 16, 2), (16, 16, 3), (16, 16, 5)]  # one shape, three ranks
+SAME_SHAPE = [(16, 16, 3), (16, 16, 5), (16, 16, 6)]  # one shape; ranks 5 and 6 share a bucket (8): padded
 
 
 def _problem(spec, seed: int = 0):

@@ -26,12 +26,14 @@ HOST_READ_OPS = frozenset({
 class OpCounter(TorchDispatchMode):
     """``with OpCounter() as c: ...`` then ``c.ops`` (dispatched aten ops), ``c.host_reads``
     (their host reads plus ``tolist`` / ``numpy`` calls) and ``c.by_op`` (a Counter by name).
-    ``c.paused()`` stops counting inside, e.g. around a closure's forward and backward."""
+    ``c.paused()`` stops counting inside, e.g. around a closure's forward and backward;
+    ``c.kernel_ops``: the ops that are not views (a proxy for a GPU's kernel launches)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_op: Counter[str] = Counter()
         self.host_reads = 0
+        self.views = 0
         self.read_ops: Counter[str] = Counter()
         self._active = True
         self._saved: dict = {}
@@ -40,10 +42,17 @@ class OpCounter(TorchDispatchMode):
     def ops(self) -> int:
         return sum(self.by_op.values())
 
+    @property
+    def kernel_ops(self) -> int:
+        """The dispatched ops that compute (views excluded: a slice or transpose launches
+        nothing on a GPU)."""
+        return self.ops - self.views
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._active:
             name = str(func)
             self.by_op[name] += 1
+            self.views += bool(getattr(func, "is_view", False))
             if name in HOST_READ_OPS:
                 self.host_reads += 1
                 self.read_ops[name] += 1
@@ -87,10 +96,10 @@ class OpCounter(TorchDispatchMode):
         return OpCounter._Pause(self)
 
 
-def step_counts(opt, closure) -> tuple[int, int, int]:
+def step_counts(opt, closure, *, kernels: bool = False) -> tuple[int, ...]:
     """Count one ``opt.step()`` after ``closure()`` (its forward and backward not counted), then
     one whole ``opt.step(closure)``: (the optimizer's dispatched ops, its host reads, the host
-    reads of the whole step)."""
+    reads of the whole step), and with `kernels` its ops that are not views last."""
     with OpCounter() as c:
         if getattr(getattr(opt, "settings", None), "single_pass", True):
             with c.paused():
@@ -105,4 +114,4 @@ def step_counts(opt, closure) -> tuple[int, int, int]:
             opt.step(paused)
     with OpCounter() as whole:
         opt.step(closure)
-    return c.ops, c.host_reads, whole.host_reads
+    return (c.ops, c.host_reads, whole.host_reads) + ((c.kernel_ops,) if kernels else ())

@@ -100,10 +100,13 @@ def batch_mm(A: Tensor, B: Tensor) -> Tensor:
 
 
 def gram_rtol(dtype: torch.dtype, c: int) -> float:
-    """The orthogonalisations' default relative threshold for a direction to count: √eps of
-    `dtype`, no smaller than what a float64 Gram matrix of c unit columns resolves."""
+    """The orthogonalisations' default relative threshold for a direction to count: √(4 eps)
+    of `dtype` (the eigenvalues of the Gram matrix of unit columns rounded to `dtype` are noise
+    up to about eps, and a direction kept from that noise is garbage: in float32 one at 1.6 eps
+    broke the Cholesky factorisation after it), no smaller than what a float64 Gram matrix of
+    c unit columns resolves."""
     gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
-    return max(torch.finfo(dtype).eps ** 0.5, gram_floor)
+    return max((4 * torch.finfo(dtype).eps) ** 0.5, gram_floor)
 
 
 def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> list[Tensor]:

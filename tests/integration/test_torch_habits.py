@@ -356,18 +356,15 @@ def test_copies_start_in_plain_mode_and_ownership_is_kept():
 
 def test_a_gradient_first_made_by_the_second_pass_is_not_applied(monkeypatch):
     """Two-pass BUG: a dense parameter that only the second closure call reaches gets its
-    first-pass gradient (none) back, on the batched path as on the per-layer one."""
-    from rankwise.lowrank._optim import AugmentedBUG
+    first-pass gradient (none) back, with either implementation."""
 
-    def run(per_layer: bool):
-        with monkeypatch.context() as mp:
-            if per_layer:
-                mp.setattr(AugmentedBUG, "_batched_now", lambda self, augment: False)
+    def run(implementation: str):
+        with monkeypatch.context():
             m = _model(F64)
             extra = nn.Parameter(torch.ones(3, dtype=F64))
             holder = nn.Module()
             holder.m, holder.extra = m, extra
-            opt = DLRT(holder, 0.1, tau=0.2, single_pass=False)
+            opt = DLRT(holder, 0.1, tau=0.2, single_pass=False, implementation=implementation)
             X, Y = _data(F64)
             calls = []
 
@@ -381,5 +378,5 @@ def test_a_gradient_first_made_by_the_second_pass_is_not_applied(monkeypatch):
             opt.step(closure)
             return extra.detach().clone()
 
-    torch.testing.assert_close(run(False), run(True))
-    torch.testing.assert_close(run(False), torch.ones(3, dtype=F64))
+    torch.testing.assert_close(run("batched"), run("exact"))
+    torch.testing.assert_close(run("batched"), torch.ones(3, dtype=F64))

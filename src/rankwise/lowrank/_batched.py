@@ -1,17 +1,20 @@
-r"""The optimizer's step on one process, batched over layer groups, with one host read.
+r"""The optimizer's step, batched over layer groups, with one host read.
 
-:class:`~rankwise.AugmentedBUG` calls :func:`augmenting_step` for a single-pass augmentation
-without data parallelism (the common case) and :func:`core_step` between augmentations. Layers
-of one shape (out, in, rank, buffer), dtype, device and optimizer-state layout form a group;
-each group is stacked and integrated by the pure functions of :mod:`._step` (rule, augment,
-core, SVD, tolerance ranks). Then every layer's new rank, its core size and the finiteness
-flags (and, under a :class:`Budget`, the spectra) reach the host in **one** transfer; the host
-cuts each group into the new shapes and writes factors and optimizer states back, with
-``torch._foreach_copy_`` where a layer's shapes did not change. A layer whose fixed-width
-augmentation failed (its Cholesky factorisation; not expected after the eigen filter) or, with
-SDLRT's buffer, that needs more new directions than its group made room for (:func:`_width`)
-is integrated by the exact per-layer path of :mod:`._integrators` instead, with its own host
-reads. Dense parameters take their rule with ``torch._foreach_*`` ops.
+:class:`~rankwise.AugmentedBUG` calls :func:`augmenting_step` at an augmentation and
+:func:`core_step` between augmentations, on one process or data parallel. Layers of one shape
+(out, in), **rank bucket** (:func:`._step.rank_bucket`), buffer bucket, dtype, device and
+optimizer-state layout form a group: their factors, gradients and moments are stacked,
+zero-padded to the group's largest rank and buffer, and integrated by the pure functions of
+:mod:`._step` (rule, augment, core, SVD, tolerance ranks), so the number of groups is bounded
+by shapes × buckets, not by distinct ranks. Then every layer's new rank, its core size and
+the finiteness flags (and, under a :class:`Budget`, the spectra) reach the host in **one**
+transfer; the host cuts each layer's new factors and moments from the group's and writes
+them back, with one ``torch._foreach_copy_`` per kind where a layer's shapes did not change.
+A layer whose fixed-width augmentation failed (its Cholesky factorisation; not expected after
+the eigen filter) or, with SDLRT's buffer, that needs more new directions than its group made
+room for (:func:`_width`) sends the step, before anything is written, to a retry with room
+for every direction, no padding and Householder QR where Cholesky fails (one more host
+read). Dense parameters take their rule with ``torch._foreach_*`` ops.
 
 Between augmentations (:func:`core_step`) nothing is read back: a non-finite loss or gradient
 leaves weights and moments as they were (``torch.where`` on the device), and the number of
@@ -44,26 +47,47 @@ def _signature(state: State) -> tuple:
     return tuple(k for k in _MOMENTS if state.get(k) is not None), state.get("step")
 
 
-def _stack_states(states: list[State], dt: torch.dtype) -> State:
-    """Per-layer rule states of one signature as one state of stacked moments (L, ...)."""
-    out = {k: v for k, v in states[0].items() if k not in _MOMENTS}
-    for k in _MOMENTS:
-        if states[0].get(k) is not None:
-            out[k] = torch.stack([s[k] for s in states]).to(dt)
+def _stack(ts: list[Tensor], dt: torch.dtype) -> Tensor:
+    """Tensors of up to two dimensions as one batch (L, ...) in `dt`, each zero-padded at the end
+    of its dimensions to the largest (layers of several ranks in one group)."""
+    shape = tuple(max(t.shape[d] for t in ts) for d in range(ts[0].ndim))
+    if all(tuple(t.shape) == shape for t in ts):
+        return torch.stack(ts).to(dt)
+    out = ts[0].new_zeros(len(ts), *shape, dtype=dt)
+    torch._foreach_copy_(_rows(out, [tuple(t.shape) for t in ts]), ts)
     return out
 
 
-def _write_states(targets: list[State], new: State) -> None:
-    """Write a stacked state (L, ...) into L per-layer state dicts: into their tensors in one
-    ``_foreach_copy_`` where every tensor is there with the same shape and dtype, else as
-    fresh per-layer tensors (own storage: a view would save the whole batch)."""
+def _rows(batch: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
+    """Row i of `batch` (L, ...) cut to shapes[i] (views)."""
+    out = []
+    for r, sh in zip(batch.unbind(0), shapes, strict=True):
+        for d, n in enumerate(sh):
+            r = r if r.shape[d] == n else r.narrow(d, 0, n)
+        out.append(r)
+    return out
+
+
+def _stack_states(states: list[State], dt: torch.dtype) -> State:
+    """Per-layer rule states of one signature as one state of stacked (zero-padded) moments."""
+    out = {k: v for k, v in states[0].items() if k not in _MOMENTS}
+    for k in _MOMENTS:
+        if states[0].get(k) is not None:
+            out[k] = _stack([s[k] for s in states], dt)
+    return out
+
+
+def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]]) -> None:
+    """Write a stacked state (L, ...) into L per-layer state dicts, row i cut to shapes[i]: into
+    their tensors in one ``_foreach_copy_`` where every tensor is there with that shape and
+    dtype, else as fresh per-layer tensors (own storage: a view would save the whole batch)."""
     for k, v in new.items():
         if k not in _MOMENTS:
             for t in targets:
                 t[k] = v
             continue
         old = [t.get(k) for t in targets]
-        rows = list(v.unbind(0))
+        rows = _rows(v, shapes)
         if all(o is not None and o.shape == r.shape and o.dtype == r.dtype
                for o, r in zip(old, rows, strict=True)):
             torch._foreach_copy_(old, rows)
@@ -150,21 +174,30 @@ def _augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: T
 
 
 class _Group:
-    """One group's stacked inputs, rule outputs and plan (``names``: its layers, in order)."""
+    """One group's stacked inputs, rule outputs and plan (``names``: its layers, in order).
+    Layers of one shape and several ranks (one rank bucket) are zero-padded to the group's
+    largest rank R and buffer B (:class:`._step.Padding`); ``r``, ``b``: their own sizes.
+    `full`: every new direction has room (no fixed `width`) and a failed Cholesky
+    factorisation falls back to Householder QR: the retry of a step whose fixed-width
+    augmentation failed for some layer."""
 
-    def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool, two_pass: bool = False) -> None:
+    def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool, two_pass: bool = False,
+                 full: bool = False) -> None:
         cfg = opt.settings
         self.opt = opt
         self.plan_two_pass = two_pass
         self.names = names
         self.layers = layers = [opt.layers[n] for n in names]
         self.states = [opt.state[m.S] for m in layers]
+        self.r = [m.rank for m in layers]
+        self.b = [m.U_buf.shape[1] if cfg.buffer else 0 for m in layers]
         first = layers[0]
         hp = opt._hp_of(first.S)  # one param group per group (the grouping key)
         self.dt = dt = work_dtype(first.U.dtype)
+        self.pad = pad = _step.padding(self.r, self.b, dt, first.U.device)
 
         def stack(ts: list[Tensor]) -> Tensor:
-            return torch.stack(ts).to(dt)
+            return _stack(ts, dt)
 
         f = bug.Factors(stack([m.U for m in layers]), stack([m.S for m in layers]),
                         stack([m.V for m in layers]),
@@ -174,17 +207,18 @@ class _Group:
                         stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
         self.grads_finite = _all_finite_flag([f.G_K, f.G_L, f.G_S], f.U.device)
         if reorth:
-            f = bug.reorthonormalize(f)
+            f = _step.reorthonormalize_group(f, pad)
         self.f = f
         rule = opt.rule
         self.dK, stK = rule(f.G_K, f.U @ f.S, _stack_states([s["K"] for s in self.states], dt), hp)
         self.dL, stL = rule(f.G_L, f.V @ f.S.mT, _stack_states([s["L"] for s in self.states], dt), hp)
         stS = _stack_states([s["S"] for s in self.states], dt)
-        width = _width(self.states) if cfg.buffer else None
+        width = _width(self.states) if cfg.buffer and not full else None
         self.ranks: Tensor | None = None
         if two_pass:  # the second phase (finish_two_pass) takes the S rule at the augmented point
             self.new_states = {"K": stK, "L": stL}
-            U, V, mU, mV, failed = _step.augment_group(f.U, f.V, self.dK, self.dL, f.U_buf, f.V_buf, width)
+            U, V, mU, mV, failed = _step.augment_group(f.U, f.V, self.dK, self.dL, f.U_buf, f.V_buf,
+                                                       width, pad, robust=full)
             r0 = f.S.shape[-1]
             S0 = f.S.new_zeros(len(names), U.shape[-1], V.shape[-1])
             S0[:, :r0, :r0] = f.S  # the Galerkin core at the augmented point: the same weight
@@ -197,7 +231,7 @@ class _Group:
         self.dS, stS = rule(f.G_S, f.S, stS, opt._core_hp(first.S))
         self.new_states = {"K": stK, "L": stL, "S": stS}
         self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto",
-                                     width=width)
+                                     width=width, pad=pad, robust=full)
         self._tolerance_ranks()
 
     def _by_sensitivity(self) -> None:
@@ -217,7 +251,7 @@ class _Group:
         inst = sens.importance(plan.P, plan.s, plan.Q, G)
         prev = [st.get("sensitivity") for st in self.states]
         previous = None if prev[0] is None else sens.Smoothed(
-            torch.stack([p[0] for p in prev]).to(inst), torch.stack([p[1] for p in prev]).to(inst))
+            _stack([p[0] for p in prev], inst.dtype), _stack([p[1] for p in prev], inst.dtype))
         b = cfg.truncation
         sm = sens.smooth(previous, plan.P, plan.Q, inst, beta1=b.beta1, beta2=b.beta2)
         score = sens.scores(sm)
@@ -252,16 +286,9 @@ class _Group:
         self.new_states["S"] = stS
         finite = torch.isfinite(S).all(-1).all(-1)
         P, s, Q = _step.svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)))
-        kU, kV = mU.sum(-1), mV.sum(-1)
         r0 = self.f.S.shape[-1]
-        self.plan = _step.GroupPlan(U, V, S, P, s, Q, r0, torch.minimum(kU, kV), failed, finite,
-                                    torch.maximum(kU, kV) - (r0 + self.f.U_buf.shape[-1]), mU, mV)
+        self.plan = _step._plan(U, V, S, P, s, Q, r0, mU, mV, failed, finite, r0 + self.f.U_buf.shape[-1])
         self._tolerance_ranks()
-
-    def layer_state(self, i: int) -> dict[str, State]:
-        """Layer i's slice of the stacked rule states (the exact path's input)."""
-        return {key: {k: (v[i] if k in _MOMENTS else v) for k, v in st.items()}
-                for key, st in self.new_states.items()}
 
 
 CPU_CHUNK = 2**19
@@ -284,8 +311,8 @@ def _chunks(key: tuple, names: list[str]) -> list[list[str]]:
 def _width(states: list[State]) -> int | None:
     """How many new directions per side a group's augmentation makes room for: what each
     layer kept last time, doubled, plus 4, the group's largest; ``None`` (all
-    of ΔK's columns) before a layer's first batched augmentation. A layer that then needs more
-    takes the exact path once (and the next step makes room). SDLRT with momentum keeps few
+    of ΔK's columns) before a layer's first augmentation. A layer that then needs more sends
+    the step to a retry at full width (and the next step makes room). SDLRT with momentum keeps few
     new directions (ΔK lies mostly in span[U0, U_buf]), so its cores stay near the exact
     path's size instead of 3r. Only with a buffer: without one the full width is 2r, the exact
     path's largest, and ΔK rarely loses directions."""
@@ -295,45 +322,52 @@ def _width(states: list[State]) -> int | None:
     return max(2 * e + 4 for e in seen)
 
 
-def _report(opt: AugmentedBUG) -> Tensor:
-    """The device count of core steps skipped since the last augmentation (and reset it)."""
-    skipped = opt._skipped
-    opt._skipped = None
-    return skipped
-
-
-def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
-    """Augment and truncate every layer with gradients (module docstring). Returns False if the
-    step was skipped (non-finite values; nothing written). With a `closure`, two-pass BUG: the
-    closure is evaluated again at the augmented point (:func:`_second_pass`); None then means
-    that a layer's augmentation failed and the caller takes the per-layer path (nothing written)."""
+def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> list[_Group]:
+    """The layers in `todo` as groups: one shape, rank bucket (or, `full`, one rank), buffer
+    bucket, dtype, device, param group, optimizer-state layout (and, data parallel, owner), in
+    CPU-sized chunks. A layer too wide to pad (twice its bucket plus its buffer's above its
+    smaller side) is grouped by its own rank."""
     cfg = opt.settings
-    todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
     keyed: dict[tuple, list[str]] = defaultdict(list)
     for n in todo:
         m, st = opt.layers[n], opt.state[opt.layers[n].S]
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
-        shape = (m.out_features, m.in_features, m.rank, m.U_buf.shape[1] if cfg.buffer else 0)
+        r, b = m.rank, m.U_buf.shape[1] if cfg.buffer else 0
+        R, B = _step.rank_bucket(r), _step.rank_bucket(b) if b else 0
+        if not full and min(m.out_features, m.in_features) >= 2 * R + B:
+            r, b = R, B
         states = (*(_signature(st[k]) for k in ("K", "L", "S")), "sensitivity" in st)
         # (data parallel: also by owner, so that sharded and replicated runs form the same groups)
-        keyed[(*shape, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)), opt._batch_key(n),
-               *states)].append(n)
-    groups = [_Group(opt, chunk, key[6], closure is not None)
-              for key, names in keyed.items() for chunk in _chunks(key, names)]
+        keyed[(m.out_features, m.in_features, r, b, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)),
+               opt._batch_key(n), *states)].append(n)
+    return [_Group(opt, chunk, key[6], two_pass, full) for key, names in keyed.items()
+            for chunk in _chunks(key, names)]
+
+
+def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False) -> bool:
+    """Augment and truncate every layer with gradients (module docstring). Returns False if the
+    step was skipped (non-finite values; nothing written). With a `closure`, two-pass BUG: the
+    closure is evaluated again at the augmented point (:func:`_second_pass`). A layer whose
+    fixed-width augmentation failed sends the whole step, before anything is written, to a
+    retry with room for every new direction and no padding (`full`; one more host read)."""
+    cfg = opt.settings
+    full = full or opt.implementation == "exact"
+    todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
+    groups = _groups(opt, todo, closure is not None, full)
     device = groups[0].f.U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok_in = inputs_finite(opt, loss, device)
     if closure is not None:
-        second = _second_pass(opt, groups, closure, loss, device)
-        if second is None or second is False:
-            return second
+        second = _second_pass(opt, groups, closure, loss, device, full)
+        if second is None:
+            return augmenting_step(opt, loss, closure, full=True)
+        if second is False:
+            return False
         ok_in = ok_in & second
     for g in groups:
         ok_in = ok_in & g.grads_finite.to(device)
-    skipped = _report(opt)
+    skipped = opt._skipped if opt._skipped is not None else torch.zeros((), device=device)
     # the one device→host transfer of the step
-    if skipped is None:
-        skipped = torch.zeros((), device=device)
     parts = [ok_in.double().reshape(1), skipped.double().reshape(1).to(device)]
     for g in groups:
         parts += [g.plan.finite.double().to(device), g.plan.failed.double().to(device),
@@ -352,14 +386,13 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
         g.finite = [v > 0 for v in host[pos:pos + L]]
         g.failed = [v > 0 for v in host[pos + L:pos + 2 * L]]
         g.k = [int(v) for v in host[pos + 2 * L:pos + 3 * L]]
-        for st, v in zip(g.states, host[pos + 3 * L:pos + 4 * L], strict=True):
-            st["new_directions"] = int(v)
+        g.new = [int(v) for v in host[pos + 3 * L:pos + 4 * L]]
         pos += 4 * L
         if g.ranks is not None:
             g.r1 = [int(v) for v in host[pos:pos + L]]
             pos += L
         else:
-            g.r1 = [g.plan.r0] * L
+            g.r1 = list(g.r)
         if cfg.budgeted:
             g.spectra = [torch.tensor(host[pos + i * k:pos + i * k + g.k[i]], dtype=torch.float64)
                          for i in range(L)]
@@ -367,57 +400,72 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool | None:
         if cfg.budgeted and cfg.truncation.data_aware:
             g.score_lists = [host[pos + i * k:pos + i * k + g.k[i]] for i in range(L)]
             pos += L * k
+    overflow = "non-finite augmented core (overflow in the update)"
+    bad = None
+    if not ok_inputs:  # (sharded: the averaged factor gradients are on their owner only)
+        bad = "non-finite loss or gradient" + ("" if loss is None else f" (loss={float(loss)})")
+    elif not all(ok for g in groups for ok in g.finite):
+        bad = overflow
+    # a fixed width too narrow, or a failed factorisation
+    failed = bad is None and any(f for g in groups for f in g.failed)
+    if opt._owners is not None:  # sharded: each rank saw only its own layers; all decide alike
+        code = _shard.max_of(2 if bad else float(failed), opt.process_group, device)
+        bad = bad or ("non-finite update in a layer integrated by another data-parallel rank"
+                      if code == 2 else None)
+        failed = code == 1
+    if failed and not full:
+        return augmenting_step(opt, loss, closure, full=True)
+    bad = overflow if failed else bad
+    opt._skipped = None
     if n_skipped:
         opt._nonfinite(f"{n_skipped} step(s) between augmentations had a non-finite loss or gradient and "
                        "changed nothing")
-    overflow = "non-finite augmented core (overflow in the update)"
-    bad, exact = None, {}
-    if not ok_inputs:  # (sharded: the averaged factor gradients are on their owner only)
-        bad = "non-finite loss or gradient" + ("" if loss is None else f" (loss={float(loss)})")
-    elif not all(ok or failed for g in groups for ok, failed in zip(g.finite, g.failed, strict=True)):
-        bad = overflow
-    else:
-        try:  # the rare layers the fixed width failed for, by the exact path (its own host reads)
-            exact = _exact_plans(opt, groups)
-        except (bug.NonFiniteUpdate, FloatingPointError):
-            bad = overflow
-    if (bad := opt._agree(bad)) is not None:  # sharded: each rank saw only its own layers
+    if bad is not None:
         return opt._nonfinite(bad)
-    ranks: dict[str, int] = {}
     if cfg.budgeted:
         spectra, scores = {}, {}
         for g in groups:
             for i, n in enumerate(g.names):
-                spectra[n] = exact[n][3][1].double().cpu() if n in exact else g.spectra[i]
+                spectra[n] = g.spectra[i]
                 if cfg.truncation.data_aware:
-                    scores[n] = exact[n][4] if n in exact else g.score_lists[i]
+                    scores[n] = g.score_lists[i]
         spectra = {n: spectra[n] for n in opt.layers if n in spectra}
         ranks = opt._budget_ranks(spectra, scores=scores if cfg.truncation.data_aware else None)
         for g in groups:
             g.r1 = [ranks[n] for n in g.names]
             g.tails = [tail_share(spectra[n], ranks[n]) for n in g.names]
     for g in groups:
-        _commit(opt, g, exact)
+        for st, e in zip(g.states, g.new, strict=True):
+            st["new_directions"] = e
+        _commit(opt, g)
     if opt._owners is not None:  # sharded: the owners send their layers' results to every rank
         opt._share(dict.fromkeys(todo))
     return True
 
 
-def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device: torch.device):
+def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device: torch.device, full: bool):
     """Two-pass BUG's second evaluation, for every group at once: each layer is set to its
     augmented point (Ū, S̄(0), V̄) (the same weight; fill directions have zero rows), the closure
     runs again in core mode, and each group takes its S rule on the new core gradient
     (:meth:`_Group.finish_two_pass`). The layers get their factors back before returning (the
-    commit writes the new ones). One host read first: a layer whose fixed-width augmentation
-    failed, or a non-finite input, sends the whole step to the per-layer path (returns None).
-    Returns a device bool (the second loss is finite), or False (skipped on another rank)."""
+    commit writes the new ones). One host read first: a non-finite input skips the step; a
+    layer whose fixed-width augmentation failed returns None (the caller retries at full
+    width; at full width, a failure skips the step as an overflow). Returns a device bool (the
+    second loss is finite), False (skipped) or None."""
     flags = [~inputs_finite(opt, loss, device).reshape(1)]
-    flags += [(g.point[5] | ~g.grads_finite).reshape(-1).to(device) for g in groups]
-    failed = bool(torch.cat(flags).any())  # (the step's first host read)
+    flags += [(~g.grads_finite).reshape(-1).to(device) for g in groups]
+    flags = [torch.cat(flags).any().reshape(1)]
+    flags += [g.point[5].reshape(-1).to(device) for g in groups]
+    bad_input, *failed = torch.cat(flags).tolist()  # (the step's first host read)
+    failed = any(f > 0 for f in failed)
     if opt._owners is not None:  # sharded: each rank saw its own layers only
-        failed = _shard.any_flag(failed, opt.process_group, device)
+        code = _shard.max_of(2 if bad_input else float(failed), opt.process_group, device)
+        bad_input, failed = code == 2, code == 1
+    if bad_input:
+        what = "non-finite loss or gradient" + ("" if loss is None else f" (loss={float(loss)})")
+        return opt._nonfinite(what)
     if failed:
-        return None
+        return opt._nonfinite("the augmentation failed (non-finite update)") if full else None
     points = {n: (g.point[0][i], g.point[1][i], g.point[2][i]) for g in groups for i, n in enumerate(g.names)}
     if opt._owners is not None:  # every rank evaluates the model at every layer's augmented point
         points, opt.shared_bytes = _shard.share_from_owners(points, opt._owners, opt.process_group, device)
@@ -453,96 +501,61 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     return torch.isfinite(torch.as_tensor(loss2).detach()).to(device).reshape(())
 
 
-def _exact_plans(opt: AugmentedBUG, groups: list[_Group]) -> dict[str, tuple]:
-    """The exact per-layer path for the layers whose fixed-width augmentation failed (its
-    Cholesky factorisation: not expected after the eigen filter): {name: (aug, S_bar, states,
-    svd)}."""
-    out = {}
-    for g in groups:
-        for i, n in enumerate(g.names):
-            if not g.failed[i]:
-                continue
-            f = g.f
-            aug = bug.augment(f.U[i], f.V[i], g.dK[i], g.dL[i], f.U_buf[i], f.V_buf[i])
-            S_bar = bug.galerkin_core(aug, f.S[i]) + bug.projected_update(aug, g.dK[i], g.dS[i], g.dL[i])
-            states, svd = g.layer_state(i), bug.core_svd(S_bar)
-            out[n] = (aug, S_bar, states, svd)
-            if opt.settings.budgeted and opt.settings.truncation.data_aware:  # this layer's order
-                svds, smoothed = opt._by_sensitivity({n: (aug, S_bar, states)}, {n: svd},
-                                                     {n: (f.G_K[i], f.G_S[i], f.G_L[i])})
-                m = g.layers[i]
-                score = (smoothed[n].I + smoothed[n].U) / (m.out_features + m.in_features)
-                out[n] = (aug, S_bar, states, svds[n], score.tolist(), smoothed[n])
-            old = f.U.shape[-1] + f.U_buf.shape[-1]  # the width the next step needs
-            g.states[i]["new_directions"] = max(aug.U.shape[1], aug.V.shape[1]) - old
-    return out
-
-
-def _commit(opt: AugmentedBUG, g: _Group, exact: dict[str, tuple]) -> None:
-    """Truncate a group to its new ranks and write factors, buffers and states back."""
+def _commit(opt: AugmentedBUG, g: _Group) -> None:
+    """Truncate a group to its new ranks and write factors, buffers and states back: the new
+    bases of every layer from one product (Ū P, V̄ Q at the group's widest rank and buffer),
+    each layer's columns cut from it; into the layers' tensors in one ``_foreach_copy_`` where
+    a layer's shapes did not change, else as fresh tensors."""
     cfg, plan, r0 = opt.settings, g.plan, g.plan.r0
-    sub: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for i, n in enumerate(g.names):
-        if n in exact:
-            aug, S_bar, states, svd, *sens = exact[n]
-            opt._truncate(g.layers[i], aug, S_bar, states, two_pass=False,
-                          rank=g.r1[i] if cfg.budgeted else None, svd=svd)
-            if sens:  # the data-aware budget's smoothed values, in the kept order
-                opt.state[g.layers[i].S]["sensitivity"] = [t[:g.layers[i].rank] for t in sens[1]]
-            continue
-        r1 = g.r1[i]
-        sub[(r1, min(r1, g.k[i] - r1) if cfg.buffer else 0)].append(i)
-    for (r1, b), idx in sub.items():
-        everyone = len(idx) == len(g.names)
-        sel_t = None if everyone else torch.tensor(idx, device=plan.U.device)
+    r1 = g.r1
+    b1 = [min(r, k - r) if cfg.buffer else 0 for r, k in zip(r1, g.k, strict=True)]
+    c, top = max(r + b for r, b in zip(r1, b1, strict=True)), max(r1)
+    UP, VQ = batch_mm(plan.U, plan.P[..., :c]), batch_mm(plan.V, plan.Q[..., :c])
+    S1 = torch.diag_embed(plan.s[:, :top])
+    layers, L = g.layers, len(g.names)
+    m_, n_ = layers[0].out_features, layers[0].in_features
+    same = [i for i in range(L) if r1[i] == g.r[i] and b1[i] == g.b[i]]
+    if same:
+        sel = torch.tensor(same, device=UP.device) if len(same) < L else None
 
-        def sel(t: Tensor, sel_t=sel_t) -> Tensor:
-            return t if sel_t is None else t.index_select(0, sel_t)
+        def pick(t: Tensor, sel=sel) -> Tensor:
+            return t if sel is None else t.index_select(0, sel)
 
-        P, s, Q = sel(plan.P)[..., :r1 + b], sel(plan.s), sel(plan.Q)[..., :r1 + b]
-        U, V = batch_mm(sel(plan.U), P), batch_mm(sel(plan.V), Q)
-        S1 = torch.diag_embed(s[:, :r1])
-        TU, TV = P[:, :r0, :r1], Q[:, :r0, :r1]
-
-        def pick(st: State) -> State:
-            return {k_: (sel(v) if k_ in _MOMENTS else v) for k_, v in st.items()}
-
+        torch._foreach_copy_([layers[i].U for i in same], _rows(pick(UP), [(m_, r1[i]) for i in same]))
+        torch._foreach_copy_([layers[i].V for i in same], _rows(pick(VQ), [(n_, r1[i]) for i in same]))
+        torch._foreach_copy_([layers[i].S for i in same], _rows(pick(S1), [(r1[i], r1[i]) for i in same]))
+        bufs = [i for i in same if b1[i]]
+        if bufs:
+            UB = [UP[i, :, r1[i]:r1[i] + b1[i]] for i in bufs]
+            VB = [VQ[i, :, r1[i]:r1[i] + b1[i]] for i in bufs]
+            torch._foreach_copy_([layers[i].U_buf for i in bufs] + [layers[i].V_buf for i in bufs], UB + VB)
+        for i in same:
+            m = layers[i]
+            m.U.grad = m.S.grad = m.V.grad = None
+    for i in (i for i in range(L) if r1[i] != g.r[i] or b1[i] != g.b[i]):
+        r, b = r1[i], b1[i]
+        layers[i].set_factors(UP[i, :, :r].clone(), S1[i, :r, :r].clone(), VQ[i, :, :r].clone(),
+                              UP[i, :, r:r + b].clone(), VQ[i, :, r:r + b].clone())
+    states = g.states
+    if cfg.moments == "reset":  # the rule starts afresh in the new bases
+        for st in states:
+            st["K"], st["L"], st["S"] = {}, {}, {}
+    else:
         ns = g.new_states
+        TU, TV = plan.P[:, :r0, :top], plan.Q[:, :r0, :top]  # old-to-new maps U0ᵀU1, V0ᵀV1
         # the S state's coordinates: the old bases (one pass) or the augmented ones (two-pass)
-        SU, SV = (P[..., :r1], Q[..., :r1]) if g.plan_two_pass else (TU, TV)
-        moved = {} if cfg.moments == "reset" else {  # reset: nothing to carry into the new bases
-            "K": transport(pick(ns["K"]), None, TV), "L": transport(pick(ns["L"]), None, TU),
-            "S": transport(pick(ns["S"]), SU, SV)}
-        layers = [g.layers[i] for i in idx]
-        states = [g.states[i] for i in idx]
-        same = r1 == r0 and b == (layers[0].U_buf.shape[1] if cfg.buffer else 0)
-        if same:
-            _copy_into([m.U for m in layers], U[..., :r1])
-            _copy_into([m.S for m in layers], S1)
-            _copy_into([m.V for m in layers], V[..., :r1])
-            if cfg.buffer and b:
-                _copy_into([m.U_buf for m in layers], U[..., r1:])
-                _copy_into([m.V_buf for m in layers], V[..., r1:])
-            for m in layers:
-                m.U.grad = m.S.grad = m.V.grad = None
-        else:
-            for j, m in enumerate(layers):
-                m.set_factors(U[j, :, :r1].clone(), S1[j].clone(), V[j, :, :r1].clone(),
-                              U[j, :, r1:].clone(), V[j, :, r1:].clone())
-        for key in ("K", "L", "S"):
-            if cfg.moments == "reset":  # the rule starts afresh in the new bases
-                for st in states:
-                    st[key] = {}
-            else:
-                _write_states([st[key] for st in states], moved[key])
-        for i, st in zip(idx, states, strict=True):
-            if cfg.budgeted:
-                st["tail"] = g.tails[i]
-            if cfg.budgeted and cfg.truncation.data_aware:
-                st["sensitivity"] = [g.smoothed.I[i, :r1].clone(), g.smoothed.U[i, :r1].clone()]
-            elif opt.feedback is not None:
-                st["tau"] = opt.feedback(st["tau"], r1, st["r_init"], cfg.tau)
-            st["augmentations"] = st.get("augmentations", 0) + 1
+        SU, SV = (plan.P[..., :top], plan.Q[..., :top]) if g.plan_two_pass else (TU, TV)
+        _write_states([st["K"] for st in states], transport(ns["K"], None, TV), [(m_, r) for r in r1])
+        _write_states([st["L"] for st in states], transport(ns["L"], None, TU), [(n_, r) for r in r1])
+        _write_states([st["S"] for st in states], transport(ns["S"], SU, SV), [(r, r) for r in r1])
+    for i, st in enumerate(states):
+        if cfg.budgeted:
+            st["tail"] = g.tails[i]
+        if cfg.budgeted and cfg.truncation.data_aware:
+            st["sensitivity"] = [g.smoothed.I[i, :r1[i]].clone(), g.smoothed.U[i, :r1[i]].clone()]
+        elif opt.feedback is not None:
+            st["tau"] = opt.feedback(st["tau"], r1[i], st["r_init"], cfg.tau)
+        st["augmentations"] = st.get("augmentations", 0) + 1
 
 
 def _copy_into(dst: list[Tensor], src: Tensor) -> None:
@@ -551,31 +564,35 @@ def _copy_into(dst: list[Tensor], src: Tensor) -> None:
 
 def core_step(opt: AugmentedBUG, loss) -> bool:
     """Between augmentations: the rule on every layer's core S and on the dense parameters,
-    batched, reading nothing back; a non-finite loss or gradient changes nothing and is counted
-    on the device (:func:`augmenting_step` reports it)."""
+    batched (cores of one rank bucket zero-padded to one size), reading nothing back; a
+    non-finite loss or gradient changes nothing and is counted on the device
+    (:func:`augmenting_step` reports it)."""
     todo = [m for m in opt.layers.values() if m.S.grad is not None]
     keyed: dict[tuple, list] = defaultdict(list)
     for m in todo:
-        keyed[(m.rank, m.S.dtype, m.S.device, id(opt._hp_of(m.S)), _signature(opt.state[m.S]["S"]))].append(m)
+        key = (_step.rank_bucket(m.rank), m.S.dtype, m.S.device, id(opt._hp_of(m.S)),
+               _signature(opt.state[m.S]["S"]))
+        keyed[key].append(m)
     device = todo[0].S.device if todo else next((p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok = inputs_finite(opt, loss, device)
     planned = []
     for layers in keyed.values():
         dt = work_dtype(layers[0].S.dtype)
-        S0 = torch.stack([m.S for m in layers]).to(dt)
-        G = torch.stack([m.S.grad for m in layers]).to(dt)
+        S0 = _stack([m.S for m in layers], dt)
+        G = _stack([m.S.grad for m in layers], dt)
         old = _stack_states([opt.state[m.S]["S"] for m in layers], dt)
         dS, new = opt.rule(G, S0, old, opt._core_hp(layers[0].S))
         S1 = S0 + dS
         ok = ok & torch.isfinite(S1).all()
         planned.append((layers, S0, S1, old, new))
     for layers, S0, S1, old, new in planned:
-        _copy_into([m.S for m in layers], torch.where(ok, S1, S0))
+        shapes = [tuple(m.S.shape) for m in layers]
+        torch._foreach_copy_([m.S for m in layers], _rows(torch.where(ok, S1, S0), shapes))
         for k in _MOMENTS:
             if new.get(k) is not None:
                 before = old[k] if old.get(k) is not None else torch.zeros_like(new[k])
                 new[k] = torch.where(ok, new[k], before)
-        _write_states([opt.state[m.S]["S"] for m in layers], new)
+        _write_states([opt.state[m.S]["S"] for m in layers], new, shapes)
     dense_step(opt, ok)
     bad = (~ok).to(torch.int64)
     opt._skipped = bad if opt._skipped is None else opt._skipped + bad

@@ -239,15 +239,16 @@ class Factors(NamedTuple):
     V_buf: Tensor
 
 
-def reorthonormalize(f: Factors) -> Factors:
+def reorthonormalize(f: Factors, qr=orthonormalize) -> Factors:
     """The same weight and gradients with exactly orthonormal ``[U, U_buf]`` and
     ``[V, V_buf]``: with ``U = U' R_U``, ``V = V' R_V`` (thin QR, R upper-triangular),
     ``S' = R_U S R_Vᵀ``, ``G_K' = G_K R_V⁻¹``, ``G_L' = G_L R_U⁻¹``,
     ``G_S' = R_U⁻ᵀ G_S R_V⁻¹`` (R is the identity up to the drift being removed). Also for
-    a batch of layers stacked along a leading dimension."""
+    a batch of layers stacked along a leading dimension. `qr`: the thin QR with diag(R) ≥ 0
+    (a padded group passes one that leaves its zero columns zero)."""
     r = f.U.shape[-1]
-    QU, RU = orthonormalize(torch.cat([f.U, f.U_buf], dim=-1))
-    QV, RV = orthonormalize(torch.cat([f.V, f.V_buf], dim=-1))
+    QU, RU = qr(torch.cat([f.U, f.U_buf], dim=-1))
+    QV, RV = qr(torch.cat([f.V, f.V_buf], dim=-1))
     RU, RV = RU[..., :r, :r], RV[..., :r, :r]
 
     def right_solve(G: Tensor, R: Tensor) -> Tensor:  # G R⁻¹

@@ -18,65 +18,9 @@ from torch import Tensor, nn
 
 from ..linalg import work_dtype
 from . import _batched, _dp, _shard
-from . import _integrators as bug
 from ._base import AbstractLowRankLayer, layer_of
-from ._budget import tail_share
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
-from ._rules import State, transport
 from ._settings import Settings, pop_rule, settings_from
-
-
-def _all_finite(tensors: list[Tensor]) -> bool:
-    """One reduction and one host sync per device."""
-    by_device: dict[torch.device, list[Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
-    return all(bool(torch.stack(flags).all()) for flags in by_device.values())
-
-
-def _augmented_core_state(aug: bug.Augmented, st_S: State, st_K: State, st_L: State) -> State:
-    r"""Two-pass BUG: the core rule's state in the augmented coordinates (Ū, V̄), assembled
-    from the S, K *and* L states of the old bases (before this step's rule calls).
-
-    The three states together hold the optimizer's memory of the weight's tangent-space
-    update at W0 = U0 S0 V0ᵀ: for SGD the momentum is
-    ``M = U0 m_S V0ᵀ + (I − U0U0ᵀ) m_K V0ᵀ + U0 m_Lᵀ (I − V0V0ᵀ)`` (exactly what the
-    single-pass step applies, see :func:`._integrators.projected_update`). Its coordinates in
-    the augmented bases, ``ŪᵀMV̄``, are, in blocks (Ũ = Ū[:, r0:], Ṽ = V̄[:, r0:]),
-    ``[[m_S, m_LᵀṼ], [Ũᵀm_K, 0]]``. The S rule then gives
-    ``m̄ = μ ŪᵀMV̄ + ŪᵀGV̄``, whose off-diagonal blocks are ``Ũᵀ(μ m_K + G_K) = Ũᵀ m_K'``
-    (and likewise for L): the components of the update that leave the old subspaces carry
-    the same momentum as in single-pass mode, and the one block only a second pass sees,
-    ŨᵀGṼ, starts without history. The two-pass update is thus the single-pass update plus
-    that block (exactly so for SGD; see ``tests/test_two_pass_momentum.py``).
-
-    (``m_S`` padded with zeros would not do: m_K and m_L would then only choose the new basis
-    directions and never reach the weights, so every component of the update outside
-    span(U0) × span(V0) would be a plain SGD step, 1/(1 − μ) = 10× smaller at μ = 0.9 than
-    with momentum; those small new directions fall below the truncation tolerance, and
-    two-pass training with momentum stalls: on LeNet/digits at τ = 0.2 it reached 0.43 test
-    accuracy that way, about what it reaches without momentum, against 0.94 single-pass.)
-
-    First moments are assembled linearly, Adam's second moments through their square roots
-    (as :func:`._rules.transport` does); a moment absent from all three states stays absent
-    (the rule's first step); other entries (Adam's step count) are those of the S state.
-    """
-    r0 = aug.r0
-    EU, EV = aug.U[:, r0:], aug.V[:, r0:]
-    out = dict(st_S)
-    for key, into, back in (("m", None, None), ("v", torch.sqrt, torch.square)):
-        xS, xK, xL = (st.get(key) for st in (st_S, st_K, st_L))
-        if xS is None and xK is None and xL is None:
-            continue
-        X = aug.U.new_zeros(aug.U.shape[1], aug.V.shape[1])
-        if xS is not None:
-            X[:r0, :r0] = xS.to(X) if into is None else into(xS.to(X))
-        if xK is not None:  # Ũᵀ m_K: the K memory along the new left directions
-            X[r0:, :r0] = EU.mT @ (xK.to(X) if into is None else into(xK.to(X)))
-        if xL is not None:  # m_Lᵀ Ṽ: the L memory along the new right directions
-            X[:r0, r0:] = (xL.to(X) if into is None else into(xL.to(X))).mT @ EV
-        out[key] = X if back is None else back(X)
-    return out
 
 
 def _split_groups(params: list[Tensor], groups: list[dict] | None, layers: dict[str, AbstractLowRankLayer],
@@ -130,7 +74,7 @@ def _check_group(group: dict, settings: Settings, layers: dict[str, AbstractLowR
 
 
 _FEEDBACK = {True: SeedFeedback, "seed": SeedFeedback, "two-sided": TwoSidedFeedback}
-IMPLEMENTATIONS = ("batched", "per-layer")
+IMPLEMENTATIONS = ("batched", "exact")
 
 
 class AugmentedBUG(torch.optim.Optimizer):
@@ -158,9 +102,11 @@ class AugmentedBUG(torch.optim.Optimizer):
       them.
     - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
       under :class:`DLRT`.
-    - `implementation`: ``"batched"`` (default: layers of one shape and rank integrated together,
-      one host read a step) or ``"per-layer"`` (layer by layer: the reference; the same results
-      to roundoff, as torch's ``foreach=`` choice).
+    - `implementation`: ``"batched"`` (default: layers of one shape and rank bucket integrated
+      together, padded to one rank, each augmentation with room for a fixed number of new
+      directions) or ``"exact"`` (groups of one shape and one rank, room for every direction:
+      the shapes of the papers' algorithm); the same results to roundoff, as torch's
+      ``foreach=`` choice.
     - `core_lr_ratio`: the core S's rate as a multiple of the group's (1: the same rate for the
       bases' K and L steps and the core's).
     - `moments`: ``"rotate"`` (default) carries the rule's K, L and S moments into the new
@@ -354,13 +300,6 @@ class AugmentedBUG(torch.optim.Optimizer):
                                          self._other_params)
 
     # ----------------------------------------------------------------- the step
-    def _batched_now(self, augment: bool) -> bool:
-        """Does this step take the batched path (:mod:`._batched`)? Every configuration can (one
-        process or data parallel, single or two-pass, any truncation); ``implementation=
-        "per-layer"`` takes the per-layer path instead (the reference the batched step is tested
-        against; also the fall-back of a two-pass step whose fixed-width augmentation failed)."""
-        return self.implementation == "batched"
-
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
 
@@ -470,28 +409,14 @@ class AugmentedBUG(torch.optim.Optimizer):
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
             dp = self.process_group is not None
-            if self._batched_now(augment):  # batched: one host read per augmentation (+ DP's exchanges)
-                if dp and self._average(self._grad_slots(), loss, first=True):
-                    ok = self._nonfinite("non-finite loss or gradient on a data-parallel rank")
-                elif augment:
-                    ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
-                    if ok is None:  # two-pass, a layer's fixed-width augmentation failed: layer by layer
-                        ok = self._finite(loss) and self._augmented_step(closure)
-                        if ok:
-                            self._dense_step()
-                    elif ok:
-                        _batched.dense_step(self)
-                else:
-                    ok = _batched.core_step(self, loss)
-            else:
-                ok = self._finite(loss, elsewhere=dp and self._average(self._grad_slots(), loss, first=True))
-                if ok and augment:
-                    ok = self._augmented_step(closure if two_pass else None)
-                elif ok:
-                    for layer in self.layers.values():
-                        self._core_step(layer)
+            if dp and self._average(self._grad_slots(), loss, first=True):
+                ok = self._nonfinite("non-finite loss or gradient on a data-parallel rank")
+            elif augment:
+                ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
                 if ok:
-                    self._dense_step()
+                    _batched.dense_step(self)
+            else:
+                ok = _batched.core_step(self, loss)
             if ok:
                 self._hp()["global_step"] += 1
                 every = self.settings.check_every
@@ -626,17 +551,6 @@ class AugmentedBUG(torch.optim.Optimizer):
                 "ran, no parameter has a gradient; call loss.backward() inside the closure "
                 "before returning the loss; no weights were changed")
 
-    def _finite(self, loss: Tensor | float | None, *, elsewhere: bool = False) -> bool:
-        """Is the loss and every gradient (``.grad`` and the layers' G_K, G_L) finite, and (data
-        parallel) was no other rank's loss non-finite (`elsewhere`)?"""
-        if elsewhere:
-            return self._nonfinite("non-finite loss or gradient on a data-parallel rank")
-        tensors = [] if loss is None else [torch.as_tensor(loss)]
-        tensors += [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if _all_finite(tensors):
-            return True
-        return self._nonfinite(f"non-finite loss or gradient (loss={None if loss is None else float(loss)})")
-
     def _grad_slots(self) -> list[_dp.Slot]:
         """Every gradient a step reads: ``.grad`` of each parameter that requires grad (in
         factor mode a layer's U and V hold G_K (out, r) and G_L (in, r)). Sharded, a
@@ -701,31 +615,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         warnings.warn(msg + "; step skipped", RuntimeWarning, stacklevel=3)
         return False
 
-    def _core_step(self, layer: AbstractLowRankLayer) -> None:
-        """Between augmentations (``update_every`` > 1): a plain rule step on S only."""
-        if layer.S.grad is None:
-            return
-        st = self.state[layer.S]
-        dt = work_dtype(layer.S.dtype)
-        S0 = layer.S.to(dt)
-        dS, st["S"] = self.rule(layer.S.grad.to(dt), S0, st["S"], self._core_hp(layer.S))
-        layer.S.copy_(S0 + dS)
-
-    def _factors(self, layer: AbstractLowRankLayer) -> bug.Factors | None:
-        """The layer's factors, gradients and buffer in working precision; re-orthonormalised
-        on the first augmentation, every 100th, and always for half-precision layers."""
-        gk, gl = layer.factor_grads()
-        if gk is None or layer.S.grad is None:
-            return None  # layer unused by this forward pass
-        dt = work_dtype(layer.U.dtype)
-        buf = self.settings.buffer
-        f = bug.Factors(*(t.detach().to(dt) for t in (
-            layer.U, layer.S, layer.V, gk, layer.S.grad, gl,
-            layer.U_buf if buf else layer.U_buf[:, :0], layer.V_buf if buf else layer.V_buf[:, :0])))
-        if self.state[layer.S].get("augmentations", 0) % 100 == 0 or dt != layer.U.dtype:
-            f = bug.reorthonormalize(f)
-        return f
-
     def _batch_key(self, name: str) -> int | None:
         """Layers batched together in the integrator's linear algebra share this key: the owner
         (the rank that would own the layer when sharded, also when replicated, so that both
@@ -746,76 +635,6 @@ class AugmentedBUG(torch.optim.Optimizer):
             return bad or "non-finite update in a layer integrated by another data-parallel rank"
         return None
 
-    def _augmented_step(self, closure) -> bool:
-        """Plan every layer's step, check it, then write. Optimizer states are new objects
-        (the rules are pure) and are committed only in :meth:`_truncate`. Sharded, each rank
-        plans and truncates the layers it owns, and the results are then shared."""
-        if self.process_group is not None:  # from the ranks' presence vector (sharded: grads on owners only)
-            todo = self._todo
-        else:
-            todo = [n for n, m in self.layers.items()
-                    if m.factor_grads()[0] is not None and m.S.grad is not None]
-        plans, grads, bad, ready = {}, {}, None, []
-        for name in (n for n in todo if self._mine(n)):
-            f = self._factors(self.layers[name])
-            st, hp = self.state[self.layers[name].S], self._hp_of(self.layers[name].S)
-            dK, stK = self.rule(f.G_K, f.U @ f.S, st["K"], hp)
-            dL, stL = self.rule(f.G_L, f.V @ f.S.mT, st["L"], hp)
-            ready.append((name, f, dK, dL, {"K": stK, "L": stL}))
-        try:  # layers of one shape orthogonalised in one batch (per owner: the same batches sharded or not)
-            augs = bug.augment_many([(f.U, f.V, dK, dL, f.U_buf, f.V_buf) for _, f, dK, dL, _ in ready],
-                                    keys=[self._batch_key(name) for name, *_ in ready])
-        except bug.NonFiniteUpdate as e:  # finite gradients, non-finite update (overflow)
-            bad, augs = f"layer {ready[e.index][0]!r}: {e}", []
-        for (name, f, dK, dL, states), aug in zip(ready, augs, strict=False):
-            S_bar = bug.galerkin_core(aug, f.S)
-            if closure is None:
-                dS, states["S"] = self.rule(f.G_S, f.S, self.state[self.layers[name].S]["S"],
-                                            self._core_hp(self.layers[name].S))
-                S_bar = S_bar + bug.projected_update(aug, dK, dS, dL)
-            else:  # two-pass: the S rule runs on the augmented core in _second_pass
-                st = self.state[self.layers[name].S]
-                states["S"] = _augmented_core_state(aug, st["S"], st["K"], st["L"])
-            plans[name] = [aug, S_bar, states]
-            if self.truncation.data_aware:
-                grads[name] = (f.G_K, f.G_S, f.G_L)
-        overflow = "non-finite augmented core (overflow in the update)"
-        if bad is None and closure is None and not _all_finite([plan[1] for plan in plans.values()]):
-            bad = overflow  # single pass: the cores are final here, so one agreement covers both checks
-        if (bad := self._agree(bad)) is not None:
-            return self._nonfinite(bad)
-        originals = {n: tuple(t.clone() for t in (self.layers[n].U, self.layers[n].S, self.layers[n].V))
-                     for n in todo} if closure is not None else {}
-        done = False
-        try:
-            if closure is not None:  # two-pass: the cores change in the second pass; check again
-                if not self._second_pass(closure, plans, todo):
-                    return False
-                finite = _all_finite([plan[1] for plan in plans.values()])  # before any layer is written
-                if (bad := self._agree(None if finite else overflow)):
-                    return self._nonfinite(bad)
-            ranks = smoothed = {}
-            svds = dict(zip(plans, bug.core_svd_many([plan[1] for plan in plans.values()],
-                                                     keys=[self._batch_key(n) for n in plans]), strict=True))
-            if self.settings.budgeted:
-                if grads:  # sensitivity: each layer's directions in the order of their scores
-                    svds, smoothed = self._by_sensitivity(plans, svds, grads)
-                ranks = self._budget_ranks({n: svd[1] for n, svd in svds.items()}, smoothed)
-            for name, (aug, S_bar, states) in plans.items():
-                self._truncate(self.layers[name], aug, S_bar, states, two_pass=closure is not None,
-                               rank=ranks.get(name), svd=svds.get(name))
-                if name in smoothed:
-                    r1 = self.layers[name].rank
-                    self.state[self.layers[name].S]["sensitivity"] = [t[:r1] for t in smoothed[name]]
-            if self._owners is not None:
-                self._share(plans)
-            done = True
-        finally:
-            if not done:  # two-pass: the layers may hold the augmented factors; put W0 back
-                for n, (U, S, V) in originals.items():
-                    self.layers[n].set_factors(U, S, V)
-        return True
-
     def _share(self, plans) -> None:
         """Sharded: each owner sends its layers' new factors, buffers and optimizer state (τ,
         moments, counters) to every rank; every rank, the owner included, takes the copies
@@ -829,66 +648,11 @@ class AugmentedBUG(torch.optim.Optimizer):
             layer.set_factors(*v["factors"])
             self.state[layer.S] = v["state"]
 
-    def _second_pass(self, closure, plans, todo) -> bool:
-        """Classic BUG: the S gradient at the augmented point Ū S̄(0) V̄ᵀ (= the same weight).
-        Sharded, the owners first share the augmented factors of every layer in `todo`."""
-        dense = [p for g in self.param_groups for p in g["params"] if id(p) not in self._factor_ids]
-        saved = {p: None if p.grad is None else p.grad.clone() for p in dense}
-        points = {n: (aug.U, S_bar, aug.V) for n, (aug, S_bar, _) in plans.items()}
-        if self._owners is not None:
-            device = next(iter(self.layers.values())).S.device
-            points, sent = _shard.share_from_owners(points, self._owners, self.process_group, device)
-            self.shared_bytes = sent
-        for name in todo:
-            self.layers[name].set_factors(*points[name])
-            self.layers[name].set_grad_mode("core")
-        with torch.enable_grad():
-            loss2 = closure()
-        elsewhere = (self.process_group is not None and loss2 is not None
-                     and self._average([self._core_slot(self.layers[n]) for n in todo], loss2, first=False))
-        # before the first pass's dense gradients go back; core mode: no G_K, G_L expected
-        got_grads = any(p.grad is not None for g in self.param_groups for p in g["params"])
-        for p, g in saved.items():
-            p.grad = g
-        # on either error the caller (_augmented_step) puts the original factors back
-        self._check_loss(loss2)
-        if not got_grads:
-            raise RuntimeError(self._no_grad_message(closure, " on its second call (two-pass, "
-                                                              "`single_pass=False`)"))
-        if not self._finite(loss2, elsewhere=elsewhere):
-            return False
-        for name, plan in plans.items():
-            _, S_bar, states = plan
-            g = self.layers[name].S.grad  # None if the second forward skipped this layer
-            g = torch.zeros_like(S_bar) if g is None else g.to(S_bar)
-            # states["S"] is already in augmented coordinates (_augmented_core_state)
-            dS, states["S"] = self.rule(g, S_bar, states["S"], self._core_hp(self.layers[name].S))
-            plan[1] = S_bar + dS
-        return True
-
     def _rank_cap(self, layer) -> int:
         cap = self.settings.max_rank
         return layer.max_rank if cap is None else min(cap, layer.max_rank)
 
-    def _by_sensitivity(self, plans, svds, grads):
-        """Each layer's SVD reordered by its directions' smoothed sensitivity scores
-        (:mod:`._sensitivity`), and the smoothed values in that order."""
-        from . import _sensitivity as sens
-
-        b = self.truncation
-        out, smoothed = {}, {}
-        for name, (aug, _, _) in plans.items():
-            P, s, Q = svds[name]
-            G_bar = sens.augmented_gradient(aug.U[:, aug.r0:], aug.V[:, aug.r0:], *grads[name])
-            prev = self.state[self.layers[name].S].get("sensitivity")
-            sm = sens.smooth(None if prev is None else sens.Smoothed(*prev), P, Q,
-                             sens.importance(P, s, Q, G_bar), beta1=b.beta1, beta2=b.beta2)
-            order = torch.argsort(sens.scores(sm), descending=True, stable=True)
-            out[name] = (P[:, order], s[order], Q[:, order])
-            smoothed[name] = sens.Smoothed(sm.I[order], sm.U[order])
-        return out, smoothed
-
-    def _budget_ranks(self, spectra: dict[str, Tensor], smoothed=None,
+    def _budget_ranks(self, spectra: dict[str, Tensor],
                       scores: dict[str, list[float]] | None = None) -> dict[str, int]:
         """The rank of each layer planned in this step (`spectra`: its augmented core's
         singular values, in the order the layer keeps its directions) under the current
@@ -896,13 +660,9 @@ class AugmentedBUG(torch.optim.Optimizer):
         keep their rank and cost. From `Budget.freeze_after` on, every layer keeps its rank.
         Sharded, the spectra (and sensitivity scores) of every owner's layers are gathered
         first, and every rank allocates, identically; it returns the ranks of all layers.
-        `scores`: the data-aware budget's scores per cost, given (else from `smoothed`)."""
-        from . import _sensitivity as sens
+        `scores`: the data-aware budget's scores per cost."""
         from ._budget import layer_cost
 
-        if smoothed:
-            scores = {n: (sens.scores(sm) / (m.out_features + m.in_features)).tolist()
-                      for n, sm in smoothed.items() for m in (self.layers[n],)}
         if self._owners is not None:  # every owner's spectra and scores, on every rank
             mine = {n: (s.cpu(), None if scores is None else scores[n]) for n, s in spectra.items()}
             spectra, gathered = {}, {}
@@ -922,37 +682,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         return self.truncation.allocate(spectra, shapes, self._budget_now() - fixed,
                                         min_rank=self.settings.min_rank, max_ranks=caps, buffer=buf,
                                         scores=scores)
-
-    def _truncate(self, layer, aug, S_bar, states, *, two_pass: bool, rank: int | None = None,
-                  svd=None) -> None:
-        cfg, st = self.settings, self.state[layer.S]
-        hi = self._rank_cap(layer)
-        lo = min(cfg.min_rank, hi)
-        if rank is not None:  # chosen by the budget
-            out = bug.truncate(aug, S_bar, rank=rank, buffer=cfg.buffer, svd=svd)
-            st["tail"] = tail_share(svd[1], rank)  # the τ that would have given this rank
-        elif cfg.adaptive:
-            out = bug.truncate(aug, S_bar, tau=st["tau"], min_rank=lo, max_rank=hi,
-                               buffer=cfg.buffer, svd=svd)
-        else:
-            out = bug.truncate(aug, S_bar, rank=aug.r0, buffer=cfg.buffer, svd=svd)
-        r1 = out.S.shape[0]
-        if rank is None and self.feedback is not None:
-            st["tau"] = self.feedback(st["tau"], r1, st["r_init"], cfg.tau)
-        TU, TV = out.P[:aug.r0], out.Q[:aug.r0]  # old-to-new maps U0ᵀU1, V0ᵀV1 (r0, r1)
-        if cfg.moments == "reset":
-            st["K"], st["L"], st["S"] = {}, {}, {}
-        else:
-            st["K"] = transport(states["K"], None, TV)
-            st["L"] = transport(states["L"], None, TU)
-            st["S"] = (transport(states["S"], out.P, out.Q) if two_pass
-                       else transport(states["S"], TU, TV))
-        st["augmentations"] = st.get("augmentations", 0) + 1
-        layer.set_factors(out.U, out.S, out.V, out.U_buf, out.V_buf)
-
-    def _dense_step(self) -> None:
-        _batched.dense_step(self)
-
 
 def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
     """The layers still marked with `token` go back to plain autograd (``"full"`` mode)."""

@@ -140,6 +140,11 @@ def gather_objects(mine: Any, group) -> list[Any]:
 
 def any_flag(flag: bool, group, device: torch.device) -> bool:
     """Did any rank raise `flag`? (one all-reduce of one number)"""
-    t = torch.tensor([float(flag)], dtype=torch.float64, device=device)
+    return max_of(float(flag), group, device) > 0
+
+
+def max_of(value: float, group, device: torch.device) -> float:
+    """The largest of the ranks' `value`s (one all-reduce of one number)."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item() > 0)
+    return t.item()

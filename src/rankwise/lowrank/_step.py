@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from ..linalg import batch_mm as _mm
-from ..linalg import gram_rtol, one_thread
-from ._integrators import thin_svd
+from ..linalg import gram_rtol, one_thread, orthonormalize
+from ._integrators import Factors, reorthonormalize, thin_svd
 
 
 class GroupPlan(NamedTuple):
@@ -78,8 +78,9 @@ def _fill(m: int, w: int, like: Tensor) -> Tensor:
     return _FILLS[key]
 
 
-def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
-                          width: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None = None,
+                          width: int | None = None, extra: int = 0,
+                          robust: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Orthonormal columns spanning the part of span(X) orthogonal to span(Q0), at a width the
     host knows: Q0 (L, m, k) orthonormal, X (L, m, c) -> E (L, m, w), ``valid`` (L, w) bool,
     ``failed`` (L,) bool, with ``w = min(c, m − k, width)``. A `width` below the number of
@@ -96,6 +97,14 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
     entry is in [0.5, 1): the Gram matrix stays inside the dtype's range and the span is
     unchanged. A non-finite X never reaches the eigen-decomposition (its Gram matrix is
     replaced by zeros): its E is non-finite and ``failed`` is set.
+
+    Rank buckets: Q0 may hold zero columns (a layer padded to its group's width; they project
+    nothing out), X zero columns (they count as dropped); `rtol` may then be a tensor (L,), each
+    layer's threshold for its own column count. `extra` more fill columns, orthonormal to
+    E and the non-zero columns of Q0, come after E (E then has ``w + extra`` columns): the
+    caller puts them where Q0 has zero columns, so that Ū stays orthonormal. `robust`: where
+    the Cholesky factorisation fails, E comes from a Householder QR instead (always computed:
+    for the rare retry of a step, not for every step).
     """
     L, m, c = X.shape
     k = Q0.shape[-1]
@@ -103,7 +112,8 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
     X = X.to(Q0.dtype)
     if rtol is None:
         rtol = gram_rtol(X.dtype, c)
-    if w == 0:
+    tol2 = rtol**2 if not torch.is_tensor(rtol) else rtol.to(torch.float64).square()[:, None]
+    if w == 0 and not extra:
         return X.new_zeros(L, m, 0), torch.zeros(L, 0, dtype=torch.bool, device=X.device), \
             torch.zeros(L, dtype=torch.bool, device=X.device)
     big = torch.linalg.vector_norm(X, float("inf"), dim=(-2, -1))  # NaN or inf: not finite
@@ -125,43 +135,102 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | None = None,
     with one_thread():
         lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])
     # more directions than a restricted width holds (beyond m − k they are roundoff: ignored)
-    overflow = (lam > rtol**2).sum(-1) > (w if w < min(c, m - k) else c)
+    overflow = (lam > tol2).sum(-1) > (w if w < min(c, m - k) else c)
     lam, W = lam[..., c - w:].flip(-1), W[..., c - w:].flip(-1)  # the w largest, descending
-    valid = lam > rtol**2
+    valid = lam > tol2
     # the e valid ones back in ascending order (the exact path's column order), fills after them
     j = torch.arange(w, device=X.device)
     e = valid.sum(-1, keepdim=True)
     order = torch.where(j < e, e - 1 - j, j)
     lam = lam.gather(-1, order)
     W = W.gather(-1, order[:, None, :].expand(-1, c, -1))
-    inv = torch.where(valid, lam.clamp_min(rtol**2).rsqrt(), torch.zeros_like(lam))
+    inv = torch.where(valid, lam.clamp_min(tol2).rsqrt(), torch.zeros_like(lam))
     M = d[..., :, None] * W * inv[..., None, :]
-    Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), _fill(m, w, X))
+    fill = _fill(m, w + extra, X)
+    Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), fill[:, :w])
+    if extra:
+        Y = torch.cat([Y, fill[:, w:].expand(L, m, extra)], -1)
     if k:
         Y = _sub_mm(Y, Q0, _mm(Q0.mT, Y))
     with one_thread():
         Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double())
     E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
+    if robust:
+        E = torch.where((info != 0)[:, None, None], orthonormalize(Y)[0], E)
+        return E, valid, overflow
     return E, valid, (info != 0) | overflow
 
 
 def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor, V_buf: Tensor,
-                  width: int | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  width: int | None = None, pad: Padding | None = None, robust: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Ū = [U0, U_buf, E_U] (L, m, ku), V̄ = [V0, V_buf, E_V] (L, n, kv), the masks of their
     columns that carry the step (L, ku), (L, kv) (False: a fill direction of
-    :func:`orth_complement_fixed`) and the layers' failure flags (L,): both sides in one call
-    where their shapes agree (a square layer)."""
+    :func:`orth_complement_fixed`, or a padded column) and the layers' failure flags (L,): both
+    sides in one call where their shapes agree (a square layer). With `pad` (layers of several
+    ranks in one group, :class:`Padding`) the zero columns of [U0, U_buf] and [V0, V_buf] are
+    replaced by orthonormal fill directions orthogonal to everything else in Ū, V̄."""
     Uk, Vk = torch.cat([U0, U_buf], -1), torch.cat([V0, V_buf], -1)
+    extra, rtol = (0, None) if pad is None else (len(pad.slots), pad.rtol)
     if Uk.shape == Vk.shape and dK.shape == dL.shape:
         L = Uk.shape[0]
-        E, valid, failed = orth_complement_fixed(torch.cat([Uk, Vk]), torch.cat([dK, dL]), width=width)
+        rt = None if rtol is None else torch.cat([rtol, rtol])
+        E, valid, failed = orth_complement_fixed(torch.cat([Uk, Vk]), torch.cat([dK, dL]), width=width,
+                                                 extra=extra, rtol=rt, robust=robust)
         EU, EV, vU, vV, fU, fV = E[:L], E[L:], valid[:L], valid[L:], failed[:L], failed[L:]
     else:
-        EU, vU, fU = orth_complement_fixed(Uk, dK, width=width)
-        EV, vV, fV = orth_complement_fixed(Vk, dL, width=width)
-    ones = torch.ones(Uk.shape[0], Uk.shape[-1], dtype=torch.bool, device=Uk.device)
-    return (torch.cat([Uk, EU], -1), torch.cat([Vk, EV], -1), torch.cat([ones, vU], -1),
-            torch.cat([ones, vV], -1), fU | fV)
+        EU, vU, fU = orth_complement_fixed(Uk, dK, width=width, extra=extra, rtol=rtol, robust=robust)
+        EV, vV, fV = orth_complement_fixed(Vk, dL, width=width, extra=extra, rtol=rtol, robust=robust)
+    if pad is None:
+        ones = torch.ones(Uk.shape[0], Uk.shape[-1], dtype=torch.bool, device=Uk.device)
+        return (torch.cat([Uk, EU], -1), torch.cat([Vk, EV], -1), torch.cat([ones, vU], -1),
+                torch.cat([ones, vV], -1), fU | fV)
+    wU, wV = vU.shape[-1], vV.shape[-1]
+    Uk, Vk = pad.fill(Uk, EU[..., wU:]), pad.fill(Vk, EV[..., wV:])
+    return (torch.cat([Uk, EU[..., :wU]], -1), torch.cat([Vk, EV[..., :wV]], -1),
+            torch.cat([pad.old, vU], -1), torch.cat([pad.old, vV], -1), fU | fV)
+
+
+class Padding(NamedTuple):
+    """How a group of layers of one shape and several ranks is padded to one width (rank
+    buckets): each layer's [U0, U_buf] (L, m, R + B) holds its r columns, zeros up to R, its b
+    buffer columns, zeros up to R + B. ``old`` (L, R + B) bool: the real columns; ``slots``:
+    the column indices padded in some layer (host ints); ``rtol`` (L,): each layer's threshold
+    of the eigen filter for its own r columns (:func:`rankwise.linalg.gram_rtol`)."""
+
+    old: Tensor
+    slots: list[int]
+    rtol: Tensor
+    index: Tensor  # the slots as a device index
+
+    def fill(self, Q0: Tensor, F: Tensor) -> Tensor:
+        """Q0 (L, m, R + B) with its zero columns replaced by the fill directions F (L, m,
+        len(slots)), slot by slot."""
+        keep = self.old.index_select(-1, self.index)[:, None, :]
+        cols = torch.where(keep, Q0.index_select(-1, self.index), F)
+        return Q0.index_copy(-1, self.index, cols)
+
+
+def padding(ranks: list[int], buffers: list[int], dtype: torch.dtype, device: torch.device) -> Padding | None:
+    """The :class:`Padding` of a group whose layers have these ranks and buffer sizes (None
+    when they all agree: nothing is padded)."""
+    R, B = max(ranks), max(buffers)
+    if len(set(ranks)) == 1 and len(set(buffers)) == 1:
+        return None
+    rows = [[j < r for j in range(R)] + [j < b for j in range(B)]
+            for r, b in zip(ranks, buffers, strict=True)]
+    slots = [j for j in range(R + B) if not all(row[j] for row in rows)]
+    old = torch.tensor(rows, dtype=torch.bool, device=device)
+    rtol = torch.tensor([gram_rtol(dtype, r) for r in ranks], dtype=torch.float64, device=device)
+    return Padding(old, slots, rtol, torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+def rank_bucket(r: int) -> int:
+    """The rank bucket of rank r: the smallest power of two at least r (1, 2, 4, 8, 16, 32, …).
+    Layers of one shape whose ranks share a bucket are integrated as one group, padded to the
+    group's largest rank (at most twice a layer's own). Measured against a finer grid
+    (2^j, 1.25·2^j, 1.5·2^j) in docs/lowrank.md: fewer groups, fewer ops."""
+    return 1 << max(r - 1, 0).bit_length()
 
 
 def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
@@ -172,13 +241,10 @@ def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Ten
     L, r0 = S0.shape[0], S0.shape[-1]
     out = S0.new_zeros(L, U.shape[-1], V.shape[-1])
     out[:, :r0, :r0] = S0 + dS
-    low, right = _mm(U[..., r0:].mT, dK), _mm(dL.mT, V[..., r0:])
-    if mask_U is not None:
-        low = low * mask_U[:, r0:, None].to(low.dtype)
-    if mask_V is not None:
-        right = right * mask_V[:, None, r0:].to(right.dtype)
-    out[:, r0:, :r0] = low
-    out[:, :r0, r0:] = right
+    out[:, r0:, :r0] = _mm(U[..., r0:].mT, dK)
+    out[:, :r0, r0:] = _mm(dL.mT, V[..., r0:])
+    if mask_U is not None and mask_V is not None:
+        out = out * (mask_U[:, :, None] & mask_V[:, None, :]).to(out.dtype)
     return out
 
 
@@ -215,20 +281,28 @@ def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
 
 
 def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
-               U_buf: Tensor, V_buf: Tensor, *, svd: str = "auto", width: int | None = None) -> GroupPlan:
+               U_buf: Tensor, V_buf: Tensor, *, svd: str = "auto", width: int | None = None,
+               pad: Padding | None = None, robust: bool = False) -> GroupPlan:
     """Augment, form the single-pass core and take its SVD for a group (shapes: module
-    docstring). A non-finite core is replaced by zeros before its SVD (``finite`` says so),
-    so the factorisation never sees NaN. `width`: at most this many new directions per side
-    (a layer that needs more is marked ``failed``)."""
-    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf, width)
+    docstring; with `pad`, each layer padded to the group's rank and buffer width). A
+    non-finite core is replaced by zeros before its SVD (``finite`` says so), so the
+    factorisation never sees NaN. `width`: at most this many new directions per side (a layer
+    that needs more is marked ``failed``)."""
+    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf, width, pad, robust)
     S = core_group(U, V, S0, dK, dS, dL, mU, mV)
     finite = torch.isfinite(S).all(-1).all(-1)
     safe = torch.where(finite[:, None, None], S, torch.zeros_like(S))
     P, s, Q = svd_group(safe, svd)
+    return _plan(U, V, S, P, s, Q, S0.shape[-1], mU, mV, failed, finite, U_buf.shape[-1] + S0.shape[-1])
+
+
+def _plan(U, V, S, P, s, Q, r0: int, mU: Tensor, mV: Tensor, failed: Tensor, finite: Tensor,
+          k0: int) -> GroupPlan:
+    """The plan with each layer's exact core size k = min(ku, kv) and its new directions (the
+    wider side's), counted on the masks (k0: the padded width of [U0, U_buf])."""
     kU, kV = mU.sum(-1), mV.sum(-1)
-    old = S0.shape[-1] + U_buf.shape[-1]
-    return GroupPlan(U, V, S, P, s, Q, S0.shape[-1], torch.minimum(kU, kV), failed, finite,
-                     torch.maximum(kU, kV) - old, mU, mV)
+    new = torch.maximum(mU[:, k0:].sum(-1), mV[:, k0:].sum(-1))
+    return GroupPlan(U, V, S, P, s, Q, r0, torch.minimum(kU, kV), failed, finite, new, mU, mV)
 
 
 def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
@@ -250,3 +324,25 @@ def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
     r = torch.minimum(r, numerical)
     r = torch.maximum(torch.minimum(r, max_rank), min_rank)
     return torch.minimum(r, size).clamp_min(1)
+
+
+def masked_qr(X: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+    """Thin QR ``X = Q R`` (diag(R) > 0) of a batch X (L, m, k) whose columns where `real`
+    (L, k) is False are zero: those columns stay zero in Q and are the identity in R (so R is
+    invertible). Cholesky QR, twice, on the float64 Gram matrix: for the nearly orthonormal
+    bases it is used on (re-orthonormalisation) it is as accurate as Householder QR."""
+    Q, R = X, None
+    pad = torch.diag_embed((~real).to(torch.float64))
+    for _ in range(2):
+        with one_thread():
+            C = torch.linalg.cholesky(_mm(Q.mT, Q).double() + pad).mT  # upper
+        Q = torch.linalg.solve_triangular(C.to(Q.dtype), Q, upper=True, left=False)
+        R = C if R is None else C @ R
+    return Q, R.to(X.dtype)
+
+
+def reorthonormalize_group(f: Factors, pad: Padding | None) -> Factors:
+    """:func:`._integrators.reorthonormalize` of a group; padded columns stay zero."""
+    if pad is None:
+        return reorthonormalize(f)
+    return reorthonormalize(f, lambda X: masked_qr(X, pad.old))
