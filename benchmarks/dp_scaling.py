@@ -80,7 +80,7 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
             dict(data_parallel="replicated")
         opt = rankwise.SDLRT(model, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9, process_group=group,
                              **extra)
-        opt._average = _timed(opt._average, reduce_time)  # (private: benchmark only)
+        opt.dp.average = _timed(opt.dp.average, reduce_time)  # (private: benchmark only)
         _optim._shard.share_from_owners = _timed(_optim._shard.share_from_owners, share_time)
         net = model
     else:

@@ -580,7 +580,7 @@ def _groups_seen(monkeypatch) -> list:
 
     def spy(*a, **k):
         out = orig(*a, **k)
-        seen.append([(g.r, g.pad is not None) for g in out])
+        seen.append([(g.r, g.padded) for g in out])
         return out
 
     monkeypatch.setattr(_batched, "_groups", spy)

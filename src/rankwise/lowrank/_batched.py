@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ..linalg import batch_mm, work_dtype
+from ..linalg import work_dtype
 from . import _integrators as bug
 from . import _shard, _step
+from . import functional as F
 from ._budget import tail_share
-from ._rules import State, foreach_update, transport
+from ._replicas import _all_finite_flag, core_slot
+from ._rules import State, foreach_update
 
 if TYPE_CHECKING:
     from ._optim import AugmentedBUG
@@ -96,14 +98,6 @@ def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]
                 t[k] = r.clone()
 
 
-def _all_finite_flag(tensors: list[Tensor], device: torch.device) -> Tensor:
-    """A device bool: every tensor finite (max-abs by ``_foreach_norm(inf)``: never overflows)."""
-    if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(tensors, float("inf"))
-    return torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all()
-
-
 def _dense_params(opt: AugmentedBUG) -> list[Tensor]:
     return [p for g in opt.param_groups for p in g["params"]
             if id(p) not in opt._factor_ids and p.grad is not None]
@@ -145,56 +139,22 @@ def dense_step(opt: AugmentedBUG, ok: Tensor | None = None) -> None:
             st.update(n)
 
 
-def _augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Tensor, mU: Tensor,
-                          mV: Tensor, r0: int) -> State:
-    r"""Two-pass BUG: the S rule's state in the augmented coordinates (Ū, V̄), stacked (L, ...),
-    from the S, K and L states of the old bases: in blocks ``[[m_S, m_LᵀṼ], [Ũᵀm_K, 0]]``
-    (Ũ = Ū[:, r0:], Ṽ = V̄[:, r0:]; second moments through their square roots), rows and
-    columns of fill directions zero. The derivation: :func:`._optim._augmented_core_state`."""
-    EU = U[..., r0:] * mU[:, None, r0:].to(U.dtype)
-    EV = V[..., r0:] * mV[:, None, r0:].to(V.dtype)
-    out = dict(st_S)
-    for key, into, back in (("m", None, None), ("v", torch.sqrt, torch.square)):
-        xS, xK, xL = (st.get(key) for st in (st_S, st_K, st_L))
-        if xS is None and xK is None and xL is None:
-            continue
-        X = U.new_zeros(U.shape[0], U.shape[-1], V.shape[-1])
-
-        def f(x: Tensor, into=into, X=X) -> Tensor:
-            return x.to(X) if into is None else into(x.to(X))
-
-        if xS is not None:
-            X[:, :r0, :r0] = f(xS)
-        if xK is not None:
-            X[:, r0:, :r0] = batch_mm(EU.mT, f(xK))
-        if xL is not None:
-            X[:, :r0, r0:] = batch_mm(f(xL).mT, EV)
-        out[key] = X if back is None else back(X)
-    return out
-
-
 class _Group:
-    """One group's stacked inputs, rule outputs and plan (``names``: its layers, in order).
-    Layers of one shape and several ranks (one rank bucket) are zero-padded to the group's
-    largest rank R and buffer B (:class:`._step.Padding`); ``r``, ``b``: their own sizes.
-    `full`: every new direction has room (no fixed `width`) and a failed Cholesky
-    factorisation falls back to Householder QR: the retry of a step whose fixed-width
-    augmentation failed for some layer."""
+    """One group: its layers (``names``, in order), their own ranks ``r`` and buffer sizes
+    ``b``, the stacked inputs and the step planned by :mod:`.functional`. `full`: room for
+    every new direction and Householder QR where a Cholesky factorisation fails (the retry of
+    a step whose fixed-width augmentation failed for some layer)."""
 
     def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool, two_pass: bool = False,
                  full: bool = False) -> None:
         cfg = opt.settings
-        self.opt = opt
-        self.plan_two_pass = two_pass
-        self.names = names
+        self.opt, self.names, self.plan_two_pass = opt, names, two_pass
         self.layers = layers = [opt.layers[n] for n in names]
         self.states = [opt.state[m.S] for m in layers]
         self.r = [m.rank for m in layers]
         self.b = [m.U_buf.shape[1] if cfg.buffer else 0 for m in layers]
         first = layers[0]
-        hp = opt._hp_of(first.S)  # one param group per group (the grouping key)
-        self.dt = dt = work_dtype(first.U.dtype)
-        self.pad = pad = _step.padding(self.r, self.b, dt, first.U.device)
+        dt = work_dtype(first.U.dtype)
 
         def stack(ts: list[Tensor]) -> Tensor:
             return _stack(ts, dt)
@@ -205,90 +165,56 @@ class _Group:
                         stack([m.V.grad for m in layers]),
                         stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
                         stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
-        self.grads_finite = _all_finite_flag([f.G_K, f.G_L, f.G_S], f.U.device)
-        if reorth:
-            f = _step.reorthonormalize_group(f, pad)
-        self.f = f
-        rule = opt.rule
-        self.dK, stK = rule(f.G_K, f.U @ f.S, _stack_states([s["K"] for s in self.states], dt), hp)
-        self.dL, stL = rule(f.G_L, f.V @ f.S.mT, _stack_states([s["L"] for s in self.states], dt), hp)
-        stS = _stack_states([s["S"] for s in self.states], dt)
+        x = F.Stack(f, *(_stack_states([st[k] for st in self.states], dt) for k in ("K", "L", "S")),
+                    _step.padding(self.r, self.b, dt, first.U.device))
+        self.padded = x.pad is not None
+        self.hp, self.core_hp = opt._hp_of(first.S), opt._core_hp(first.S)  # (a group is one param group)
         width = _width(self.states) if cfg.buffer and not full else None
-        self.ranks: Tensor | None = None
-        if two_pass:  # the second phase (finish_two_pass) takes the S rule at the augmented point
-            self.new_states = {"K": stK, "L": stL}
-            U, V, mU, mV, failed = _step.augment_group(f.U, f.V, self.dK, self.dL, f.U_buf, f.V_buf,
-                                                       width, pad, robust=full)
-            r0 = f.S.shape[-1]
-            S0 = f.S.new_zeros(len(names), U.shape[-1], V.shape[-1])
-            S0[:, :r0, :r0] = f.S  # the Galerkin core at the augmented point: the same weight
-            self.point = (U, S0, V, mU, mV, failed)
-            # the K and L states before this step's rule
-            old_K, old_L = (_stack_states([s[k] for s in self.states], dt) for k in ("K", "L"))
-            self.state_S = _augmented_core_state(stS, old_K, old_L, U, V, mU, mV, r0)
-            self.plan = None
-            return
-        self.dS, stS = rule(f.G_S, f.S, stS, opt._core_hp(first.S))
-        self.new_states = {"K": stK, "L": stL, "S": stS}
-        self.plan = _step.plan_group(f.U, f.S, f.V, self.dK, self.dS, self.dL, f.U_buf, f.V_buf, svd="auto",
-                                     width=width, pad=pad, robust=full)
-        self._tolerance_ranks()
-
-    def _by_sensitivity(self) -> None:
-        """The data-aware budget: each layer's SVD directions reordered by their smoothed
-        sensitivity scores (:mod:`._sensitivity`; the directions beyond each layer's core size,
-        fills, last), and the smoothed values in that order (:attr:`smoothed`, :attr:`scores`)."""
-        from . import _sensitivity as sens
-
-        plan, f, cfg = self.plan, self.f, self.opt.settings
-        r0 = plan.r0
-        EU = plan.U[..., r0:] * plan.mU[:, None, r0:].to(plan.U.dtype)
-        EV = plan.V[..., r0:] * plan.mV[:, None, r0:].to(plan.V.dtype)
-        G = f.S.new_zeros(len(self.names), plan.U.shape[-1], plan.V.shape[-1])
-        G[:, :r0, :r0] = f.G_S
-        G[:, r0:, :r0] = batch_mm(EU.mT, f.G_K)
-        G[:, :r0, r0:] = batch_mm(f.G_L.mT, EV)
-        inst = sens.importance(plan.P, plan.s, plan.Q, G)
-        prev = [st.get("sensitivity") for st in self.states]
-        previous = None if prev[0] is None else sens.Smoothed(
-            _stack([p[0] for p in prev], inst.dtype), _stack([p[1] for p in prev], inst.dtype))
-        b = cfg.truncation
-        sm = sens.smooth(previous, plan.P, plan.Q, inst, beta1=b.beta1, beta2=b.beta2)
-        score = sens.scores(sm)
-        inside = torch.arange(score.shape[-1], device=score.device) < plan.k[:, None]
-        order = torch.argsort(torch.where(inside, score, -torch.inf), dim=-1, descending=True, stable=True)
-        self.plan = plan._replace(P=plan.P.gather(-1, order[:, None, :].expand(-1, plan.P.shape[-2], -1)),
-                                  s=plan.s.gather(-1, order),
-                                  Q=plan.Q.gather(-1, order[:, None, :].expand(-1, plan.Q.shape[-2], -1)))
-        self.smoothed = sens.Smoothed(sm.I.gather(-1, order), sm.U.gather(-1, order))
-        cost = torch.tensor([m.out_features + m.in_features for m in self.layers], device=score.device)
-        self.scores = score.gather(-1, order) / cost[:, None].to(score.dtype)
-
-    def _tolerance_ranks(self) -> None:
-        opt, cfg = self.opt, self.opt.settings
-        if cfg.budgeted and cfg.truncation.data_aware:
-            self._by_sensitivity()
+        self.tolerance = None
         if not cfg.budgeted and cfg.adaptive:
-            dev = self.plan.s.device
-            caps = [opt._rank_cap(m) for m in self.layers]
-            self.ranks = cfg.truncation.ranks(
-                self.plan.s, torch.tensor([s["tau"] for s in self.states], dtype=torch.float64, device=dev),
-                torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
-                torch.tensor(caps, device=dev), self.plan.k)
+            dev, caps = f.U.device, [opt._rank_cap(m) for m in layers]
+            taus = [st["tau"] for st in self.states]
+            self.tolerance = F.Ranks(torch.tensor(taus, dtype=torch.float64, device=dev),
+                                     torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
+                                     torch.tensor(caps, device=dev))
+        self.two: F.TwoPass | None = None
+        if two_pass:  # the second phase (finish_two_pass) takes the S rule at the augmented point
+            self.two = F.augment(x, opt.rule, self.hp, reorth=reorth, width=width, robust=full)
+            return
+        self.planned = F.plan(x, opt.rule, self.hp, self.core_hp, reorth=reorth, width=width, robust=full,
+                              ranks=self.tolerance)
+        self._sensitivity()
+
+    @property
+    def plan(self) -> _step.GroupPlan:
+        return self.planned.plan
+
+    @property
+    def ranks(self) -> Tensor | None:
+        return self.planned.ranks
+
+    @property
+    def grads_finite(self) -> Tensor:
+        return (self.two or self.planned).grads_finite
+
+    def _sensitivity(self) -> None:
+        """The data-aware budget: the directions in the order of their smoothed sensitivity
+        scores (:func:`.functional.by_sensitivity`), the smoothed values and scores kept."""
+        b = self.opt.settings.truncation
+        if not (self.opt.settings.budgeted and b.data_aware):
+            return
+        prev = [st.get("sensitivity") for st in self.states]
+        dt = self.planned.plan.s.dtype
+        previous = None if prev[0] is None else tuple(_stack([p[j] for p in prev], dt) for j in (0, 1))
+        cost = torch.tensor([m.out_features + m.in_features for m in self.layers], device=self.plan.s.device)
+        self.planned, self.smoothed, self.scores = F.by_sensitivity(self.planned, previous, cost,
+                                                                    beta1=b.beta1, beta2=b.beta2)
 
     def finish_two_pass(self, G: Tensor) -> None:
-        """Two-pass BUG's second phase: the S rule on the core gradient G (L, ku, kv) measured at
-        the augmented point (fill directions masked out, as if absent), the core's SVD, the plan."""
-        U, S0, V, mU, mV, failed = self.point
-        mask = (mU[:, :, None] & mV[:, None, :]).to(S0.dtype)
-        dS, stS = self.opt.rule(G.to(S0.dtype) * mask, S0, self.state_S, self.opt._core_hp(self.layers[0].S))
-        S = (S0 + dS) * mask
-        self.new_states["S"] = stS
-        finite = torch.isfinite(S).all(-1).all(-1)
-        P, s, Q = _step.svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)))
-        r0 = self.f.S.shape[-1]
-        self.plan = _step._plan(U, V, S, P, s, Q, r0, mU, mV, failed, finite, r0 + self.f.U_buf.shape[-1])
-        self._tolerance_ranks()
+        """Two-pass BUG's second phase (:func:`.functional.finish`) on the core gradients G
+        (L, ku, kv) measured at the augmented point."""
+        self.planned = F.finish(self.two, G, self.opt.rule, self.core_hp, ranks=self.tolerance)
+        self._sensitivity()
 
 
 CPU_CHUNK = 2**19
@@ -339,7 +265,7 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
         states = (*(_signature(st[k]) for k in ("K", "L", "S")), "sensitivity" in st)
         # (data parallel: also by owner, so that sharded and replicated runs form the same groups)
         keyed[(m.out_features, m.in_features, r, b, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)),
-               opt._batch_key(n), *states)].append(n)
+               None if opt.dp is None else opt.dp.batch_key(n), *states)].append(n)
     return [_Group(opt, chunk, key[6], two_pass, full) for key, names in keyed.items()
             for chunk in _chunks(key, names)]
 
@@ -354,7 +280,7 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False
     full = full or opt.implementation == "exact"
     todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
     groups = _groups(opt, todo, closure is not None, full)
-    device = groups[0].f.U.device if groups else next(
+    device = groups[0].layers[0].U.device if groups else next(
         (p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok_in = inputs_finite(opt, loss, device)
     if closure is not None:
@@ -408,8 +334,9 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False
         bad = overflow
     # a fixed width too narrow, or a failed factorisation
     failed = bad is None and any(f for g in groups for f in g.failed)
-    if opt._owners is not None:  # sharded: each rank saw only its own layers; all decide alike
-        code = _shard.max_of(2 if bad else float(failed), opt.process_group, device)
+    sharded = opt.dp is not None and opt.dp.owners is not None
+    if sharded:  # each rank saw only its own layers; all decide alike
+        code = opt.dp.decide(2 if bad else float(failed), device)
         bad = bad or ("non-finite update in a layer integrated by another data-parallel rank"
                       if code == 2 else None)
         failed = code == 1
@@ -438,8 +365,8 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False
         for st, e in zip(g.states, g.new, strict=True):
             st["new_directions"] = e
         _commit(opt, g)
-    if opt._owners is not None:  # sharded: the owners send their layers' results to every rank
-        opt._share(dict.fromkeys(todo))
+    if sharded:  # the owners send their layers' results to every rank
+        opt.dp.share(todo, opt.state)
     return True
 
 
@@ -455,20 +382,21 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     flags = [~inputs_finite(opt, loss, device).reshape(1)]
     flags += [(~g.grads_finite).reshape(-1).to(device) for g in groups]
     flags = [torch.cat(flags).any().reshape(1)]
-    flags += [g.point[5].reshape(-1).to(device) for g in groups]
+    flags += [g.two.failed.reshape(-1).to(device) for g in groups]
     bad_input, *failed = torch.cat(flags).tolist()  # (the step's first host read)
     failed = any(f > 0 for f in failed)
-    if opt._owners is not None:  # sharded: each rank saw its own layers only
-        code = _shard.max_of(2 if bad_input else float(failed), opt.process_group, device)
+    sharded = opt.dp is not None and opt.dp.owners is not None
+    if sharded:  # each rank saw its own layers only
+        code = opt.dp.decide(2 if bad_input else float(failed), device)
         bad_input, failed = code == 2, code == 1
     if bad_input:
         what = "non-finite loss or gradient" + ("" if loss is None else f" (loss={float(loss)})")
         return opt._nonfinite(what)
     if failed:
         return opt._nonfinite("the augmentation failed (non-finite update)") if full else None
-    points = {n: (g.point[0][i], g.point[1][i], g.point[2][i]) for g in groups for i, n in enumerate(g.names)}
-    if opt._owners is not None:  # every rank evaluates the model at every layer's augmented point
-        points, opt.shared_bytes = _shard.share_from_owners(points, opt._owners, opt.process_group, device)
+    points = {n: (g.two.U[i], g.two.S0[i], g.two.V[i]) for g in groups for i, n in enumerate(g.names)}
+    if sharded:  # every rank evaluates the model at every layer's augmented point
+        points, opt.dp.shared_bytes = _shard.share_from_owners(points, opt.dp.owners, opt.dp.group, device)
     saved = {p: None if p.grad is None else p.grad.clone()  # every dense parameter: one whose first
              for g in opt.param_groups for p in g["params"]       # gradient comes in pass 2 gets None back
              if id(p) not in opt._factor_ids}
@@ -485,8 +413,8 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
         if not got:
             raise RuntimeError(opt._no_grad_message(closure, " on its second call (two-pass, "
                                                              "`single_pass=False`)"))
-        if opt.process_group is not None:  # every rank's core gradients, averaged
-            elsewhere = opt._average([opt._core_slot(opt.layers[n]) for n in points], loss2, first=False)
+        if opt.dp is not None:  # every rank's core gradients, averaged
+            elsewhere = opt.dp.average([core_slot(opt.layers[n]) for n in points], loss2, first=False)
         grads = [torch.stack([m.S.grad if m.S.grad is not None else torch.zeros_like(m.S) for m in g.layers])
                  for g in groups]
     finally:
@@ -506,12 +434,10 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
     bases of every layer from one product (Ū P, V̄ Q at the group's widest rank and buffer),
     each layer's columns cut from it; into the layers' tensors in one ``_foreach_copy_`` where
     a layer's shapes did not change, else as fresh tensors."""
-    cfg, plan, r0 = opt.settings, g.plan, g.plan.r0
-    r1 = g.r1
+    cfg, r1 = opt.settings, g.r1
     b1 = [min(r, k - r) if cfg.buffer else 0 for r, k in zip(r1, g.k, strict=True)]
-    c, top = max(r + b for r, b in zip(r1, b1, strict=True)), max(r1)
-    UP, VQ = batch_mm(plan.U, plan.P[..., :c]), batch_mm(plan.V, plan.Q[..., :c])
-    S1 = torch.diag_embed(plan.s[:, :top])
+    t = F.truncate(g.planned, r1, b1, moments=cfg.moments, two_pass=g.plan_two_pass)
+    UP, VQ, S1 = t.U, t.V, t.S
     layers, L = g.layers, len(g.names)
     m_, n_ = layers[0].out_features, layers[0].in_features
     same = [i for i in range(L) if r1[i] == g.r[i] and b1[i] == g.b[i]]
@@ -537,22 +463,18 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
         layers[i].set_factors(UP[i, :, :r].clone(), S1[i, :r, :r].clone(), VQ[i, :, :r].clone(),
                               UP[i, :, r:r + b].clone(), VQ[i, :, r:r + b].clone())
     states = g.states
-    if cfg.moments == "reset":  # the rule starts afresh in the new bases
-        for st in states:
-            st["K"], st["L"], st["S"] = {}, {}, {}
-    else:
-        ns = g.new_states
-        TU, TV = plan.P[:, :r0, :top], plan.Q[:, :r0, :top]  # old-to-new maps U0ᵀU1, V0ᵀV1
-        # the S state's coordinates: the old bases (one pass) or the augmented ones (two-pass)
-        SU, SV = (plan.P[..., :top], plan.Q[..., :top]) if g.plan_two_pass else (TU, TV)
-        _write_states([st["K"] for st in states], transport(ns["K"], None, TV), [(m_, r) for r in r1])
-        _write_states([st["L"] for st in states], transport(ns["L"], None, TU), [(n_, r) for r in r1])
-        _write_states([st["S"] for st in states], transport(ns["S"], SU, SV), [(r, r) for r in r1])
+    shapes = {"K": [(m_, r) for r in r1], "L": [(n_, r) for r in r1], "S": [(r, r) for r in r1]}
+    for key in ("K", "L", "S"):
+        if cfg.moments == "reset":  # the rule starts afresh in the new bases
+            for st in states:
+                st[key] = {}
+        else:
+            _write_states([st[key] for st in states], t.states[key], shapes[key])
     for i, st in enumerate(states):
         if cfg.budgeted:
             st["tail"] = g.tails[i]
         if cfg.budgeted and cfg.truncation.data_aware:
-            st["sensitivity"] = [g.smoothed.I[i, :r1[i]].clone(), g.smoothed.U[i, :r1[i]].clone()]
+            st["sensitivity"] = [t_[i, :r1[i]].clone() for t_ in g.smoothed]
         elif opt.feedback is not None:
             st["tau"] = opt.feedback(st["tau"], r1[i], st["r_init"], cfg.tau)
         st["augmentations"] = st.get("augmentations", 0) + 1
@@ -581,9 +503,8 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
         S0 = _stack([m.S for m in layers], dt)
         G = _stack([m.S.grad for m in layers], dt)
         old = _stack_states([opt.state[m.S]["S"] for m in layers], dt)
-        dS, new = opt.rule(G, S0, old, opt._core_hp(layers[0].S))
-        S1 = S0 + dS
-        ok = ok & torch.isfinite(S1).all()
+        S1, new, finite = F.core(S0, G, old, opt.rule, opt._core_hp(layers[0].S))
+        ok = ok & finite
         planned.append((layers, S0, S1, old, new))
     for layers, S0, S1, old, new in planned:
         shapes = [tuple(m.S.shape) for m in layers]

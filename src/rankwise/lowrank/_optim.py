@@ -20,6 +20,7 @@ from ..linalg import work_dtype
 from . import _batched, _dp, _shard
 from ._base import AbstractLowRankLayer, layer_of
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
+from ._replicas import Replicas
 from ._settings import Settings, pop_rule, settings_from
 
 
@@ -155,7 +156,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._released = False
         self._warned_world = False
         self._group_by_id: dict[int, dict] | None = None
-        self.allreduce_bytes = 0  # data-parallel: bytes this rank all-reduced in the last step
         self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
         # (a layer whose core S is frozen is left alone, as torch optimizers leave frozen parameters)
@@ -204,20 +204,10 @@ class AugmentedBUG(torch.optim.Optimizer):
         # dropped without release(): the layers go back to plain autograd, as release() does
         self._owned = list(self.layers.values())  # (add_param_group appends to it)
         weakref.finalize(self, _release, self._owned, self._token)
-        self.shared_bytes = 0  # sharded: bytes of new factors and state this rank sent in the last step
-        self._owners: dict[str, int] | None = None  # sharded: {layer: the rank that integrates it}
-        self._todo: list[str] = []  # data parallel: layers with factor gradients on any rank (_average)
-        self._placement: dict[str, int] | None = None  # data parallel: the owners, sharded or not
-        if process_group is not None:  # as DDP does: every replica starts from rank 0's model
-            named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-            _dp.check_shapes(named, process_group)
-            _dp.broadcast_from_first(list(named.values()), process_group)
-            self._rank = torch.distributed.get_rank(process_group)
-            self._placement = _shard.assign_owners(
-                {n: _shard.layer_cost(m.out_features, m.in_features, self._rank_cap(m))
-                 for n, m in self.layers.items()}, torch.distributed.get_world_size(process_group))
-            if settings.data_parallel == "sharded":
-                self._owners = self._placement
+        self.dp: Replicas | None = None  # data parallel: reduce, step, share (:mod:`._replicas`)
+        if process_group is not None:
+            self.dp = Replicas(model, self.layers, process_group, sharded=settings.data_parallel == "sharded",
+                               rank_cap=self._rank_cap)
 
     def _adopt(self, layer: AbstractLowRankLayer) -> None:
         """Start a layer's optimizer state and mark it as trained by this optimizer."""
@@ -243,7 +233,17 @@ class AugmentedBUG(torch.optim.Optimizer):
         """Sharded data parallelism: {layer name: the rank of `process_group` that integrates
         it} (balanced by the integrator's cost at each layer's largest rank; the same on every
         rank and after a restart); ``None`` otherwise."""
-        return None if self._owners is None else dict(self._owners)
+        return None if self.dp is None or self.dp.owners is None else dict(self.dp.owners)
+
+    @property
+    def allreduce_bytes(self) -> int:
+        """Data parallel: the bytes this rank all-reduced in the last step (0 otherwise)."""
+        return 0 if self.dp is None else self.dp.allreduce_bytes
+
+    @property
+    def shared_bytes(self) -> int:
+        """Sharded: the bytes of new factors and state this rank sent in the last step."""
+        return 0 if self.dp is None else self.dp.shared_bytes
 
     @property
     def truncation(self) -> Tolerance | Budget:
@@ -408,8 +408,9 @@ class AugmentedBUG(torch.optim.Optimizer):
                 raise RuntimeError(self._no_grad_message(closure))
             if not self._amp_unscale():
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
-            dp = self.process_group is not None
-            if dp and self._average(self._grad_slots(), loss, first=True):
+            dp = self.dp is not None
+            if dp and self.dp.average(self.dp.grad_slots(p for g in self.param_groups for p in g["params"]),
+                                      loss, first=True):
                 ok = self._nonfinite("non-finite loss or gradient on a data-parallel rank")
             elif augment:
                 ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
@@ -551,61 +552,18 @@ class AugmentedBUG(torch.optim.Optimizer):
                 "ran, no parameter has a gradient; call loss.backward() inside the closure "
                 "before returning the loss; no weights were changed")
 
-    def _grad_slots(self) -> list[_dp.Slot]:
-        """Every gradient a step reads: ``.grad`` of each parameter that requires grad (in
-        factor mode a layer's U and V hold G_K (out, r) and G_L (in, r)). Sharded, a
-        factor-mode layer's G_K, G_L and S gradient go to its owner only (the others never
-        read them)."""
-        roles = {}
-        for name, m in self.layers.items():
-            if m.grad_mode == "factors":
-                roles.update({id(m.U): (name, "K"), id(m.S): (name, "S"), id(m.V): (name, "L")})
-        owners = self._owners or {}
-        slots = []
-        for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
-            name, key = roles.get(id(p), (None, ""))
-            # the integrator's gradients are averaged in its working precision (a half-precision
-            # sum of finite gradients can overflow), then stored in the parameter's dtype
-            dt = p.dtype if name is None else work_dtype(p.dtype)
-            slots.append(_dp.Slot(p.grad, tuple(p.shape), dt, p.device,
-                                  lambda v, p=p: setattr(p, "grad", None if v is None else v.to(p.dtype)),
-                                  owners.get(name), "" if name is None else f"{name}:{key}"))
-        return slots
-
-    @staticmethod
-    def _core_slot(layer: AbstractLowRankLayer) -> _dp.Slot:
-        S = layer.S
-        return _dp.Slot(S.grad, tuple(S.shape), S.dtype, S.device, lambda v, S=S: setattr(S, "grad", v))
-
-    def _average(self, slots: list[_dp.Slot], loss, *, first: bool) -> bool:
-        """Data-parallel (`process_group`): average `slots` over the ranks (the step's `first`
-        exchange resets :attr:`allreduce_bytes`). Returns whether any rank's loss (sharded, first
-        exchange: or its gradients), this rank's included, was not finite, so that every rank
-        skips (or raises) together, from the same decision."""
-        checked = [] if loss is None else [torch.as_tensor(loss).detach()]
-        if first and self._owners is not None:  # only the owners see their layers' gradients: check here
-            checked += [s.value for s in slots if s.value is not None]
-        device = slots[0].device if slots else torch.device("cpu")
-        flag = ~_batched._all_finite_flag(checked, device)  # read with the presence vector, not alone
-        bad, sent, present = _dp.average(slots, self.process_group, flag=flag)
-        self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
-        if first:  # the layers with S and factor gradients on any rank: the same list everywhere
-            tags = {s.tag for s, p in zip(slots, present, strict=True) if p}
-            self._todo = [n for n in self.layers if f"{n}:S" in tags and f"{n}:K" in tags]
-        return bad  # (every rank, the one that found it included: all skip or raise together)
-
     def _check_replicas(self) -> None:
         """After a truncation: every rank must hold the same ranks, factors, buffers and τ
         (replicated) or, sharded, the same dense parameters (the factors are copies of their
         owner's; the dense parameters are what every rank computes itself)."""
-        if self._owners is not None:
+        if self.dp.owners is not None:
             named = {self._param_names.get(id(p), "?"): (p,) for g in self.param_groups for p in g["params"]
                      if id(p) not in self._factor_ids}
         else:
             named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
                          torch.tensor(self.state[m.S].get("tau", 0.0), dtype=torch.float64))
                      for n, m in self.layers.items()}
-        _dp.check_replicas(named, self.process_group, when=f"at step {self._hp()['global_step']}")
+        self.dp.check(named, when=f"at step {self._hp()['global_step']}")
 
     def _nonfinite(self, what: str) -> bool:
         """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
@@ -614,39 +572,6 @@ class AugmentedBUG(torch.optim.Optimizer):
             raise FloatingPointError(msg + "; pass on_nonfinite='skip' to skip such steps")
         warnings.warn(msg + "; step skipped", RuntimeWarning, stacklevel=3)
         return False
-
-    def _batch_key(self, name: str) -> int | None:
-        """Layers batched together in the integrator's linear algebra share this key: the owner
-        (the rank that would own the layer when sharded, also when replicated, so that both
-        modes form the same batches and give bitwise equal results)."""
-        return None if self._placement is None else self._placement[name]
-
-    def _mine(self, name: str) -> bool:
-        """Does this rank integrate layer `name`? (every layer, unless sharded)"""
-        return self._owners is None or self._owners[name] == self._rank
-
-    def _agree(self, bad: str | None) -> str | None:
-        """Sharded: every rank learns whether any rank found its layers' update bad (each rank
-        sees only its own layers), so that all skip or raise together."""
-        if self._owners is None:
-            return bad
-        device = next(iter(self.layers.values())).S.device
-        if _shard.any_flag(bad is not None, self.process_group, device):
-            return bad or "non-finite update in a layer integrated by another data-parallel rank"
-        return None
-
-    def _share(self, plans) -> None:
-        """Sharded: each owner sends its layers' new factors, buffers and optimizer state (τ,
-        moments, counters) to every rank; every rank, the owner included, takes the copies
-        (bitwise equal values, and one memory layout, so that a checkpoint's bytes agree)."""
-        mine = {n: {"factors": (m.U, m.S, m.V, m.U_buf, m.V_buf), "state": self.state[m.S]}
-                for n, m in ((n, self.layers[n]) for n in plans)}
-        device = next(iter(self.layers.values())).S.device
-        everyone, self.shared_bytes = _shard.share_from_owners(mine, self._owners, self.process_group, device)
-        for name, v in everyone.items():  # this rank's own layers too: the same layout everywhere
-            layer = self.layers[name]
-            layer.set_factors(*v["factors"])
-            self.state[layer.S] = v["state"]
 
     def _rank_cap(self, layer) -> int:
         cap = self.settings.max_rank
@@ -663,10 +588,10 @@ class AugmentedBUG(torch.optim.Optimizer):
         `scores`: the data-aware budget's scores per cost."""
         from ._budget import layer_cost
 
-        if self._owners is not None:  # every owner's spectra and scores, on every rank
+        if self.dp is not None and self.dp.owners is not None:  # every owner's spectra and scores
             mine = {n: (s.cpu(), None if scores is None else scores[n]) for n, s in spectra.items()}
             spectra, gathered = {}, {}
-            for theirs in _shard.gather_objects(mine, self.process_group):
+            for theirs in _shard.gather_objects(mine, self.dp.group):
                 for n, (s, sc) in theirs.items():
                     spectra[n], gathered[n] = s, sc
             spectra = {n: spectra[n] for n in self.layers if n in spectra}  # in the model's order
