@@ -651,3 +651,45 @@ def test_ops_of_a_padded_group_do_not_grow_with_the_number_of_ranks():
     spread = kernels([5, 6, 7, 8] * 2)
     assert spread <= 1.2 * one, (one, spread)
     assert kernels([5, 6, 7, 8] * 2, "exact") >= 2 * one
+
+
+def test_the_functional_step_is_a_truncated_projected_gradient_step_without_an_optimizer():
+    """lowrank/functional.py alone (no optimizer object): two layers of one shape at ranks 3 and
+    5, stacked and padded to 5; one SGD step gives, for each layer, the best rank-r1 approximation
+    of W0 − lr·P_T(∇W) (P_T: the projection onto the tangent space at W0), computed densely."""
+    from rankwise.lowrank import functional as F
+    from rankwise.lowrank._batched import _stack
+    from rankwise.lowrank._integrators import Factors
+
+    g = torch.Generator().manual_seed(4)
+    m, n, lr = 12, 10, 0.3
+    layers, grads = [], []
+    for r in (3, 5):
+        U = torch.linalg.qr(torch.randn(m, r, generator=g, dtype=F64))[0]
+        V = torch.linalg.qr(torch.randn(n, r, generator=g, dtype=F64))[0]
+        S = torch.diag(torch.linspace(2.0, 1.0, r, dtype=F64))
+        layers.append((U, S, V))
+        grads.append(torch.randn(m, n, generator=g, dtype=F64))
+    pairs = list(zip(layers, grads, strict=True))
+    f = Factors(*(_stack(ts, F64) for ts in (
+        [U for U, _, _ in layers], [S for _, S, _ in layers], [V for _, _, V in layers],
+        [G @ V for (_, _, V), G in pairs], [U.T @ G @ V for (U, _, V), G in pairs],
+        [G.T @ U for (U, _, _), G in pairs],
+        [torch.zeros(m, 0, dtype=F64)] * 2, [torch.zeros(n, 0, dtype=F64)] * 2)))
+    pad = _step.padding([3, 5], [0, 0], F64, torch.device("cpu"))
+    x = F.Stack(f, {}, {}, {}, pad)
+    hp = {"lr": lr, "momentum": 0.0, "weight_decay": 0.0}
+    ranks = F.Ranks(torch.full((2,), 0.05, dtype=F64), torch.ones(2, dtype=torch.int64),
+                    torch.full((2,), 10, dtype=torch.int64))
+    p = F.plan(x, sgd, hp, hp, reorth=False, width=None, robust=False, ranks=ranks)
+    r1 = p.ranks.tolist()
+    t = F.truncate(p, r1, [0, 0], moments="rotate", two_pass=False)
+    for i, ((U, S, V), G) in enumerate(pairs):
+        PU, PV = U @ U.T, V @ V.T
+        tangent = PU @ G + G @ PV - PU @ G @ PV
+        P, s, Qh = torch.linalg.svd(U @ S @ V.T - lr * tangent)
+        r = r1[i]
+        assert torch.linalg.vector_norm(s[r:]) <= 0.05 * torch.linalg.vector_norm(s) + 1e-12
+        want = P[:, :r] @ torch.diag(s[:r]) @ Qh[:r]
+        got = t.U[i, :, :r] @ t.S[i, :r, :r] @ t.V[i, :, :r].T
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
