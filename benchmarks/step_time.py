@@ -427,7 +427,7 @@ def target_checks(configs: list[Config]) -> list[str]:
 
 # ----------------------------------------------------------------------------- phases
 PHASES = {  # phase: the functions whose exclusive time it collects (module, attribute)
-    "fwd+bwd": [("opt", "_evaluate")],
+    "fwd+bwd": [("closure", "evaluate")],
     "2nd pass": [("batched", "_second_pass")],
     "working copies": [("batched", "_Group")],  # _Group: stacking, rules
     "rules": [("batched", "dense_step"), ("batched", "core_step")],
@@ -446,11 +446,11 @@ class _Phases:
     the duration of a ``with`` block (benchmark instrumentation only)."""
 
     def __init__(self, phases: dict[str, list[tuple[str, str]]] | None = None) -> None:
-        from rankwise.lowrank import _batched, _integrators, _optim, _shard, _step
+        from rankwise.lowrank import _batched, _closure, _integrators, _optim, _shard, _step
 
         self.phases = PHASES if phases is None else phases
         self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard,
-                        "batched": _batched, "step": _step}
+                        "batched": _batched, "step": _step, "closure": _closure}
         self.total: dict[str, float] = dict.fromkeys(self.phases, 0.0)
         self.stack: list[list] = []
         self.saved: list[tuple] = []

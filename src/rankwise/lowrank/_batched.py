@@ -31,8 +31,8 @@ import torch
 from torch import Tensor
 
 from ..linalg import work_dtype
+from . import _closure, _shard, _step
 from . import _integrators as bug
-from . import _shard, _step
 from . import functional as F
 from ._budget import tail_share
 from ._replicas import _all_finite_flag, core_slot
@@ -408,11 +408,11 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
             opt.layers[n].set_grad_mode("core")
         with torch.enable_grad():
             loss2 = closure()
-        opt._check_loss(loss2)
+        _closure.check_loss(type(opt).__name__, loss2)
         got = any(p.grad is not None for group in opt.param_groups for p in group["params"])
         if not got:
-            raise RuntimeError(opt._no_grad_message(closure, " on its second call (two-pass, "
-                                                             "`single_pass=False`)"))
+            raise RuntimeError(_closure.no_grad_message(type(opt).__name__, closure, " on its second call "
+                                                        "(two-pass, `single_pass=False`)"))
         if opt.dp is not None:  # every rank's core gradients, averaged
             elsewhere = opt.dp.average([core_slot(opt.layers[n]) for n in points], loss2, first=False)
         grads = [torch.stack([m.S.grad if m.S.grad is not None else torch.zeros_like(m.S) for m in g.layers])

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from ..linalg import work_dtype
-from . import _batched, _dp, _shard
+from . import _batched, _closure, _dp, _shard, _state
 from ._base import AbstractLowRankLayer, layer_of
+from ._budget import Planner
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._replicas import Replicas
 from ._settings import Settings, pop_rule, settings_from
@@ -156,7 +156,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._released = False
         self._warned_world = False
         self._group_by_id: dict[int, dict] | None = None
-        self._count_buffer = False  # a Budget's count_buffer, with a buffer to count
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
         # (a layer whose core S is frozen is left alone, as torch optimizers leave frozen parameters)
         self.layers: dict[str, AbstractLowRankLayer] = {
@@ -168,29 +167,12 @@ class AugmentedBUG(torch.optim.Optimizer):
                           "(use rankwise.to_low_rank first)", stacklevel=3)
         # the settings as plain data: load_state_dict warns on a state saved under other policies
         defaults = dict(lr=lr, **settings.rule.hyper(), global_step=0, settings=settings.to_dict())
+        self.planner: Planner | None = None  # a Budget's bookkeeping
         if settings.budgeted:
-            from ._budget import layer_cost
-            from ._metrics import compression
-
-            truncation, min_rank = settings.truncation, settings.min_rank
-            c = compression(model)
-            factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in self.layers.values())
-            self._dense_params = c["dense_params"]
-            self._other_params = c["stored_params"] - factors  # biases, dense layers: fixed
-            self._count_buffer = bool(truncation.count_buffer and settings.buffer)
-            if truncation.target is not None and \
-                    (1 - truncation.target) * self._dense_params <= self._other_params:
-                raise ValueError(f"`target`={truncation.target} cannot be reached: the parameters outside "
-                                 f"the low-rank factors (biases, dense layers) alone are "
-                                 f"{self._other_params:,} of {self._dense_params:,}")
-            least = sum(layer_cost(m.out_features, m.in_features, min(min_rank, m.max_rank),
-                                   buffer=self._count_buffer) for m in self.layers.values())
-            if truncation.params is not None and truncation.params < least:
-                raise ValueError(f"`params`={truncation.params:,} cannot hold the low-rank layers at "
-                                 f"min_rank={min_rank}: that alone costs {least:,} parameters")
+            self.planner = Planner(model, self.layers, settings, self._rank_cap)
             # where the schedule starts is history, not derivable from a later model: it lives
             # in the param group, so it is saved and restored with the optimizer's state_dict
-            defaults["budget_start"] = self._other_params + self._held()
+            defaults["budget_start"] = self.planner.start()
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         # the factors (U and V are moved by the integrator, not autograd, so they may not
@@ -275,31 +257,12 @@ class AugmentedBUG(torch.optim.Optimizer):
         ``target_params``; U, S, V of every low-rank layer plus all other parameters), the
         parameters stored now (``stored_params``) and the compression they give
         (``compression``, as :func:`rankwise.compression`'s ratio); ``None`` without a target."""
-        if not self.settings.budgeted:
-            return None
-        stored = self._other_params + self._held()
-        return {"target": self.truncation.target, "budget_params": self._budget_now(),
-                "target_params": self.truncation.end_params(self._dense_params, self._other_params),
-                "stored_params": stored, "compression": 1 - stored / self._dense_params,
-                "layer_params": self._held()}
-
-    def _held(self) -> int:
-        """What the low-rank layers hold, as the budget counts it (U, S, V; with a counted
-        buffer, its largest size b = r: :func:`._budget.layer_cost`)."""
-        from ._budget import layer_cost
-
-        return sum(layer_cost(m.out_features, m.in_features, m.rank, buffer=self._count_buffer)
-                   for m in self.layers.values())
+        return None if self.planner is None else self.planner.report(self._augmentation(),
+                                                                       self._hp()["budget_start"])
 
     def _augmentation(self) -> int:
         return self._hp()["global_step"] // self.settings.update_every
 
-    def _budget_now(self) -> float:
-        """The budget (stored parameters) at this augmentation (:meth:`Budget.params_at`)."""
-        return self.truncation.params_at(self._augmentation(), self._hp()["budget_start"], self._dense_params,
-                                         self._other_params)
-
-    # ----------------------------------------------------------------- the step
     def _augment_now(self) -> bool:
         return self.param_groups[0]["global_step"] % self.settings.update_every == 0
 
@@ -396,17 +359,18 @@ class AugmentedBUG(torch.optim.Optimizer):
         if self._released:
             raise RuntimeError(f"this {type(self).__name__} was released (release()): its layers are back in "
                                "plain autograd mode; build a new optimizer to train them again")
-        if not self._warned_world and self.process_group is None:
-            self._warn_world()
+        if not self._warned_world and self.dp is None:
+            self._warned_world = True
+            _closure.warn_without_group(self)
         augment = self._augment_now()
         two_pass = augment and not self.settings.single_pass and self.layers
         if closure is None and two_pass:
             raise ValueError("two-pass DLRT (`single_pass=False`) needs `step(closure)`")
         try:
-            loss = self._evaluate(closure)
-            if not self._has_grads():
-                raise RuntimeError(self._no_grad_message(closure))
-            if not self._amp_unscale():
+            loss = _closure.evaluate(self, closure)
+            if not _closure.has_grads(self):
+                raise RuntimeError(_closure.no_grad_message(type(self).__name__, closure))
+            if not _closure.amp_unscale(self):
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
             dp = self.dp is not None
             if dp and self.dp.average(self.dp.grad_slots(p for g in self.param_groups for p in g["params"]),
@@ -429,128 +393,19 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._set_modes()
         return loss
 
-    def _warn_world(self) -> None:
-        """Once: several processes but no `process_group` (a DDP wrapper cannot average the
-        factor gradients, and every rank would integrate its own shard's)."""
-        self._warned_world = True
-        dist = torch.distributed
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            warnings.warn(f"torch.distributed runs {dist.get_world_size()} processes but this "
-                          f"{type(self).__name__} was built without `process_group`: each process integrates "
-                          "its own gradients and the replicas drift apart (DDP does not average the "
-                          "integrator's factor gradients, and its buckets break when a rank changes); "
-                          "build it with process_group=torch.distributed.group.WORLD and no DDP wrapper",
-                          UserWarning, stacklevel=3)
-
-    # torch.amp.GradScaler: with this flag, ``scaler.step(opt)`` checks ``.grad`` for inf, sets
-    # ``opt.grad_scale`` (None after ``scaler.unscale_(opt)``) and ``opt.found_inf`` and calls
-    # ``opt.step()``. The factor gradients G_K, G_L are U's and V's ``.grad``, so
-    # ``scaler.unscale_(opt)`` (before clipping) covers them as it covers every gradient.
-    _step_supports_amp_scaling = True
-
-    def _amp_unscale(self) -> bool:
-        """Unscale all gradients if called by a GradScaler; False if the step must be skipped."""
-        if not hasattr(self, "found_inf"):
-            return True
-        if self.process_group is not None:
-            raise ValueError("torch.amp.GradScaler with a data-parallel DLRT/SDLRT (`process_group`) is "
-                             "not supported: each rank would decide on its own whether to skip the step")
-        # (GradScaler deletes both after the step)
-        found_inf, scale = self.found_inf, getattr(self, "grad_scale", None)
-        if float(found_inf) > 0:
-            return False
-        if scale is not None:  # not unscaled yet (no scaler.unscale_(opt) before scaler.step(opt))
-            inv = 1.0 / scale.double()
-            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            for t in grads:
-                t.mul_(inv.to(t))
-        return True
+    _step_supports_amp_scaling = True  # torch.amp.GradScaler (:func:`._closure.amp_unscale`)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As ``torch.optim.Optimizer.load_state_dict``, then the K/L/S moments go back to the
-        integrator's working precision (torch casts them to the dtype of ``S``) and the
-        layers' gradient modes are re-synchronised with the loaded step count."""
+        """As ``torch.optim.Optimizer.load_state_dict``, with a state saved at other ranks refused
+        and one saved under other policies warned about (:mod:`._state`); the layers' gradient
+        modes then follow the loaded step count."""
         start = self._hp().get("budget_start")
-        group = next(iter(state_dict.get("param_groups", [])), {})
-        mine = self.settings.to_dict()
-        if "settings" in group:  # the policies: truncation, feedback, buffer
-            saved = {k: group["settings"].get(k) for k in ("truncation", "feedback", "buffer")}
-            differ = saved != {k: mine[k] for k in saved}
-            saved_text = ", ".join(f"{k}={v!r}" for k, v in saved.items())
-        else:  # saved before the settings objects: the policies as text, or nothing
-            saved_text = group.get("policies")
-            differ = saved_text is not None and saved_text != self.settings.policies()
-        if differ:  # allowed (e.g. τ first, then a budget), but more often a mistake: say so
-            warnings.warn(f"loading an optimizer state saved under other policies ({saved_text}) into one "
-                          f"with {self.settings.policies()}; the step count, moments and each layer's τ "
-                          "carry over, the policies are this optimizer's", UserWarning, stacklevel=2)
-        self._check_saved_ranks(state_dict)
+        _state.warn_other_policies(self.settings, state_dict)
+        _state.check_saved_ranks(self.layers, self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         self._group_by_id = None
-        for g in self.param_groups:  # the settings are this optimizer's, whatever was saved
-            g.pop("policies", None)
-            g["settings"] = mine
-        if start is not None:  # a state saved without a target: the schedule starts here
-            self._hp().setdefault("budget_start", start)
-        for layer in self.layers.values():
-            st, dt = self.state[layer.S], work_dtype(layer.S.dtype)
-            if not self.settings.budgeted:
-                st.setdefault("tau", self.settings.tau)  # a state saved under a budget has none
-            for key in ("K", "L", "S"):
-                st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
-                           for k, v in st.get(key, {}).items()}
+        _state.tidy(self, start)
         self._set_modes()
-
-    def _check_saved_ranks(self, state_dict: dict) -> None:
-        """Refuse (``ValueError``, nothing loaded) a state whose K/L/S moments were saved at other
-        ranks than the layers have now: the next step would fail on a shape mismatch."""
-        saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved = state_dict.get("state", {})
-        by_param = {id(p): saved.get(i) for i, p in zip(saved_ids, params, strict=False)}
-        for name, layer in self.layers.items():
-            st = by_param.get(id(layer.S)) or {}
-            want = {"K": tuple(layer.U.shape), "L": tuple(layer.V.shape), "S": tuple(layer.S.shape)}
-            for key, shape in want.items():
-                got = [tuple(v.shape) for v in (st.get(key) or {}).values()
-                       if torch.is_tensor(v) and v.ndim == 2]
-                if any(g != shape for g in got):
-                    raise ValueError(
-                        f"the optimizer state was saved with layer {name!r} at rank {got[0][1]} (its {key} "
-                        f"moments are {got[0][0]}×{got[0][1]}), but the layer is at rank {layer.rank} now: "
-                        "load the model's state_dict (it carries the ranks) before the optimizer's")
-
-    def _evaluate(self, closure):
-        if closure is None:
-            return None
-        for layer in self.layers.values():
-            layer.reset_factor_grads()
-        with torch.enable_grad():
-            loss = closure()
-        self._check_loss(loss)
-        return loss
-
-    def _check_loss(self, loss) -> None:
-        if loss is None:
-            raise TypeError(
-                f"the closure passed to {type(self).__name__}.step returned None; it must return "
-                "the loss tensor, as closures of torch optimizers do (zero the gradients, run the "
-                "forward pass, call loss.backward(), then `return loss`); no weights were changed")
-
-    def _has_grads(self) -> bool:
-        """Is there any gradient: a ``.grad`` on a parameter (a layer's G_K / G_L included)?"""
-        return any(p.grad is not None for g in self.param_groups for p in g["params"])
-
-    def _no_grad_message(self, closure, when: str = "") -> str:
-        name = type(self).__name__
-        if closure is None:
-            return (f"{name}.step() found no gradient on any parameter: call loss.backward() "
-                    f"before {name}.step(), or pass a closure that zeroes the gradients, runs the "
-                    "forward pass, calls loss.backward() and returns the loss; no weights were "
-                    "changed")
-        return (f"the closure passed to {name}.step did not call backward(){when}: after it "
-                "ran, no parameter has a gradient; call loss.backward() inside the closure "
-                "before returning the loss; no weights were changed")
 
     def _check_replicas(self) -> None:
         """After a truncation: every rank must hold the same ranks, factors, buffers and τ
@@ -579,15 +434,9 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _budget_ranks(self, spectra: dict[str, Tensor],
                       scores: dict[str, list[float]] | None = None) -> dict[str, int]:
-        """The rank of each layer planned in this step (`spectra`: its augmented core's
-        singular values, in the order the layer keeps its directions) under the current
-        budget, allocated model-wide (:func:`._budget.allocate_ranks`); layers not in this step
-        keep their rank and cost. From `Budget.freeze_after` on, every layer keeps its rank.
+        """Every layer's rank planned in this step under the budget (:meth:`Planner.ranks`).
         Sharded, the spectra (and sensitivity scores) of every owner's layers are gathered
-        first, and every rank allocates, identically; it returns the ranks of all layers.
-        `scores`: the data-aware budget's scores per cost."""
-        from ._budget import layer_cost
-
+        first, and every rank allocates, identically."""
         if self.dp is not None and self.dp.owners is not None:  # every owner's spectra and scores
             mine = {n: (s.cpu(), None if scores is None else scores[n]) for n, s in spectra.items()}
             spectra, gathered = {}, {}
@@ -597,16 +446,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             spectra = {n: spectra[n] for n in self.layers if n in spectra}  # in the model's order
             if self.truncation.data_aware:
                 scores = {n: gathered[n] for n in spectra}
-        if self.truncation.frozen(self._augmentation()):
-            return {n: min(self.layers[n].rank, s.numel()) for n, s in spectra.items()}
-        buf = self._count_buffer
-        fixed = self._other_params + sum(layer_cost(m.out_features, m.in_features, m.rank, buffer=buf)
-                                         for n, m in self.layers.items() if n not in spectra)
-        shapes = {n: (self.layers[n].out_features, self.layers[n].in_features) for n in spectra}
-        caps = {n: self._rank_cap(self.layers[n]) for n in spectra}
-        return self.truncation.allocate(spectra, shapes, self._budget_now() - fixed,
-                                        min_rank=self.settings.min_rank, max_ranks=caps, buffer=buf,
-                                        scores=scores)
+        return self.planner.ranks(spectra, scores, self._augmentation(), self._hp()["budget_start"])
+
 
 def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
     """The layers still marked with `token` go back to plain autograd (``"full"`` mode)."""
