@@ -15,11 +15,24 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 
-def setting(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None) -> Any:
-    """A dataclass field with its command-line `help` (one line) and `flag` (default: ``--`` and
-    the field's name with dashes)."""
+def setting(default: Any = dataclasses.MISSING, *, help: str, flag: str | None = None,
+            default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with its `help` (one paragraph: the command line's and the docstrings'
+    text) and `flag` (default: ``--`` and the field's name with dashes)."""
     meta = {"help": help} | ({"flag": flag} if flag is not None else {})
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def fields_doc(cls: type, names: Iterable[str] | None = None, indent: str = "    ") -> str:
+    """The helps of `cls`'s fields (`names`, default all with one) as a docstring's list."""
+    import textwrap
+
+    out = []
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata and (names is None or f.name in names):
+            item = textwrap.fill(f"- `{f.name}`: {f.metadata['help']}", 96, subsequent_indent="  ")
+            out.append(textwrap.indent(item, indent))
+    return "\n".join(out)
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:

@@ -21,7 +21,7 @@ from ._base import AbstractLowRankLayer, layer_of
 from ._budget import Planner
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._replicas import Replicas
-from ._settings import Settings, pop_rule, settings_from
+from ._settings import Settings, pop_rule, settings_doc, settings_from
 
 
 def _split_groups(params: list[Tensor], groups: list[dict] | None, layers: dict[str, AbstractLowRankLayer],
@@ -78,50 +78,48 @@ _FEEDBACK = {True: SeedFeedback, "seed": SeedFeedback, "two-sided": TwoSidedFeed
 IMPLEMENTATIONS = ("batched", "exact")
 
 
+def _checked(model: nn.Module, lr: float, settings: Settings | None, kwargs: dict, process_group) -> Settings:
+    """The constructor's arguments checked (one line each); the settings, from `kwargs` if not given."""
+    if not isinstance(model, nn.Module):
+        what = "model.parameters()" if isinstance(model, Iterator) else type(model).__name__
+        raise TypeError(f"`model` must be an nn.Module (the model itself, not {what}): the optimizer "
+                        "finds its low-rank layers in it")
+    _check_unwrapped(model)
+    if not (math.isfinite(v := _real("lr", lr, finite=False)) and v >= 0):
+        raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
+    if settings is None:
+        settings = settings_from(kwargs)
+    elif kwargs:
+        raise TypeError(f"give `settings` or the settings as keyword arguments, not both "
+                        f"(got {sorted(kwargs)})")
+    elif not isinstance(settings, Settings):
+        raise TypeError(f"`settings` must be rankwise.lowrank.Settings; got {type(settings).__name__}")
+    if process_group is not None and not torch.distributed.is_initialized():
+        raise ValueError("`process_group` given but torch.distributed is not initialised: call "
+                         "rankwise.dist.init_process_group() (under torchrun) first")
+    if process_group is not None:
+        _dp.check_model(model)
+    return settings
+
+
 class AugmentedBUG(torch.optim.Optimizer):
     r"""The rank-adaptive augmented basis-update & Galerkin integrator as an optimizer, with its
     choices passed as policies (:mod:`._policies`); :class:`DLRT` and :class:`SDLRT` are presets.
+    A thin shell: it collects each group of layers, calls the step (:mod:`.functional`, through
+    :mod:`._batched`) and writes the results back.
 
     Per low-rank layer and augmentation step: K- and L-updates from the gradients of K = US and
     L = VSᵀ, ``Ū = orth[U0, ΔK(, U_buf)]``, ``V̄ = orth[V0, ΔL(, V_buf)]``, the Galerkin core
-    ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, its SVD and a truncation chosen by `truncation`.
+    ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, its SVD and a truncation chosen by `truncation`. The optimizer
+    holds the low-rank factors and every parameter that requires grad (frozen ones, a PEFT
+    base model, are left out, as a torch optimizer built from the trainable parameters would).
 
-    **Arguments:** `model`, `lr`, `process_group` as documented under :class:`DLRT`, and the
-    settings, either as one :class:`Settings` object (`settings`) or as its fields by keyword
-    (validated once, in :class:`Settings`; held as :attr:`settings` and saved, as plain data,
-    in the ``state_dict``):
-    - `truncation`: :class:`Tolerance` (τ per layer) or :class:`Budget` (a compression target,
-      ranks allocated model-wide).
-    - `feedback`: ``None``, :class:`SeedFeedback` or :class:`TwoSidedFeedback` (or your own
-      :class:`Feedback`): adjusts each layer's τ after every truncation; only with a
-      :class:`Tolerance` (a budget sets the ranks itself).
-    - `buffer`: SDLRT's compensation buffer of recently discarded directions.
-    - `rule`: :class:`Sgd` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``,
-      ``eps``, ``weight_decay``, ``decoupled_weight_decay``) or :class:`AdamW`, applied to K, L,
-      S and every other trainable parameter; the presets' ``optimizer=``, ``momentum=``, ... are
-      accepted instead. Their values start the param group, where torch's schedulers may change
-      them.
-    - `single_pass`, `min_rank`, `max_rank`, `adaptive`, `update_every`, `on_nonfinite`: as
-      under :class:`DLRT`.
-    - `implementation`: ``"batched"`` (default: layers of one shape and rank bucket integrated
-      together, padded to one rank, each augmentation with room for a fixed number of new
-      directions) or ``"exact"`` (groups of one shape and one rank, room for every direction:
-      the shapes of the papers' algorithm); the same results to roundoff, as torch's
-      ``foreach=`` choice.
-    - `core_lr_ratio`: the core S's rate as a multiple of the group's (1: the same rate for the
-      bases' K and L steps and the core's).
-    - `moments`: ``"rotate"`` (default) carries the rule's K, L and S moments into the new
-      bases at every truncation; ``"reset"`` starts them afresh (with the Adam rule and
-      ``update_every=1`` every factor step is then Adam's first, a per-coordinate sign step).
-      On a small GPT with the Adam rule ``"reset"`` was 0.115 validation bits ahead of
-      ``"rotate"`` and ahead of dense AdamW (docs/lm.md): recommended there.
-
-    The optimizer holds the low-rank factors and every parameter that requires grad; frozen
-    parameters (a PEFT base model) are left out, as a torch optimizer built from the trainable
-    parameters would.
-
-    Example: ``AugmentedBUG(model, 0.05, truncation=Budget(0.9, ramp_steps=300), buffer=True,
-    rule=Sgd(momentum=0.9))``.
+    **Arguments:** `model`, `lr`, `param_groups`, `process_group` as under :class:`DLRT`;
+    `implementation`: ``"batched"`` (default: layers of one shape and rank bucket together,
+    padded to one rank, room for a fixed number of new directions) or ``"exact"`` (groups of one
+    rank, room for every direction), the same results to roundoff, as torch's ``foreach=``; and
+    the settings, as one :class:`Settings` (`settings`) or as its fields by keyword (the
+    presets' ``optimizer=``, ``momentum=``, ... instead of `rule`):
     """
 
     def __init__(self, model: nn.Module, lr: float, settings: Settings | None = None, *,
@@ -130,25 +128,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}")
         self.implementation = implementation
-        if not isinstance(model, nn.Module):
-            what = "model.parameters()" if isinstance(model, Iterator) else type(model).__name__
-            raise TypeError(f"`model` must be an nn.Module (the model itself, not {what}): the optimizer "
-                            "finds its low-rank layers in it")
-        _check_unwrapped(model)
-        if not (math.isfinite(v := _real("lr", lr, finite=False)) and v >= 0):
-            raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
-        if settings is None:
-            settings = settings_from(kwargs)
-        elif kwargs:
-            raise TypeError(f"give `settings` or the settings as keyword arguments, not both "
-                            f"(got {sorted(kwargs)})")
-        elif not isinstance(settings, Settings):
-            raise TypeError(f"`settings` must be rankwise.lowrank.Settings; got {type(settings).__name__}")
-        if process_group is not None and not torch.distributed.is_initialized():
-            raise ValueError("`process_group` given but torch.distributed is not initialised: call "
-                             "rankwise.dist.init_process_group() (under torchrun) first")
-        if process_group is not None:
-            _dp.check_model(model)
+        settings = _checked(model, lr, settings, kwargs, process_group)
         self.settings = settings
         self.process_group = process_group
         self._model = weakref.ref(model)
@@ -300,7 +280,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         new: list[AbstractLowRankLayer] = []
         if hasattr(self, "settings"):  # torch's __init__ adds the first groups before we are set up
             _check_group(param_group, self.settings, self.layers)
-            param_group, new = self._with_new_layers(param_group)
+            param_group, new = _with_new_layers(self, param_group)
         super().add_param_group(param_group)
         if len(self.param_groups) > 1:  # the optimizer's counters live in the first group only
             for key in ("global_step", "budget_start"):
@@ -318,25 +298,6 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._owned.append(layer)
         if new:
             self._set_modes()
-
-    def _with_new_layers(self, group: dict) -> tuple[dict, list[AbstractLowRankLayer]]:
-        """The group with the U, S and V of every low-rank layer it touches (the three go
-        together), and the layers new to this optimizer."""
-        ps = group["params"]
-        ps = [ps] if isinstance(ps, Tensor) else list(ps)
-        new: dict[int, AbstractLowRankLayer] = {}
-        for p in ps:
-            layer = layer_of(p) if isinstance(p, Tensor) else None
-            if layer is not None and id(p) not in self._factor_ids:
-                new[id(layer)] = layer
-        if new and (self.settings.budgeted or self.process_group is not None):
-            raise ValueError("add_param_group with a new low-rank layer: the optimizer plans a budget "
-                             "(`target`) or data-parallel owners for the layers it was built with; add the "
-                             "layer to the model first, then build the optimizer")
-        have = {id(p) for p in ps}
-        for layer in new.values():
-            ps += [t for t in (layer.U, layer.S, layer.V) if id(t) not in have]
-        return {**group, "params": ps}, list(new.values())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -386,7 +347,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                 self._hp()["global_step"] += 1
                 every = self.settings.check_every
                 if augment and dp and every and self._augmentation() % every == 0:
-                    self._check_replicas()
+                    self.dp.check_optimizer(self)
         finally:
             for layer in self.layers.values():
                 layer.reset_factor_grads()
@@ -406,19 +367,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._group_by_id = None
         _state.tidy(self, start)
         self._set_modes()
-
-    def _check_replicas(self) -> None:
-        """After a truncation: every rank must hold the same ranks, factors, buffers and τ
-        (replicated) or, sharded, the same dense parameters (the factors are copies of their
-        owner's; the dense parameters are what every rank computes itself)."""
-        if self.dp.owners is not None:
-            named = {self._param_names.get(id(p), "?"): (p,) for g in self.param_groups for p in g["params"]
-                     if id(p) not in self._factor_ids}
-        else:
-            named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
-                         torch.tensor(self.state[m.S].get("tau", 0.0), dtype=torch.float64))
-                     for n, m in self.layers.items()}
-        self.dp.check(named, when=f"at step {self._hp()['global_step']}")
 
     def _nonfinite(self, what: str) -> bool:
         """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
@@ -447,6 +395,26 @@ class AugmentedBUG(torch.optim.Optimizer):
             if self.truncation.data_aware:
                 scores = {n: gathered[n] for n in spectra}
         return self.planner.ranks(spectra, scores, self._augmentation(), self._hp()["budget_start"])
+
+
+def _with_new_layers(opt: AugmentedBUG, group: dict) -> tuple[dict, list[AbstractLowRankLayer]]:
+    """The group with the U, S and V of every low-rank layer it touches (the three go
+    together), and the layers new to this optimizer."""
+    ps = group["params"]
+    ps = [ps] if isinstance(ps, Tensor) else list(ps)
+    new: dict[int, AbstractLowRankLayer] = {}
+    for p in ps:
+        layer = layer_of(p) if isinstance(p, Tensor) else None
+        if layer is not None and id(p) not in opt._factor_ids:
+            new[id(layer)] = layer
+    if new and (opt.settings.budgeted or opt.process_group is not None):
+        raise ValueError("add_param_group with a new low-rank layer: the optimizer plans a budget "
+                         "(`target`) or data-parallel owners for the layers it was built with; add the "
+                         "layer to the model first, then build the optimizer")
+    have = {id(p) for p in ps}
+    for layer in new.values():
+        ps += [t for t in (layer.U, layer.S, layer.V) if id(t) not in have]
+    return {**group, "params": ps}, list(new.values())
 
 
 def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
@@ -556,26 +524,15 @@ _COMMON_DOC = """
     - `optimizer`: ``"sgd"``, ``"adam"`` or ``"adamw"`` (with `betas`, each in [0, 1), and `eps` > 0),
       applied to K, L, S and the dense parameters; its state is rotated into new bases after
       every truncation.
-    - `single_pass`: one closure call per step, the gradient projected onto the augmented bases
-      (default, ~2× cheaper); ``False`` gives classic two-pass BUG (closure called twice).
-    - `min_rank`, `max_rank`: bounds of the adaptive rank (max also capped per layer).
-    - `adaptive`: ``False`` keeps each layer's rank fixed (fixed-rank BUG).
-    - `update_every`: augment and truncate every N-th step; in between only the cores S and the
-      dense parameters take plain steps (much cheaper backward).
-    - `on_nonfinite`: ``"raise"`` a ``FloatingPointError`` on a NaN/inf loss or gradient, or
-      ``"skip"`` the step with a warning; weights are never overwritten with NaN.
+""" + settings_doc(("single_pass", "min_rank", "max_rank", "adaptive", "update_every", "on_nonfinite",
+                     "moments", "core_lr_ratio")) + """
     - `process_group`: data-parallel training (e.g. ``torch.distributed.group.WORLD`` after
       :func:`rankwise.dist.init_process_group`, each rank on its own shard of every batch; do
       not also wrap the model in DDP). At construction every parameter and buffer is
-      broadcast from the group's first rank. With ``data_parallel="sharded"`` (the default)
-      each low-rank layer has one owning rank (:meth:`owners`): its gradients (G_K, G_L, S)
-      are reduced to the owner, which integrates it and broadcasts the new factors, buffers,
-      τ and optimizer state; the other gradients are all-reduced. With ``"replicated"`` every
-      gradient is all-reduced and every rank integrates every layer. Every `check_every`-th
-      truncation a hash of what the ranks computed themselves (replicated: each layer's
-      factors, buffers and τ; sharded: the dense parameters) is compared across ranks: a rank
-      that drifted raises ``RuntimeError`` naming it. A non-finite loss or gradient on any
-      rank skips (or raises) on all.
+      broadcast from the group's first rank; every gradient the step reads is averaged
+      (sharded: a layer's factor gradients go to its owner, :meth:`owners`); a non-finite loss
+      or gradient on any rank skips (or raises) on all.
+""" + settings_doc(("data_parallel", "check_every")) + """
 """
 
 
@@ -607,6 +564,13 @@ def _truncation(tau: float | None, target: float | None, ramp_steps: int | None,
     return Tolerance(tau) if target is None else Budget(target, ramp_steps, allocation)
 
 
+AugmentedBUG.__doc__ = AugmentedBUG.__doc__.rstrip() + "\n" + settings_doc() + """
+
+    Example: ``AugmentedBUG(model, 0.05, truncation=Budget(0.9, ramp_steps=300), buffer=True,
+    rule=Sgd(momentum=0.9))``.
+"""
+
+
 class DLRT(AugmentedBUG):
     r"""Rank-adaptive dynamical low-rank training: the augmented basis-update & Galerkin
     integrator as an optimizer (:class:`AugmentedBUG` with a :class:`Tolerance` or a
@@ -615,8 +579,6 @@ class DLRT(AugmentedBUG):
     Per low-rank layer and augmentation step: K- and L-updates from the gradients of
     K = US and L = VSᵀ, ``Ū = orth[U0, ΔK]``, ``V̄ = orth[V0, ΔL]``, Galerkin core
     ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, SVD of S̄ and truncation at ϑ = τ‖S̄‖_F.
-    """ + _COMMON_DOC + """
-    Example: ``opt = DLRT(model, 0.05, tau=0.1); loss = opt.step(closure)``.
     """
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
@@ -642,9 +604,6 @@ class SDLRT(AugmentedBUG):
       ``"two-sided"`` also relaxes τ ← τ/ω (up to max(τ, 0.5)) whenever the rank is above the
       initial rank, so τ settles once the rank sits there (:class:`TwoSidedFeedback`).
       With a `target` there is no τ to adjust and the feedback is not used.
-    """ + _COMMON_DOC + """
-    - `omega`: feedback factor ω in (0, 1); `buffer`, `feedback`: switch each part off
-      separately (with both off this is DLRT).
     """
 
     def __init__(self, model: nn.Module, lr: float, *, tau: float | None = None,
@@ -666,3 +625,13 @@ class SDLRT(AugmentedBUG):
             raise ValueError(f"`omega` must be in (0, 1); got {omega}")
         super().__init__(model, lr, truncation=truncation, feedback=fb, buffer=buffer, rule=rule,
                          process_group=process_group, **settings)
+
+
+# (the options common to both presets, written once; a docstring literal cannot be concatenated)
+DLRT.__doc__ += _COMMON_DOC + """
+    Example: ``opt = DLRT(model, 0.05, tau=0.1); loss = opt.step(closure)``.
+"""
+SDLRT.__doc__ += _COMMON_DOC + """
+    - `omega`: feedback factor ω in (0, 1); `buffer`, `feedback`: switch each part off
+      separately (with both off this is DLRT).
+"""

@@ -115,3 +115,16 @@ class Replicas:
     def check(self, named: dict[str, tuple[Tensor, ...]], when: str) -> None:
         """Every rank must hold the same `named` tensors (:func:`._dp.check_replicas`)."""
         _dp.check_replicas(named, self.group, when=when)
+
+    def check_optimizer(self, opt) -> None:
+        """After a truncation: every rank must hold the same ranks, factors, buffers and τ
+        (replicated) or, sharded, the same dense parameters (the factors are copies of their
+        owner's; the dense parameters are what every rank computes itself)."""
+        if self.owners is not None:
+            named = {opt._param_names.get(id(p), "?"): (p,) for g in opt.param_groups for p in g["params"]
+                     if id(p) not in opt._factor_ids}
+        else:
+            named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
+                         torch.tensor(opt.state[m.S].get("tau", 0.0), dtype=torch.float64))
+                     for n, m in self.layers.items()}
+        self.check(named, when=f"at step {opt.param_groups[0]['global_step']}")

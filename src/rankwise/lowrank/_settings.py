@@ -11,9 +11,10 @@ that check their values on construction, and :meth:`Settings.to_dict` /
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
+from .._fields import fields_doc, setting
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._rules import Rule, adam, sgd
 
@@ -155,35 +156,51 @@ def _policy(d: dict[str, Any] | None) -> Any:
 
 @dataclass(frozen=True)
 class Settings:
-    """Every choice of an :class:`~rankwise.AugmentedBUG` (see its docstring for each).
+    """Every choice of an :class:`~rankwise.AugmentedBUG`, validated once; each field's help is
+    its one documentation (the optimizers' docstrings list them: :func:`settings_doc`).
 
-    **Arguments:** `truncation` (:class:`Tolerance` or :class:`Budget`), `feedback`
-    (``None`` or a :class:`Feedback`; only with a Tolerance), `buffer` (SDLRT's compensation
-    buffer), `rule` (:class:`Sgd`, :class:`Adam` or :class:`AdamW`), `single_pass`, `min_rank`, `max_rank`,
-    `adaptive`, `update_every`, `on_nonfinite` (``"raise"`` or ``"skip"``), `moments`
-    (``"rotate"``: the rule's moments are carried into the new bases at every truncation,
-    :func:`._rules.transport`; ``"reset"``: they start afresh, with Adam's step count),
-    `core_lr_ratio` (the core's rate as a multiple of the bases'); with a
-    `process_group`: `data_parallel` (``"sharded"``, the default: each layer is integrated by
-    one rank, its owner, which then sends the result to the others; ``"replicated"``: every
-    rank integrates every layer) and `check_every` (compare the replicas' hashes every N-th
-    augmentation; 0: never).
+    **Arguments:**
     """
 
-    truncation: Tolerance | Budget
-    feedback: Feedback | None = None
-    buffer: bool = False
-    rule: Sgd | Adam = field(default_factory=Sgd)
-    single_pass: bool = True
-    min_rank: int = 2
-    max_rank: int | None = None
-    adaptive: bool = True
-    update_every: int = 1
-    on_nonfinite: Literal["raise", "skip"] = "raise"
-    data_parallel: Literal["replicated", "sharded"] = "sharded"
-    check_every: int = 1
-    moments: Literal["rotate", "reset"] = "rotate"
-    core_lr_ratio: float = 1.0
+    truncation: Tolerance | Budget = setting(help=(
+        ":class:`Tolerance` (τ per layer: the discarded tail ‖σ_tail‖ ≤ τ‖σ‖) or :class:`Budget` (a "
+        "compression target, ranks allocated model-wide)."))
+    feedback: Feedback | None = setting(None, help=(
+        "``None``, :class:`SeedFeedback` (SDLRT's τ ← ωτ while a layer's rank is below its initial "
+        "rank) or :class:`TwoSidedFeedback` (also τ ← τ/ω above it), or your own :class:`Feedback`: "
+        "adjusts each layer's τ after every truncation; only with a Tolerance."))
+    buffer: bool = setting(False, help=(
+        "SDLRT's compensation buffer: the augmented bases also span the last truncation's next "
+        "discarded directions, ``Ū = orth[U0, ΔK, U_buf]``."))
+    rule: Sgd | Adam = setting(default_factory=Sgd, help=(
+        ":class:`Sgd` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``, ``eps``, "
+        "``weight_decay``, ``decoupled_weight_decay``) or :class:`AdamW`, applied to K = US, L = VSᵀ, S "
+        "and every other trainable parameter; its values start the param groups, where torch's "
+        "schedulers may change them."))
+    single_pass: bool = setting(True, help=(
+        "one closure call per step, the gradient projected onto the augmented bases (~2× cheaper); "
+        "``False``: classic two-pass BUG (the closure is called twice)."))
+    min_rank: int = setting(2, help="the smallest rank a truncation keeps.")
+    max_rank: int | None = setting(None, help="the largest rank (also capped per layer by its shape).")
+    adaptive: bool = setting(True, help="``False`` keeps each layer's rank fixed (fixed-rank BUG).")
+    update_every: int = setting(1, help=(
+        "augment and truncate every N-th step; in between only the cores S and the dense "
+        "parameters take plain steps (a much cheaper backward)."))
+    on_nonfinite: Literal["raise", "skip"] = setting("raise", help=(
+        "``\"raise\"`` a ``FloatingPointError`` on a NaN/inf loss or gradient, or ``\"skip\"`` the step "
+        "with a warning; weights are never overwritten with NaN."))
+    data_parallel: Literal["replicated", "sharded"] = setting("sharded", help=(
+        "with a `process_group`: ``\"sharded\"`` (each layer integrated by one rank, its owner, which "
+        "sends the result to the others) or ``\"replicated\"`` (every rank integrates every layer)."))
+    check_every: int = setting(1, help=(
+        "with a `process_group`: compare the replicas' hashes every N-th augmentation (0: never); a "
+        "rank that drifted raises ``RuntimeError`` naming it."))
+    moments: Literal["rotate", "reset"] = setting("rotate", help=(
+        "``\"rotate\"`` carries the rule's K, L and S moments into the new bases at every "
+        "truncation (:func:`._rules.transport`); ``\"reset\"`` starts them afresh, with Adam's step "
+        "count (on a small GPT with the Adam rule 0.115 validation bits ahead of ``\"rotate\"``, "
+        "docs/lm.md)."))
+    core_lr_ratio: float = setting(1.0, help="the core S's rate as a multiple of the bases' K and L rate.")
 
     def __post_init__(self) -> None:
         if not isinstance(self.truncation, Tolerance | Budget):
@@ -287,3 +304,11 @@ def settings_from(kwargs: dict[str, Any]) -> Settings:
     if "truncation" not in kwargs:
         raise TypeError("missing `truncation`: rankwise.Tolerance(tau) or rankwise.Budget(target)")
     return Settings(rule=rule, **kwargs)
+
+
+def settings_doc(names=None) -> str:
+    """The :class:`Settings` fields' helps as a docstring's list (`names`: only these)."""
+    return fields_doc(Settings, names)
+
+
+Settings.__doc__ = Settings.__doc__.rstrip() + "\n" + settings_doc() + "\n"
