@@ -6,7 +6,8 @@ What is measured
     (rank buckets, the default) and ``"exact"`` (groups of one rank, room for every new
     direction), in one process, so both see the same machine state. After a warm-up, every
     repeat times one block of ``--steps`` steps per configuration in a fixed order; the table
-    shows the median block mean and the ratio to dense.
+    shows the median block mean and the ratio to dense, and the closure alone (forward and
+    backward, timed in its own block right after) and the rest of the step (the update).
 
     Models: ``mlp``: 4 layers 2048 → 2048, batch 256, rank 100 pinned (``min_rank = max_rank``,
     90 % compression; momentum 0.9, ``tau=0.1``) — the ``make bench`` configuration; ``gpt``:
@@ -88,6 +89,7 @@ def measure(problem, repeats: int, steps: int) -> dict[str, float]:
 
         runs[label] = (opt, closure)
     times: dict[str, list[float]] = {label: [] for label, *_ in configs}
+    passes: dict[str, list[float]] = {label: [] for label, *_ in configs}
     for rep in range(repeats + 1):  # the first round warms up
         for label, (opt, closure) in runs.items():
             t = time.perf_counter()
@@ -95,7 +97,12 @@ def measure(problem, repeats: int, steps: int) -> dict[str, float]:
                 opt.step(closure)
             if rep:
                 times[label].append((time.perf_counter() - t) / steps * 1e3)
-    return {label: statistics.median(v) for label, v in times.items()}
+            t = time.perf_counter()  # the closure alone: forward and backward, no update
+            for _ in range(steps):
+                closure()
+            if rep:
+                passes[label].append((time.perf_counter() - t) / steps * 1e3)
+    return {label: (statistics.median(times[label]), statistics.median(passes[label])) for label in times}
 
 
 def main(argv=None) -> None:
@@ -106,13 +113,13 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {a.repeats} "
           f"interleaved blocks of {a.steps} steps")
-    print("| model | config | ms/step | ×dense |")
-    print("|---|---|---|---|")
+    print("| model | config | ms/step | ×dense | forward + backward ms | update ms (the rest) |")
+    print("|---|---|---|---|---|---|")
     problems = {"mlp": _mlp_problem, "gpt": _gpt_problem}
     for name in (("mlp", "gpt") if a.model == "both" else (a.model,)):
         ms = measure(problems[name](), a.repeats, a.steps)
-        for label, v in ms.items():
-            print(f"| {name} | {label} | {v:.1f} | {v / ms['dense']:.2f} |")
+        for label, (v, fb) in ms.items():
+            print(f"| {name} | {label} | {v:.1f} | {v / ms['dense'][0]:.2f} | {fb:.1f} | {v - fb:.1f} |")
 
 
 if __name__ == "__main__":
