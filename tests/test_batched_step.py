@@ -444,14 +444,14 @@ def _invariants(m, opt) -> list[torch.Tensor]:
         U, V = layer.U.detach(), layer.V.detach()
         out += [layer.dense_weight().detach(), layer.bias.detach(), layer.U_buf @ layer.U_buf.T,
                 layer.V_buf @ layer.V_buf.T]
-        st = opt.state[layer.S]
-        moved = {"K": lambda x, V=V: x @ V.T, "L": lambda x, U=U: U @ x.T,
-                 "S": lambda x, U=U, V=V: U @ x @ V.T}
-        for key, move in moved.items():
-            if st[key].get("m") is not None:
-                out.append(move(st[key]["m"]))
-            if st[key].get("v") is not None:
-                out.append(st[key]["v"])
+        moved = {layer.U: lambda x, V=V: x @ V.T, layer.V: lambda x, U=U: U @ x.T,
+                 layer.S: lambda x, U=U, V=V: U @ x @ V.T}  # K's state under U, L's under V, S's under S
+        for p, move in moved.items():
+            st = opt.state[p]
+            if st.get("m") is not None:
+                out.append(move(st["m"]))
+            if st.get("v") is not None:
+                out.append(st["v"])
     return out
 
 
@@ -693,3 +693,49 @@ def test_the_functional_step_is_a_truncated_projected_gradient_step_without_an_o
         want = P[:, :r] @ torch.diag(s[:r]) @ Qh[:r]
         got = t.U[i, :, :r] @ t.S[i, :r, :r] @ t.V[i, :, :r].T
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_the_state_is_flat_loads_weights_only_and_an_old_nested_state_is_converted(tmp_path):
+    """K's rule state under U, L's under V, S's and the layer's counters under S, as torch keeps
+    a state per parameter; `torch.load(weights_only=True)` reads a saved state_dict; a state
+    saved with the rule states nested under S (``{"K": {...}, "L": {...}, "S": {...}}``) loads
+    into the flat layout and continues the same trajectory."""
+    import copy
+
+    def run(steps, state=None):
+        m = _mixed_mlp()
+        opt = SDLRT(m, 0.5, tau=0.05, optimizer="adam")
+        g = torch.Generator().manual_seed(1)
+        X, Y = torch.randn(4, 32, 12, generator=g, dtype=F64), torch.randint(0, 3, (4, 32), generator=g)
+        for t in range(steps):
+            if t == 2 and state is not None:
+                m.load_state_dict(state[0])
+                opt.load_state_dict(state[1])
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(X[t]), Y[t]).backward()
+            opt.step()
+            if t == 1 and state is None:  # (copies: the live tensors change in place)
+                saved = copy.deepcopy((m.state_dict(), opt.state_dict()))
+        return m, opt, saved if state is None else None
+
+    m, opt, saved = run(4)
+    layer = next(iter(opt.layers.values()))
+    assert set(opt.state[layer.U]) == {"m", "v", "step"} and opt.state[layer.U]["m"].shape == layer.U.shape
+    assert opt.state[layer.V]["m"].shape == layer.V.shape
+    assert {"m", "v", "step", "r_init", "tau", "augmentations"} <= set(opt.state[layer.S])
+    torch.save(saved[1], tmp_path / "opt.pt")
+    flat = torch.load(tmp_path / "opt.pt", weights_only=True)
+    # the old layout: each layer's rule states nested under its S
+    ids = [i for g in flat["param_groups"] for i in g["params"]]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    index = {id(p): i for i, p in zip(ids, params, strict=True)}
+    old = {k: dict(v) for k, v in flat["state"].items()}
+    for lay in opt.layers.values():
+        iu, iv, i_s = index[id(lay.U)], index[id(lay.V)], index[id(lay.S)]
+        rule = {k: old[i_s].pop(k) for k in ("m", "v", "step")}
+        old[i_s].update(K=old.pop(iu), L=old.pop(iv), S=rule)
+    for state in (flat, {**flat, "state": old}):
+        again, opt2, _ = run(4, (saved[0], state))
+        for a, b in zip(m.parameters(), again.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        assert set(opt2.state[next(iter(opt2.layers.values())).U]) == {"m", "v", "step"}

@@ -81,12 +81,12 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: 
         losses.append(float(opt.step(closure).detach()))
         ranks.append(tuple(opt.ranks().values()))
         sent.append(opt.allreduce_bytes)
-        states = [opt.state[m.S] for m in model if isinstance(m, rankwise.LowRankLinear)]
+        states = [opt.state[p] for m in model if isinstance(m, rankwise.LowRankLinear)
+                  for p in (m.U, m.V, m.S)]
     weights = [m.dense_weight().detach() for m in model if isinstance(m, rankwise.LowRankLinear)]
     buffers = [t.detach().numpy().copy() for m in model if isinstance(m, rankwise.LowRankLinear)
                for t in (m.U_buf, m.V_buf)]
-    moments = [t.numpy().copy() for st in states for key in ("K", "L", "S") for t in st[key].values()
-               if torch.is_tensor(t)]
+    moments = [st[k].numpy().copy() for st in states for k in ("m", "v") if torch.is_tensor(st.get(k))]
     from rankwise.ckpt._serial import serialize
 
     digest = hashlib.blake2b(serialize({"model": model.state_dict(), "opt": opt.state_dict()})).hexdigest()

@@ -120,8 +120,8 @@ def test_training_memory_equals_a_hand_count():
     assert count.weights == 8 * (10 * r + r * r + 6 * r)
     assert count.grads == 8 * (10 * r + r * r + 6 * r)  # G_L (10, r), S.grad, G_K (6, r)
     assert count.lowrank_buffers == 8 * (10 + 6) * b and b > 0
-    moments = sum(t.numel() * t.element_size() for st in opt.state.values()
-                  for key in ("K", "L", "S") for t in st.get(key, {}).values() if isinstance(t, torch.Tensor))
+    moments = sum(st[k].numel() * st[k].element_size() for st in opt.state.values()
+                  for k in ("m", "v") if isinstance(st.get(k), torch.Tensor))
     assert count.optimizer == moments > 0
 
 

@@ -45,7 +45,7 @@ def test_half_precision_optimizer_state_round_trip(optimizer):
     m2.load_state_dict(m.state_dict())
     opt2 = DLRT(m2, 0.05, tau=0.1, momentum=0.9, optimizer=optimizer)
     opt2.load_state_dict(opt.state_dict())
-    assert opt2.state[m2[0].S]["K"]["m"].dtype == torch.float32  # working precision restored
+    assert opt2.state[m2[0].U]["m"].dtype == torch.float32  # working precision restored
     opt2.step(mse_closure(opt2, m2, x, y))
 
 
@@ -64,12 +64,12 @@ def test_skipped_two_pass_step_restores_factors_and_state():
         return loss.detach()
 
     before = {k: v.clone() for k, v in layer.state_dict().items()}
-    K_state = opt.state[layer.S]["K"]["m"].clone()
+    K_state = opt.state[layer.U]["m"].clone()
     with pytest.warns(RuntimeWarning, match="skipped"):
         opt.step(closure)
     for k, v in layer.state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert torch.equal(opt.state[layer.S]["K"]["m"], K_state)  # nothing committed
+    assert torch.equal(opt.state[layer.U]["m"], K_state)  # nothing committed
     opt.step(mse_closure(opt, layer, X, Y))  # and training goes on
 
 

@@ -108,7 +108,7 @@ def test_two_pass_is_single_pass_plus_the_second_pass_block(cls, kw):
     warm = cls(layer, LR, tau=0.0, momentum=MU, adaptive=False, single_pass=False, **kw)
     for _ in range(4):  # momentum history in all three states (and an SDLRT buffer)
         warm.step(mse_closure(warm, layer, X, Y))
-    mK, mL = (warm.state[layer.S][k]["m"] for k in ("K", "L"))
+    mK, mL = warm.state[layer.U]["m"], warm.state[layer.V]["m"]  # K's state under U, L's under V
     assert float(mK.norm()) > 0 and float(mL.norm()) > 0
 
     results = {}

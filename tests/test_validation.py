@@ -146,7 +146,7 @@ def test_two_pass_second_closure_call_without_backward_restores_the_factors():
     X, Y, _ = rank3_problem()
     opt = DLRT(model, 0.1, tau=0.1, momentum=0.9, single_pass=False)
     opt.step(mse_closure(opt, model, X, Y))
-    before, K_state = _snapshot(model), opt.state[model[0].S]["K"]["m"].clone()
+    before, K_state = _snapshot(model), opt.state[model[0].U]["m"].clone()
     calls = {"n": 0}
 
     def closure():
@@ -161,7 +161,7 @@ def test_two_pass_second_closure_call_without_backward_restores_the_factors():
         opt.step(closure)
     assert calls["n"] == 2
     _assert_unchanged(model, before)  # the augmented factors of the second pass are undone
-    assert torch.equal(opt.state[model[0].S]["K"]["m"], K_state)
+    assert torch.equal(opt.state[model[0].U]["m"], K_state)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)

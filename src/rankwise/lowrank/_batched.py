@@ -70,6 +70,31 @@ def _rows(batch: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
     return out
 
 
+RULE_KEYS = ("m", "v", "step")
+"""A rule's state entries (:mod:`._rules`): the moments and Adam's step count. The optimizer's
+state is torch's, flat: K's rule state under U, L's under V, S's under S, beside the layer's
+counters (``r_init``, ``tau``, ``augmentations``, ...)."""
+
+
+def _rule_states(opt: AugmentedBUG, layers: list, key: str) -> list[State]:
+    """The rule states of K (`key` ``"K"``: under U), L (under V) or S of `layers`."""
+    return [{k: v for k, v in opt.state[getattr(m, _HOLDER[key])].items() if k in RULE_KEYS} for m in layers]
+
+
+_HOLDER = {"K": "U", "L": "V", "S": "S"}
+
+
+def _put_rule_states(opt: AugmentedBUG, layers: list, key: str, new: State | None,
+                     shapes: list[tuple[int, ...]]) -> None:
+    """Write a stacked rule state (None: reset, the entries removed) into each layer's state."""
+    targets = [opt.state[getattr(m, _HOLDER[key])] for m in layers]
+    for t in targets:
+        for k in [k for k in t if k in RULE_KEYS and (new is None or k not in new)]:
+            del t[k]
+    if new is not None:
+        _write_states(targets, new, shapes)
+
+
 def _stack_states(states: list[State], dt: torch.dtype) -> State:
     """Per-layer rule states of one signature as one state of stacked (zero-padded) moments."""
     out = {k: v for k, v in states[0].items() if k not in _MOMENTS}
@@ -165,7 +190,7 @@ class _Group:
                         stack([m.V.grad for m in layers]),
                         stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
                         stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
-        x = F.Stack(f, *(_stack_states([st[k] for st in self.states], dt) for k in ("K", "L", "S")),
+        x = F.Stack(f, *(_stack_states(_rule_states(opt, layers, k), dt) for k in ("K", "L", "S")),
                     _step.padding(self.r, self.b, dt, first.U.device))
         self.padded = x.pad is not None
         self.hp, self.core_hp = opt._hp_of(first.S), opt._core_hp(first.S)  # (a group is one param group)
@@ -262,7 +287,7 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
         R, B = _step.rank_bucket(r), _step.rank_bucket(b) if b else 0
         if not full and min(m.out_features, m.in_features) >= 2 * R + B:
             r, b = R, B
-        states = (*(_signature(st[k]) for k in ("K", "L", "S")), "sensitivity" in st)
+        states = (*(_signature(opt.state[t]) for t in (m.U, m.V, m.S)), "sensitivity" in st)
         # (data parallel: also by owner, so that sharded and replicated runs form the same groups)
         keyed[(m.out_features, m.in_features, r, b, m.U.dtype, m.U.device, reorth, id(opt._hp_of(m.S)),
                None if opt.dp is None else opt.dp.batch_key(n), *states)].append(n)
@@ -464,12 +489,8 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
                               UP[i, :, r:r + b].clone(), VQ[i, :, r:r + b].clone())
     states = g.states
     shapes = {"K": [(m_, r) for r in r1], "L": [(n_, r) for r in r1], "S": [(r, r) for r in r1]}
-    for key in ("K", "L", "S"):
-        if cfg.moments == "reset":  # the rule starts afresh in the new bases
-            for st in states:
-                st[key] = {}
-        else:
-            _write_states([st[key] for st in states], t.states[key], shapes[key])
+    for key in ("K", "L", "S"):  # reset: the rule starts afresh in the new bases
+        _put_rule_states(opt, layers, key, None if cfg.moments == "reset" else t.states[key], shapes[key])
     for i, st in enumerate(states):
         if cfg.budgeted:
             st["tail"] = g.tails[i]
@@ -493,7 +514,7 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
     keyed: dict[tuple, list] = defaultdict(list)
     for m in todo:
         key = (_step.rank_bucket(m.rank), m.S.dtype, m.S.device, id(opt._hp_of(m.S)),
-               _signature(opt.state[m.S]["S"]))
+               _signature(opt.state[m.S]))
         keyed[key].append(m)
     device = todo[0].S.device if todo else next((p.device for p in _dense_params(opt)), torch.device("cpu"))
     ok = inputs_finite(opt, loss, device)
@@ -502,7 +523,7 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
         dt = work_dtype(layers[0].S.dtype)
         S0 = _stack([m.S for m in layers], dt)
         G = _stack([m.S.grad for m in layers], dt)
-        old = _stack_states([opt.state[m.S]["S"] for m in layers], dt)
+        old = _stack_states(_rule_states(opt, layers, "S"), dt)
         S1, new, finite = F.core(S0, G, old, opt.rule, opt._core_hp(layers[0].S))
         ok = ok & finite
         planned.append((layers, S0, S1, old, new))
@@ -513,7 +534,8 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
             if new.get(k) is not None:
                 before = old[k] if old.get(k) is not None else torch.zeros_like(new[k])
                 new[k] = torch.where(ok, new[k], before)
-        _write_states([opt.state[m.S]["S"] for m in layers], new, shapes)
+        new = {k: v for k, v in new.items() if k in RULE_KEYS}
+        _write_states([opt.state[m.S] for m in layers], new, shapes)
     dense_step(opt, ok)
     bad = (~ok).to(torch.int64)
     opt._skipped = bad if opt._skipped is None else opt._skipped + bad

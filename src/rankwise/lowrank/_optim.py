@@ -173,7 +173,9 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     def _adopt(self, layer: AbstractLowRankLayer) -> None:
         """Start a layer's optimizer state and mark it as trained by this optimizer."""
-        self.state[layer.S].update(r_init=layer.rank, K={}, L={}, S={})
+        for p in (layer.U, layer.V):  # (their rule states: K's under U, L's under V; made here, so
+            self.state[p]             # that every rank of a data-parallel run orders them alike)
+        self.state[layer.S]["r_init"] = layer.rank
         if not self.settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
             self.state[layer.S]["tau"] = self.settings.tau
         if getattr(layer, "_grad_owner", None) is None:  # what release() gives back
@@ -362,6 +364,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         modes then follow the loaded step count."""
         start = self._hp().get("budget_start")
         _state.warn_other_policies(self.settings, state_dict)
+        state_dict = _state.flattened(self.layers, self.param_groups, state_dict)
         _state.check_saved_ranks(self.layers, self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         self._group_by_id = None

@@ -103,14 +103,15 @@ class Replicas:
         """Sharded: each owner sends its layers' new factors, buffers and optimizer `state` (τ,
         moments, counters) to every rank; every rank, the owner included, takes the copies
         (bitwise equal values, and one memory layout, so that a checkpoint's bytes agree)."""
-        mine = {n: {"factors": (m.U, m.S, m.V, m.U_buf, m.V_buf), "state": state[m.S]}
-                for n, m in ((n, self.layers[n]) for n in names)}
+        layers = {n: self.layers[n] for n in names}
+        mine = {n: {"factors": (m.U, m.S, m.V, m.U_buf, m.V_buf),
+                    "state": [state[m.U], state[m.V], state[m.S]]} for n, m in layers.items()}
         device = next(iter(self.layers.values())).S.device
         everyone, self.shared_bytes = _shard.share_from_owners(mine, self.owners, self.group, device)
         for name, v in everyone.items():  # this rank's own layers too: the same layout everywhere
             layer = self.layers[name]
             layer.set_factors(*v["factors"])
-            state[layer.S] = v["state"]
+            state[layer.U], state[layer.V], state[layer.S] = v["state"]
 
     def check(self, named: dict[str, tuple[Tensor, ...]], when: str) -> None:
         """Every rank must hold the same `named` tensors (:func:`._dp.check_replicas`)."""

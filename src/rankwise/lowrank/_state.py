@@ -27,19 +27,44 @@ def warn_other_policies(settings, state_dict: dict) -> None:
                       "carry over, the policies are this optimizer's", UserWarning, stacklevel=3)
 
 
+def _by_param(param_groups: list[dict], state_dict: dict) -> dict[int, int]:
+    """{id(parameter): its index in the saved state_dict} (the saved groups' order)."""
+    saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+    params = [p for g in param_groups for p in g["params"]]
+    return {id(p): i for i, p in zip(saved_ids, params, strict=False)}
+
+
+def flattened(layers: dict, param_groups: list[dict], state_dict: dict) -> dict:
+    """A state saved with each layer's rule states nested under S (``{"K": {...}, "L": {...},
+    "S": {...}}``, before the state was flat) converted: K's under U, L's under V, S's beside
+    the layer's counters under S. A flat state is returned as it is."""
+    index = _by_param(param_groups, state_dict)
+    saved = state_dict.get("state", {})
+    nested = [m for m in layers.values() if isinstance(saved.get(index.get(id(m.S))), dict)
+              and isinstance(saved[index[id(m.S)]].get("K"), dict)]
+    if not nested:
+        return state_dict
+    state = dict(saved)
+    for m in nested:
+        st = dict(state[index[id(m.S)]])
+        K, L, S = st.pop("K"), st.pop("L", {}), st.pop("S", {})
+        state[index[id(m.S)]] = {**st, **S}
+        for p, sub in ((m.U, K), (m.V, L)):
+            if id(p) in index and sub:
+                state[index[id(p)]] = dict(sub)
+    return {**state_dict, "state": state}
+
+
 def check_saved_ranks(layers: dict, param_groups: list[dict], state_dict: dict) -> None:
     """Refuse (``ValueError``, nothing loaded) a state whose K/L/S moments were saved at other
     ranks than the layers have now: the next step would fail on a shape mismatch."""
-    saved_ids = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
-    params = [p for g in param_groups for p in g["params"]]
+    index = _by_param(param_groups, state_dict)
     saved = state_dict.get("state", {})
-    by_param = {id(p): saved.get(i) for i, p in zip(saved_ids, params, strict=False)}
     for name, layer in layers.items():
-        st = by_param.get(id(layer.S)) or {}
-        want = {"K": tuple(layer.U.shape), "L": tuple(layer.V.shape), "S": tuple(layer.S.shape)}
-        for key, shape in want.items():
-            got = [tuple(v.shape) for v in (st.get(key) or {}).values() if torch.is_tensor(v) and v.ndim == 2]
-            if any(g != shape for g in got):
+        for key, p in (("K", layer.U), ("L", layer.V), ("S", layer.S)):
+            st = saved.get(index.get(id(p))) or {}
+            got = [tuple(st[k].shape) for k in ("m", "v") if torch.is_tensor(st.get(k)) and st[k].ndim == 2]
+            if any(g != tuple(p.shape) for g in got):
                 raise ValueError(
                     f"the optimizer state was saved with layer {name!r} at rank {got[0][1]} (its {key} "
                     f"moments are {got[0][0]}×{got[0][1]}), but the layer is at rank {layer.rank} now: "
@@ -49,7 +74,7 @@ def check_saved_ranks(layers: dict, param_groups: list[dict], state_dict: dict) 
 def tidy(opt, start) -> None:
     """After torch's load: the settings are the optimizer's whatever was saved, a state saved
     without a target starts the budget schedule here, τ defaults, and the K/L/S moments go back
-    to the integrator's working precision (torch casts them to the dtype of S)."""
+    to the integrator's working precision (torch casts them to their parameter's dtype)."""
     mine = opt.settings.to_dict()
     for g in opt.param_groups:
         g.pop("policies", None)
@@ -60,6 +85,8 @@ def tidy(opt, start) -> None:
         st, dt = opt.state[layer.S], work_dtype(layer.S.dtype)
         if not opt.settings.budgeted:
             st.setdefault("tau", opt.settings.tau)  # a state saved under a budget has none
-        for key in ("K", "L", "S"):
-            st[key] = {k: v.to(dt) if torch.is_tensor(v) and v.is_floating_point() else v
-                       for k, v in st.get(key, {}).items()}
+        for p in (layer.U, layer.V, layer.S):
+            moments = opt.state[p]
+            for k in ("m", "v"):
+                if torch.is_tensor(moments.get(k)):
+                    moments[k] = moments[k].to(dt)
