@@ -104,10 +104,8 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     if args["phases"] and kind != "dense":  # the optimizer step split into phases (benchmark only)
         from step_time import PHASES, _Phases
 
-        phases = _Phases({**PHASES, "gradient exchange": [("opt", "_average")],
-                          "owners' broadcast": [("shard", "share_from_owners")],
-                          "agreement": [("opt", "_agree")], "replica check": [("opt", "_check_replicas")],
-                          "dense step": [("opt", "_dense_step")]})
+        phases = _Phases({**PHASES, "owners' broadcast": [("shard", "share_from_owners")],
+                          "agreement": [("replicas", "decide")], "replica check": [("replicas", "check")]})
     for step in range(args["steps"] + 3):
         if phases is not None and step == 3:
             phases.__enter__()

@@ -12,7 +12,9 @@ What is counted
     SDLRT; the last columns are the ops at depth 8 over those at depth 2, and over those of the
     same optimizer at fixed ranks (depth 8).
 
-    ``--implementation exact`` counts groups of one rank (no rank buckets) instead.
+    ``--implementation exact`` counts groups of one rank (no rank buckets) instead; ``--grid
+    fine`` buckets ranks on the finer grid 2^j, 1.25·2^j, 1.5·2^j instead of powers of two (the
+    ablation behind rankwise's choice; benchmark-only, by replacing ``_step.rank_bucket``).
     ``--process-group replicated`` or ``sharded`` builds the optimizer data parallel over a
     one-process gloo group (the collectives' own host reads included).
 
@@ -58,12 +60,21 @@ def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3,
     return (len(opt.layers), *step_counts(opt, closure, kernels=True), ranks)
 
 
+def _fine_bucket(r: int) -> int:
+    """The smallest of 2^j, 1.25·2^j, 1.5·2^j (rounded up) at least r."""
+    if r <= 4:
+        return r
+    j = r.bit_length() - 1
+    return next(g for g in (2**j, -(-5 * 2**j // 4), -(-3 * 2**j // 2), 2**(j + 1)) if g >= r)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--implementation", choices=("batched", "exact"), default="batched")
     p.add_argument("--after", type=int, default=1, help="steps taken before the counted one")
     p.add_argument("--tau", type=float, default=1e-3, help="truncation tolerance")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
+    p.add_argument("--grid", choices=("pow2", "fine"), default="pow2", help="rank buckets (see above)")
     p.add_argument("--process-group", choices=("none", "replicated", "sharded"), default="none",
                    help="data parallel over a one-process gloo group")
     p.add_argument("--two-pass", action="store_true", help="two-pass BUG (single_pass=False)")
@@ -75,7 +86,12 @@ def main(argv=None) -> None:
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
         extra.update(process_group=dist.group.WORLD, data_parallel=a.process_group)
     extra["implementation"] = a.implementation
-    print(f"torch {torch.__version__}, implementation {a.implementation}, process group: {a.process_group}, "
+    if a.grid == "fine":
+        from rankwise.lowrank import _step
+
+        _step.rank_bucket = _fine_bucket
+    print(f"torch {torch.__version__}, implementation {a.implementation}, grid {a.grid}, "
+          f"process group: {a.process_group}, "
           f"{'two-pass, ' if a.two_pass else ''}tau {a.tau}, lr {a.lr}, counted at step {a.after + 1}")
     print("| optimizer | ranks | depth | layers | distinct ranks | optimizer ops | kernel ops "
           "| optimizer host reads | step host reads | ops depth 8 / depth 2 | ops / fixed ranks |")

@@ -446,11 +446,12 @@ class _Phases:
     the duration of a ``with`` block (benchmark instrumentation only)."""
 
     def __init__(self, phases: dict[str, list[tuple[str, str]]] | None = None) -> None:
-        from rankwise.lowrank import _batched, _closure, _integrators, _optim, _shard, _step
+        from rankwise.lowrank import _batched, _closure, _integrators, _optim, _replicas, _shard, _step
 
         self.phases = PHASES if phases is None else phases
         self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard,
-                        "batched": _batched, "step": _step, "closure": _closure}
+                        "batched": _batched, "step": _step, "closure": _closure,
+                        "replicas": _replicas.Replicas}
         self.total: dict[str, float] = dict.fromkeys(self.phases, 0.0)
         self.stack: list[list] = []
         self.saved: list[tuple] = []
