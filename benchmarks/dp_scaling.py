@@ -80,7 +80,8 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
             dict(data_parallel="replicated")
         opt = rankwise.SDLRT(model, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9, process_group=group,
                              **extra)
-        opt.dp.average = _timed(opt.dp.average, reduce_time)  # (private: benchmark only)
+        if opt.dp is not None:  # (one process: no exchange)
+            opt.dp.average = _timed(opt.dp.average, reduce_time)  # (private: benchmark only)
         _optim._shard.share_from_owners = _timed(_optim._shard.share_from_owners, share_time)
         net = model
     else:

@@ -23,12 +23,14 @@ How to run
     .venv/bin/python benchmarks/step_ops.py --tau 0.05 --lr 3e-3 --after 8 [--implementation exact]
     .venv/bin/python benchmarks/step_ops.py --process-group sharded
     .venv/bin/python benchmarks/step_ops.py --two-pass
+    .venv/bin/python benchmarks/step_ops.py --tau 0.05 --lr 3e-3 --after 8 --by-op   # where the ops go
 """
 
 from __future__ import annotations
 
 import argparse
 import tempfile
+from collections import Counter
 
 import torch
 from torch import nn
@@ -38,9 +40,11 @@ from rankwise._opcount import step_counts
 from rankwise.models import gpt
 
 
-def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3, **kw) -> tuple[int, ...]:
+def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3, by_op: bool = False,
+           **kw) -> tuple:
     """(low-rank layers, optimizer ops, optimizer host reads, host reads of the whole step,
-    kernel ops, distinct ranks), counted after `after` steps."""
+    kernel ops, distinct ranks), counted after `after` steps; with `by_op` the counted step's
+    kernel ops by name instead (a Counter)."""
     torch.manual_seed(0)
     m = gpt(width=128, depth=depth, context=16)
     rankwise.to_low_rank(m, rank=16)
@@ -57,7 +61,20 @@ def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3,
     for _ in range(after):
         opt.step(closure)
     ranks = len(set(opt.ranks().values()))  # before the counted step
+    if by_op:
+        from rankwise._opcount import OpCounter
+
+        closure()
+        with OpCounter() as c:
+            opt.step()
+        return Counter({k: v for k, v in c.by_op.items() if not getattr(_op(k), "is_view", False)})
     return (len(opt.layers), *step_counts(opt, closure, kernels=True), ranks)
+
+
+def _op(name: str):
+    """The aten overload called `name` ("aten.mm.default")."""
+    _, op, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, op), overload)
 
 
 def _fine_bucket(r: int) -> int:
@@ -75,6 +92,8 @@ def main(argv=None) -> None:
     p.add_argument("--tau", type=float, default=1e-3, help="truncation tolerance")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate")
     p.add_argument("--grid", choices=("pow2", "fine"), default="pow2", help="rank buckets (see above)")
+    p.add_argument("--by-op", action="store_true",
+                   help="DLRT at depth 8: the kernel ops (views aside) by name, adaptive minus fixed ranks")
     p.add_argument("--process-group", choices=("none", "replicated", "sharded"), default="none",
                    help="data parallel over a one-process gloo group")
     p.add_argument("--two-pass", action="store_true", help="two-pass BUG (single_pass=False)")
@@ -90,6 +109,16 @@ def main(argv=None) -> None:
         from rankwise.lowrank import _step
 
         _step.rank_bucket = _fine_bucket
+    if a.by_op:
+        fixed = counts(8, rankwise.DLRT, a.after, a.tau, a.lr, by_op=True, adaptive=False, **extra)
+        spread = counts(8, rankwise.DLRT, a.after, a.tau, a.lr, by_op=True, adaptive=True, **extra)
+        print(f"DLRT depth 8, kernel ops: fixed {fixed.total()}, adaptive {spread.total()}; "
+              "the largest differences:")
+        print("| op | fixed | adaptive | adaptive − fixed |")
+        print("|---|---|---|---|")
+        for k in sorted(set(fixed) | set(spread), key=lambda k: fixed[k] - spread[k])[:12]:
+            print(f"| {k} | {fixed[k]} | {spread[k]} | {spread[k] - fixed[k]} |")
+        return
     print(f"torch {torch.__version__}, implementation {a.implementation}, grid {a.grid}, "
           f"process group: {a.process_group}, "
           f"{'two-pass, ' if a.two_pass else ''}tau {a.tau}, lr {a.lr}, counted at step {a.after + 1}")
