@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections import Counter
 
 import torch
 from torch import nn
@@ -67,14 +66,8 @@ def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3,
         closure()
         with OpCounter() as c:
             opt.step()
-        return Counter({k: v for k, v in c.by_op.items() if not getattr(_op(k), "is_view", False)})
+        return c.kernels_by_op
     return (len(opt.layers), *step_counts(opt, closure, kernels=True), ranks)
-
-
-def _op(name: str):
-    """The aten overload called `name` ("aten.mm.default")."""
-    _, op, overload = name.split(".")
-    return getattr(getattr(torch.ops.aten, op), overload)
 
 
 def _fine_bucket(r: int) -> int:

@@ -435,7 +435,7 @@ PHASES = {  # phase: the functions whose exclusive time it collects (module, att
     "Galerkin core": [("step", "core_group")],
     "SVD + truncation + buffer": [("step", "svd_group"), ("batched", "_commit")],
     "budget allocation": [("opt", "_budget_ranks")],
-    "state transport": [("batched", "transport")],
+    "state transport": [("functional", "transport")],
     "finiteness checks": [("batched", "inputs_finite")],
 }
 
@@ -446,12 +446,21 @@ class _Phases:
     the duration of a ``with`` block (benchmark instrumentation only)."""
 
     def __init__(self, phases: dict[str, list[tuple[str, str]]] | None = None) -> None:
-        from rankwise.lowrank import _batched, _closure, _integrators, _optim, _replicas, _shard, _step
+        from rankwise.lowrank import (
+            _batched,
+            _closure,
+            _integrators,
+            _optim,
+            _replicas,
+            _shard,
+            _step,
+            functional,
+        )
 
         self.phases = PHASES if phases is None else phases
         self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard,
                         "batched": _batched, "step": _step, "closure": _closure,
-                        "replicas": _replicas.Replicas}
+                        "replicas": _replicas.Replicas, "functional": functional}
         self.total: dict[str, float] = dict.fromkeys(self.phases, 0.0)
         self.stack: list[list] = []
         self.saved: list[tuple] = []

@@ -34,6 +34,7 @@ class OpCounter(TorchDispatchMode):
         self.by_op: Counter[str] = Counter()
         self.host_reads = 0
         self.views = 0
+        self.kernels_by_op: Counter[str] = Counter()  # the ops that are not views, by name
         self.read_ops: Counter[str] = Counter()
         self._active = True
         self._saved: dict = {}
@@ -52,7 +53,10 @@ class OpCounter(TorchDispatchMode):
         if self._active:
             name = str(func)
             self.by_op[name] += 1
-            self.views += bool(getattr(func, "is_view", False))
+            if getattr(func, "is_view", False):
+                self.views += 1
+            else:
+                self.kernels_by_op[name] += 1
             if name in HOST_READ_OPS:
                 self.host_reads += 1
                 self.read_ops[name] += 1
