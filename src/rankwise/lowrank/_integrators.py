@@ -16,6 +16,12 @@ One step for a layer ``W0 = U0 S0 V0ᵀ`` (U0 (m, r0), S0 (r0, r0), V0 (n, r0)) 
    (The paper reuses U1, V1 for both the retained and the tail mapping, which is
    dimensionally wrong; the seed notes it.)
 
+The optimizer does not call the one-layer step here (``augment`` … ``truncate``): it takes the
+batched one of :mod:`.functional` and :mod:`._step`, checked against an independent float64
+reference in ``tests/reference_bug.py``; what it uses from here are :class:`Factors`,
+:func:`reorthonormalize` and :func:`thin_svd`. The rest states the step for one layer in its
+plainest form, with its properties tested (``tests/test_integrators.py``).
+
 References: Ceruti, Kusch & Lubich, "A rank-adaptive robust integrator for dynamical low-rank
 approximation" (BIT 2022); Schotthöfer et al., "Low-rank lottery tickets" (NeurIPS 2022);
 the SDLRT seed (compensation buffer, τ ← ωτ feedback).
