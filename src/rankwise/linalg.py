@@ -82,7 +82,7 @@ def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tens
     one Cholesky-QR pass. All heavy work is matrix products plus (c×c) factorisations, which
     is several times faster than a Householder QR of the tall matrix on few cores.
 
-    `rtol` defaults to ``max(sqrt(eps), sqrt(1e3·c·eps64))``: √eps of X's dtype, but no
+    `rtol` defaults to :func:`gram_rtol`: ``max(sqrt(4 eps), sqrt(1e3·c·eps64))``, but no
     smaller than what a float64 Gram matrix can resolve. A batch of same-shape pairs:
     :func:`orth_complement_batched`.
     """

@@ -1,6 +1,6 @@
 r"""The augmented-BUG step over a *group* of same-shape layers: batched, with no host reads.
 
-:mod:`._integrators` states the step for one layer, with shapes that follow the data (a
+The papers state the step for one layer, with shapes that follow the data (a
 numerically dependent direction of ΔK is dropped, so Ū has as many columns as survive). That
 is exact but needs the host to learn each shape, i.e. a device→host read per layer and
 factorisation. Here the same step runs on L layers stacked along a leading dimension, with
@@ -236,7 +236,8 @@ def rank_bucket(r: int) -> int:
 def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
                mask_U: Tensor | None = None, mask_V: Tensor | None = None) -> Tensor:
     """The single-pass Galerkin core S̄ = S̄(0) + Ūᵀ ΔW V̄ (L, ku, kv), in blocks
-    ``[[S0 + ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` (:func:`._integrators.projected_update`); the rows and
+    ``[[S0 + ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` (the tangent-space update ΔW = U0ΔSV0ᵀ + (I − U0U0ᵀ)ΔKV0ᵀ +
+    U0ΔLᵀ(I − V0V0ᵀ) in the augmented bases: docs/lowrank.md, "One step, precisely"); the rows and
     columns of fill directions (masks False) are zero, as if those columns were not there."""
     L, r0 = S0.shape[0], S0.shape[-1]
     out = S0.new_zeros(L, U.shape[-1], V.shape[-1])
@@ -307,7 +308,7 @@ def _plan(U, V, S, P, s, Q, r0: int, mU: Tensor, mV: Tensor, failed: Tensor, fin
 
 def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
                     size: Tensor | None = None) -> Tensor:
-    """The rank of each layer under its tolerance (L,) as :func:`._integrators.truncate` picks
+    """The rank of each layer under its tolerance (L,) as the papers' rule picks
     it, on the device: the smallest r with ‖s[r:]‖ ≤ τ‖s‖ (at least 1), capped at the numerical
     rank (σ > k·eps·σ_max), then clamped to [min_rank, max_rank] and to [1, k]. s (L, kp)
     descending; `size` (L,): each layer's k (default kp; entries beyond it are zeros of fill
