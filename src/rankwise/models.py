@@ -1,5 +1,6 @@
-"""Small reference models for 8×8 digits and a registry of them by name; a small GPT for
-byte-level text (:func:`gpt`, not in the registry, which holds the digit tasks' models).
+"""Small reference models for 8×8 digits and a registry of them by name; a small GPT and a
+LLaMA-style decoder for byte-level text (:func:`gpt`, :func:`llama`, not in the registry, which
+holds the digit tasks' models).
 
 The models are plain ``nn.Module`` s built from ``nn.Linear`` / ``nn.Conv2d``; make them
 low-rank with :func:`rankwise.to_low_rank`.
@@ -15,6 +16,8 @@ from torch import nn
 
 from ._gpt import GPT as GPT
 from ._gpt import gpt as gpt
+from ._llama import Llama as Llama
+from ._llama import llama as llama
 from ._wheels import DIGIT_CNN_WHEEL as DIGIT_CNN_WHEEL
 from ._wheels import digit_cnn_weights_path as digit_cnn_weights_path
 

@@ -63,6 +63,7 @@ def lm_cmd(
     final_lr: Annotated[float, config_option(Spec, "final_lr")] = Spec.final_lr,
     clip: Annotated[float, config_option(Spec, "clip")] = Spec.clip,
     warm: Annotated[float, config_option(Spec, "warm")] = Spec.warm,
+    model: Annotated[str, config_option(Spec, "model")] = Spec.model,
     jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
                                       max=MAX_WORKERS)] = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, lm_curves.png.")]
@@ -70,8 +71,9 @@ def lm_cmd(
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings differ "
                                         "(default: refuse).")] = False,
 ) -> None:
-    """Train a small GPT on BBC News bytes with each method at equal steps and tokens; each
-    method's learning rate chosen on validation; resumable; writes summary.md and lm_curves.png."""
+    """Train a small GPT (or, with --model llama, a LLaMA-style decoder) on BBC News bytes with
+    each method at equal steps and tokens; each method's learning rate chosen on validation;
+    resumable; writes summary.md and lm_curves.png."""
     from ._sweep import _split
 
     method_list = _split(methods, METHODS, "--methods")
@@ -87,7 +89,7 @@ def lm_cmd(
         raise UserError(f"--heads {heads} must divide --width {width}")
     fixed = dict(steps=steps, batch=batch, context=context, width=width, depth=depth, heads=heads,
                  final_windows=final_windows, schedule=schedule, warmup=warmup, final_lr=final_lr, clip=clip,
-                 warm=warm)
+                 warm=warm, model=model)
     try:  # every method's run spec, checked as the study will build it; its messages name the options
         for m in method_list:
             Spec(m, 0.0 if m == "dense" else comps[0], lr=lrs[0], **fixed)

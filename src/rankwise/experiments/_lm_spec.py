@@ -13,6 +13,7 @@ METHODS = COMMANDS["lm"]  # what each name means: rankwise.methods
 ABLATIONS = METHODS[METHODS.index("dlrt-fixedrank"):]  # the variants of the ablation table (docs/lm.md)
 LOWRANK = tuple(m for m in METHODS if m != "dense")  # the methods that take a compression
 SCHEDULES = ("cosine", "constant")
+MODELS = ("gpt", "llama")
 GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
 ADAM = {"eps": 1e-8, "weight_decay": 0.0}  # the same Adam for every method (no decay: DLRT's rule has none)
 VERSION = 2  # 2: schedule, clip, warm
@@ -43,6 +44,9 @@ class LmRunSpec:
     clip: float = setting(0.0, help="Clip every method's gradient norm at this value (0: no clipping; "
                                     "DLRT/SDLRT: the norm of what the integrator reads).")
     warm: float = setting(0.2, help="Share of the steps the *-warm methods train dense.")
+    model: str = setting("gpt", help="The model: gpt (GPT-2 style: LayerNorm, learned positions, GELU MLP, "
+                                     "tied head) or llama (RMSNorm, rotary positions, SwiGLU MLP, untied "
+                                     "head, left dense).")
     version: int = VERSION
 
     def __post_init__(self) -> None:
@@ -61,6 +65,11 @@ class LmRunSpec:
                 raise ValueError(f"`{name}` must be a positive int; got {v!r}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"`lr` must be a positive number; got {self.lr!r}")
+        if self.model not in MODELS:
+            raise ValueError(f"`model` must be one of {', '.join(MODELS)}; got {self.model!r}")
+        if self.model == "llama" and self.heads and (self.width // self.heads) % 2:
+            raise ValueError(f"`model` llama turns pairs of coordinates (rotary positions): the head size "
+                             f"`width` / `heads` = {self.width}/{self.heads} must be even")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"`schedule` must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
         for name in ("warmup", "warm"):
@@ -88,4 +97,5 @@ class LmRunSpec:
     @property
     def key(self) -> str:
         c = f"_c{self.compression:g}" if self.method != "dense" else ""
-        return f"{self.method}{c}_lr{self.lr:g}_s{self.seed}"
+        m = "" if self.model == "gpt" else f"{self.model}_"
+        return f"{m}{self.method}{c}_lr{self.lr:g}_s{self.seed}"

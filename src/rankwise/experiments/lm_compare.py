@@ -71,17 +71,19 @@ def rank_for(m: int, n: int, compression: float) -> int:
 
 
 def projections(model: nn.Module) -> dict[str, nn.Linear]:
-    """The attention (q, k, v, o) and MLP (fc, proj) projections of a GPT, by name."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    """The attention (q, k, v, o) and MLP (GPT: fc, proj; LLaMA: gate, up, down) projections, by
+    name (a LLaMA's untied output head is left dense, as the GPT's tied one is)."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "head"}
 
 
 def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     """The model and optimizer of a run, and facts about them (start ranks, budget). The
     ``*-warm`` methods start dense (AdamW); :func:`switch` factorises them later."""
-    from rankwise.models import gpt
+    from rankwise.models import gpt, llama
 
     torch.manual_seed(spec.seed)
-    model = gpt(context=spec.context, width=spec.width, depth=spec.depth, heads=spec.heads)
+    make = llama if spec.model == "llama" else gpt
+    model = make(context=spec.context, width=spec.width, depth=spec.depth, heads=spec.heads)
     proj = projections(model)
     info: dict = {"projection_params": sum(m.weight.numel() for m in proj.values())}
     if spec.method == "dense":
