@@ -83,3 +83,31 @@ def test_dlrt_trains_the_llama_and_the_lm_study_runs_it():
     with pytest.raises(ValueError, match="`model` must be one of"):
         LmRunSpec("dense", model="mamba", **tiny)
     assert isinstance(llama(), nn.Module) and rankwise.models.Llama is type(llama())
+
+
+def test_the_muon_baseline_steps_the_matrices_by_muon_and_the_rest_by_adamw():
+    """`rankwise lm --methods muon`: torch.optim.Muon on exactly the projections' matrices (the
+    same update as a Muon of its own), AdamW on the rest, and the schedule's rate reaches both."""
+    from rankwise.experiments.lm_compare import LmRunSpec, MuonAdamW, projections, run_one
+
+    torch.manual_seed(0)
+    model = llama(context=16, width=32, depth=1, heads=2)
+    twin = llama(context=16, width=32, depth=1, heads=2)
+    twin.load_state_dict(model.state_dict())
+    opt = MuonAdamW(model, projections(model), 0.01)
+    ref = torch.optim.Muon([m.weight for m in projections(twin).values()], lr=0.01, weight_decay=0.0,
+                           adjust_lr_fn="match_rms_adamw")
+    x = torch.randint(0, 257, (2, 16))
+    for m in (model, twin):
+        nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    opt.step()
+    ref.step()
+    for (n, a), b in zip(projections(model).items(), projections(twin).values(), strict=True):
+        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=0, msg=n)
+    assert not torch.equal(model.head.weight, twin.head.weight)  # AdamW moved it, the twin's Muon did not
+    for g in opt.param_groups:
+        g["lr"] = 0.5
+    assert opt.muon.param_groups[0]["lr"] == opt.adamw.param_groups[0]["lr"] == 0.5
+    r = run_one(LmRunSpec("muon", model="llama", steps=3, batch=2, context=16, width=32, depth=1, heads=2,
+                          eval_every=2, eval_windows=4, final_windows=8))
+    assert 3 < r["val_bits"] < 10 and r["key"] == "llama_muon_lr0.003_s0" and r["memory"]["optimizer"] > 0

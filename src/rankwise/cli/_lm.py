@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from .._fields import options_named
-from ..experiments._lm_spec import METHODS
+from ..experiments._lm_spec import DENSE, METHODS
 from ..experiments._lm_spec import LmRunSpec as Spec
 from ._common import (
     MAX_WORKERS,
@@ -92,7 +92,7 @@ def lm_cmd(
                  warm=warm, model=model)
     try:  # every method's run spec, checked as the study will build it; its messages name the options
         for m in method_list:
-            Spec(m, 0.0 if m == "dense" else comps[0], lr=lrs[0], **fixed)
+            Spec(m, 0.0 if m in DENSE else comps[0], lr=lrs[0], **fixed)
     except ValueError as e:
         raise UserError(options_named(str(e), Spec, only=fixed)) from None
     lock_output(out)  # one command at a time in --out (released when it ends)

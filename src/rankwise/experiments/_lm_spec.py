@@ -11,7 +11,8 @@ from ..methods import COMMANDS, REGISTRY
 
 METHODS = COMMANDS["lm"]  # what each name means: rankwise.methods
 ABLATIONS = METHODS[METHODS.index("dlrt-fixedrank"):]  # the variants of the ablation table (docs/lm.md)
-LOWRANK = tuple(m for m in METHODS if m != "dense")  # the methods that take a compression
+DENSE = ("dense", "muon")  # the methods that train the dense model (no compression)
+LOWRANK = tuple(m for m in METHODS if m not in DENSE)  # the methods that take a compression
 SCHEDULES = ("cosine", "constant")
 MODELS = ("gpt", "llama")
 GRID = (1e-3, 3e-3, 1e-2)  # the default learning rates to choose from on validation
@@ -52,9 +53,9 @@ class LmRunSpec:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"`method` must be one of {', '.join(METHODS)}; got {self.method!r}")
-        if self.method == "dense" and self.compression != 0:
-            raise ValueError("the dense method takes no compression")
-        if self.method != "dense" and not 0 < self.compression < 1:
+        if self.method in DENSE and self.compression != 0:
+            raise ValueError(f"the {self.method} method trains the dense model: it takes no compression")
+        if self.method not in DENSE and not 0 < self.compression < 1:
             raise ValueError(f"`compression` must be in (0, 1) for {self.method}; got {self.compression!r}")
         f = self.final_windows
         if isinstance(f, bool) or not isinstance(f, int) or f < 0:
@@ -96,6 +97,6 @@ class LmRunSpec:
 
     @property
     def key(self) -> str:
-        c = f"_c{self.compression:g}" if self.method != "dense" else ""
+        c = f"_c{self.compression:g}" if self.method not in DENSE else ""
         m = "" if self.model == "gpt" else f"{self.model}_"
         return f"{m}{self.method}{c}_lr{self.lr:g}_s{self.seed}"

@@ -39,6 +39,7 @@ the step's gradients) and after every step, and the largest count kept.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import resource
@@ -55,7 +56,7 @@ from torch import Tensor, nn
 from ..methods import REGISTRY
 from ..train import Callback, DenseWarmStart, Loop, fit
 from ._lm_spec import ABLATIONS as ABLATIONS
-from ._lm_spec import ADAM, GRID, LmRunSpec
+from ._lm_spec import ADAM, DENSE, GRID, LmRunSpec
 from ._lm_spec import LOWRANK as LOWRANK
 from ._lm_spec import METHODS as METHODS
 from ._lm_spec import SCHEDULES as SCHEDULES
@@ -88,6 +89,8 @@ def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
     info: dict = {"projection_params": sum(m.weight.numel() for m in proj.values())}
     if spec.method == "dense":
         return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
+    if spec.method == "muon":
+        return model, MuonAdamW(model, proj, spec.lr), info
     ranks = {n: rank_for(m.out_features, m.in_features, spec.compression) for n, m in proj.items()}
     info["start_ranks"] = ranks
     if spec.method == "galore":
@@ -141,6 +144,33 @@ def _bits(model: nn.Module, x: Tensor, y: Tensor, batch: int = 32) -> float:
             count += y[i:i + batch].numel()
     model.train()
     return total / count / math.log(2)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """The ``muon`` baseline: ``torch.optim.Muon`` (orthogonalised Nesterov momentum, its rate
+    matched to AdamW's update RMS, no weight decay, as every method here) on the 2-D weights of
+    the projections `proj`, AdamW (:data:`ADAM`) on every other parameter; one optimizer to the
+    loop, whose param groups are the two optimizers' (so the schedule reaches both)."""
+
+    def __init__(self, model: nn.Module, proj: dict[str, nn.Linear], lr: float) -> None:
+        matrices = [m.weight for m in proj.values()]
+        ids = {id(p) for p in matrices}
+        rest = [p for p in model.parameters() if id(p) not in ids]
+        super().__init__(list(model.parameters()), {"lr": lr})
+        self.muon = torch.optim.Muon(matrices, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(rest, lr=lr, **ADAM)
+        self.param_groups = self.muon.param_groups + self.adamw.param_groups
+        self.state = collections.ChainMap(self.muon.state, self.adamw.state)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.muon.step()
+        self.adamw.step()
+        return loss
 
 
 class _Schedule(Callback):
@@ -315,9 +345,9 @@ def study(methods: Sequence[str], compressions: Sequence[float], seeds: int, out
     width, ...). Resumable (``out/runs``)."""
     if select_at is not None and select_at not in compressions:
         raise ValueError(f"`select_at` {select_at!r} is not one of the compressions {list(compressions)}")
-    pairs = [(m, 0.0) for m in methods if m == "dense"] + [(m, c) for m in methods if m != "dense"
-                                                             for c in compressions]
-    source = {(m, c): (m, c if m == "dense" or select_at is None else select_at) for m, c in pairs}
+    pairs = [(m, 0.0) for m in methods if m in DENSE] + [(m, c) for m in methods if m not in DENSE
+                                                            for c in compressions]
+    source = {(m, c): (m, c if m in DENSE or select_at is None else select_at) for m, c in pairs}
     selected = [p for p in pairs if source[p] == p]
     grids = {p: sorted(grid) for p in selected}
     records: dict[str, dict] = {}
@@ -376,9 +406,9 @@ def summary_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tu
             moved = f"{np.mean(change):.0f}"
         state = np.mean([r["memory"]["optimizer"] + r["memory"]["lowrank_buffers"] for r in rs])
         step = np.mean([r["step_seconds"] for r in rs])
-        how = (f" (as at {select_at:g})" if select_at is not None and m != "dense" and c != select_at
+        how = (f" (as at {select_at:g})" if select_at is not None and m not in DENSE and c != select_at
                else " (edge)" if edge else "")
-        cells = [m, f"{c:g}" if m != "dense" else "", f"{lr:g}{how}", str(len(rs)),
+        cells = [m, f"{c:g}" if m not in DENSE else "", f"{lr:g}{how}", str(len(rs)),
                  stats([r["val_bits"] for r in rs]), stats([r["test_bits"] for r in rs]), f"{mem / 1e6:.2f}",
                  f"{mem / ref_mem:.2f}" if ref_mem else "", f"{end / ref_mem:.2f}" if ref_mem else "",
                  f"{state / 1e6:.2f}", moved,
@@ -399,7 +429,7 @@ def rates_markdown(records: Sequence[dict], chosen: dict[tuple[str, float], tupl
         bits = {r["spec"]["lr"]: r["val_bits"] for r in records if r["spec"]["seed"] == 0
                 and r["spec"]["method"] == m and r["spec"]["compression"] == c}
         cells = [f"{bits[x]:.3f}" if x in bits else "" for x in rates]
-        lines.append("| " + " | ".join([m, f"{c:g}" if m != "dense" else "", *cells,
+        lines.append("| " + " | ".join([m, f"{c:g}" if m not in DENSE else "", *cells,
                                          f"{lr:g}" + (" (edge)" if edge else "")]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -418,7 +448,7 @@ def plot(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, b
     for (m, c), (lr, _) in chosen.items():
         rs = [r for r in records if r["spec"]["method"] == m and r["spec"]["compression"] == c
               and r["spec"]["lr"] == lr]
-        label = m if m == "dense" else f"{m} {c:g}"
+        label = m if m in DENSE else f"{m} {c:g}"
         first = [r for r in rs if r["spec"]["seed"] == 0]
         if first:
             steps, bits = zip(*first[0]["curve"], strict=True)
