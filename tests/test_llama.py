@@ -111,3 +111,27 @@ def test_the_muon_baseline_steps_the_matrices_by_muon_and_the_rest_by_adamw():
     r = run_one(LmRunSpec("muon", model="llama", steps=3, batch=2, context=16, width=32, depth=1, heads=2,
                           eval_every=2, eval_windows=4, final_windows=8))
     assert 3 < r["val_bits"] < 10 and r["key"] == "llama_muon_lr0.003_s0" and r["memory"]["optimizer"] > 0
+
+
+def test_the_cola_baseline_replaces_every_projection_by_b_silu_a_within_the_budget():
+    """`rankwise lm --methods cola`: every projection (q, k, v, o, gate, up, down; not the head)
+    becomes B·σ(A·x) at the rank whose A and B hold at most (1 − c) of its parameters; the
+    model trains (AdamW) and its weights count less than the dense model's."""
+    from rankwise.experiments.lm_compare import CoLALinear, LmRunSpec, build, projections, run_one
+
+    tiny = dict(steps=3, batch=2, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=4,
+                final_windows=8)
+    spec = LmRunSpec("cola", 0.5, model="llama", **tiny)
+    dense = llama(context=16, width=32, depth=1, heads=2)
+    model, opt, info = build(spec)
+    cola = {n: m for n, m in model.named_modules() if isinstance(m, CoLALinear)}
+    assert set(cola) == set(projections(dense)) and isinstance(model.head, nn.Linear)
+    for n, m in cola.items():
+        d = projections(dense)[n]
+        held = m.A.weight.numel() + m.B.weight.numel()
+        assert held <= 0.5 * d.weight.numel() < held + d.in_features + d.out_features  # the largest rank
+        x = torch.randn(3, d.in_features)
+        torch.testing.assert_close(m(x), m.B(nn.functional.silu(m.A(x))))
+    assert isinstance(opt, torch.optim.AdamW) and info["cola_ranks"]
+    r = run_one(spec)
+    assert 3 < r["val_bits"] < 10 and r["memory"]["weights"] < 4 * sum(p.numel() for p in dense.parameters())

@@ -118,6 +118,8 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({
     "dense-svd": _m("Dense training, then the SVD to the target and fine-tuning of the factors.",
                     baseline=True),
     "galore": _m("GaLore: AdamW on the dense model with gradients projected to a low rank.", baseline=True),
+    "cola": _m("CoLA: each projection as B·σ(A·x) (SiLU between two dense factors at a rank holding the "
+               "compression's parameters), trained by the plain optimizer.", baseline=True),
     "muon": _m("Dense training with torch.optim.Muon on the projections' matrices (orthogonalised "
                "momentum) and AdamW on the rest.", baseline=True),
     "lora": _m("LoRA (the peft library).", baseline=True),
@@ -131,8 +133,9 @@ COMMANDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "train": ("dense", "dlrt", "sdlrt"),
     "sweep": ("dense", "dlrt", "sdlrt", "sdlrt-two-sided", "sdlrt-buffer", "sdlrt-feedback", "dlrt-2pass",
               "fixed", "dense-svd", "dlrt-warm", "sdlrt-warm"),
-    "lm": ("dense", "dlrt", "sdlrt", "fixed", "galore", "muon", "dlrt-ue5", "dlrt-ue20", "dlrt-fixedrank",
-           "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3", "dlrt-core0.3"),
+    "lm": ("dense", "dlrt", "sdlrt", "fixed", "galore", "muon", "cola", "dlrt-ue5", "dlrt-ue20",
+           "dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
+           "dlrt-core0.3"),
     "peft": ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r"),
     "ckpt": ("dense", "sdlrt", "dlrt"),
 })

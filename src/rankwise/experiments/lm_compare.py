@@ -103,9 +103,31 @@ def build(spec: LmRunSpec) -> tuple[nn.Module, torch.optim.Optimizer, dict]:
                            "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"})
         info["galore_ranks"] = ranks
         return model, GaLoreAdamW(groups, lr=spec.lr, **ADAM), info
+    if spec.method == "cola":  # B·σ(A·x) at the rank whose two factors hold (1 − c)·m·n
+        ranks = {n: max(1, int((1 - spec.compression) * m.out_features * m.in_features
+                               / (m.out_features + m.in_features))) for n, m in proj.items()}
+        info["cola_ranks"] = ranks
+        for n, m in proj.items():
+            model.set_submodule(n, CoLALinear(m.in_features, m.out_features, ranks[n],
+                                              bias=m.bias is not None))
+        return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
     if REGISTRY[spec.method].warm:
         return model, torch.optim.AdamW(model.parameters(), lr=spec.lr, **ADAM), info
     return model, factorise(model, spec, ranks, info), info
+
+
+class CoLALinear(nn.Module):
+    """CoLA's projection (Liu et al., 2025, "CoLA: Compute-efficient pre-training of LLMs via
+    low-rank activation"): ``y = B·σ(A·x)`` with A (r × in), B (out × r), σ = SiLU; two
+    ``nn.Linear`` s with their default initialisation (the bias, if any, on B)."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool = False) -> None:
+        super().__init__()
+        self.A = nn.Linear(in_features, rank, bias=False)
+        self.B = nn.Linear(rank, out_features, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.B(F.silu(self.A(x)))
 
 
 def factorise(model: nn.Module, spec: LmRunSpec, ranks: dict[str, int], info: dict) -> torch.optim.Optimizer:
