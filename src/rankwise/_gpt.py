@@ -16,15 +16,22 @@ from torch import Tensor, nn
 
 
 class _Attention(nn.Module):
-    def __init__(self, width: int, heads: int):
+    """Causal multi-head attention with separate ``q``, ``k``, ``v``, ``o`` projections (no bias);
+    `positions` (queries and keys (B, heads, T, d) -> the same) adds positions inside it (the
+    LLaMA-style model's rotary embedding; the GPT adds learned ones to the input instead)."""
+
+    def __init__(self, width: int, heads: int, positions=None):
         super().__init__()
         self.heads = heads
+        self.positions = positions
         self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
 
     def forward(self, x: Tensor) -> Tensor:  # (B, T, width) -> (B, T, width)
         B, T, C = x.shape
         h = self.heads
         q, k, v = (p(x).view(B, T, h, C // h).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.positions is not None:
+            q, k = self.positions(q), self.positions(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(B, T, C))
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ._gpt import _Attention
+
 
 def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
     """Rotary position embedding of x (B, heads, T, d), d even: each pair of coordinates
@@ -26,20 +28,6 @@ def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-
-
-class _Attention(nn.Module):
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
-
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, width) -> (B, T, width)
-        B, T, C = x.shape
-        h = self.heads
-        q, k, v = (p(x).view(B, T, h, C // h).transpose(1, 2) for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(B, T, C))
 
 
 class _SwiGLU(nn.Module):
@@ -57,7 +45,7 @@ class _Block(nn.Module):
     def __init__(self, width: int, heads: int, hidden: int):
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(width), nn.RMSNorm(width)
-        self.attn = _Attention(width, heads)
+        self.attn = _Attention(width, heads, positions=rotary)
         self.mlp = _SwiGLU(width, hidden)
 
     def forward(self, x: Tensor) -> Tensor:
