@@ -138,11 +138,6 @@ def gather_objects(mine: Any, group) -> list[Any]:
     return everyone
 
 
-def any_flag(flag: bool, group, device: torch.device) -> bool:
-    """Did any rank raise `flag`? (one all-reduce of one number)"""
-    return max_of(float(flag), group, device) > 0
-
-
 def max_of(value: float, group, device: torch.device) -> float:
     """The largest of the ranks' `value`s (one all-reduce of one number)."""
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)

@@ -294,10 +294,10 @@ def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: T
     finite = torch.isfinite(S).all(-1).all(-1)
     safe = torch.where(finite[:, None, None], S, torch.zeros_like(S))
     P, s, Q = svd_group(safe, svd)
-    return _plan(U, V, S, P, s, Q, S0.shape[-1], mU, mV, failed, finite, U_buf.shape[-1] + S0.shape[-1])
+    return sized_plan(U, V, S, P, s, Q, S0.shape[-1], mU, mV, failed, finite, U_buf.shape[-1] + S0.shape[-1])
 
 
-def _plan(U, V, S, P, s, Q, r0: int, mU: Tensor, mV: Tensor, failed: Tensor, finite: Tensor,
+def sized_plan(U, V, S, P, s, Q, r0: int, mU: Tensor, mV: Tensor, failed: Tensor, finite: Tensor,
           k0: int) -> GroupPlan:
     """The plan with each layer's exact core size k = min(ku, kv) and its new directions (the
     wider side's), counted on the masks (k0: the padded width of [U0, U_buf])."""

@@ -140,7 +140,7 @@ def finish(t: TwoPass, G: Tensor, rule: Rule, core_hp: Mapping[str, Any], *, ran
     finite = torch.isfinite(S).all(-1).all(-1)
     P, s, Q = _step.svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)))
     r0 = t.f.S.shape[-1]
-    p = _step._plan(t.U, t.V, S, P, s, Q, r0, t.mU, t.mV, t.failed, finite, r0 + t.f.U_buf.shape[-1])
+    p = _step.sized_plan(t.U, t.V, S, P, s, Q, r0, t.mU, t.mV, t.failed, finite, r0 + t.f.U_buf.shape[-1])
     r = None if ranks is None else _step.tolerance_ranks(p.s, ranks.tau, ranks.min_rank, ranks.max_rank, p.k)
     return Planned(t.f, p, {**t.states, "S": stS}, r, t.grads_finite)
 
