@@ -33,7 +33,7 @@ rule at every step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -48,7 +48,7 @@ class Config:
 
     lr: float
     tau: float
-    rule: str = "sgd"  # "sgd" or "adam"
+    rule: str = "sgd"  # "sgd", "adam" or "muon" (the factors; AdamW on the biases)
     momentum: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -66,6 +66,8 @@ class Config:
     single_pass: bool = True
     moments: str = "rotate"
     core_lr_ratio: float = 1.0
+    nesterov: bool = True  # muon
+    ns_steps: int = 5  # muon
 
 
 @dataclass
@@ -102,7 +104,19 @@ class Layer:
         return self.U @ self.S @ self.V.T
 
 
-def rule(cfg: Config, g: Tensor, p: Tensor, state: dict, lr: float) -> tuple[Tensor, dict]:
+def newton_schulz(X: Tensor, steps: int) -> Tensor:
+    """Muon's quintic iteration (coefficients 3.4445, −4.7750, 2.0315) on one matrix, in the
+    orientation with fewer rows, after scaling to Frobenius norm 1."""
+    wide = X.T if X.shape[0] > X.shape[1] else X
+    Y = wide / max(float(torch.linalg.matrix_norm(wide)), 1e-7)
+    for _ in range(steps):
+        A = Y @ Y.T
+        Y = 3.4445 * Y + (-4.7750 * A + 2.0315 * A @ A) @ Y
+    return Y.T if X.shape[0] > X.shape[1] else Y
+
+
+def rule(cfg: Config, g: Tensor, p: Tensor, state: dict, lr: float,
+         scale: float = 0.0) -> tuple[Tensor, dict]:
     r"""One step of the update rule: ``(Δ, new state)``.
 
     SGD (torch.optim.SGD, no dampening): ``g ← g + wd·p``, ``m ← μm + g`` (m = g at first),
@@ -111,6 +125,13 @@ def rule(cfg: Config, g: Tensor, p: Tensor, state: dict, lr: float) -> tuple[Ten
     ``Δ = −lr · (m / (1 − β1ᵗ)) / (√(v / (1 − β2ᵗ)) + eps)``.
     """
     wd = cfg.weight_decay
+    if cfg.rule == "muon" and g.ndim == 2:  # Muon: Nesterov momentum, orthogonalised, `scale` × lr
+        mu = cfg.momentum
+        m = (1 - mu) * g if "m" not in state else mu * state["m"] + (1 - mu) * g
+        u = (1 - mu) * g + mu * m if cfg.nesterov else m
+        return -lr * scale * newton_schulz(u, cfg.ns_steps) - lr * wd * p, {"m": m}
+    if cfg.rule == "muon":  # its vectors: AdamW
+        cfg = replace(cfg, decoupled=True)
     if cfg.rule == "sgd":
         g = g + wd * p if wd else g
         if not cfg.momentum:
@@ -123,25 +144,30 @@ def rule(cfg: Config, g: Tensor, p: Tensor, state: dict, lr: float) -> tuple[Ten
     m = (1 - b1) * g if "m" not in state else b1 * state["m"] + (1 - b1) * g
     v = (1 - b2) * g * g if "v" not in state else b2 * state["v"] + (1 - b2) * g * g
     t = state.get("step", 0) + 1
-    delta = -lr * (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + cfg.eps)
+    tm, tv = t - state.get("m_from", 0), t - state.get("v_from", 0)  # steps since each moment (re)started
+    delta = -lr * (m / (1 - b1**tm)) / ((v / (1 - b2**tv)).sqrt() + cfg.eps)
     if wd and cfg.decoupled:
         delta = delta - lr * wd * p
-    return delta, {"m": m, "v": v, "step": t}
+    kept = {k: state[k] for k in ("m_from", "v_from") if k in state}
+    return delta, {"m": m, "v": v, "step": t, **kept}
+
+
+def muon_scale(layer: Layer) -> float:
+    """The Muon rule's rate factor for every factor of a layer: 0.2·√max(m, n) of its m×n weight
+    (a step of spectral norm 1 in K, L or S moves W by as much as a dense Muon step)."""
+    return 0.2 * max(layer.U.shape[0], layer.V.shape[0]) ** 0.5
 
 
 def transport(state: dict, left: Tensor | None, right: Tensor | None) -> dict:
-    """Moments into new coordinates: ``m ↦ leftᵀ m right``, ``v ↦ (leftᵀ √v right)²``
-    (``None``: that side unchanged); the step count is kept."""
-
-    def move(x: Tensor) -> Tensor:
-        x = x if left is None else left.T @ x
-        return x if right is None else x @ right
-
+    """Moments into new coordinates: ``m ↦ leftᵀ m right``, ``v ↦ (left²)ᵀ v right²`` with
+    entrywise squares (``None``: that side unchanged); the step count is kept."""
     out = dict(state)
     if "m" in state:
-        out["m"] = move(state["m"])
+        m = state["m"] if left is None else left.T @ state["m"]
+        out["m"] = m if right is None else m @ right
     if "v" in state:
-        out["v"] = move(state["v"].sqrt()) ** 2
+        v = state["v"] if left is None else (left**2).T @ state["v"]
+        out["v"] = v if right is None else v @ right**2
     return out
 
 
@@ -187,20 +213,20 @@ def margin(s: Tensor, tau: float, r: int) -> float:
 
 def augmented_core_state(st_S: dict, st_K: dict, st_L: dict, EU: Tensor, EV: Tensor) -> dict:
     """Two-pass: the S rule's state in the augmented coordinates, ``[[x_S, x_Lᵀ Ṽ], [Ũᵀ x_K, 0]]``
-    for first moments, through square roots for second ones (absent ones stay absent)."""
-    out = {k: v for k, v in st_S.items() if k == "step"}
-    for key, into, back in (("m", lambda x: x, lambda x: x), ("v", torch.sqrt, torch.square)):
+    for first moments, with Ũ², Ṽ² (entrywise squares) for second ones (absent ones stay absent)."""
+    out = {k: v for k, v in st_S.items() if k in ("step", "m_from", "v_from")}
+    for key, p in (("m", 1), ("v", 2)):
         if key not in st_S and key not in st_K and key not in st_L:
             continue
         r0 = next(st[key].shape[1] for st in (st_K, st_L, st_S) if key in st)
         X = torch.zeros(r0 + EU.shape[1], r0 + EV.shape[1], dtype=F64)
         if key in st_S:
-            X[:r0, :r0] = into(st_S[key])
+            X[:r0, :r0] = st_S[key]
         if key in st_K:
-            X[r0:, :r0] = EU.T @ into(st_K[key])
+            X[r0:, :r0] = (EU**p).T @ st_K[key]
         if key in st_L:
-            X[:r0, r0:] = into(st_L[key]).T @ EV
-        out[key] = back(X)
+            X[:r0, r0:] = st_L[key].T @ EV**p
+        out[key] = X
     return out
 
 
@@ -265,7 +291,7 @@ class Model:
                 self.augmenting_step(layer, G)
             else:  # only the core, in the current bases
                 dS, layer.S_state = rule(cfg, layer.U.T @ G @ layer.V, layer.S, layer.S_state,
-                                         cfg.lr * cfg.core_lr_ratio)
+                                         cfg.lr * cfg.core_lr_ratio, muon_scale(layer))
                 layer.S = layer.S + dS
             if gb is not None:
                 db, layer.bias_state = rule(cfg, gb, layer.bias, layer.bias_state, cfg.lr)
@@ -277,8 +303,9 @@ class Model:
         U0, S0, V0 = layer.U, layer.S, layer.V
         r0, W0 = S0.shape[0], layer.weight()
         G_K, G_L, G_S = G @ V0, G.T @ U0, U0.T @ G @ V0
-        dK, st_K = rule(cfg, G_K, U0 @ S0, layer.K, cfg.lr)
-        dL, st_L = rule(cfg, G_L, V0 @ S0.T, layer.L, cfg.lr)
+        scale = muon_scale(layer)
+        dK, st_K = rule(cfg, G_K, U0 @ S0, layer.K, cfg.lr, scale)
+        dL, st_L = rule(cfg, G_L, V0 @ S0.T, layer.L, cfg.lr, scale)
         Uk = torch.cat([U0, layer.U_buf], 1) if cfg.buffer else U0
         Vk = torch.cat([V0, layer.V_buf], 1) if cfg.buffer else V0
         (EU, sU), (EV, sV) = new_directions(Uk, dK), new_directions(Vk, dL)
@@ -288,14 +315,14 @@ class Model:
             self.orth_margins += torch.maximum(ratio, 1 / ratio).tolist()
         core_lr = cfg.lr * cfg.core_lr_ratio
         if cfg.single_pass:
-            dS, st_S = rule(cfg, G_S, S0, layer.S_state, core_lr)
+            dS, st_S = rule(cfg, G_S, S0, layer.S_state, core_lr, scale)
             IU, IV = torch.eye(U0.shape[0], dtype=F64), torch.eye(V0.shape[0], dtype=F64)
             dW = U0 @ dS @ V0.T + (IU - U0 @ U0.T) @ dK @ V0.T + U0 @ dL.T @ (IV - V0 @ V0.T)
             S_bar = Ub.T @ (W0 + dW) @ Vb
         else:
             S_bar0 = Ub.T @ W0 @ Vb
             state = augmented_core_state(layer.S_state, layer.K, layer.L, Ub[:, r0:], Vb[:, r0:])
-            dS_bar, st_S = rule(cfg, Ub.T @ G @ Vb, S_bar0, state, core_lr)
+            dS_bar, st_S = rule(cfg, Ub.T @ G @ Vb, S_bar0, state, core_lr, scale)
             S_bar = S_bar0 + dS_bar
         P, s, Qh = torch.linalg.svd(S_bar, full_matrices=False)
         Q, k = Qh.T, s.numel()
@@ -317,6 +344,11 @@ class Model:
         if cfg.moments == "reset":
             layer.K, layer.L, layer.S_state = {}, {}, {}
         else:
+            if cfg.moments in ("reset_m", "reset_v"):  # that moment restarts at this step
+                key = cfg.moments[-1]
+                st_K, st_L, st_S = ({**{k: v for k, v in st.items() if k != key},
+                                     **({f"{key}_from": st["step"]} if key in st and "step" in st else {})}
+                                    for st in (st_K, st_L, st_S))
             TU, TV = U0.T @ U1, V0.T @ V1
             layer.K, layer.L = transport(st_K, None, TV), transport(st_L, None, TU)
             layer.S_state = (transport(st_S, TU, TV) if cfg.single_pass

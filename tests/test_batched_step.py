@@ -731,7 +731,8 @@ def test_the_state_is_flat_loads_weights_only_and_an_old_nested_state_is_convert
         rule = {k: old[i_s].pop(k) for k in ("m", "v", "step")}
         old[i_s].update(K=old.pop(iu), L=old.pop(iv), S=rule)
     for state in (flat, {**flat, "state": old}):
-        again, opt2, _ = run(4, (saved[0], state))
+        # (a copy: as torch.optim's, the loaded state's tensors are the optimizer's and change in place)
+        again, opt2, _ = run(4, (saved[0], copy.deepcopy(state)))
         for a, b in zip(m.parameters(), again.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
         assert set(opt2.state[next(iter(opt2.layers.values())).U]) == {"m", "v", "step"}

@@ -139,6 +139,11 @@ def test_variants_are_entries_with_their_settings():
     assert methods.settings("dlrt-ue20", budget).update_every == 20
     assert methods.settings("dlrt-core0.3", budget).core_lr_ratio == 0.3
     assert methods.settings("dlrt-reset", budget).moments == "reset"
+    assert methods.settings("dlrt-reset-v", budget).moments == "reset_v"
+    ue = methods.settings("dlrt-reset-ue20", budget)
+    assert (ue.moments, ue.update_every) == ("reset", 20)
+    muon = methods.settings("dlrt-muon-reset", budget, rule=rankwise.Adam(eps=1e-6))
+    assert muon.rule == rankwise.Muon(eps=1e-6) and muon.moments == "reset"
     assert methods.settings("dlrt-uniform", budget).truncation.allocation == "uniform"
     fixed = methods.settings("dlrt-fixedrank", budget)
     assert not fixed.adaptive and fixed.truncation == rankwise.Tolerance(0.0)

@@ -61,7 +61,9 @@ def _reference_config(preset: str, lr: float, kw: dict) -> Config:
     """The reference's settings for ``preset(model, lr, **kw)``."""
     kw = dict(kw)
     optimizer = kw.pop("optimizer", "sgd")
-    ref = {"rule": "sgd" if optimizer == "sgd" else "adam", "decoupled": optimizer == "adamw"}
+    ref = {"rule": {"sgd": "sgd", "muon": "muon"}.get(optimizer, "adam"), "decoupled": optimizer == "adamw"}
+    if optimizer == "muon":
+        ref["momentum"] = kw.pop("momentum", 0.95)
     if preset == "SDLRT":
         feedback = kw.pop("feedback", True)
         ref["buffer"] = kw.pop("buffer", True)
@@ -137,6 +139,12 @@ CASES = {  # id: (preset, lr, kwargs, atol, the ranks change in both models)
     "sdlrt-adam-reset": ("SDLRT", 0.05, {"tau": 0.2, "moments": "reset", "eps": 1e-3, **ADAM}, 1e-7, True),
     "sdlrt-adam-update-every-3": ("SDLRT", 0.05, {"tau": 0.1, "update_every": 3, **ADAM}, 1e-7, False),
     "sdlrt-two-pass": ("SDLRT", 0.3, {"tau": 0.2, "single_pass": False, **SGD}, 1e-9, True),
+    "dlrt-adam-reset-v": ("DLRT", 0.05, {"tau": 0.1, "moments": "reset_v", "eps": 1e-3, **ADAM}, 1e-7, True),
+    "sdlrt-adam-reset-m-two-pass": ("SDLRT", 0.05, {"tau": 0.2, "moments": "reset_m", "single_pass": False,
+                                                    "eps": 1e-3, **ADAM}, 1e-7, True),
+    "dlrt-muon": ("DLRT", 0.1, {"tau": 0.1, "optimizer": "muon", "update_every": 2}, 1e-7, True),
+    "sdlrt-muon-two-pass": ("SDLRT", 0.1, {"tau": 0.2, "optimizer": "muon", "single_pass": False,
+                                           "weight_decay": 0.01}, 1e-7, True),
 }
 
 
@@ -228,12 +236,10 @@ def test_reference_momentum_at_full_rank_is_dense_sgd(one_thread):
             torch.testing.assert_close(lay.bias, lin.bias.detach(), atol=1e-13, rtol=0)
 
 
-@pytest.mark.xfail(strict=True, reason="Adam's second moments are transported as v ↦ (√v T)², which "
-                   "depends on the signs of the singular vectors (a gauge U → UD, V → VD that leaves "
-                   "W unchanged); v ↦ v (T∘T) or (√v |T|)² would not")
 def test_adam_rotate_is_invariant_under_the_factors_signs(one_thread):
     """The same weights with some columns of U and V negated must train identically (as they do
-    with SGD, whose rule and transport are sign-equivariant)."""
+    with SGD, whose rule and transport are sign-equivariant). Adam's second moments are moved by
+    the squared maps for this: ``(√v T)²`` depended on the signs (failed before issue 48)."""
     model, x, y = _problem(MIXED)
     twin = copy.deepcopy(model)
     for m in twin:

@@ -75,7 +75,7 @@ def test_valid_momentum_is_accepted(cls, momentum):
     (dict(eps=0.0), ValueError, r"`eps` must be a finite number > 0.*got 0.0"),
     (dict(eps=-1e-8), ValueError, r"`eps` must be a finite number > 0"),
     (dict(optimizer="Adam"), ValueError,
-     r"`optimizer` must be one of \['adam', 'adamw', 'sgd'\]; got 'Adam'"),
+     r"`optimizer` must be one of \['adam', 'adamw', 'muon', 'sgd'\]; got 'Adam'"),
     (dict(optimizer=torch.optim.Adam), TypeError, r"`optimizer` must be the name of an update rule"),
     (dict(momentum="0.9"), TypeError, r"`momentum` must be a real number; got '0.9'"),
 ])

@@ -27,6 +27,7 @@ _LAZY: dict[str, str] = {
     "Sgd": "rankwise.lowrank",
     "Adam": "rankwise.lowrank",
     "AdamW": "rankwise.lowrank",
+    "Muon": "rankwise.lowrank",
     "DenseEMA": "rankwise.lowrank",
     "Settings": "rankwise.lowrank",
     "SDLRT": "rankwise.lowrank",
@@ -67,6 +68,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .lowrank import LowRankConv2d as LowRankConv2d
     from .lowrank import LowRankLinear as LowRankLinear
     from .lowrank import LowRankMultiheadAttention as LowRankMultiheadAttention
+    from .lowrank import Muon as Muon
     from .lowrank import SeedFeedback as SeedFeedback
     from .lowrank import Settings as Settings
     from .lowrank import Sgd as Sgd

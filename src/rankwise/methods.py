@@ -52,6 +52,8 @@ class Method:
       which ranks the model is factorised).
     - `cap`: trained at the command's tolerance τ from its starting rank r, every rank capped
       at `cap` × r, where the command's other methods take a budget (``None``: as they do).
+    - `rule`: the update rule the method fixes (``"muon"``: :class:`rankwise.Muon` with the
+      command's `betas` and `eps` for its AdamW part; ``None``: the command's rule).
     - `baseline`: not a rankwise integrator; the command trains it its own way (`settings`,
       `feedback`, `allocation` and `cap` are then empty).
     """
@@ -62,6 +64,7 @@ class Method:
     allocation: str | None = None
     warm: bool = False
     cap: int | None = None
+    rule: Literal["muon"] | None = None
     baseline: bool = False
 
     def __post_init__(self) -> None:
@@ -69,7 +72,9 @@ class Method:
             raise ValueError(f"a method fixes only {', '.join(METHOD_FIELDS)}; got {unknown}")
         if self.feedback not in (None, *FEEDBACKS):
             raise ValueError(f"`feedback` must be None or one of {FEEDBACKS}; got {self.feedback!r}")
-        if self.baseline and (self.settings or self.feedback or self.allocation or self.cap):
+        if self.rule not in (None, "muon"):
+            raise ValueError(f"`rule` must be None or 'muon'; got {self.rule!r}")
+        if self.baseline and (self.settings or self.feedback or self.allocation or self.cap or self.rule):
             raise ValueError("a baseline is trained by its command: it fixes no integrator settings")
         object.__setattr__(self, "settings", MappingProxyType(dict(self.settings)))
 
@@ -102,6 +107,16 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({
     "dlrt-uniform": _m("DLRT with the budget allocated uniformly over the layers.", allocation="uniform"),
     "dlrt-reset": _m("DLRT with the rule's moments started afresh at every truncation (not rotated into "
                      "the new bases).", moments="reset"),
+    "dlrt-reset-m": _m("DLRT with only the first moments started afresh at every truncation (Adam's second "
+                       "moments rotated).", moments="reset_m"),
+    "dlrt-reset-v": _m("DLRT with only Adam's second moments started afresh at every truncation (the first "
+                       "moments rotated).", moments="reset_v"),
+    "dlrt-reset-ue5": _m("dlrt-reset augmenting every 5th step.", moments="reset", update_every=5),
+    "dlrt-reset-ue20": _m("dlrt-reset augmenting every 20th step.", moments="reset", update_every=20),
+    "dlrt-muon": _m("DLRT with the Muon rule on the factors (orthogonalised momentum, rotated at a "
+                    "truncation; AdamW on the rest).", moments="rotate", rule="muon"),
+    "dlrt-muon-reset": _m("dlrt-muon with the momentum started afresh at every truncation.", moments="reset",
+                          rule="muon"),
     "dlrt-core3": _m("DLRT with the core's rate 3× the bases'.", core_lr_ratio=3.0),
     "dlrt-core0.3": _m("DLRT with the core's rate 0.3× the bases'.", core_lr_ratio=0.3),
     "dlrt-warm": _m("Dense training first, then DLRT.", warm=True),
@@ -135,7 +150,8 @@ COMMANDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
               "fixed", "dense-svd", "dlrt-warm", "sdlrt-warm"),
     "lm": ("dense", "dlrt", "sdlrt", "fixed", "galore", "muon", "cola", "dlrt-ue5", "dlrt-ue20",
            "dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
-           "dlrt-core0.3"),
+           "dlrt-core0.3", "dlrt-reset-m", "dlrt-reset-v", "dlrt-reset-ue5", "dlrt-reset-ue20", "dlrt-muon",
+           "dlrt-muon-reset"),
     "peft": ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r"),
     "ckpt": ("dense", "sdlrt", "dlrt"),
 })
@@ -179,7 +195,7 @@ def settings(name: str, truncation: Tolerance | Budget, *, omega: float = 0.8, t
     `allocation` replaces the budget's; a fixed-rank one (``adaptive=False``) keeps its ranks
     whatever the truncation asks, and is given ``Tolerance(0.0)``."""
     from .lowrank import Budget, SeedFeedback, Tolerance, TwoSidedFeedback
-    from .lowrank._settings import settings_from
+    from .lowrank._settings import pop_rule, rule_from, settings_from
 
     method = _integrator(name)
     for key in (*METHOD_FIELDS, "feedback"):
@@ -200,6 +216,11 @@ def settings(name: str, truncation: Tolerance | Budget, *, omega: float = 0.8, t
     if method.feedback is not None and isinstance(truncation, Tolerance):
         kind = SeedFeedback if method.feedback == "seed" else TwoSidedFeedback
         feedback = kind(omega=omega, tau_min=tau_min)
+    if method.rule is not None:  # the method's rule, with the command's Adam part
+        kwargs = dict(kwargs)
+        given = pop_rule(kwargs)
+        kwargs["rule"] = rule_from(method.rule, betas=getattr(given, "betas", (0.9, 0.999)),
+                                   eps=getattr(given, "eps", 1e-8), weight_decay=given.weight_decay)
     return settings_from({**kwargs, **method.settings, "truncation": truncation, "feedback": feedback})
 
 

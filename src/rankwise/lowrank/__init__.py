@@ -24,5 +24,6 @@ from ._policies import TwoSidedFeedback as TwoSidedFeedback
 from ._pretrained import from_pretrained as from_pretrained
 from ._settings import Adam as Adam
 from ._settings import AdamW as AdamW
+from ._settings import Muon as Muon
 from ._settings import Settings as Settings
 from ._settings import Sgd as Sgd

@@ -36,7 +36,7 @@ from . import _integrators as bug
 from . import functional as F
 from ._budget import tail_share
 from ._replicas import _all_finite_flag, core_slot
-from ._rules import State, foreach_update
+from ._rules import State, foreach_update, weight_scale
 
 if TYPE_CHECKING:
     from ._optim import AugmentedBUG
@@ -45,8 +45,10 @@ _MOMENTS = ("m", "v")
 
 
 def _signature(state: State) -> tuple:
-    """What a rule's state must share to be stacked: which moments it holds and its step."""
-    return tuple(k for k in _MOMENTS if state.get(k) is not None), state.get("step")
+    """What a rule's state must share to be stacked: which moments it holds, its step and where
+    its moments restarted."""
+    return (tuple(k for k in _MOMENTS if state.get(k) is not None), state.get("step"), state.get("m_from"),
+            state.get("v_from"))
 
 
 def _stack(ts: list[Tensor], dt: torch.dtype) -> Tensor:
@@ -70,8 +72,9 @@ def _rows(batch: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
     return out
 
 
-RULE_KEYS = ("m", "v", "step")
-"""A rule's state entries (:mod:`._rules`): the moments and Adam's step count. The optimizer's
+RULE_KEYS = ("m", "v", "step", "m_from", "v_from")
+"""A rule's state entries (:mod:`._rules`): the moments, Adam's step count and the steps at which
+a moment restarted (``moments="reset_m"``/``"reset_v"``). The optimizer's
 state is torch's, flat: K's rule state under U, L's under V, S's under S, beside the layer's
 counters (``r_init``, ``tau``, ``augmentations``, ...)."""
 
@@ -505,6 +508,18 @@ def _copy_into(dst: list[Tensor], src: Tensor) -> None:
     torch._foreach_copy_(dst, list(src.unbind(0)))
 
 
+def _core_hp(opt: AugmentedBUG, layers: list, dt: torch.dtype) -> dict:
+    """The core rule's hyperparameters for a group of cores; under the Muon rule with each
+    layer's weight's rate factor (one number, or (L, 1, 1) where the shapes differ)."""
+    hp = opt._core_hp(layers[0].S)
+    if opt.settings.rule.name != "muon":
+        return hp
+    scales = [weight_scale(m.U.shape[0], m.V.shape[0]) for m in layers]
+    one = len(set(scales)) == 1
+    each = torch.tensor(scales, dtype=dt, device=layers[0].S.device)[:, None, None] if not one else None
+    return {**hp, "weight_scale": scales[0] if one else each}
+
+
 def core_step(opt: AugmentedBUG, loss) -> bool:
     """Between augmentations: the rule on every layer's core S and on the dense parameters,
     batched (cores of one rank bucket zero-padded to one size), reading nothing back; a
@@ -524,7 +539,7 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
         S0 = _stack([m.S for m in layers], dt)
         G = _stack([m.S.grad for m in layers], dt)
         old = _stack_states(_rule_states(opt, layers, "S"), dt)
-        S1, new, finite = F.core(S0, G, old, opt.rule, opt._core_hp(layers[0].S))
+        S1, new, finite = F.core(S0, G, old, opt.rule, _core_hp(opt, layers, dt))
         ok = ok & finite
         planned.append((layers, S0, S1, old, new))
     for layers, S0, S1, old, new in planned:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 
 from .._fields import fields_doc, setting
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
-from ._rules import Rule, adam, sgd
+from ._rules import Rule, adam, muon, sgd
 
 
 def _nonnegative(name: str, value: object, what: str) -> None:
@@ -102,10 +102,51 @@ class AdamW(Adam):
     name: ClassVar[str] = "adamw"
 
 
-RULES: dict[str, type[Sgd] | type[Adam]] = {"sgd": Sgd, "adam": Adam, "adamw": AdamW}
+MOMENTS = ("rotate", "reset", "reset_m", "reset_v")
 
 
-def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: float | None = None,
+@dataclass(frozen=True)
+class Muon:
+    """Muon on the factors (``torch.optim.Muon``'s rule, :func:`._rules.muon`): Nesterov
+    `momentum` μ in [0, 1), the step orthogonalised by `ns_steps` Newton–Schulz iterations, its
+    rate scaled by 0.2·√max(m, n) of the layer's m×n weight (so that U S Vᵀ moves as far, in
+    spectral norm, as Muon moves a dense weight, at AdamW's update RMS) for K = US, L = VSᵀ and S
+    alike; decoupled `weight_decay`. Every other parameter (embeddings, norms, heads, biases)
+    takes AdamW with `betas` and `eps`, as Muon's recipe does, at the same rate."""
+
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    name: ClassVar[str] = "muon"
+    update: ClassVar[Rule] = staticmethod(muon)
+
+    def __post_init__(self) -> None:
+        if not 0 <= _real("momentum", self.momentum, finite=False) < 1:
+            raise ValueError(f"`momentum` must be in [0, 1) (Muon's default 0.95); got {self.momentum}")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"`nesterov` must be True or False; got {self.nesterov!r}")
+        steps = self.ns_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
+            raise ValueError(f"`ns_steps` must be an int in [1, 100) (Newton–Schulz iterations, default 5); "
+                             f"got {self.ns_steps!r}")
+        adam = Adam(self.betas, self.eps, self.weight_decay)  # the dense parameters' AdamW, checked
+        object.__setattr__(self, "betas", adam.betas)
+
+    def hyper(self) -> dict[str, Any]:
+        return {"momentum": float(self.momentum), "nesterov": self.nesterov, "ns_steps": self.ns_steps,
+                "betas": self.betas, "eps": float(self.eps), "weight_decay": float(self.weight_decay),
+                "decoupled_weight_decay": True}
+
+
+Rules = Sgd | Adam | Muon
+RULES: dict[str, type[Sgd] | type[Adam] | type[Muon]] = {"sgd": Sgd, "adam": Adam, "adamw": AdamW,
+                                                          "muon": Muon}
+
+
+def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_decay: float | None = None,
               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
               decoupled_weight_decay: bool | None = None) -> Sgd | Adam:
     """The rule object for the presets' keyword arguments (``optimizer="adam"``, ``betas=...``).
@@ -123,6 +164,12 @@ def rule_from(optimizer: str = "sgd", *, momentum: float = 0.0, weight_decay: fl
                          "(names are lower case)")
     cls = RULES[optimizer]
     wd = {} if weight_decay is None else {"weight_decay": weight_decay}
+    if optimizer == "muon":
+        if decoupled_weight_decay is False:
+            raise ValueError("Muon's weight decay is decoupled (as torch.optim.Muon's): leave "
+                             "`decoupled_weight_decay` unset")
+        return Muon(**({} if momentum is None else {"momentum": momentum}), betas=betas, eps=eps, **wd)
+    momentum = 0.0 if momentum is None else momentum
     if optimizer == "sgd":
         Adam(betas, eps)  # checked even where unused: a mistake in them is named
         if decoupled_weight_decay:
@@ -172,10 +219,11 @@ class Settings:
     buffer: bool = setting(False, help=(
         "SDLRT's compensation buffer: the augmented bases also span the last truncation's next "
         "discarded directions, ``Ū = orth[U0, ΔK, U_buf]``."))
-    rule: Sgd | Adam = setting(default_factory=Sgd, help=(
+    rule: Rules = setting(default_factory=Sgd, help=(
         ":class:`Sgd` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``, ``eps``, "
         "``weight_decay``, ``decoupled_weight_decay``) or :class:`AdamW`, applied to K = US, L = VSᵀ, S "
-        "and every other trainable parameter; its values start the param groups, where torch's "
+        "and every other trainable parameter, or :class:`Muon` (orthogonalised momentum on K, L and S, "
+        "AdamW on the rest); its values start the param groups, where torch's "
         "schedulers may change them."))
     single_pass: bool = setting(True, help=(
         "one closure call per step, the gradient projected onto the augmented bases (~2× cheaper); "
@@ -195,11 +243,12 @@ class Settings:
     check_every: int = setting(1, help=(
         "with a `process_group`: compare the replicas' hashes every N-th augmentation (0: never); a "
         "rank that drifted raises ``RuntimeError`` naming it."))
-    moments: Literal["rotate", "reset"] = setting("rotate", help=(
+    moments: Literal["rotate", "reset", "reset_m", "reset_v"] = setting("rotate", help=(
         "``\"rotate\"`` carries the rule's K, L and S moments into the new bases at every "
         "truncation (:func:`._rules.transport`); ``\"reset\"`` starts them afresh, with Adam's step "
         "count (on a small GPT with the Adam rule 0.115 validation bits ahead of ``\"rotate\"``, "
-        "docs/lm.md)."))
+        "docs/lm.md); ``\"reset_m\"`` / ``\"reset_v\"`` restart only the first / second moment "
+        "(its bias correction counted from the restart) and rotate the other."))
     core_lr_ratio: float = setting(1.0, help="the core S's rate as a multiple of the bases' K and L rate.")
 
     def __post_init__(self) -> None:
@@ -209,9 +258,9 @@ class Settings:
         if self.feedback is not None and not isinstance(self.feedback, Feedback):
             raise TypeError(f"`feedback` must be None, rankwise.SeedFeedback(...) or "
                             f"rankwise.TwoSidedFeedback(...); got {self.feedback!r}")
-        if not isinstance(self.rule, Sgd | Adam):
+        if not isinstance(self.rule, Rules):
             raise TypeError(f"`rule` must be rankwise.Sgd(momentum=...), rankwise.Adam(betas=..., eps=...) "
-                            f"or rankwise.lowrank.AdamW(...); got {self.rule!r}")
+                            f"rankwise.lowrank.AdamW(...) or rankwise.Muon(...); got {self.rule!r}")
         for name in ("buffer", "single_pass", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False; got {getattr(self, name)!r}")
@@ -234,8 +283,9 @@ class Settings:
         if not (isinstance(self.core_lr_ratio, int | float) and not isinstance(self.core_lr_ratio, bool)
                 and math.isfinite(self.core_lr_ratio) and self.core_lr_ratio > 0):
             raise ValueError(f"`core_lr_ratio` must be a finite number > 0; got {self.core_lr_ratio!r}")
-        if self.moments not in ("rotate", "reset"):
-            raise ValueError(f"`moments` must be 'rotate' or 'reset'; got {self.moments!r}")
+        if self.moments not in MOMENTS:
+            raise ValueError(f"`moments` must be one of {', '.join(map(repr, MOMENTS))}; "
+                             f"got {self.moments!r}")
         if self.data_parallel not in ("replicated", "sharded"):
             raise ValueError(f"`data_parallel` must be 'replicated' or 'sharded'; got {self.data_parallel!r}")
 
@@ -279,7 +329,7 @@ class Settings:
 RULE_ARGS = ("optimizer", "momentum", "weight_decay", "betas", "eps", "decoupled_weight_decay")
 
 
-def pop_rule(kwargs: dict[str, Any]) -> Sgd | Adam:
+def pop_rule(kwargs: dict[str, Any]) -> Rules:
     """Take the update rule out of keyword arguments (in place): `rule`, or the presets'
     ``optimizer=`` (``"sgd"``, ``"adam"``, ``"adamw"``), ``momentum=``, ``weight_decay=``,
     ``betas=``, ``eps=``, ``decoupled_weight_decay=`` (checked here, :func:`rule_from`), or

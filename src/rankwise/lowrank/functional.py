@@ -32,7 +32,7 @@ from torch import Tensor
 from ..linalg import batch_mm
 from . import _step
 from ._integrators import Factors
-from ._rules import Rule, State, transport
+from ._rules import Rule, State, restart, transport, weight_scale
 
 _MOMENTS = ("m", "v")
 
@@ -95,9 +95,16 @@ def _rules(x: Stack, rule: Rule, hp: Mapping[str, Any],
     f = x.f
     if reorth:
         f = _step.reorthonormalize_group(f, x.pad)
+    hp = scaled(hp, f.U.shape[-2], f.V.shape[-2])
     dK, stK = rule(f.G_K, f.U @ f.S, x.K, hp)
     dL, stL = rule(f.G_L, f.V @ f.S.mT, x.L, hp)
     return f, dK, dL, stK, stL
+
+
+def scaled(hp: Mapping[str, Any], m: int, n: int) -> dict[str, Any]:
+    """`hp` with the group's m×n weight's :func:`._rules.weight_scale` (the Muon rule's rate
+    factor for K, L and S; the other rules ignore it)."""
+    return {**hp, "weight_scale": weight_scale(m, n)}
 
 
 def plan(x: Stack, rule: Rule, hp: Mapping[str, Any], core_hp: Mapping[str, Any], *, reorth: bool,
@@ -108,7 +115,7 @@ def plan(x: Stack, rule: Rule, hp: Mapping[str, Any], core_hp: Mapping[str, Any]
     fails; `ranks`: the tolerance rule's numbers (None: the caller chooses the ranks)."""
     finite = grads_finite(x.f)
     f, dK, dL, stK, stL = _rules(x, rule, hp, reorth)
-    dS, stS = rule(f.G_S, f.S, x.S, core_hp)
+    dS, stS = rule(f.G_S, f.S, x.S, scaled(core_hp, f.U.shape[-2], f.V.shape[-2]))
     p = _step.plan_group(f.U, f.S, f.V, dK, dS, dL, f.U_buf, f.V_buf, svd="auto", width=width, pad=x.pad,
                          robust=robust)
     r = None if ranks is None else _step.tolerance_ranks(p.s, ranks.tau, ranks.min_rank, ranks.max_rank, p.k)
@@ -135,6 +142,7 @@ def finish(t: TwoPass, G: Tensor, rule: Rule, core_hp: Mapping[str, Any], *, ran
     """Two-pass BUG's second phase: the S rule on the core gradient G (L, ku, kv) measured at the
     augmented point (fill directions masked out, as if absent), the core's SVD, the ranks."""
     mask = (t.mU[:, :, None] & t.mV[:, None, :]).to(t.S0.dtype)
+    core_hp = scaled(core_hp, t.U.shape[-2], t.V.shape[-2])
     dS, stS = rule(G.to(t.S0.dtype) * mask, t.S0, t.states["S"], core_hp)
     S = (t.S0 + dS) * mask
     finite = torch.isfinite(S).all(-1).all(-1)
@@ -162,28 +170,24 @@ def augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Te
     SGD: ``tests/test_two_pass_momentum.py``). ``m_S`` padded with zeros would not do: the
     update outside span(U0) × span(V0) would then be a plain SGD step, 1/(1 − μ) smaller, and
     two-pass training with momentum stalls (LeNet/digits at τ = 0.2: 0.43 test accuracy against
-    0.94 single-pass). First moments are assembled linearly, Adam's second moments through
-    their square roots (as :func:`._rules.transport` does); a moment absent from all three
+    0.94 single-pass). First moments are assembled linearly, Adam's second moments by the
+    squared maps (Ũ∘Ũ, Ṽ∘Ṽ; as :func:`._rules.transport` does); a moment absent from all three
     states stays absent; other entries (Adam's step count) are those of the S state."""
     EU = U[..., r0:] * mU[:, None, r0:].to(U.dtype)
     EV = V[..., r0:] * mV[:, None, r0:].to(V.dtype)
     out = dict(st_S)
-    for key, into, back in (("m", None, None), ("v", torch.sqrt, torch.square)):
+    for key, (AU, AV) in (("m", (EU, EV)), ("v", (EU.square(), EV.square()))):
         xS, xK, xL = (st.get(key) for st in (st_S, st_K, st_L))
         if xS is None and xK is None and xL is None:
             continue
         X = U.new_zeros(U.shape[0], U.shape[-1], V.shape[-1])
-
-        def f(x: Tensor, into=into, X=X) -> Tensor:
-            return x.to(X) if into is None else into(x.to(X))
-
         if xS is not None:
-            X[:, :r0, :r0] = f(xS)
+            X[:, :r0, :r0] = xS.to(X)
         if xK is not None:
-            X[:, r0:, :r0] = batch_mm(EU.mT, f(xK))
+            X[:, r0:, :r0] = batch_mm(AU.mT, xK.to(X))
         if xL is not None:
-            X[:, :r0, r0:] = batch_mm(f(xL).mT, EV)
-        out[key] = X if back is None else back(X)
+            X[:, :r0, r0:] = batch_mm(xL.to(X).mT, AV)
+        out[key] = X
     return out
 
 
@@ -204,7 +208,8 @@ def truncate(p: Planned, r1: list[int], b1: list[int], *, moments: str, two_pass
     """Truncate a planned group to ranks `r1` and buffer sizes `b1` (host ints, one per layer)
     and carry the rule states into the new bases: K's by V0ᵀV1, L's by U0ᵀU1, S's by both (the
     augmented bases' maps after two-pass BUG, whose S state lives there); ``moments="reset"``
-    starts them afresh."""
+    starts them afresh (Adam's step count too), ``"reset_m"`` / ``"reset_v"`` only the first /
+    second moment (:func:`._rules.restart`), carrying the other."""
     plan, r0 = p.plan, p.plan.r0
     c, top = max(r + b for r, b in zip(r1, b1, strict=True)), max(r1)
     U, V = batch_mm(plan.U, plan.P[..., :c]), batch_mm(plan.V, plan.Q[..., :c])
@@ -214,6 +219,8 @@ def truncate(p: Planned, r1: list[int], b1: list[int], *, moments: str, two_pass
     TU, TV = plan.P[:, :r0, :top], plan.Q[:, :r0, :top]  # old-to-new maps U0ᵀU1, V0ᵀV1
     SU, SV = (plan.P[..., :top], plan.Q[..., :top]) if two_pass else (TU, TV)
     ns = p.states
+    if moments in ("reset_m", "reset_v"):
+        ns = {k: restart(st, moments[-1]) for k, st in ns.items()}
     return Truncated(U, V, S, {"K": transport(ns["K"], None, TV), "L": transport(ns["L"], None, TU),
                                "S": transport(ns["S"], SU, SV)})
 
@@ -221,7 +228,8 @@ def truncate(p: Planned, r1: list[int], b1: list[int], *, moments: str, two_pass
 def core(S: Tensor, G: Tensor, state: State, rule: Rule,
          core_hp: Mapping[str, Any]) -> tuple[Tensor, State, Tensor]:
     """Between augmentations: the rule on a group's cores S (L, R, R) with gradients G; returns
-    the new cores, the new state and a device bool (the new cores are finite)."""
+    the new cores, the new state and a device bool (the new cores are finite). The group's
+    layers may differ in shape: `core_hp` carries their ``weight_scale`` where the rule uses it."""
     dS, new = rule(G, S, state, core_hp)
     S1 = S + dS
     return S1, new, torch.isfinite(S1).all()
