@@ -180,12 +180,20 @@ def store_step(folder: str | Path) -> tuple[Path, int] | None:
     return folder.parent.parent, step
 
 
+STEP_LIMIT = 2**64  # steps are below this (the commitment's field)
+
+
 def step_of(folder: Path) -> int | None:
-    """The step of a ``step_{step:010d}`` folder, or ``None`` for anything else."""
+    """The step of a folder named exactly ``step_{step:010d}`` (ASCII digits, step < 2⁶⁴), or
+    ``None`` for anything else: ``step_25`` (not the store's spelling, so a vote could not find it
+    again under its proper name), ``step_²`` (a digit to ``str.isdigit`` that ``int`` refuses),
+    twenty nines (beyond a commitment's step field) are not steps and cost nothing."""
     name = folder.name
-    if not name.startswith("step_") or not name[5:].isdigit():
+    digits = name[5:]
+    if not name.startswith("step_") or not (digits.isascii() and digits.isdigit()):
         return None
-    return int(name[5:])
+    step = int(digits)
+    return step if step < STEP_LIMIT and name == f"step_{step:010d}" else None
 
 
 class StoreError(ValueError):

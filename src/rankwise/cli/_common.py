@@ -6,9 +6,11 @@ Nothing here imports torch: ``rankwise --help`` and argument errors must answer 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -219,9 +221,18 @@ def lock_output(folder: Path, option: str = "--out") -> None:
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held until the command ends)
+        # never through a link planted as the lock file (its target would be created), and
+        # only a regular file (a FIFO or a device is refused)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(folder / LOCK_FILE, flags, 0o644)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{option} {folder}: {LOCK_FILE} in it is a symbolic link; remove it", 1) from e
         raise UserError(f"{option} {folder}: cannot create it ({e.strerror})", 1) from e
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{option} {folder}: {LOCK_FILE} in it is not a regular file; remove it", 1)
+    handle = os.fdopen(fd, "a+")
     _HELD.append((folder, handle, created))
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
