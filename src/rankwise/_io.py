@@ -1,11 +1,14 @@
-"""Atomic file writes, shared by the run records and the checkpoint format."""
+"""Atomic file writes and bounded reads, shared by the run records, the configs and the
+checkpoint format."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from pathlib import Path
+from typing import Any
 
 
 def write_atomic(path: str | os.PathLike, data: bytes | list, *, dir_fd: int | None = None) -> None:
@@ -51,6 +54,23 @@ def write_atomic(path: str | os.PathLike, data: bytes | list, *, dir_fd: int | N
             os.fsync(parent)
         finally:
             os.close(parent)
+
+
+SMALL_FILE = 16 << 20  # bytes: the most a record, a manifest or a config rankwise reads may hold
+
+
+def read_json(path: str | os.PathLike, limit: int = SMALL_FILE) -> Any:
+    """A small JSON file (a run record, ``run.json``, an adapter config) through
+    :func:`read_regular`: a FIFO, a device, a link to ``/dev/zero`` or an oversized file is
+    refused before anything is read; text that is not JSON, or JSON nested too deep for the
+    parser (1 MiB of ``[``), is a ``ValueError`` naming the file, never a ``RecursionError``."""
+    data = read_regular(path, limit)
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError(f"{path} is not a JSON file rankwise wrote: it is nested too deep to read") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None) -> bytes:

@@ -140,12 +140,12 @@ RECORD_FIELDS = {"context": "rankwise lm", "task": "rankwise sweep", "setting": 
 
 def _records(folder: Path) -> list[tuple[Path, dict]]:
     """The run records in ``folder/runs/``: ``*.json`` objects with a ``"spec"`` object."""
-    import json
+    from .._io import read_json
 
     out = []
     for p in sorted((folder / "runs").glob("*.json")) if (folder / "runs").is_dir() else []:
         try:
-            record = json.loads(p.read_text())
+            record = read_json(p)
         except (OSError, ValueError):
             continue
         if isinstance(record, dict) and isinstance(record.get("spec"), dict):

@@ -18,6 +18,7 @@ def check_checkpoint_dir(config, nproc: int) -> None:
     """Refuse (``UserError``) a ``checkpoint_dir`` that is not a folder, or that holds the
     checkpoints of a run with other settings or another number of processes (its
     ``run.json``), naming what differs; creates nothing."""
+    from .._io import read_json
     from ..experiments.train_run import _resumable
     from ..train._checkpoints import mismatch as resume_mismatch
     from ._common import UserError, _check_writable
@@ -31,7 +32,7 @@ def check_checkpoint_dir(config, nproc: int) -> None:
     mine = {**_resumable(config), "nproc": nproc}
     if manifest.exists():
         try:
-            saved = json.loads(manifest.read_text())
+            saved = read_json(manifest)
         except (OSError, ValueError) as e:
             raise UserError(f"{manifest} is unreadable ({e}); choose another --checkpoint-dir", 1) from None
         if saved != mine:

@@ -15,7 +15,7 @@ from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._io import write_atomic
+from .._io import read_json, write_atomic
 from ._pool import Report, map_runs
 
 S = TypeVar("S")
@@ -73,7 +73,7 @@ def _scan(specs: Sequence[S], keys: list[str], folder: Path,
         if not p.exists():
             continue
         try:
-            record = json.loads(p.read_text())
+            record = read_json(p)
             spec = record.get("spec") if isinstance(record, dict) else None
             if not isinstance(spec, dict):
                 raise ValueError("no run settings (\"spec\") in it")

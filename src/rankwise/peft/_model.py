@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .._io import write_atomic
+from .._io import read_json, write_atomic
 from ..lowrank._convert import _set_submodule
 from ._budget import budget_params, uniform_rank
 from ._config import AdapterConfig
@@ -153,14 +153,10 @@ CONFIG_LIMIT = 1 << 20  # bytes: a config with every module's rank is a few KiB
 
 def _read_meta(path: Path) -> dict:
     """The adapter config file, bounded in size and checked for the fields load_adapter reads."""
-    size = path.stat().st_size
-    if size > CONFIG_LIMIT:
-        raise ValueError(f"{path} is {size:,} bytes; an adapter config is a few KiB (at most "
-                         f"{CONFIG_LIMIT:,} bytes are read): not a file written by save_adapter")
     try:
-        meta = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): not a file written by save_adapter") from None
+        meta = read_json(path, CONFIG_LIMIT)  # a regular file of at most CONFIG_LIMIT bytes, JSON
+    except ValueError as e:
+        raise ValueError(f"{e}: not a file written by save_adapter") from None
     if not isinstance(meta, dict) or meta.get("format") != "rankwise-adapter":
         raise ValueError(f"{path} is not a rankwise adapter config")
     ranks = meta.get("ranks")
