@@ -71,3 +71,43 @@ def test_a_run_json_that_is_a_fifo_is_refused_in_one_line(tmp_path):
     os.mkfifo(config.checkpoint_dir / "run.json")
     with pytest.raises(UserError, match=r"run\.json is unreadable .*FIFO"):
         check_checkpoint_dir(config, 2)
+
+
+def _deep_tree(top: Path, levels: int) -> None:
+    """`levels` nested folders "d" under `top`, made through descriptors (the path is too long)."""
+    top.mkdir()
+    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(levels):
+        os.mkdir("d", dir_fd=fd)
+        inner = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = inner
+    os.close(fd)
+
+
+def _pruner(root: Path, steps: list[int]):
+    from types import SimpleNamespace
+
+    from rankwise.ckpt._checkpointer import CodedCheckpointer
+
+    me = SimpleNamespace(root_dir=root, rank=0, keep=1, _local_steps=lambda: steps)
+    return lambda newest: CodedCheckpointer._prune(me, newest)
+
+
+def test_prune_survives_a_deep_tree_and_never_follows_a_swapped_rank_folder(tmp_path, caplog):
+    """A 3,000-level tree in an old step folder made _prune's rmtree raise RecursionError after
+    the commit (that rank alone failed, its peers waited); `rank0` swapped for a link between
+    the check and rmtree deleted a step folder outside the store."""
+    store = tmp_path / "store"
+    (store / "rank0").mkdir(parents=True)
+    _deep_tree(store / "rank0" / "step_0000000001", 3000)
+    (store / "rank0" / "step_0000000010").mkdir()
+    _pruner(store, [1, 10])(10)  # no exception
+    assert "left in place" in caplog.text
+    outside = tmp_path / "outside"
+    (outside / "step_0000000001").mkdir(parents=True)
+    (outside / "step_0000000001" / "mine.txt").write_text("mine")
+    os.rename(store / "rank0", tmp_path / "old_rank0")
+    (store / "rank0").symlink_to(outside, target_is_directory=True)
+    _pruner(store, [1, 10])(10)
+    assert (outside / "step_0000000001" / "mine.txt").read_text() == "mine"

@@ -16,7 +16,9 @@ data-parallel case.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import stat
 import struct
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -324,19 +326,28 @@ class CodedCheckpointer:
     def _prune(self, newest: int) -> None:
         """Keep the newest ``keep`` complete steps up to ``newest``; drop older ones and
         incomplete folders (a crashed save) older than ``newest``. Only real folders are
-        removed (a symbolic link in the store is left, with its target, and logged)."""
+        removed, through the rank folder's descriptor (``rmtree(dir_fd=)``: a link swapped in for
+        the rank folder or a step folder is never followed, so nothing outside the store is
+        deleted); what cannot be removed (a link, a 3,000-level tree) is left and logged: a prune
+        never fails the save that committed."""
         complete = sorted(s for s in self._local_steps() if s <= newest)
         keep = set(complete[-self.keep:])
-        mine = _store.rank_folder(self.root_dir, self.rank)  # (checked by the save that just wrote)
-        for d in mine.glob("step_*"):
-            s = _store.step_of(d)
-            if s is not None and s < newest and s not in keep:
-                try:
-                    _store.real_folder(mine, d.name)
-                except (_store.StoreError, OSError) as e:
-                    log.warning("prune: %s left in place: %s", d, e)
-                    continue
-                shutil.rmtree(d, ignore_errors=True)
+        try:
+            with _store.opened_folder(self.root_dir, f"rank{self.rank}") as fd:
+                for name in os.listdir(fd):
+                    s = _store.step_of(Path(name))
+                    if s is None or s >= newest or s in keep:
+                        continue
+                    try:
+                        if not stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                            log.warning("prune: rank%d/%s left in place: not a real folder", self.rank, name)
+                            continue
+                        shutil.rmtree(name, dir_fd=fd)
+                    except (OSError, RecursionError) as e:
+                        log.warning("prune: rank%d/%s left in place: %s", self.rank, name,
+                                    type(e).__name__ if isinstance(e, RecursionError) else e)
+        except (_store.StoreError, OSError) as e:
+            log.warning("prune: rank%d's folder left as it is: %s", self.rank, e)
 
     # ------------------------------------------------------------------ restore
     # The restore runs in named phases, each collective (every rank calls it, in this order, and
