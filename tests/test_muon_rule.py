@@ -80,3 +80,23 @@ def test_settings_round_trip_and_refusals():
         rankwise.Muon(ns_steps=0)
     with pytest.raises(ValueError, match="momentum"):
         rankwise.Muon(momentum=1.0)
+
+
+def test_moments_auto_resets_under_muon_and_rotates_otherwise():
+    """moments="auto" (the default) is issue 48's measured choice per rule: Muon's momentum
+    restarts at every truncation (none is left in the K, L, S states after an augmenting step),
+    Adam's and SGD's are carried into the new bases; an explicit value wins."""
+    S = rankwise.lowrank.Settings
+    tol = rankwise.Tolerance(0.1)
+    assert S(truncation=tol).moments == "auto"
+    assert S(truncation=tol, rule=rankwise.Muon()).moments_used == "reset"
+    assert S(truncation=tol, rule=rankwise.Adam()).moments_used == "rotate"
+    assert S(truncation=tol, rule=rankwise.Sgd(momentum=0.9)).moments_used == "rotate"
+    assert S(truncation=tol, rule=rankwise.Muon(), moments="rotate").moments_used == "rotate"
+    torch.manual_seed(3)
+    for rule, kept in ((rankwise.Muon(), False), (rankwise.Adam(), True)):
+        model = nn.Sequential(rankwise.LowRankLinear(8, 8, 2))
+        opt = rankwise.DLRT(model, 0.01, tau=0.1, rule=rule)
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+        assert ("m" in opt.state[model[0].U]) == kept

@@ -64,6 +64,7 @@ def _reference_config(preset: str, lr: float, kw: dict) -> Config:
     ref = {"rule": {"sgd": "sgd", "muon": "muon"}.get(optimizer, "adam"), "decoupled": optimizer == "adamw"}
     if optimizer == "muon":
         ref["momentum"] = kw.pop("momentum", 0.95)
+        ref["moments"] = kw.pop("moments", "reset")  # moments="auto" under Muon
     if preset == "SDLRT":
         feedback = kw.pop("feedback", True)
         ref["buffer"] = kw.pop("buffer", True)
@@ -143,6 +144,7 @@ CASES = {  # id: (preset, lr, kwargs, atol, the ranks change in both models)
     "sdlrt-adam-reset-m-two-pass": ("SDLRT", 0.05, {"tau": 0.2, "moments": "reset_m", "single_pass": False,
                                                     "eps": 1e-3, **ADAM}, 1e-7, True),
     "dlrt-muon": ("DLRT", 0.1, {"tau": 0.1, "optimizer": "muon", "update_every": 2}, 1e-7, True),
+    "dlrt-muon-rotate": ("DLRT", 0.1, {"tau": 0.1, "optimizer": "muon", "moments": "rotate"}, 1e-7, True),
     "sdlrt-muon-two-pass": ("SDLRT", 0.1, {"tau": 0.2, "optimizer": "muon", "single_pass": False,
                                            "weight_decay": 0.01}, 1e-7, True),
 }

@@ -464,7 +464,7 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
     a layer's shapes did not change, else as fresh tensors."""
     cfg, r1 = opt.settings, g.r1
     b1 = [min(r, k - r) if cfg.buffer else 0 for r, k in zip(r1, g.k, strict=True)]
-    t = F.truncate(g.planned, r1, b1, moments=cfg.moments, two_pass=g.plan_two_pass)
+    t = F.truncate(g.planned, r1, b1, moments=cfg.moments_used, two_pass=g.plan_two_pass)
     UP, VQ, S1 = t.U, t.V, t.S
     layers, L = g.layers, len(g.names)
     m_, n_ = layers[0].out_features, layers[0].in_features
@@ -493,7 +493,8 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
     states = g.states
     shapes = {"K": [(m_, r) for r in r1], "L": [(n_, r) for r in r1], "S": [(r, r) for r in r1]}
     for key in ("K", "L", "S"):  # reset: the rule starts afresh in the new bases
-        _put_rule_states(opt, layers, key, None if cfg.moments == "reset" else t.states[key], shapes[key])
+        new = None if cfg.moments_used == "reset" else t.states[key]
+        _put_rule_states(opt, layers, key, new, shapes[key])
     for i, st in enumerate(states):
         if cfg.budgeted:
             st["tail"] = g.tails[i]

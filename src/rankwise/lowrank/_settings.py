@@ -102,7 +102,12 @@ class AdamW(Adam):
     name: ClassVar[str] = "adamw"
 
 
-MOMENTS = ("rotate", "reset", "reset_m", "reset_v")
+MOMENTS = ("auto", "rotate", "reset", "reset_m", "reset_v")
+# what moments="auto" means under each rule (issue 48's measurements, docs/lm.md): Muon's momentum
+# restarted at every truncation (ahead on the LLaMA-style LM and the digits MLP); Adam's rotated
+# (a reset was 0.03 bits ahead on the LM but 5 points behind on the digits MLP); SGD's rotated (a
+# reset at every step switches off the momentum asked for)
+AUTO_MOMENTS = {"sgd": "rotate", "adam": "rotate", "adamw": "rotate", "muon": "reset"}
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,9 @@ class Settings:
     check_every: int = setting(1, help=(
         "with a `process_group`: compare the replicas' hashes every N-th augmentation (0: never); a "
         "rank that drifted raises ``RuntimeError`` naming it."))
-    moments: Literal["rotate", "reset", "reset_m", "reset_v"] = setting("rotate", help=(
+    moments: Literal["auto", "rotate", "reset", "reset_m", "reset_v"] = setting("auto", help=(
+        "``\"auto\"`` (the default): ``\"reset\"`` under :class:`Muon`, ``\"rotate\"`` under "
+        ":class:`Adam` and :class:`Sgd`, what issue 48 measured best for each rule (docs/lm.md); "
         "``\"rotate\"`` carries the rule's K, L and S moments into the new bases at every "
         "truncation (:func:`._rules.transport`); ``\"reset\"`` starts them afresh, with Adam's step "
         "count (on a small GPT with the Adam rule 0.115 validation bits ahead of ``\"rotate\"``, "
@@ -293,6 +300,11 @@ class Settings:
     def budgeted(self) -> bool:
         """Does a :class:`Budget` set the ranks (rather than a tolerance τ)?"""
         return isinstance(self.truncation, Budget)
+
+    @property
+    def moments_used(self) -> str:
+        """`moments`, with ``"auto"`` resolved for the rule (:data:`AUTO_MOMENTS`)."""
+        return AUTO_MOMENTS[self.rule.name] if self.moments == "auto" else self.moments
 
     @property
     def tau(self) -> float:
