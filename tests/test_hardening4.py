@@ -85,6 +85,20 @@ def _deep_tree(top: Path, levels: int) -> None:
     os.close(fd)
 
 
+def _remove_deep_tree(top: Path) -> None:
+    """Remove a tree of nested "d" folders without recursion (pytest's own cleanup recurses)."""
+    if not top.exists():
+        return
+    fds = [os.open(top, os.O_RDONLY | os.O_DIRECTORY)]
+    while "d" in os.listdir(fds[-1]):
+        fds.append(os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fds[-1]))
+    os.close(fds.pop())
+    while fds:
+        os.rmdir("d", dir_fd=fds[-1])
+        os.close(fds.pop())
+    os.rmdir(top)
+
+
 def _pruner(root: Path, steps: list[int]):
     from types import SimpleNamespace
 
@@ -100,9 +114,13 @@ def test_prune_survives_a_deep_tree_and_never_follows_a_swapped_rank_folder(tmp_
     the check and rmtree deleted a step folder outside the store."""
     store = tmp_path / "store"
     (store / "rank0").mkdir(parents=True)
-    _deep_tree(store / "rank0" / "step_0000000001", 3000)
+    deep = store / "rank0" / "step_0000000001"
+    _deep_tree(deep, 3000)
     (store / "rank0" / "step_0000000010").mkdir()
-    _pruner(store, [1, 10])(10)  # no exception
+    try:
+        _pruner(store, [1, 10])(10)  # no exception
+    finally:
+        _remove_deep_tree(deep)
     assert "left in place" in caplog.text
     outside = tmp_path / "outside"
     (outside / "step_0000000001").mkdir(parents=True)
@@ -111,3 +129,60 @@ def test_prune_survives_a_deep_tree_and_never_follows_a_swapped_rank_folder(tmp_
     (store / "rank0").symlink_to(outside, target_is_directory=True)
     _pruner(store, [1, 10])(10)
     assert (outside / "step_0000000001" / "mine.txt").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------- load_adapter
+def _adapter_case(tmp_path, save_modules):
+    from rankwise.peft import AdapterConfig, get_adapter_model, save_adapter
+    from test_peft import QKV, tiny_bert
+
+    model = get_adapter_model(tiny_bert(), AdapterConfig(QKV, r=4, tau=0.05, modules_to_save=save_modules))
+    save_adapter(model, tmp_path / "a")
+    fresh = get_adapter_model(tiny_bert(1), AdapterConfig(QKV, r=4, tau=0.05, modules_to_save=save_modules))
+    return tmp_path / "a", fresh
+
+
+def _unchanged_after_refusal(fresh, directory, match):
+    import torch
+
+    from rankwise.peft import load_adapter
+
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=match):
+        load_adapter(fresh, directory)
+    after = fresh.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_adapter_refuses_a_config_that_saves_the_base_or_a_block(tmp_path):
+    """The adapter's own config added `base` to modules_to_save and shipped query.base.weight:
+    it replaced the frozen W0; with modules_to_save ["layer"] (holding adapters) it changed S and
+    the base weights, then raised."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    d, fresh = _adapter_case(tmp_path, ["classifier"])
+    cfg = json.loads((d / "adapter_config.json").read_text())
+    cfg["config"]["modules_to_save"] = ["classifier", "base"]
+    (d / "adapter_config.json").write_text(json.dumps(cfg))
+    state = load_file(str(d / "adapter_model.safetensors"))
+    W0 = fresh.get_submodule("bert.encoder.layer.0.attention.self.query.base").weight
+    state["bert.encoder.layer.0.attention.self.query.base.weight"] = W0.detach() + 1
+    save_file(state, str(d / "adapter_model.safetensors"))
+    _unchanged_after_refusal(fresh, d, "modules_to_save .* differ from the model's")
+    d2, block = _adapter_case(tmp_path / "b", ["layer"])
+    _unchanged_after_refusal(block, d2, "is, holds or lies inside the adapted layer")
+
+
+def test_load_adapter_refuses_non_finite_factors_by_name(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    d, fresh = _adapter_case(tmp_path, ["classifier"])
+    state = load_file(str(d / "adapter_model.safetensors"))
+    key = next(k for k in state if k.endswith(".S"))
+    state[key] = state[key].clone()
+    state[key][0, 0] = torch.nan
+    save_file(state, str(d / "adapter_model.safetensors"))
+    _unchanged_after_refusal(fresh, d, f"non-finite values .*{key}")

@@ -180,15 +180,18 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
     :func:`get_adapter_model` with the same targets; each adapter takes the saved rank (which
     may differ from the wrapped one).
 
-    It loads exactly U, S and V of every adapter and the state of the `modules_to_save` the
-    saved config names, and nothing else: a key outside those (a frozen base weight, a module
-    the config does not save), a missing key, a factor whose shape does not fit its layer (U
-    (out, r), S (r, r), V (in, r) with 1 ≤ r ≤ the layer's `max_rank`) or a saved module's
-    tensor of another shape is refused with a ``ValueError`` naming it, before the model is
-    changed. ``adapter_config.json`` is read only up to 1 MiB."""
+    It loads exactly U, S and V of every adapter and the state of the model's own
+    `modules_to_save` (the saved config must name the same ones), and nothing else: a key outside
+    those (a frozen base weight, a module the config does not save), a missing key, a factor
+    whose shape does not fit its layer (U (out, r), S (r, r), V (in, r) with 1 ≤ r ≤ the layer's
+    `max_rank`), a non-finite value or a saved module's tensor of another shape is refused with a
+    ``ValueError`` naming it, and so is a module to save that is, holds or lies inside an
+    adapted layer (it would replace the frozen W0 or an adapter's factors). All of it is checked
+    before the model is changed; should applying fail, the model is put back as it was.
+    ``adapter_config.json`` is read only up to 1 MiB."""
     from safetensors import SafetensorError, safe_open
 
-    _config_of(model)
+    mine = _config_of(model)
     directory = Path(directory)
     for f in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / f).is_file():
@@ -208,9 +211,19 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
                              f"max_rank for a {layer.out_features}×{layer.in_features} weight)")
         want |= {f"{name}.U": (layer.out_features, r), f"{name}.S": (r, r),
                  f"{name}.V": (layer.in_features, r)}
+    if tuple(saved_config.modules_to_save or ()) != tuple(mine.modules_to_save or ()):
+        raise ValueError(f"the saved adapter's modules_to_save {list(saved_config.modules_to_save or ())} "
+                         f"differ from the model's {list(mine.modules_to_save or ())}: wrap the model with "
+                         "the saved AdapterConfig")
     for name, module in model.named_modules():
-        if name and saved_config.saves(name) and name not in layers:
-            want |= {f"{name}.{k}": tuple(t.shape) for k, t in module.state_dict().items()}
+        if not name or name in layers or not mine.saves(name):
+            continue
+        clash = [a for a in layers if a == name or a.startswith(name + ".") or name.startswith(a + ".")]
+        if clash:
+            raise ValueError(f"modules_to_save names {name!r}, which is, holds or lies inside the adapted "
+                             f"layer(s) {_listed(set(clash))}: loading it would replace frozen or adapter "
+                             "weights; save the adapters by themselves")
+        want |= {f"{name}.{k}": tuple(t.shape) for k, t in module.state_dict().items()}
     path = directory / WEIGHTS_FILE
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -229,6 +242,23 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
             state = {k: f.get_tensor(k) for k in keys}
     except SafetensorError as e:  # a damaged file
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+    bad = sorted(k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
+    if bad:
+        raise ValueError(f"{path} holds non-finite values (NaN or inf) in {_listed(set(bad))}")
+    snapshot = {k: t.clone() for k, t in model.state_dict().items()}
+    try:
+        _apply(model, layers, state)
+    except BaseException:
+        with torch.no_grad():
+            for name, layer in layers.items():  # back to the shapes of before, then every value
+                layer.set_factors(*(snapshot[f"{name}.{k}"] for k in ("U", "S", "V", "U_buf", "V_buf")))
+        model.load_state_dict(snapshot)
+        raise
+    return model
+
+
+def _apply(model: nn.Module, layers: dict, state: dict[str, torch.Tensor]) -> None:
+    """Write checked adapter factors and saved modules' tensors into `model` (load_adapter)."""
     with torch.no_grad():
         for name, layer in layers.items():
             layer.set_factors(state.pop(f"{name}.U"), state.pop(f"{name}.S"), state.pop(f"{name}.V"),
@@ -239,7 +269,6 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
             saved.setdefault(module, {})[tensor] = t
         for module, sd in saved.items():
             model.get_submodule(module).load_state_dict(sd)
-    return model
 
 
 def merge_and_unload(model: nn.Module) -> nn.Module:
