@@ -184,6 +184,21 @@ class CodedCheckpointer:
             raise exc(f"{what} failed on rank(s) {sorted(bad)}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
 
+    def _raise_if_over_t(self, err: str | None, what: str, group: dist.ProcessGroup) -> None:
+        """Collective: every rank raises ``RuntimeError`` if more than t ranks failed; with at most
+        t (a bad disk, a link planted in one rank's folder) the step is committed by the others and
+        recoverable, so each failed rank logs its error (it is repaired like a lost rank at the
+        next restore) and the peers log who failed."""
+        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
+        bad = {r: e for r, e in enumerate(errs) if e}
+        if len(bad) > self.t:
+            raise RuntimeError(f"{what} failed on rank(s) {sorted(bad)}: "
+                               + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
+        if bad:
+            log.error("%s: committed by the other ranks; rank(s) %s could not write their files and will "
+                      "be repaired at the next restore: %s", what, sorted(bad),
+                      "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
+
     # ------------------------------------------------------------------ save
     def save(self, state: Any, step: int, *, per_rank: Any = None, blocking: bool = True) -> Future | None:
         """Collective. Serialise ``state`` (model / optimizer / scheduler state dicts, ...),
@@ -293,8 +308,9 @@ class CodedCheckpointer:
             err = str(e)
         except OSError as e:
             err = f"writing {d}: {e}"
-        self._raise_if_any(err, f"save(step={step})", group)  # every rank has written: now prune
-        self._prune(step)
+        self._raise_if_over_t(err, f"save(step={step})", group)  # the honest ranks have written: prune
+        if err is None:
+            self._prune(step)
         self._stats = dict(op="save", step=step, state_bytes=len(blob),
                            stored_bytes=frag.file_size() + len(com.to_bytes()),
                            save_seconds=time.perf_counter() - t0)
@@ -318,7 +334,18 @@ class CodedCheckpointer:
 
     def _publish(self, d: Path, frag: Fragment, com: Commitment) -> None:
         """This rank's files of a step (its folder `d`): the fragment, then the commitment (the
-        step is complete); written through the folder's descriptor, never through a link."""
+        step is complete); written through the folder's descriptor, never through a link. A link
+        or a file planted at this step's name in the rank's folder is removed through the rank
+        folder's descriptor (the entry itself, never what it points to) and logged."""
+        with _store.opened_folder(self.root_dir, f"rank{self.rank}", create=True) as rank_fd:
+            try:
+                st = os.stat(d.name, dir_fd=rank_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            if st is not None and not stat.S_ISDIR(st.st_mode):
+                log.warning("save: rank%d/%s was %s, not a folder; removed (not followed)", self.rank, d.name,
+                            "a symbolic link" if stat.S_ISLNK(st.st_mode) else "a file")
+                os.unlink(d.name, dir_fd=rank_fd)
         with _store.opened_folder(self.root_dir, f"rank{self.rank}", d.name, create=True) as fd:
             _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
             _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)
