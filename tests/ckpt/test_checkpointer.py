@@ -279,3 +279,42 @@ def test_restore_falls_back_to_an_older_step_when_the_newest_cannot_be_retrieved
     for r in out:
         assert r["ok"] and r["step"] == 20
         assert [s for s, _ in r["skipped"]] == [25] and "needs 3 verified rows" in r["skipped"][0][1]
+
+
+class _FalseReporter(CodedCheckpointer):
+    """Issue 49, attack 1: a rank that reports a made-up retrieval failure for the newest step
+    (and carries on itself), through whichever method sends the retrieval's verdict."""
+
+    def _raise_if_any(self, err, what, group, exc=RuntimeError):  # (the method before issue 49)
+        import contextlib
+
+        with contextlib.suppress(exc):
+            lie = "needs 3 verified rows; got 2" if what == "retrieve" else err
+            super()._raise_if_any(lie, what, group, exc)
+
+    def _unrecoverable_if_over_t(self, err):
+        import contextlib
+
+        from rankwise.ckpt._checkpointer import StepUnrecoverable
+
+        with contextlib.suppress(StepUnrecoverable):
+            super()._unrecoverable_if_over_t("retrieve needs 3 verified rows; got 2")
+
+
+def _lone_reporter(rank: int, store: str):
+    import torch.distributed as dist
+
+    ck = (_FalseReporter if rank == 3 else CodedCheckpointer)(t=1, store_dir=store, keep=3)
+    ck.save(_state(20), 20)
+    ck.save(_state(25), 25)
+    dist.barrier()
+    restored = ck.restore()
+    return dict(ok=_equal(restored.state, _state(25)), step=restored.step, skipped=restored.skipped)
+
+
+def test_one_lying_rank_cannot_roll_the_group_back(tmp_path, caplog):
+    """Before issue 49 any single report raised StepUnrecoverable on every rank: the honest
+    ranks, each holding 3 good rows, skipped step 25 and restored step 20."""
+    out = run_world(_lone_reporter, 4, tmp_path, str(tmp_path / "store"), timeout=180)
+    for r in out:
+        assert r["ok"] and r["step"] == 25 and r["skipped"] == [], r

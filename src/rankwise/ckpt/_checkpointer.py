@@ -416,7 +416,8 @@ class CodedCheckpointer:
             try:
                 return self._restore_step(step, root, votes[(step, root)], t0, skipped)
             except StepUnrecoverable as e:
-                log.warning("restore: step %d cannot be retrieved (%s); trying the next older step", step, e)
+                log.error("restore: step %d cannot be retrieved (%s); falling back to the next older step",
+                          step, e)
                 skipped.append((step, str(e)))
         raise RuntimeError("restore: no step that k ranks hold could be retrieved: "
                            + "; ".join(f"step {s}: {why}" for s, why in skipped))
@@ -725,12 +726,31 @@ class CodedCheckpointer:
             if bad:
                 log.warning("retrieve: rows from rank(s) %s failed verification and were excluded", bad)
             err = None if len(mine) >= k else str(NotEnoughSymbols(len(mine), k, bad, "retrieve", "rows"))
-            # every rank takes part, whatever its count, and raises alike (restore then tries an older step)
-            self._raise_if_any(err, "retrieve", self.group, StepUnrecoverable)
+            # every rank takes part, whatever its count; the step is given up (restore then tries an
+            # older one) only when more than t ranks report it so: honest ranks verify the same
+            # bytes and agree, so a lone reporter cannot roll the group back
+            self._unrecoverable_if_over_t(err)
         except BaseException:
             rows.close()  # (the memfd and its pages are not left behind)
             raise
         return rows, sorted(mine)[:k], sent, recv, reporters
+
+    def _unrecoverable_if_over_t(self, err: str | None) -> None:
+        """Collective: every rank raises :class:`StepUnrecoverable` when more than t ranks could
+        not retrieve the step. With at most t reporters the step stands: the others log them as
+        an error, and a reporter whose own retrieval really failed raises alone."""
+        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, self.group)]
+        bad = {r: e for r, e in enumerate(errs) if e}
+        if len(bad) > self.t:
+            raise StepUnrecoverable(f"retrieve failed on rank(s) {sorted(bad)}: "
+                                    + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
+        if err is not None:
+            raise StepUnrecoverable(f"retrieve failed on this rank ({err}) but on no more than t={self.t} "
+                                    "ranks: the others restore this step")
+        if bad:
+            log.error("retrieve: rank(s) %s reported the step unrecoverable (%s), but no more than t=%d "
+                      "ranks did and this rank retrieved it: the step is restored, the reports are not "
+                      "trusted", sorted(bad), "; ".join(f"rank {r}: {e}" for r, e in bad.items()), self.t)
 
     def _repair_report(self, failed: list[int]) -> list[int]:
         """The helpers this repair target reports as bad (a test double of a bad rank overrides it)."""

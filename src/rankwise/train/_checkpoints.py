@@ -32,7 +32,8 @@ class CodedCheckpoints(Callback):
       training waits only for the snapshot to host memory; the next save, and the end of the
       run, wait for the one in flight). Default ``True``.
 
-    **Attributes:** `restored` — ``None``, or ``{"step": ..., "repaired_ranks": [...]}`` after a
+    **Attributes:** `restored` — ``None``, or ``{"step": ..., "repaired_ranks": [...], "skipped":
+    [{"step": ..., "why": ...}]}`` (newer steps that could not be retrieved: a fall-back) after a
     restore.
     """
 
@@ -67,7 +68,8 @@ class CodedCheckpoints(Callback):
                 cb.load_state_dict(state["callbacks"][key])
         torch.set_rng_state(got.per_rank["torch_rng"])
         random.setstate(got.per_rank["py_rng"])
-        self.restored = {"step": got.step, "repaired_ranks": got.repaired}
+        self.restored = {"step": got.step, "repaired_ranks": got.repaired,
+                         "skipped": [{"step": s, "why": why} for s, why in got.skipped]}
 
     def on_step_end(self, loop: Loop) -> None:
         if loop.global_step % self.every:
