@@ -63,7 +63,13 @@ def test_rewritten_or_forged_commitment_is_refused(tmp_path):
     (folder / "commitment.rwck").write_bytes(forged.to_bytes())
     r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "b.bin", "--root", root)
     assert r.exit_code == 1 and "not the --root given" in r.stderr and not (tmp_path / "b.bin").exists()
+    for command in (("verify",), ("inspect",), ("repair", "--worker", "1")):  # issue 49: --root for all
+        r = run_cli("ckpt", *command, folder, "--root", root)
+        assert r.exit_code == 1 and "not the --root given" in r.stderr, (command, r.stderr)
+    r = run_cli("ckpt", "verify", folder, "--root", "12")
+    assert r.exit_code == 2 and "64 hex digits" in r.stderr, r.stderr
     (folder / "commitment.rwck").write_bytes(pristine)
+    assert run_cli("ckpt", "verify", folder, "--root", root).exit_code == 0
     r = run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "c.bin", "--root", root)
     assert r.exit_code == 0 and (tmp_path / "c.bin").read_bytes() == data
 

@@ -133,12 +133,30 @@ def encode_cmd(
                   "the folder later: `retrieve --root`)")
 
 
+Root = Annotated[str | None, typer.Option(help="The commitment root `encode` printed (hex): a folder whose "
+                                               "commitment has another root is refused before any worker "
+                                               "file is read (a commitment forged whole).")]
+
+
+def _pinned(root: str | None) -> bytes | None:
+    """The `--root` given, as 32 bytes (checked before anything is read)."""
+    if root is None:
+        return None
+    try:
+        pinned = bytes.fromhex(root)
+    except ValueError:
+        raise UserError(f"--root must be the commitment root in hex; got {root!r}") from None
+    if len(pinned) != 32:
+        raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
+    return pinned
+
+
 @app.command("verify", cls=Command)
-def verify_cmd(folder: Folder, v1: V1Ok = False) -> None:
+def verify_cmd(folder: Folder, v1: V1Ok = False, root: Root = None) -> None:
     """Check every fragment against the commitment; exit 1 if any is missing or bad."""
     from rich.table import Table
 
-    code, com, found, problems, _ = _open(folder, v1_ok=v1)
+    code, com, found, problems, _ = _open(folder, v1_ok=v1, pinned=_pinned(root))
     status = _check(code, com, found, problems)
     table = Table("worker", "status")
     for i, s in status.items():
@@ -153,9 +171,9 @@ def repair_cmd(folder: Folder,
                worker: Annotated[int, typer.Option(help="The worker to rebuild (0 … n−1).")],
                force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
                                                    "if the present one is valid.")] = False,
-               v1: V1Ok = False) -> None:
+               v1: V1Ok = False, root: Root = None) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    code, com, found, _, in_store = _open(folder, v1_ok=v1)
+    code, com, found, _, in_store = _open(folder, v1_ok=v1, pinned=_pinned(root))
     from ..ckpt import NotEnoughSymbols, _store, fragment_path
 
     if not 0 <= worker < com.n:
@@ -192,20 +210,11 @@ def retrieve_cmd(folder: Folder,
                  out: Annotated[Path, typer.Option(help="The file to write the data to.")],
                  force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")]
                  = False,
-                 root: Annotated[str | None, typer.Option(help="The commitment root `encode` printed (hex): "
-                                                          "a folder whose commitment has another root is "
-                                                          "refused (a commitment forged whole).")] = None,
-                 v1: V1Ok = False) -> None:
+                 root: Root = None, v1: V1Ok = False) -> None:
     """Decode the original file from any k valid fragments."""
-    if root is not None:
-        try:
-            pinned = bytes.fromhex(root)
-        except ValueError:
-            raise UserError(f"--root must be the commitment root in hex; got {root!r}") from None
-        if len(pinned) != 32:
-            raise UserError(f"--root must be the 64 hex digits `encode` printed; got {len(root)} characters")
+    pinned = _pinned(root)
     check_new_file(out, force=force)
-    code, com, found, _, _ = _open(folder, v1_ok=v1, pinned=pinned if root is not None else None)
+    code, com, found, _, _ = _open(folder, v1_ok=v1, pinned=pinned)
     from .. import _io
     from ..ckpt import NotEnoughSymbols
 
@@ -218,10 +227,10 @@ def retrieve_cmd(folder: Folder,
 
 
 @app.command("inspect", cls=Command)
-def inspect_cmd(folder: Folder) -> None:
+def inspect_cmd(folder: Folder, root: Root = None) -> None:
     """Show the commitment and whether each fragment matches it (exit 0 either way; `verify`
     exits 1 on a problem)."""
-    code, com, found, problems, in_store = _open(folder)
+    code, com, found, problems, in_store = _open(folder, pinned=_pinned(root))
     status = _check(code, com, found, problems)
     bad = {i: s for i, s in status.items() if s != "ok"}
     if in_store is not None:
