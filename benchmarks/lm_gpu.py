@@ -45,8 +45,8 @@ from rankwise.methods import REGISTRY
 from rankwise.train import fit
 
 # each method's rate as chosen on validation in docs/lm.md's CPU study (LLaMA-style, 1,500 steps)
-RATES = {"dense": 1e-3, "muon": 3e-3, "dlrt": 1e-2, "dlrt-reset": 1e-2, "dlrt-muon": 3e-3,
-         "dlrt-muon-reset": 3e-3, "cola": 3e-3, "fixed": 3e-3, "galore": 1e-2}
+RATES = {"dense": 1e-3, "muon": 3e-3, "dlrt": 3e-3, "dlrt-reset": 1e-2, "dlrt-muon": 3e-3,
+         "dlrt-muon-reset": 1e-2, "cola": 3e-3, "fixed": 3e-3}
 
 
 def run(method: str, args: argparse.Namespace, lr: float) -> dict:
