@@ -186,3 +186,25 @@ def test_load_adapter_refuses_non_finite_factors_by_name(tmp_path):
     state[key][0, 0] = torch.nan
     save_file(state, str(d / "adapter_model.safetensors"))
     _unchanged_after_refusal(fresh, d, f"non-finite values .*{key}")
+
+
+def test_load_adapter_puts_the_model_back_when_applying_fails(tmp_path, monkeypatch):
+    """A failure after the checks (here: raised once everything was written) restores the
+    factors and the saved modules as they were."""
+    from rankwise.peft import _model
+
+    d, fresh = _adapter_case(tmp_path, ["classifier"])
+    apply = _model._apply
+
+    def fails_after_writing(model, layers, state):
+        apply(model, layers, state)
+        raise RuntimeError("disk gone")
+
+    monkeypatch.setattr(_model, "_apply", fails_after_writing)
+    import torch
+
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(RuntimeError, match="disk gone"):
+        _model.load_adapter(fresh, d)
+    after = fresh.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -245,14 +245,20 @@ def load_adapter(model: nn.Module, directory: str | Path) -> nn.Module:
     bad = sorted(k for k, t in state.items() if t.is_floating_point() and not bool(torch.isfinite(t).all()))
     if bad:
         raise ValueError(f"{path} holds non-finite values (NaN or inf) in {_listed(set(bad))}")
-    snapshot = {k: t.clone() for k, t in model.state_dict().items()}
+    # a copy of only what _apply writes (the factors and the saved modules; never the frozen base)
+    factors = {name: [getattr(layer, k).detach().clone() for k in ("U", "S", "V", "U_buf", "V_buf")]
+               for name, layer in layers.items()}
+    modules = {m for m in (k.rpartition(".")[0] for k in state) if m not in layers}
+    saved_before = {m: {k: t.clone() for k, t in model.get_submodule(m).state_dict().items()}
+                    for m in modules}
     try:
         _apply(model, layers, state)
     except BaseException:
         with torch.no_grad():
-            for name, layer in layers.items():  # back to the shapes of before, then every value
-                layer.set_factors(*(snapshot[f"{name}.{k}"] for k in ("U", "S", "V", "U_buf", "V_buf")))
-        model.load_state_dict(snapshot)
+            for name, layer in layers.items():
+                layer.set_factors(*factors[name])
+            for m, sd in saved_before.items():
+                model.get_submodule(m).load_state_dict(sd)
         raise
     return model
 
