@@ -175,11 +175,15 @@ class CodedCheckpointer:
                 continue
         return out
 
+    def _errors(self, err: str | None, group: dist.ProcessGroup) -> dict[int, str]:
+        """Collective: every rank's error (None: none) all-gathered -> {rank: error} of those that failed."""
+        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
+        return {r: e for r, e in enumerate(errs) if e}
+
     def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup,
                       exc: type[RuntimeError] = RuntimeError) -> None:
         """Collective: every rank raises `exc` if any rank failed (so none is left waiting)."""
-        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
-        bad = {r: e for r, e in enumerate(errs) if e}
+        bad = self._errors(err, group)
         if bad:
             raise exc(f"{what} failed on rank(s) {sorted(bad)}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
@@ -189,8 +193,7 @@ class CodedCheckpointer:
         t (a bad disk, a link planted in one rank's folder) the step is committed by the others and
         recoverable, so each failed rank logs its error (it is repaired like a lost rank at the
         next restore) and the peers log who failed."""
-        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
-        bad = {r: e for r, e in enumerate(errs) if e}
+        bad = self._errors(err, group)
         if len(bad) > self.t:
             raise RuntimeError(f"{what} failed on rank(s) {sorted(bad)}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
@@ -739,8 +742,7 @@ class CodedCheckpointer:
         """Collective: every rank raises :class:`StepUnrecoverable` when more than t ranks could
         not retrieve the step. With at most t reporters the step stands: the others log them as
         an error, and a reporter whose own retrieval really failed raises alone."""
-        errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, self.group)]
-        bad = {r: e for r, e in enumerate(errs) if e}
+        bad = self._errors(err, self.group)
         if len(bad) > self.t:
             raise StepUnrecoverable(f"retrieve failed on rank(s) {sorted(bad)}: "
                                     + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
