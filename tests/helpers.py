@@ -96,3 +96,17 @@ def step_beside_torch(opt, torch_opt, model, ref, steps: int = 4) -> None:
         (ref(h) ** 2).sum(-1).mean().backward()
         torch_opt.step()
 
+
+
+def load_benchmark(name: str):
+    """The module of ``benchmarks/<name>.py`` (benchmarks are scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod

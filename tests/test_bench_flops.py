@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from helpers import load_benchmark
+
 
 def _step_time():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_time.py"
-    spec = importlib.util.spec_from_file_location("step_time_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("step_time")
 
 
 def test_factorisations_are_counted_by_their_textbook_formulas():

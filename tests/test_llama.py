@@ -137,23 +137,13 @@ def test_the_cola_baseline_replaces_every_projection_by_b_silu_a_within_the_budg
     assert 3 < r["val_bits"] < 10 and r["memory"]["weights"] < 4 * sum(p.numel() for p in dense.parameters())
 
 
-def _bench(name: str):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_the_gpu_protocol_runs_its_code_on_the_cpu(capsys):
     """benchmarks/lm_gpu.py (issue 48's GPU protocol), tiny, on the CPU: every row trains and its
     state count is below dense AdamW's for the low-rank and Muon rows."""
-    rows = _bench("lm_gpu").main(["--device", "cpu", "--small", "--methods", "dense,muon,dlrt-muon-reset"])
+    from helpers import load_benchmark
+
+    methods = "dense,muon,dlrt-muon-reset"
+    rows = load_benchmark("lm_gpu").main(["--device", "cpu", "--small", "--methods", methods])
     assert [r["method"] for r in rows] == ["dense", "muon", "dlrt-muon-reset"]
     assert all(r["failed"] is None and 0 < r["bits"] < 9 for r in rows)
     assert rows[1]["state_mib"] < rows[0]["state_mib"] and rows[2]["state_mib"] < rows[0]["state_mib"]

@@ -206,13 +206,8 @@ def test_coded_checkpointer_saves_device_state_and_restores_it_bit_for_bit(tmp_p
 
 def test_the_lm_gpu_protocol_trains_on_cuda(capsys):
     """benchmarks/lm_gpu.py, tiny, on CUDA (its full run is docs/lm.md's GPU protocol)."""
-    import importlib.util
-    import sys
+    from helpers import load_benchmark
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "lm_gpu.py"
-    spec = importlib.util.spec_from_file_location("lm_gpu_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    rows = mod.main(["--device", DEVICE, "--small", "--methods", "dense,dlrt-reset,dlrt-muon-reset"])
+    methods = "dense,dlrt-reset,dlrt-muon-reset"
+    rows = load_benchmark("lm_gpu").main(["--device", DEVICE, "--small", "--methods", methods])
     assert all(r["failed"] is None and (DEVICE != "cuda" or r["peak_mib"] > 0) for r in rows)
