@@ -143,19 +143,22 @@ def test_every_method_has_scale_one_and_the_budgeted_ones_train_no_more_than_lor
     lora = trainable_parameters(lora_model)[0]
     head = 384 * 5 + 5
     assert lora == 18 * 10 * (384 + 384) + head  # 6 layers × q, k, v at rank 10, and the head
-    for method in ("dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r"):
+    for method in ("dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r", "sdlrt-reset", "sdlrt-muon-reset"):
         model, opt, _ = built[method]
         assert all(m.alpha == 1.0 for _, m in adapters(model))
         held = {id(p) for g in opt.param_groups for p in g["params"]}
         assert not any(id(p) in held for n, p in model.named_parameters()
                        if ".base." in n or n.startswith("bert.embeddings"))  # no frozen weight
-    for method in ("dlrt", "sdlrt"):
+    for method in ("dlrt", "sdlrt", "sdlrt-reset", "sdlrt-muon-reset"):
         model = built[method][0]
         assert adapter_budget(model) == lora - head
         assert trainable_parameters(model)[0] <= lora
     assert {m.rank for _, m in adapters(built["dlrt"][0])} == {9}  # 10·768 budget ≥ 9·768 + 81
     assert {m.rank for _, m in adapters(built["sdlrt"][0])} == {4}  # 2·4·768 + 16 (buffer counted)
     assert {m.rank for _, m in adapters(built["dlrt-cap2r"][0])} == {10}
+    reset, muon = built["sdlrt-reset"][1].settings, built["sdlrt-muon-reset"][1].settings
+    assert reset.buffer and reset.moments == "reset" and type(reset.rule).__name__ == "Adam"
+    assert muon.buffer and muon.moments == "reset" and type(muon.rule).__name__ == "Muon"
 
 
 def test_adalora_trains_with_peft_s_own_orthogonality_regulariser(built):

@@ -117,6 +117,11 @@ REGISTRY: Mapping[str, Method] = MappingProxyType({
                     "truncation; AdamW on the rest).", moments="rotate", rule="muon"),
     "dlrt-muon-reset": _m("dlrt-muon with the momentum started afresh at every truncation.", moments="reset",
                           rule="muon"),
+    "sdlrt-reset": _m("SDLRT with the rule's moments started afresh at every truncation.", buffer=True,
+                      feedback="seed", moments="reset"),
+    "sdlrt-muon-reset": _m("SDLRT with the Muon rule on the factors, its momentum started afresh at every "
+                           "truncation (AdamW on the rest).", buffer=True, feedback="seed", moments="reset",
+                           rule="muon"),
     "dlrt-core3": _m("DLRT with the core's rate 3× the bases'.", core_lr_ratio=3.0),
     "dlrt-core0.3": _m("DLRT with the core's rate 0.3× the bases'.", core_lr_ratio=0.3),
     "dlrt-warm": _m("Dense training first, then DLRT.", warm=True),
@@ -153,7 +158,8 @@ COMMANDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
            "dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
            "dlrt-core0.3", "dlrt-reset-m", "dlrt-reset-v", "dlrt-reset-ue5", "dlrt-reset-ue20", "dlrt-muon",
            "dlrt-muon-reset"),
-    "peft": ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r"),
+    "peft": ("lora", "lora-2r", "adalora", "loraplus", "dlrt", "sdlrt", "dlrt-cap2r", "sdlrt-cap2r",
+             "sdlrt-reset", "sdlrt-muon-reset"),
     "ckpt": ("dense", "sdlrt", "dlrt"),
 })
 
