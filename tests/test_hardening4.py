@@ -208,3 +208,117 @@ def test_load_adapter_puts_the_model_back_when_applying_fails(tmp_path, monkeypa
         _model.load_adapter(fresh, d)
     after = fresh.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _after_vote(rank: int, store: str, attack: str):
+    """Rank 1's step-25 files changed between the vote and the phases after it (a rewrite, a
+    disk error, a swapped folder), by a checkpointer that edits its disk once its vote is cast."""
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from rankwise.ckpt import CodedCheckpointer
+    from rankwise.ckpt._serial import serialize
+
+    def state(step):
+        return {"w": torch.randn(32, 24, generator=torch.Generator().manual_seed(step)), "step": step}
+
+    class Edited(CodedCheckpointer):
+        def _vote(self, *args):
+            votes = super()._vote(*args)
+            mine = Path(store) / "rank1" / "step_0000000025"
+            if self.rank == 1 and attack == "forged-commitment":  # a tiny file claiming n = 65535
+                import struct
+
+                from rankwise.ckpt._format import COMMITMENT, seal
+
+                names = b"".join(len(x).to_bytes(1, "little") + x for x in (b"sha256", b"cauchy-gf256"))
+                forged = seal(COMMITMENT, struct.pack("<HHQQB", 65535, 1, 100, 12, 0) + names)
+                (mine / "commitment.rwck").write_bytes(forged)
+            if self.rank == 1 and attack == "unreadable-commitment":  # EISDIR on any re-read
+                (mine / "commitment.rwck").unlink()
+                (mine / "commitment.rwck").mkdir()
+            if self.rank == 1 and attack == "swapped-folder":  # the step folder now a link to rank 0's
+                mine.rename(mine.with_name("moved"))
+                mine.symlink_to(Path(store) / "rank0" / "step_0000000025", target_is_directory=True)
+            return votes
+
+    ck = Edited(t=1, store_dir=store, keep=3)
+    ck.save(state(20), 20)
+    ck.save(state(25), 25)
+    dist.barrier()
+    before = (Path(store) / "rank0" / "step_0000000025" / "fragment.rwck").read_bytes()
+    dist.barrier()
+    restored = ck.restore()
+    dist.barrier()
+    after = (Path(store) / "rank0" / "step_0000000025" / "fragment.rwck").read_bytes()
+    shutil.rmtree(Path(store) / "rank1" / "moved", ignore_errors=True)
+    return dict(step=restored.step, ok=serialize(restored.state) == serialize(state(25)),
+                repaired=restored.repaired, skipped=restored.skipped, rank0_unchanged=before == after)
+
+
+@pytest.mark.parametrize("attack", ["forged-commitment", "unreadable-commitment", "swapped-folder"])
+def test_what_changes_after_the_vote_costs_nothing(tmp_path, attack):
+    """Issue 49, item 2: the vote and every later phase read the same opened folder, and the
+    commitment the vote read is the one sent. Before, a commitment rewritten after the vote (a
+    forged n = 65535, or a re-read failing with EISDIR/EIO) became an error on every rank, and a
+    step folder swapped for a link to a peer's was read through the link."""
+    from distributed import run_world
+
+    out = run_world(_after_vote, 4, tmp_path, str(tmp_path / "store"), attack, timeout=180)
+    for r in out:
+        assert r["step"] == 25 and r["ok"] and r["skipped"] == [] and r["rank0_unchanged"], r
+        assert r["repaired"] == [], r  # rank 1's own fragment, read through the folder it voted from
+
+
+def _forged_whole(folder: Path, block: int):
+    """A commitment forged whole: consistent in itself (its fields hash to its root) for a state of
+    9 blocks of `block` bytes (n = 4, t = 1, k = 3), with made-up line roots."""
+    from rankwise.ckpt import _merkle
+    from rankwise.ckpt._format import CODEC, Commitment, commitment_root
+
+    roots = tuple(bytes([i]) * 32 for i in range(8))
+    fields = dict(n=4, t=1, data_len=9 * block, block_size=block, hash="sha256", codec=CODEC)
+    com = Commitment(**fields, line_roots=roots,
+                     root=commitment_root(_merkle.get_hash("sha256"), **fields, line_roots=roots))
+    _store.write(folder / _store.COMMITMENT_FILE, com)
+    return com
+
+
+def test_a_fragment_is_sized_and_its_header_checked_before_its_body_is_read(tmp_path, monkeypatch):
+    """Issue 49, item 5: a commitment forged whole (1 GiB blocks) let `ckpt verify` read a 1.5 GiB
+    sparse fragment into memory before it found no header. Now a fragment must have exactly its
+    geometry's size and a header that fits it, both checked before any of its body is read."""
+    from rankwise.ckpt import load_fragments
+
+    com = _forged_whole(tmp_path, 1 << 30)
+    with open(_store.fragment_path(tmp_path, 0), "wb") as f:  # sparse: costs no disk
+        f.truncate(3 << 29)
+    with open(_store.fragment_path(tmp_path, 1), "wb") as f:  # the exact size, but no header
+        f.truncate(59 + 2 * 3 * (1 << 30))
+    read = []
+    real = os.readv
+    monkeypatch.setattr(os, "readv", lambda fd, bufs: read.append(sum(map(len, bufs))) or real(fd, bufs))
+    found, problems = load_fragments(tmp_path, com)
+    assert found == {} and read == []
+    assert "1,610,612,736 bytes where 6,442,451,003 are expected" in problems[0]
+    assert "no rankwise magic" in problems[1]
+    assert problems[2] == problems[3] == "missing"
+
+
+def test_a_good_fragment_still_reads_in_every_version(tmp_path):
+    from rankwise.ckpt import Code2D, load_commitment, load_fragments
+    from rankwise.ckpt._format import FRAGMENT_VERSION
+
+    disp = Code2D(4, 1, hash="sha256").encode(os.urandom(5000))
+    for f in disp.fragments:  # versions 2 and 3 alternately
+        _store.fragment_path(tmp_path, f.index).write_bytes(f.to_bytes(FRAGMENT_VERSION if f.index % 2 else 2))
+    _store.write(tmp_path / _store.COMMITMENT_FILE, disp.commitment)
+    found, problems = load_fragments(tmp_path, load_commitment(tmp_path))
+    assert problems == {} and sorted(found) == [0, 1, 2, 3]
+    assert all(bytes(found[i].row) == bytes(disp.fragments[i].row) for i in range(4))
+    header = bytearray(_store.fragment_path(tmp_path, 1).read_bytes())
+    header[10] ^= 1  # a size byte: the header checksum (version 3) catches it before the body
+    _store.fragment_path(tmp_path, 1).write_bytes(bytes(header))
+    assert "header checksum" in load_fragments(tmp_path, disp.commitment)[1][1]

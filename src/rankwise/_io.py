@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +74,16 @@ def read_json(path: str | os.PathLike, limit: int = SMALL_FILE) -> Any:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
-def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None) -> bytes:
+def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None, exact: int | None = None,
+                 head: tuple[int, Callable[[bytes], None]] | None = None) -> bytes:
     """The bytes of `path`, which must be a regular file (links are followed to one) of at
     most `limit` bytes. Opened without blocking, so a FIFO, a device (``/dev/zero``) or a socket
     is refused at once instead of hanging or reading without end; a file over `limit` (a 1 TiB
     sparse file) is refused before anything is allocated. Raises ``ValueError`` naming the
     problem for those, ``OSError`` when the file cannot be opened or read. With `dir_fd`, `path`
-    is a name in that open folder."""
+    is a name in that open folder. `exact`: the size the file must have (any other is refused
+    before anything is read); `head` = (n, check): the first n bytes are read and given to
+    `check` (which raises ``ValueError`` naming what is wrong) before the rest is allocated."""
     import stat
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
@@ -93,6 +97,11 @@ def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = No
             raise ValueError(f"{path} is {kind}, not a regular file")
         if st.st_size > limit:
             raise ValueError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} it can hold")
+        if exact is not None and st.st_size != exact:
+            raise ValueError(f"{path} is {st.st_size:,} bytes where {exact:,} are expected")
+        if head is not None:
+            first = os.pread(fd, min(head[0], st.st_size), 0)
+            head[1](first)
         buf = bytearray(st.st_size)
         view, got = memoryview(buf), 0
         while got < st.st_size:

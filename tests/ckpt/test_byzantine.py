@@ -184,7 +184,7 @@ class _AccusingTarget(CodedCheckpointer):
     """A bad rank that claims its fragment is missing (so it is repaired) and then reports
     every helper's symbols as bad."""
 
-    def _check_local(self, d, com):
+    def _check_local(self, folders, step, com):
         return "missing", None, None
 
     def _repair_report(self, failed):

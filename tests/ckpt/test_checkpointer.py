@@ -285,13 +285,6 @@ class _FalseReporter(CodedCheckpointer):
     """Issue 49, attack 1: a rank that reports a made-up retrieval failure for the newest step
     (and carries on itself), through whichever method sends the retrieval's verdict."""
 
-    def _raise_if_any(self, err, what, group, exc=RuntimeError):  # (the method before issue 49)
-        import contextlib
-
-        with contextlib.suppress(exc):
-            lie = "needs 3 verified rows; got 2" if what == "retrieve" else err
-            super()._raise_if_any(lie, what, group, exc)
-
     def _unrecoverable_if_over_t(self, err):
         import contextlib
 

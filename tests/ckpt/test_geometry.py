@@ -54,7 +54,7 @@ def test_the_step_scan_reads_only_the_newest_folders(tmp_path, monkeypatch):
         _store.write(_store.step_dir(tmp_path, 0, step) / _store.STEP_COMMITMENT, com)
     reads = []
     real = _store.read_commitment
-    monkeypatch.setattr(_store, "read_commitment", lambda p: reads.append(p) or real(p))
+    monkeypatch.setattr(_store, "read_commitment", lambda p, **kw: reads.append(p) or real(p, **kw))
     ck = _checkpointer.CodedCheckpointer.__new__(_checkpointer.CodedCheckpointer)
     ck.root_dir, ck.rank, ck.keep, ck.scan_seconds = tmp_path, 0, 2, 60.0
     held = ck._local_steps()
@@ -75,9 +75,9 @@ def test_the_step_scan_has_its_own_time_bound(tmp_path, monkeypatch):
     clock = [0.0]
     real = _store.read_commitment
 
-    def slow(p):  # each read takes one second of a fake clock
+    def slow(p, **kw):  # each read takes one second of a fake clock
         clock[0] += 1.0
-        return real(p)
+        return real(p, **kw)
 
     monkeypatch.setattr(_store, "read_commitment", slow)
     monkeypatch.setattr(_checkpointer, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))

@@ -139,15 +139,20 @@ class CodedCheckpointer:
     def _step_dir(self, step: int) -> Path:
         return _store.step_dir(self.root_dir, self.rank, step)
 
-    def _local_steps(self) -> dict[int, bytes]:
-        """Complete local steps -> commitment root. Unreadable commitments are skipped, and so
+    def _local_steps(self, folders: _store.RankFolders | None = None) -> dict[int, bytes]:
+        """Complete local steps -> commitment root, read through `folders` (a restore's: the
+        commitments read are kept in ``folders.commitments`` and the folders stay open for the
+        later phases; None: opened and closed here). Unreadable commitments are skipped, and so
         are commitments whose fields do not hash to their root (rewritten by someone) and step
-        folders that break the store's rules (a symbolic link: :func:`._store.real_folder`);
+        folders that break the store's rules (a symbolic link: :func:`._store.opened_folder`);
         one of another code (another n, t or hash) keeps its vote, so that restoring it fails
         loudly."""
+        if folders is None:
+            with _store.RankFolders(self.root_dir, self.rank) as own:
+                return self._local_steps(own)
         out: dict[int, bytes] = {}
         try:
-            mine = _store.rank_folder(self.root_dir, self.rank)
+            names = os.listdir(folders.rank_folder())
         except FileNotFoundError:
             return out
         except (_store.StoreError, OSError) as e:  # this rank has no vote; it is repaired, not written
@@ -155,20 +160,19 @@ class CodedCheckpointer:
             return out
         # only the newest few folders are read (keep + SCAN_SLACK: a save in flight, crashed ones):
         # a store stuffed with step folders costs a directory listing, not a read of each
-        named = sorted(((s, d) for d in mine.glob("step_*") if (s := _store.step_of(d)) is not None),
-                       key=lambda sd: sd[0], reverse=True)
+        steps = sorted((s for name in names if (s := _store.step_of(Path(name))) is not None), reverse=True)
         deadline = time.monotonic() + self.scan_seconds
-        for i, (step, d) in enumerate(named[:self.keep + SCAN_SLACK]):
+        for i, step in enumerate(steps[:self.keep + SCAN_SLACK]):
             if i and time.monotonic() > deadline:  # a slow disk: vote with what was read, in time
                 log.warning("rank %d's step scan stopped after %d folders (%.1f s bound); older steps "
                             "are not voted for", self.rank, i, self.scan_seconds)
                 break
             try:
-                _store.real_folder(mine, d.name)
-                com = _store.read_commitment(d / _store.STEP_COMMITMENT)
+                com = _store.read_commitment(_store.STEP_COMMITMENT, dir_fd=folders.step_folder(step))
                 if not _self_consistent(com):
                     continue
                 out[step] = com.root
+                folders.commitments[step] = com
             except _store.StoreError as e:
                 log.warning("step %d of rank %d is not used: %s", step, self.rank, e)
             except (ValueError, OSError, MemoryError):
@@ -179,14 +183,6 @@ class CodedCheckpointer:
         """Collective: every rank's error (None: none) all-gathered -> {rank: error} of those that failed."""
         errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
         return {r: e for r, e in enumerate(errs) if e}
-
-    def _raise_if_any(self, err: str | None, what: str, group: dist.ProcessGroup,
-                      exc: type[RuntimeError] = RuntimeError) -> None:
-        """Collective: every rank raises `exc` if any rank failed (so none is left waiting)."""
-        bad = self._errors(err, group)
-        if bad:
-            raise exc(f"{what} failed on rank(s) {sorted(bad)}: "
-                               + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
 
     def _raise_if_over_t(self, err: str | None, what: str, group: dist.ProcessGroup) -> None:
         """Collective: every rank raises ``RuntimeError`` if more than t ranks failed; with at most
@@ -402,8 +398,12 @@ class CodedCheckpointer:
         (``Restored.skipped`` names what was skipped and why). A background save in flight is
         waited for."""
         self.wait()
+        with _store.RankFolders(self.root_dir, self.rank) as folders:
+            return self._restore(folders)
+
+    def _restore(self, folders: _store.RankFolders) -> Restored | None:
         t0 = time.perf_counter()
-        votes = self._vote()
+        votes = self._vote(folders)
         ok_steps = sorted((key for key, rs in votes.items() if len(rs) >= self.k), reverse=True)
         if not ok_steps:
             if votes:  # something was saved, but too little of it survives: say so, loudly
@@ -417,7 +417,7 @@ class CodedCheckpointer:
         skipped: list[tuple[int, str]] = []
         for step, root in ok_steps:  # the newest first; an older one when a step cannot be retrieved
             try:
-                return self._restore_step(step, root, votes[(step, root)], t0, skipped)
+                return self._restore_step(folders, step, root, votes[(step, root)], t0, skipped)
             except StepUnrecoverable as e:
                 log.error("restore: step %d cannot be retrieved (%s); falling back to the next older step",
                           step, e)
@@ -425,27 +425,26 @@ class CodedCheckpointer:
         raise RuntimeError("restore: no step that k ranks hold could be retrieved: "
                            + "; ".join(f"step {s}: {why}" for s, why in skipped))
 
-    def _vote(self) -> dict[tuple[int, bytes], list[int]]:
+    def _vote(self, folders: _store.RankFolders) -> dict[tuple[int, bytes], list[int]]:
         """Phase 1, collective: every rank's complete local steps (:meth:`_local_steps`, read
-        before the collective) all-gathered in fixed-size messages -> (step, root) -> the ranks
-        holding that commitment."""
+        through `folders` before the collective) all-gathered in fixed-size messages -> (step,
+        root) -> the ranks holding that commitment."""
         digest = len(self.code._h(b""))
-        held = [_wire.unvotes(b, digest)
-                for b in self._gather(_wire.votes(self._local_steps(), digest), _wire.votes_size(digest),
-                                      self.group)]
+        mine = _wire.votes(self._local_steps(folders), digest)
+        held = [_wire.unvotes(b, digest) for b in self._gather(mine, _wire.votes_size(digest), self.group)]
         votes: dict[tuple[int, bytes], list[int]] = {}
         for r, steps in enumerate(held):
             for s, root in steps.items():
                 votes.setdefault((s, root), []).append(r)
         return votes
 
-    def _restore_step(self, step: int, root: bytes, holders: list[int], t0: float,
-                      skipped: list[tuple[int, str]]) -> Restored:
-        """Phases 2–7 for `step` (its commitment root `root`, voted for by `holders`). Raises
-        :class:`StepUnrecoverable` on every rank alike when fewer than k rows verify."""
-        d = self._step_dir(step)
-        com = self._agreed_commitment(d, step, root, holders)
-        statuses, frag, lines = self._check(d, com)
+    def _restore_step(self, folders: _store.RankFolders, step: int, root: bytes, holders: list[int],
+                      t0: float, skipped: list[tuple[int, str]]) -> Restored:
+        """Phases 2–7 for `step` (its commitment root `root`, voted for by `holders`), this rank's
+        files read and written through `folders`. Raises :class:`StepUnrecoverable` on every rank
+        alike when fewer than k rows verify."""
+        com = self._agreed_commitment(folders, step, root, holders)
+        statuses, frag, lines = self._check(folders, step, com)
         targets = [r for r, s in enumerate(statuses) if s != "ok"]
         helpers = [r for r, s in enumerate(statuses) if s == "ok"]
         if targets:
@@ -456,7 +455,7 @@ class CodedCheckpointer:
         if self.rank in targets:
             frag = rebuilt
         t_write = time.perf_counter()
-        have = self._write_back(step, frag, com, self.rank in targets)
+        have = self._write_back(folders, step, frag, com, self.rank in targets)
         t_ret = time.perf_counter()
         rows, idx, s, rc, row_reporters = self._retrieve(frag, com, have)
         for i, by in row_reporters.items():
@@ -477,11 +476,12 @@ class CodedCheckpointer:
         return Restored(state, step, self.per_rank, list(targets), bad_helpers, self._stats["reported"],
                         self.stats(), list(skipped))
 
-    def _check(self, d: Path, com: Commitment) -> tuple[list[str], Fragment | None, Lines | None]:
+    def _check(self, folders: _store.RankFolders, step: int, com: Commitment
+               ) -> tuple[list[str], Fragment | None, Lines | None]:
         """Phase 3, collective: this rank checks its fragment (:meth:`_check_local`); the
         statuses ("ok" or what is wrong) are all-gathered -> (every rank's status, this rank's
         fragment and verified lines, or None)."""
-        status, frag, lines = self._check_local(d, com)
+        status, frag, lines = self._check_local(folders, step, com)
         statuses = [_wire.untext(b) or "(empty status)"
                     for b in self._gather(_wire.text(status), _wire.TEXT_BYTES, self.group)]
         return statuses, frag, lines
@@ -502,19 +502,20 @@ class CodedCheckpointer:
                 out = frag_or_none
         return out, sent, recv, reporters
 
-    def _write_back(self, step: int, frag: Fragment | None, com: Commitment, rebuilt: bool) -> list[bool]:
+    def _write_back(self, folders: _store.RankFolders, step: int, frag: Fragment | None, com: Commitment,
+                    rebuilt: bool) -> list[bool]:
         """Phase 5: this rank's rebuilt fragment (if `rebuilt`) and its commitment copy (if it
-        differs) written to its step folder, never through a link (:func:`._store.opened_folder`);
-        a disk that refuses is logged, the restore goes on from memory. Collective at its end:
-        which ranks hold a fragment (all-gathered)."""
+        differs) written to its step folder, the one the vote read (`folders`; created if there
+        was none), never through a link (:func:`._store.opened_folder`); a disk that refuses is
+        logged, the restore goes on from memory. Collective at its end: which ranks hold a
+        fragment (all-gathered)."""
         if frag is not None:
             try:
-                with _store.opened_folder(self.root_dir, *_store.step_parts(self.rank, step),
-                                          create=True) as fd:  # never through a link
-                    if rebuilt:
-                        _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
-                    if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
-                        _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)  # restores its vote
+                fd = folders.step_folder(step, create=True)  # never through a link
+                if rebuilt:
+                    _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
+                if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
+                    _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)  # restores its vote
             except (OSError, _store.StoreError) as e:  # (a folder in the file's place, a link in the
                 # store's): this restore has what it needs in memory, so it goes on
                 log.warning("restore step %d: could not write rank %d's files back (%s); the state is "
@@ -529,24 +530,23 @@ class CodedCheckpointer:
         self.per_rank = deserialize(mine) if isinstance(mine, bytes) else mine  # (format v1: objects)
         return saved["state"]
 
-    def _agreed_commitment(self, d: Path, step: int, root: bytes, holders: list[int]) -> Commitment:
+    def _agreed_commitment(self, folders: _store.RankFolders, step: int, root: bytes, holders: list[int]
+                           ) -> Commitment:
         """Phase 2, collective: the commitment of `step` whose root `root` k ranks voted for. Every
-        holder sends its copy (a fixed number of bytes); each rank takes the first copy that
-        parses, is consistent with this code and has that root, so a lying holder is passed over."""
+        holder sends its copy, the one its vote read (``folders.commitments``: never read again, so
+        a file rewritten or unreadable since costs nothing), in a fixed number of bytes; each rank
+        takes the first copy that parses, is consistent with this code and has that root, so a
+        lying holder is passed over. More than t holders of another code (restarted with another
+        world size, t or hash) raise on every rank; fewer send no copy."""
         mine, err = b"", None
-        if self.rank in holders:
+        com = folders.commitments.get(step)
+        if self.rank in holders and com is not None and com.root == root:
             try:
-                _store.real_folder(self.root_dir, f"rank{self.rank}", d.name)
-                com = _store.read_commitment(d / _store.STEP_COMMITMENT)
                 self.code._check(com)
                 mine = self._commitment_copy(com)
-            except _store.StoreError as e:  # a link in the store: this holder sends no copy (the
-                log.warning("restore step %d: %s", step, e)  # other holders' copies are the same)
-            except ValueError as e:  # e.g. restarted with another world size, t or hash
+            except ValueError as e:
                 err = f"step {step} was saved with another code: {e}"
-            except OSError as e:
-                err = f"reading the commitment of step {step}: {e}"
-        self._raise_if_any(err, "restore", self.group)
+        self._raise_if_over_t(err, "restore", self.group)
         copies = self._gather(mine, self._commitment_bytes(), self.group)
         v1: dict[bytes, list[int]] = {}  # format-1 copies by their bytes -> the holders that sent them
         for r in holders:
@@ -596,19 +596,20 @@ class CodedCheckpointer:
         dummy = Commitment(self.n, self.t, 0, 1, self.code.hash_name, CODEC, lines, bytes(d))
         return len(dummy.to_bytes())
 
-    def _check_local(self, d: Path, com: Commitment) -> tuple[str, Fragment | None, Lines | None]:
-        """This rank's status ("ok" or what is wrong), fragment and verified :class:`Lines`."""
-        path = d / _store.STEP_FRAGMENT
+    def _check_local(self, folders: _store.RankFolders, step: int, com: Commitment
+                     ) -> tuple[str, Fragment | None, Lines | None]:
+        """This rank's status ("ok" or what is wrong), fragment and verified :class:`Lines`,
+        the fragment read in the step folder the vote opened (`folders`)."""
         try:
-            _store.real_folder(self.root_dir, f"rank{self.rank}", d.name)
+            fd = folders.step_folder(step)
         except FileNotFoundError:
             return "missing", None, None
         except (_store.StoreError, OSError) as e:  # a link in the store: repaired, never written through
             return f"refused ({e})", None, None
-        if not path.exists():
-            return "missing", None, None
         try:
-            frag = _store.read_fragment(path, com)  # a regular file of the size com allows
+            frag = _store.read_fragment(_store.STEP_FRAGMENT, com, dir_fd=fd)  # a regular file of com's size
+        except FileNotFoundError:
+            return "missing", None, None
         except (ValueError, OSError, MemoryError) as e:  # a local failure is a status, not a raise
             return f"unreadable ({e})", None, None
         if frag.index != self.rank:

@@ -243,6 +243,39 @@ class Fragment:
         return cls(index, mv[start:start + nrow], mv[start + nrow:])
 
 
+FRAGMENT_HEAD = _HEAD.size + _SIZES.size + _DIGEST  # what precedes a fragment's row (any version)
+
+
+def fragment_size(line_bytes: int) -> int:
+    """The exact length of a fragment file whose row and column hold `line_bytes` each (every
+    readable version: the header, the sizes and a SHA-256, before the lines or after them)."""
+    return FRAGMENT_HEAD + 2 * line_bytes
+
+
+def check_fragment_head(first: bytes, line_bytes: int) -> None:
+    """Check the first :data:`FRAGMENT_HEAD` bytes of a fragment file whose lines should hold
+    `line_bytes` each, before its body is read: ``ValueError`` naming what is wrong (no rankwise
+    magic, another kind or version, a header checksum that fails (version 3), other sizes)."""
+    mv = memoryview(first).cast("B")
+    if len(mv) < FRAGMENT_HEAD:
+        raise ValueError(f"fragment: truncated ({len(mv)} bytes)")
+    magic, version, kind = _HEAD.unpack_from(mv)
+    if magic != MAGIC:
+        raise ValueError("fragment: not a rankwise checkpoint file (no rankwise magic at its start)")
+    if version not in (*READABLE, FRAGMENT_VERSION):
+        raise ValueError(f"fragment: format version {version}, this rankwise reads "
+                         f"{(*READABLE, FRAGMENT_VERSION)}")
+    if kind != FRAGMENT:
+        raise ValueError(f"fragment: file holds kind {kind}, expected {FRAGMENT}")
+    sizes = _HEAD.size + _SIZES.size
+    if version == FRAGMENT_VERSION and hashlib.sha256(mv[:sizes]).digest() != mv[sizes:FRAGMENT_HEAD]:
+        raise ValueError("fragment: header checksum mismatch (corrupted)")
+    _, nrow, ncol = _SIZES.unpack_from(mv, _HEAD.size)
+    if nrow != line_bytes or ncol != line_bytes:
+        raise ValueError(f"fragment: lines of {nrow:,} and {ncol:,} bytes where the commitment's geometry "
+                         f"has {line_bytes:,}")
+
+
 @dataclass(frozen=True)
 class RepairSymbols:
     """Helper ``helper``'s two blocks for worker ``target``: ``col_block`` = P[target, helper]

@@ -20,11 +20,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from .. import _io
+from . import _format
 from ._format import METADATA, Commitment, Fragment, seal, unseal
 
 COMMITMENT_FILE = "commitment.rwck"
@@ -55,18 +57,28 @@ def fragment_limit(com: Commitment) -> int:
     return 2 * (com.n - com.t) * com.block_size + _FRAGMENT_SLACK
 
 
-def read_commitment(path: str | Path) -> Commitment:
-    """The commitment at `path` (``ValueError`` if it is not one, or not a regular file of at
-    most ``MAX_COMMITMENT`` bytes: :func:`rankwise._io.read_regular`)."""
-    return Commitment.from_bytes(_io.read_regular(path, MAX_COMMITMENT))
+def read_commitment(path: str | Path, *, dir_fd: int | None = None) -> Commitment:
+    """The commitment at `path` (a name in `dir_fd`, if given; ``ValueError`` if it is not one,
+    or not a regular file of at most ``MAX_COMMITMENT`` bytes: :func:`rankwise._io.read_regular`)."""
+    return Commitment.from_bytes(_io.read_regular(path, MAX_COMMITMENT, dir_fd=dir_fd))
 
 
-def read_fragment(path: str | Path, com: Commitment | None = None) -> Fragment:
-    """The fragment at `path`, read only if it is a regular file of a size that `com`'s
-    geometry allows (:func:`fragment_limit`; without `com`, any size: for files you wrote);
+def read_fragment(path: str | Path, com: Commitment | None = None, *, dir_fd: int | None = None) -> Fragment:
+    """The fragment at `path` (a name in `dir_fd`, if given), read only if it is a regular file
+    of exactly the size `com`'s geometry gives, whose header (magic, kind, version, sizes and
+    their checksum) fits it: both checked before the body is read (:func:`._format.fragment_size`,
+    :func:`._format.check_fragment_head`). Without `com`, any size (for files you wrote).
     ``ValueError`` otherwise or if it does not parse."""
-    limit = fragment_limit(com) if com is not None else sys.maxsize
-    return Fragment.from_bytes(_io.read_regular(path, limit))
+    if com is None:
+        return Fragment.from_bytes(_io.read_regular(path, sys.maxsize, dir_fd=dir_fd))
+    line = (com.n - com.t) * com.block_size
+
+    def check(first: bytes) -> None:
+        _format.check_fragment_head(first, line)
+
+    blob = _io.read_regular(path, fragment_limit(com), dir_fd=dir_fd, exact=_format.fragment_size(line),
+                            head=(_format.FRAGMENT_HEAD, check))
+    return Fragment.from_bytes(blob)
 
 
 def holds(path: str | Path, record: Fragment | Commitment, *, dir_fd: int | None = None) -> bool:
@@ -201,28 +213,32 @@ class StoreError(ValueError):
 
 
 @contextlib.contextmanager
-def opened_folder(root: str | Path, *names: str, create: bool = False) -> Iterator[int]:
+def opened_folder(root: str | Path | int, *names: str, create: bool = False,
+                  where: str | Path | None = None) -> Iterator[int]:
     """A descriptor of ``root/names[0]/names[1]/…``, each component opened relative to the one
     before without following a link (``O_NOFOLLOW``): below `root` (which the user chose, and
-    may be a link) each must be a real folder, not a symbolic link (its target could be another
-    rank's folder or a folder outside the store) nor anything else. Files written through the
-    descriptor (``write(name, rec, dir_fd=fd)``) land in the folder that was checked, even if a
-    link is swapped in afterwards. Raises :class:`StoreError` naming the component and the
-    rule; ``FileNotFoundError`` for a missing component unless `create`, which makes it."""
-    if create:
-        Path(root).mkdir(parents=True, exist_ok=True)
-    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    may be a link; or a descriptor of a folder opened before, `where` naming it in messages)
+    each must be a real folder, not a symbolic link (its target could be another rank's folder
+    or a folder outside the store) nor anything else. Files written through the descriptor
+    (``write(name, rec, dir_fd=fd)``) land in the folder that was checked, even if a link is
+    swapped in afterwards. Raises :class:`StoreError` naming the component and the rule;
+    ``FileNotFoundError`` for a missing component unless `create`, which makes it."""
+    if isinstance(root, int):
+        fd, path = os.dup(root), Path(where if where is not None else f"<folder {root}>")
+    else:
+        if create:
+            Path(root).mkdir(parents=True, exist_ok=True)
+        fd, path = os.open(root, os.O_RDONLY | os.O_DIRECTORY), Path(root)
     try:
-        path = Path(root)
         for name in names:
-            path = path / name
+            parent, path = fd, path / name
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, dir_fd=fd)
             try:
                 inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
             except OSError as e:  # (Linux says ENOTDIR for a link with O_DIRECTORY | O_NOFOLLOW)
-                if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
+                if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(name, parent):
                     raise StoreError(f"{path} is a symbolic link; the checkpoint store's rank and step "
                                      "folders must be real folders inside store_dir (a link could lead "
                                      "writes onto another rank's folder or outside the store)") from None
@@ -234,6 +250,52 @@ def opened_folder(root: str | Path, *names: str, create: bool = False) -> Iterat
         yield fd
     finally:
         os.close(fd)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+class RankFolders:
+    """A rank's folder and its step folders, each opened once (:func:`opened_folder`: never
+    through a link) and then read and written through its descriptor, so that every phase of a
+    restore sees the folders the vote read, whatever is renamed or swapped in meanwhile. Also
+    holds the commitments the vote read (`commitments`: step -> Commitment), which later phases
+    use instead of reading them again. A context manager: closing it closes every descriptor."""
+
+    def __init__(self, store_dir: str | Path, rank: int) -> None:
+        self.store_dir, self.rank = Path(store_dir), rank
+        self.where = self.store_dir / f"rank{rank}"
+        self.commitments: dict[int, Commitment] = {}
+        self._stack = contextlib.ExitStack()
+        self._rank: int | None = None
+        self._steps: dict[int, int] = {}
+
+    def __enter__(self) -> RankFolders:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def rank_folder(self, *, create: bool = False) -> int:
+        """The rank folder's descriptor (opened at the first call; `create` makes the folder).
+        Raises as :func:`opened_folder` does."""
+        if self._rank is None:
+            self._rank = self._stack.enter_context(
+                opened_folder(self.store_dir, f"rank{self.rank}", create=create))
+        return self._rank
+
+    def step_folder(self, step: int, *, create: bool = False) -> int:
+        """Step `step`'s folder's descriptor, opened once inside the rank folder's (`create`
+        makes both). Raises as :func:`opened_folder` does."""
+        if step not in self._steps:
+            name = step_parts(self.rank, step)[1]
+            self._steps[step] = self._stack.enter_context(
+                opened_folder(self.rank_folder(create=create), name, create=create, where=self.where))
+        return self._steps[step]
 
 
 def real_folder(root: str | Path, *names: str, create: bool = False) -> Path:
