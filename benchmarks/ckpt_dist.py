@@ -313,6 +313,8 @@ def _transport(rank: int, n: int, init: str, mib: int, q) -> None:
     import torch
     import torch.distributed as dist
 
+    from rankwise.ckpt import _wire
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=n)
     k = n - 1
@@ -334,13 +336,23 @@ def _transport(rank: int, n: int, init: str, mib: int, q) -> None:
             dist.broadcast(buf[i], i)
         dist.barrier()
         out.setdefault("k broadcasts into one buffer", []).append(time.perf_counter() - t0)
+        dist.barrier()
+        t0 = time.perf_counter()  # what the restore does: each holder sends its row to each rank itself
+        received, sending = _wire.exchange({p: buf[rank] for p in range(n) if p != rank} if rank < k else {},
+                                           {i: buf[i] for i in range(k) if i != rank}, dist.group.WORLD)
+        for work in (*received.values(), *sending):
+            work.wait()
+        dist.barrier()
+        out.setdefault("k rows sent directly into one buffer", []).append(time.perf_counter() - t0)
     q.put((rank, out))
     dist.destroy_process_group()
 
 
 def transport(mib: int, n: int) -> None:
-    """How the k rows of a restore travel: an all-gather of all n rows vs k broadcasts of the
-    systematic rows into one buffer (gloo, n processes)."""
+    """How the k rows of a restore travel: an all-gather of all n rows, k broadcasts of the
+    systematic rows into one buffer (both relayed through other ranks by gloo), and the
+    restore's way, each of the k holders sending its row to every rank directly (gloo, n
+    processes)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="rw_ckpt_tr_") as tmp:
@@ -363,7 +375,7 @@ def main() -> None:
     ap.add_argument("--profile-restore", action="store_true",
                     help="only time one rank's restore after the rows arrived, part by part")
     ap.add_argument("--transport", action="store_true",
-                    help="only time moving the rows: all-gather vs broadcasts")
+                    help="only time moving the rows: all-gather vs broadcasts vs direct sends")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--sizes", default="16,256", help="state sizes in MiB")
     ap.add_argument("--json", default=None, help="also write the results here")

@@ -313,7 +313,8 @@ def test_a_good_fragment_still_reads_in_every_version(tmp_path):
 
     disp = Code2D(4, 1, hash="sha256").encode(os.urandom(5000))
     for f in disp.fragments:  # versions 2 and 3 alternately
-        _store.fragment_path(tmp_path, f.index).write_bytes(f.to_bytes(FRAGMENT_VERSION if f.index % 2 else 2))
+        version = FRAGMENT_VERSION if f.index % 2 else 2
+        _store.fragment_path(tmp_path, f.index).write_bytes(f.to_bytes(version))
     _store.write(tmp_path / _store.COMMITMENT_FILE, disp.commitment)
     found, problems = load_fragments(tmp_path, load_commitment(tmp_path))
     assert problems == {} and sorted(found) == [0, 1, 2, 3]
@@ -322,3 +323,47 @@ def test_a_good_fragment_still_reads_in_every_version(tmp_path):
     header[10] ^= 1  # a size byte: the header checksum (version 3) catches it before the body
     _store.fragment_path(tmp_path, 1).write_bytes(bytes(header))
     assert "header checksum" in load_fragments(tmp_path, disp.commitment)[1][1]
+
+
+def _no_relaying_collective(rank: int, store: str):
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from rankwise.ckpt import CodedCheckpointer
+    from rankwise.ckpt._serial import serialize
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a collective that relays through third ranks was called")
+
+    state = {"w": torch.randn(40, 30, generator=torch.Generator().manual_seed(7))}
+    ck = CodedCheckpointer(t=1, store_dir=store)
+    relaying = ("all_gather", "broadcast", "all_reduce", "gather", "scatter", "all_gather_object",
+                "broadcast_object_list", "all_to_all")
+    real = {name: getattr(dist, name) for name in relaying}
+    for name in real:
+        setattr(dist, name, refused)
+    try:
+        ck.save(state, 5)
+        real["all_reduce"](torch.zeros(1))  # (a barrier of the test's own, outside the checkpointer)
+        if rank == 2:
+            shutil.rmtree(Path(store) / "rank2")  # rank 2 is repaired: its report travels too
+        real["all_reduce"](torch.zeros(1))
+        restored = ck.restore()
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+    return serialize(restored.state) == serialize(state), restored.repaired
+
+
+def test_votes_reports_and_rows_travel_over_direct_pairs_only(tmp_path):
+    """Issue 49, item 7: gloo's all-gather is a ring (each rank forwards its left neighbour's
+    messages) and its broadcast a binomial tree, so a bad rank in the middle could change what
+    honest ranks saw of each other's votes, reports and rows. Every message of a save and a
+    restore (with a repair) now goes from its sender to each receiver over their own pair: the
+    relaying collectives are refused here and the restore still succeeds."""
+    from distributed import run_world
+
+    out = run_world(_no_relaying_collective, 4, tmp_path, str(tmp_path / "store"), timeout=120)
+    assert out == [(True, [2])] * 4

@@ -671,7 +671,7 @@ class CodedCheckpointer:
                 log.warning("repair of rank %d failed (%s); it restores from its peers' rows", target, err)
         named = torch.frombuffer(bytearray(_wire.bitmap(self._repair_report(bad) if self.rank == target
                                                         else [], self.n)), dtype=torch.uint8)
-        dist.broadcast(named, self._global(target), group=self.group)
+        _wire.broadcast_direct(named, target, self.group)  # (from the target itself, never relayed)
         return out, sent, recv, _wire.unbitmap(named.numpy().tobytes())
 
     def _retrieve(self, frag: Fragment | None, com: Commitment, have: list[bool]
@@ -681,7 +681,8 @@ class CodedCheckpointer:
         row that any rank reported bad). Only ranks that hold a fragment (`have`, the same on
         every rank) send rows.
 
-        The systematic rows 0..k−1 are broadcast by their holders into one (n, k·B) buffer, so
+        The systematic rows 0..k−1 are sent by their holders to every rank directly
+        (:func:`._wire.exchange`: never relayed) into one (n, k·B) buffer, so
         that when they all verify the data is that buffer's first k rows (no decode, no copy).
         Each rank verifies every row it receives and reports the ones that failed (an
         all-gather of bitmaps); the union of the reports only decides how many of the next
@@ -705,15 +706,20 @@ class CodedCheckpointer:
                     rows.array[self.rank] = np.frombuffer(payload, dtype=np.uint8)  # (L,)
                     sent += L * (n - 1)
                 recv += L * sum(i != self.rank for i in pending)
-                # all broadcasts queued at once; each row is verified as soon as it has arrived,
-                # while the next ones are still on the wire
-                works = [(i, dist.broadcast(rows.tensor[i], self._global(i), group=self.group,
-                                            async_op=True)) for i in pending]
+                # each row sent by its holder to every rank directly (never relayed through a third
+                # rank), all queued at once; each row is verified as soon as it has arrived, while
+                # the next ones are still on the wire
+                others = [p for p in range(n) if p != self.rank]
+                received, sending = _wire.exchange(
+                    {p: rows.tensor[self.rank] for p in others} if self.rank in pending else {},
+                    {i: rows.tensor[i] for i in pending if i != self.rank}, self.group)
                 failed = []
-                for i, work in works:
+                for i, work in received.items():
                     work.wait()
-                    if i != self.rank and not self.code.verify_row(i, rows.array[i], com):
+                    if not self.code.verify_row(i, rows.array[i], com):
                         failed.append(i)
+                for work in sending:
+                    work.wait()
                 if self.rank in pending and frag is not None and payload is not frag.row:
                     # (a test double sent other bytes: it decodes its own)
                     rows.array[self.rank] = np.frombuffer(frag.row, dtype=np.uint8)

@@ -3,6 +3,14 @@
 Nothing received from a peer is unpickled: every message is a byte tensor of a size every rank
 knows in advance (from the code's geometry, or from the verified commitment), parsed with
 bounds checks. A peer that sends something else is treated like a peer that sends bad symbols.
+
+Every message goes from its sender to each receiver over their own pair (point-to-point sends
+and receives), never through a third rank. The backend's collectives relay: gloo's all-gather
+is a ring (rank r receives every message but r − 1's from r − 1, which forwards it) and its
+broadcast a binomial tree, so one bad rank in the middle could change what the honest ranks see
+of each other's votes, reports and rows. Over direct pairs a bad rank can only lie about its
+own message (which the protocol's rules bound: at most t voices); the bytes on the wire per
+rank are the same as the ring's, (n − 1) messages sent and received.
 """
 
 from __future__ import annotations
@@ -17,23 +25,52 @@ MAX_VOTES = 16  # checkpoint steps one rank reports (its newest)
 MAX_PER_RANK = 1 << 20  # a rank's per-rank extras (RNG states: ~10 KB)
 
 
+def exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group
+             ) -> tuple[dict[int, dist.Work], list[dist.Work]]:
+    """Post every send (peer -> tensor) and receive (peer -> tensor) at once, peers being
+    ranks of `group`, each over the direct pair of this rank and the peer -> (peer -> the work
+    of its receive: wait on it before reading the tensor, the sends' works: wait on them before
+    the tensors are changed or freed)."""
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=p) for p, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=p) for p, t in recvs.items()]
+    works = dist.batch_isend_irecv(ops) if ops else []
+    return dict(zip(recvs, works[len(sends):], strict=True)), works[:len(sends)]
+
+
 def all_gather_fixed(payload: bytes, size: int, group) -> list[bytes | None]:
-    """Every rank's `payload` (at most `size` bytes, this rank's included); a peer's message
-    whose length field exceeds `size` comes back as ``None``."""
+    """Every rank's `payload` (at most `size` bytes, this rank's included), each received from
+    its sender directly (:func:`exchange`, never relayed); a peer's message whose length field
+    exceeds `size` comes back as ``None``."""
     if len(payload) > size:
         raise ValueError(f"message of {len(payload)} bytes exceeds its bound of {size}")
     buf = bytearray(4 + size)
     buf[:4] = struct.pack("<I", len(payload))
     buf[4:4 + len(payload)] = payload
     mine = torch.frombuffer(buf, dtype=torch.uint8)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    out = {p: torch.empty_like(mine) for p in range(n) if p != me}
+    received, sent = exchange({p: mine for p in out}, out, group)
+    for w in (*received.values(), *sent):
+        w.wait()
     got: list[bytes | None] = []
-    for t in out:
-        raw = t.numpy().tobytes()
-        n = struct.unpack_from("<I", raw)[0]
-        got.append(raw[4:4 + n] if n <= size else None)
+    for p in range(n):
+        raw = (mine if p == me else out[p]).numpy().tobytes()
+        m = struct.unpack_from("<I", raw)[0]
+        got.append(raw[4:4 + m] if m <= size else None)
     return got
+
+
+def broadcast_direct(tensor: torch.Tensor, root: int, group) -> None:
+    """`tensor` from rank `root` of `group` to every other rank, sent by the root to each one
+    directly (:func:`exchange`; ``dist.broadcast`` relays through a tree)."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+    if me == root:
+        _, sent = exchange({p: tensor for p in range(n) if p != me}, {}, group)
+        for w in sent:
+            w.wait()
+    else:
+        received, _ = exchange({}, {root: tensor}, group)
+        received[root].wait()
 
 
 def text(s: str | None) -> bytes:
