@@ -72,3 +72,34 @@ def test_batch_norm_is_refused_by_the_data_parallel_optimizer():
     with pytest.raises(ValueError, match="batch norm"):
         check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
     check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, track_running_stats=False)))
+
+
+def test_rerunning_an_interrupted_checkpointed_command_resumes_it(tmp_path, monkeypatch):
+    """Issue 49, item 8: an interrupted ``train --nproc 4 --checkpoint-dir CK --out O`` rerun as it
+    was said "pass --force to replace it". The first start now marks O with the run id it writes
+    in CK/run.json, and a rerun whose O carries that mark resumes (its records are replaced, as the
+    resumed training rewrites them); O with another run's records, or CK of another run, is still
+    refused, and --force is still what replaces records the mark does not vouch for."""
+    from helpers import run_cli
+
+    started = []
+
+    def fake_run(config, nproc, workdir, **kw):  # the interrupted first start: records, then a crash
+        (config.out / "metrics.csv").write_text("epoch,loss\n1,0.5\n")
+        started.append(config.out)
+        raise RuntimeError("worker killed")
+
+    monkeypatch.setattr("rankwise.cli._train_dp.run", fake_run)
+    ck, out, other = tmp_path / "ck", tmp_path / "out", tmp_path / "other"
+    cmd = ("train", "--nproc", "4", "--method", "dlrt", "--checkpoint-every", "5", "--checkpoint-dir", ck)
+    r = run_cli(*cmd, "--out", out)
+    assert r.exit_code == 1 and "worker killed" in r.stderr and (out / "metrics.csv").exists()
+    r = run_cli(*cmd, "--out", out)  # the same command again: resumed, not refused
+    assert r.exit_code == 1 and "worker killed" in r.stderr and len(started) == 2, r.stderr
+    other.mkdir()
+    (other / "metrics.csv").write_text("someone else's\n")
+    r = run_cli(*cmd, "--out", other)  # records the mark does not vouch for
+    assert r.exit_code == 1 and "pass --force" in r.stderr
+    assert (other / "metrics.csv").read_text() == "someone else's\n"
+    r = run_cli(*cmd[:-1], tmp_path / "ck2", "--out", out)  # another checkpoint folder: a new run
+    assert r.exit_code == 1 and "pass --force" in r.stderr

@@ -72,7 +72,8 @@ class ModelName(str, enum.Enum):
 _THREADS_HELP = ("CPU threads for torch. The models are tiny, so one thread is about as fast as "
                  "several and is not slowed down by other busy processes.")
 # what `train` writes into --out (claim_output_dir refuses to mix two runs), as regexes
-RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+", r"torchrun\.log")
+RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+", r"torchrun\.log",
+               r"\.rankwise-run\.json")
 
 
 @app.command("train", cls=Command)
@@ -123,15 +124,18 @@ def train_cmd(
     if checkpoint_every is not None and nproc < 4:
         raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
                         f"process with n > 3t); got --nproc {nproc}")
+    resumes = False
     if config.checkpoint_dir is not None and nproc > 1:
-        from ._train_dp import check_checkpoint_dir
+        from ._train_dp import check_checkpoint_dir, resumes_out
 
         check_checkpoint_dir(config, nproc)  # before --out is created
+        resumes = resumes_out(config)  # --out holds this checkpointed run's own records
     if out is not None:
         lock_output(out)  # one run at a time in --out
         means = ("" if config.checkpoint_dir is None else "; with --checkpoint-dir the training itself "
                  "resumes from the newest checkpoint there, --force replaces only the records in --out")
-        claim_output_dir(out, produced=RUN_OUTPUTS, force=force, what="training run", force_means=means)
+        claim_output_dir(out, produced=RUN_OUTPUTS, force=force or resumes, what="training run",
+                         force_means=means)
     _train(config, nproc, threads, max_restarts)
 
 
@@ -146,10 +150,10 @@ def _train(config, nproc: int, threads: int, max_restarts: int) -> None:
     if nproc > 1:
         import tempfile
 
-        from ._train_dp import claim_checkpoint_dir, run
+        from ._train_dp import claim_checkpoint_dir, mark_out, run
 
         if config.checkpoint_dir is not None:
-            claim_checkpoint_dir(config, nproc)
+            mark_out(config, claim_checkpoint_dir(config, nproc))
         with tempfile.TemporaryDirectory() as tmp, console.status(f"training on {nproc} processes"):
             try:
                 summary = run(config, nproc, Path(tmp), max_restarts=max_restarts)

@@ -35,24 +35,74 @@ def check_checkpoint_dir(config, nproc: int) -> None:
             saved = read_json(manifest)
         except (OSError, ValueError) as e:
             raise UserError(f"{manifest} is unreadable ({e}); choose another --checkpoint-dir", 1) from None
+        if not isinstance(saved, dict):
+            raise UserError(f"{manifest} is not a run's manifest; choose another --checkpoint-dir", 1)
+        saved = {k: v for k, v in saved.items() if k != RUN_ID}
         if saved != mine:
             raise UserError(f"--checkpoint-dir {config.checkpoint_dir} holds checkpoints of another run ("
                             f"{resume_mismatch(saved, mine)}); choose another folder", 1)
 
 
-def claim_checkpoint_dir(config, nproc: int) -> None:
-    """The run's identity in ``checkpoint_dir/run.json`` (written on the first start), after
-    :func:`check_checkpoint_dir`: a later start with other settings is refused before any
-    process starts."""
+RUN_ID = "run_id"  # the manifest's key naming the run (older manifests have none)
+OUT_MARK = ".rankwise-run.json"  # in --out: the checkpointed run whose records it holds
+
+
+def _run_id(folder: Path) -> str | None:
+    from .._io import read_json
+
+    try:
+        saved = read_json(folder / "run.json")
+    except (OSError, ValueError):
+        return None
+    return saved.get(RUN_ID) if isinstance(saved, dict) else None
+
+
+def claim_checkpoint_dir(config, nproc: int) -> str | None:
+    """The run's identity in ``checkpoint_dir/run.json`` (written on the first start, with a
+    random run id), after :func:`check_checkpoint_dir`: a later start with other settings is
+    refused before any process starts. Returns the run id (None for a manifest written before
+    run ids)."""
+    import secrets
+
     from .._io import write_atomic
     from ..experiments.train_run import _resumable
 
     check_checkpoint_dir(config, nproc)
     manifest = config.checkpoint_dir / "run.json"
     if manifest.exists():
-        return
+        return _run_id(config.checkpoint_dir)
     config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    write_atomic(manifest, json.dumps({**_resumable(config), "nproc": nproc}, indent=1).encode())
+    run_id = secrets.token_hex(8)
+    manifest_body = {**_resumable(config), "nproc": nproc, RUN_ID: run_id}
+    write_atomic(manifest, json.dumps(manifest_body, indent=1).encode())
+    return run_id
+
+
+def mark_out(config, run_id: str | None) -> None:
+    """Record in ``config.out`` that its records are the checkpointed run `run_id`'s (so that
+    rerunning the same command resumes it: :func:`resumes_out`)."""
+    from .._io import write_atomic
+
+    if config.out is not None and run_id is not None:
+        write_atomic(config.out / OUT_MARK, json.dumps(
+            {RUN_ID: run_id, "checkpoint_dir": str(config.checkpoint_dir.resolve())}).encode())
+
+
+def resumes_out(config) -> bool:
+    """Does ``config.out`` hold the records of the run whose checkpoints are in
+    ``config.checkpoint_dir`` (its mark names that folder and the run id of its manifest)? Then
+    rerunning the command resumes that run and replaces its records, as ``--force`` would."""
+    from .._io import read_json
+
+    if config.out is None or config.checkpoint_dir is None:
+        return False
+    run_id = _run_id(config.checkpoint_dir)
+    try:
+        mark = read_json(config.out / OUT_MARK)
+    except (OSError, ValueError):
+        return False
+    return (run_id is not None and isinstance(mark, dict) and mark.get(RUN_ID) == run_id
+            and mark.get("checkpoint_dir") == str(config.checkpoint_dir.resolve()))
 
 
 def run(config, nproc: int, workdir: Path, *, max_restarts: int = 0, timeout: float | None = None) -> dict:
