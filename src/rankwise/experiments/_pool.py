@@ -8,10 +8,11 @@ so a command line can show progress *within* runs, not only between them.
 
 from __future__ import annotations
 
+import contextlib
 import queue as _queue
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from typing import Any
 
@@ -38,8 +39,28 @@ def _ignore_interrupt() -> None:
     terminal's whole process group) is the parent's to handle: it ends the workers and says so
     once. (By default each worker printed a KeyboardInterrupt traceback and the pool waited for
     its running runs; workers that ended themselves on SIGINT raced the parent, which could see
-    a broken pool before its own interrupt.)"""
+    a broken pool before its own interrupt.) A worker starts with SIGINT blocked
+    (:func:`_interrupts_held`), so one that arrives before this runs waits, and is dropped here."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT blocked in this thread while the pool starts: the processes it forks or spawns
+    and the pool's own thread (which starts the later workers) inherit the mask, so a Ctrl-C
+    during a worker's start-up waits for :func:`_ignore_interrupt` instead of raising a
+    KeyboardInterrupt in it (a traceback, under load, before its initializer ran). One that
+    reaches this process meanwhile is delivered when the mask is restored."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _call(fn: Callable[[Any, Report | None], Any], item: Any, index: int, q: Any) -> Any:
@@ -77,12 +98,16 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
     kw: dict[str, Any] = {"initializer": _ignore_interrupt}
     if fresh_process:  # max_tasks_per_child needs the "spawn" start method
         kw |= {"max_tasks_per_child": 1, "mp_context": mp.get_context("spawn")}
-    with (_manager() if on_progress is not None else _NoManager()) as manager, \
-            ProcessPoolExecutor(jobs, **kw) as ex:
-        q = manager.Queue() if on_progress is not None else None
-        futures = {ex.submit(_call, fn, item, i, q): i for i, item in enumerate(items)}
-        pending = set(futures)
+    with contextlib.ExitStack() as stack:
+        ex: ProcessPoolExecutor | None = None
+        pending: set = set()
         try:
+            with _interrupts_held():  # (a Ctrl-C meanwhile is raised when it ends, in this try)
+                manager = stack.enter_context(_manager() if on_progress is not None else _NoManager())
+                ex = stack.enter_context(ProcessPoolExecutor(jobs, **kw))
+                q = manager.Queue() if on_progress is not None else None
+                futures = {ex.submit(_call, fn, item, i, q): i for i, item in enumerate(items)}
+                pending = set(futures)
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
                 _drain(q, on_progress)
