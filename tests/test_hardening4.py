@@ -221,6 +221,14 @@ def _after_vote(rank: int, store: str, attack: str):
     from rankwise.ckpt import CodedCheckpointer
     from rankwise.ckpt._serial import serialize
 
+    def forge(path):  # a tiny commitment claiming n = 65535 parties
+        import struct
+
+        from rankwise.ckpt._format import COMMITMENT, seal
+
+        names = b"".join(len(x).to_bytes(1, "little") + x for x in (b"sha256", b"cauchy-gf256"))
+        path.write_bytes(seal(COMMITMENT, struct.pack("<HHQQB", 65535, 1, 100, 12, 0) + names))
+
     def state(step):
         return {"w": torch.randn(32, 24, generator=torch.Generator().manual_seed(step)), "step": step}
 
@@ -228,14 +236,8 @@ def _after_vote(rank: int, store: str, attack: str):
         def _vote(self, *args):
             votes = super()._vote(*args)
             mine = Path(store) / "rank1" / "step_0000000025"
-            if self.rank == 1 and attack == "forged-commitment":  # a tiny file claiming n = 65535
-                import struct
-
-                from rankwise.ckpt._format import COMMITMENT, seal
-
-                names = b"".join(len(x).to_bytes(1, "little") + x for x in (b"sha256", b"cauchy-gf256"))
-                forged = seal(COMMITMENT, struct.pack("<HHQQB", 65535, 1, 100, 12, 0) + names)
-                (mine / "commitment.rwck").write_bytes(forged)
+            if self.rank == 1 and attack == "forged-commitment":
+                forge(mine / "commitment.rwck")
             if self.rank == 1 and attack == "unreadable-commitment":  # EISDIR on any re-read
                 (mine / "commitment.rwck").unlink()
                 (mine / "commitment.rwck").mkdir()
@@ -247,6 +249,8 @@ def _after_vote(rank: int, store: str, attack: str):
     ck = Edited(t=1, store_dir=store, keep=3)
     ck.save(state(20), 20)
     ck.save(state(25), 25)
+    if rank == 1 and attack == "forged-before-the-vote":  # round 3's tiny commitment on one disk
+        forge(Path(store) / "rank1" / "step_0000000025" / "commitment.rwck")
     dist.barrier()
     before = (Path(store) / "rank0" / "step_0000000025" / "fragment.rwck").read_bytes()
     dist.barrier()
@@ -258,7 +262,8 @@ def _after_vote(rank: int, store: str, attack: str):
                 repaired=restored.repaired, skipped=restored.skipped, rank0_unchanged=before == after)
 
 
-@pytest.mark.parametrize("attack", ["forged-commitment", "unreadable-commitment", "swapped-folder"])
+@pytest.mark.parametrize("attack", ["forged-commitment", "unreadable-commitment", "swapped-folder",
+                                    "forged-before-the-vote"])
 def test_what_changes_after_the_vote_costs_nothing(tmp_path, attack):
     """Issue 49, item 2: the vote and every later phase read the same opened folder, and the
     commitment the vote read is the one sent. Before, a commitment rewritten after the vote (a
