@@ -379,3 +379,35 @@ def test_votes_reports_and_rows_travel_over_direct_pairs_only(tmp_path):
 
     out = run_world(_no_relaying_collective, 4, tmp_path, str(tmp_path / "store"), timeout=120)
     assert out == [(True, [2])] * 4
+
+
+def _on_a_subgroup(rank: int, store: str):
+    import shutil
+
+    import torch
+    import torch.distributed as dist
+
+    from rankwise.ckpt import CodedCheckpointer
+    from rankwise.ckpt._serial import serialize
+
+    group = dist.new_group(ranks=[1, 2, 3, 4], backend="gloo")  # (collective: every rank calls it)
+    if rank == 0:
+        return None
+    state = {"w": torch.randn(20, 10, generator=torch.Generator().manual_seed(3))}
+    ck = CodedCheckpointer(t=1, store_dir=store, process_group=group)
+    ck.save(state, 3)
+    dist.barrier(group=group)
+    if rank == 3:  # group rank 2
+        shutil.rmtree(Path(store) / "rank2")
+    dist.barrier(group=group)
+    restored = ck.restore()
+    return serialize(restored.state) == serialize(state), restored.repaired
+
+
+def test_direct_pairs_address_the_ranks_of_a_subgroup(tmp_path):
+    """The direct exchanges name their peers as ranks of the checkpointer's group, whose global
+    ranks differ in a subgroup (here ranks 1–4 of 5)."""
+    from distributed import run_world
+
+    out = run_world(_on_a_subgroup, 5, tmp_path, str(tmp_path / "store"), timeout=120)
+    assert out == [None] + [(True, [2])] * 4
