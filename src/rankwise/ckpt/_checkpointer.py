@@ -184,18 +184,19 @@ class CodedCheckpointer:
         errs = [_wire.untext(b) for b in self._gather(_wire.text(err), _wire.TEXT_BYTES, group)]
         return {r: e for r, e in enumerate(errs) if e}
 
-    def _raise_if_over_t(self, err: str | None, what: str, group: dist.ProcessGroup) -> None:
+    def _raise_if_over_t(self, err: str | None, what: str, group: dist.ProcessGroup,
+                         tolerated: str = "committed by the other ranks; rank(s) {bad} could not write "
+                                          "their files and will be repaired at the next restore") -> None:
         """Collective: every rank raises ``RuntimeError`` if more than t ranks failed; with at most
         t (a bad disk, a link planted in one rank's folder) the step is committed by the others and
-        recoverable, so each failed rank logs its error (it is repaired like a lost rank at the
-        next restore) and the peers log who failed."""
+        recoverable, so the peers log who failed and why (`tolerated`, with ``{bad}`` the failed
+        ranks: what that means for this step)."""
         bad = self._errors(err, group)
         if len(bad) > self.t:
             raise RuntimeError(f"{what} failed on rank(s) {sorted(bad)}: "
                                + "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
         if bad:
-            log.error("%s: committed by the other ranks; rank(s) %s could not write their files and will "
-                      "be repaired at the next restore: %s", what, sorted(bad),
+            log.error("%s: %s: %s", what, tolerated.format(bad=sorted(bad)),
                       "; ".join(f"rank {r}: {e}" for r, e in bad.items()))
 
     # ------------------------------------------------------------------ save
@@ -546,7 +547,9 @@ class CodedCheckpointer:
                 mine = self._commitment_copy(com)
             except ValueError as e:
                 err = f"step {step} was saved with another code: {e}"
-        self._raise_if_over_t(err, "restore", self.group)
+        self._raise_if_over_t(err, f"restore step {step}", self.group,
+                              "no more than t holders, rank(s) {bad}, hold it under another code; they send "
+                              "no copy")
         copies = self._gather(mine, self._commitment_bytes(), self.group)
         v1: dict[bytes, list[int]] = {}  # format-1 copies by their bytes -> the holders that sent them
         for r in holders:
