@@ -29,6 +29,12 @@ def _env_int(name: str, default: int | None = None) -> int:
         raise RuntimeError(f"environment variable {name} must be an integer; got {v!r}") from e
 
 
+def global_rank(group, r: int) -> int:
+    """Rank `r` of process group `group` (None or WORLD: the default group) as a global rank,
+    what point-to-point calls and ``src=``/``dst=`` take on every torch since 2.3."""
+    return dist.get_global_rank(group, r) if group is not None and group != dist.group.WORLD else r
+
+
 def init_process_group(backend: str | None = None, *, timeout: timedelta = timedelta(seconds=120)) -> int:
     """Initialise the default process group from torchrun's environment, with one store
     namespace per restart attempt; returns the attempt number (0 on the first run).

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..dist import group_timeout
+from ..dist import global_rank, group_timeout
 from . import _store, _wire
 from ._code2d import Code2D, Lines, NotEnoughSymbols
 from ._format import CODEC, Commitment, Fragment, RepairSymbols, check_consistent
@@ -129,9 +129,6 @@ class CodedCheckpointer:
         self._lines: np.ndarray | None = None  # this rank's two lines of P, reused likewise
 
     # ------------------------------------------------------------------ helpers
-    def _global(self, r: int) -> int:
-        return dist.get_global_rank(self.group, r) if self.group is not dist.group.WORLD else r
-
     def _gather(self, payload: bytes, size: int, group: dist.ProcessGroup) -> list[bytes | None]:
         # a background save gathers on its own process group (see save(blocking=False))
         return _wire.all_gather_fixed(payload, size, group)
@@ -642,13 +639,13 @@ class CodedCheckpointer:
                 b = np.frombuffer(p, np.uint8)
                 msg.numpy()[pos:pos + len(b)] = b
                 pos += len(b)
-            dist.send(msg, self._global(target), group=self.group)
+            dist.send(msg, global_rank(self.group, target), group=self.group)
             sent += size
         elif self.rank == target:
             symbols: list[RepairSymbols] = []
             for h in helpers:
                 buf = torch.empty(size, dtype=torch.uint8)
-                dist.recv(buf, self._global(h), group=self.group)
+                dist.recv(buf, global_rank(self.group, h), group=self.group)
                 recv += buf.numel()
                 try:
                     sym = RepairSymbols.from_bytes(buf.numpy())  # the blocks are views of buf

@@ -33,11 +33,10 @@ COMMITMENT_FILE = "commitment.rwck"
 STEP_FRAGMENT, STEP_COMMITMENT = "fragment.rwck", "commitment.rwck"
 DCP_METADATA = ".metadata.rwck"
 # what a file may hold before it is read (a larger one is a bad file, never allocated): a
-# commitment has 2n ≤ 510 line roots of ≤ 64 bytes; a fragment two lines of k blocks
-# (fragment_limit); DCP metadata names every tensor of the state
+# commitment has 2n ≤ 510 line roots of ≤ 64 bytes; DCP metadata names every tensor of the
+# state (a fragment has exactly the size its commitment's geometry gives: read_fragment)
 MAX_COMMITMENT = 1 << 20
 MAX_METADATA = 256 << 20
-_FRAGMENT_SLACK = 1 << 12  # header, sizes, digest (any format version)
 
 
 # ------------------------------------------------------------------ sealed files
@@ -49,12 +48,6 @@ def write(path: str | Path, record: Fragment | Commitment, *, dir_fd: int | None
         path.parent.mkdir(parents=True, exist_ok=True)
     _io.write_atomic(path, record.to_parts() if isinstance(record, Fragment) else record.to_bytes(),
                      dir_fd=dir_fd)
-
-
-def fragment_limit(com: Commitment) -> int:
-    """The most bytes a fragment file of `com`'s geometry can take: its row and column of
-    k = n − t blocks each, plus the header."""
-    return 2 * (com.n - com.t) * com.block_size + _FRAGMENT_SLACK
 
 
 def read_commitment(path: str | Path, *, dir_fd: int | None = None) -> Commitment:
@@ -76,8 +69,8 @@ def read_fragment(path: str | Path, com: Commitment | None = None, *, dir_fd: in
     def check(first: bytes) -> None:
         _format.check_fragment_head(first, line)
 
-    blob = _io.read_regular(path, fragment_limit(com), dir_fd=dir_fd, exact=_format.fragment_size(line),
-                            head=(_format.FRAGMENT_HEAD, check))
+    size = _format.fragment_size(line)  # (k = n − t blocks in each line)
+    blob = _io.read_regular(path, size, dir_fd=dir_fd, exact=size, head=(_format.FRAGMENT_HEAD, check))
     return Fragment.from_bytes(blob)
 
 

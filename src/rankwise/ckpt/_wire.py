@@ -20,6 +20,8 @@ import struct
 import torch
 import torch.distributed as dist
 
+from ..dist import global_rank
+
 TEXT_BYTES = 400  # an error or status message (longer ones are cut)
 MAX_VOTES = 16  # checkpoint steps one rank reports (its newest)
 MAX_PER_RANK = 1 << 20  # a rank's per-rank extras (RNG states: ~10 KB)
@@ -31,11 +33,8 @@ def exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], gro
     ranks of `group`, each over the direct pair of this rank and the peer -> (peer -> the work
     of its receive: wait on it before reading the tensor, the sends' works: wait on them before
     the tensors are changed or freed)."""
-    def peer(p: int) -> int:  # (P2POp takes global ranks on every torch since 2.3)
-        return p if group is None or group is dist.group.WORLD else dist.get_global_rank(group, p)
-
-    ops = [dist.P2POp(dist.isend, t, peer(p), group) for p, t in sends.items()]
-    ops += [dist.P2POp(dist.irecv, t, peer(p), group) for p, t in recvs.items()]
+    ops = [dist.P2POp(dist.isend, t, global_rank(group, p), group) for p, t in sends.items()]
+    ops += [dist.P2POp(dist.irecv, t, global_rank(group, p), group) for p, t in recvs.items()]
     works = dist.batch_isend_irecv(ops) if ops else []
     return dict(zip(recvs, works[len(sends):], strict=True)), works[:len(sends)]
 

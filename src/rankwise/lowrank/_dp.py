@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..dist import global_rank
+
 BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket_cap_mb
 
 
@@ -64,7 +66,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False) -> tup
                 if owner is None:
                     works.append(dist.all_reduce(flat, group=group, async_op=True))
                 else:
-                    works.append(dist.reduce(flat, dst=_global(group, owner), group=group, async_op=True))
+                    works.append(dist.reduce(flat, dst=global_rank(group, owner), group=group, async_op=True))
                 buckets.append((flat, part, owner))
                 start, size = k + 1, 0
     for w in works:
@@ -138,8 +140,8 @@ def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> N
         diff = [i for i, (a, b) in enumerate(zip(theirs, rows[0], strict=True)) if a != b]
         if diff:
             raise RuntimeError(
-                f"data-parallel replicas diverged {when}: rank {_global(group, r)} holds other factors than "
-                f"rank {_global(group, 0)} in layer {names[diff[0]]!r} (ranks, bases or τ differ). "
+                f"data-parallel replicas diverged {when}: rank {global_rank(group, r)} holds other factors "
+                f"than rank {global_rank(group, 0)} in layer {names[diff[0]]!r} (ranks, bases or τ differ). "
                 "Every rank must start from the same model and see the same averaged gradients; across "
                 "machines whose floating-point results differ, the integrator's results can drift apart")
 
@@ -163,7 +165,7 @@ def check_model(model: torch.nn.Module) -> None:
 def broadcast_from_first(tensors: Sequence[Tensor], group) -> None:
     """Copy the group's rank-0 values into `tensors` on every rank (one broadcast per dtype);
     the shapes must agree (checked first by :func:`check_shapes`)."""
-    src = _global(group, 0)
+    src = global_rank(group, 0)
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -186,11 +188,8 @@ def check_shapes(named: dict[str, Tensor], group) -> None:
     for r, theirs in enumerate(everyone[1:], start=1):
         if theirs != everyone[0]:
             bad = next(((a, b) for a, b in zip(everyone[0], theirs, strict=False) if a != b), None)
-            what = (f"{bad[1]} where rank {_global(group, 0)} has {bad[0]}" if bad
+            what = (f"{bad[1]} where rank {global_rank(group, 0)} has {bad[0]}" if bad
                     else "another number of tensors")
-            raise RuntimeError(f"data-parallel replicas differ at construction: rank {_global(group, r)} "
+            raise RuntimeError(f"data-parallel replicas differ at construction: rank {global_rank(group, r)} "
                                f"has {what}; build the same model (same ranks) on every rank")
 
-
-def _global(group, r: int) -> int:
-    return dist.get_global_rank(group, r) if group is not None and group != dist.group.WORLD else r

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ._dp import _global
+from ..dist import global_rank
 
 
 def layer_cost(out_features: int, in_features: int, rank: int) -> float:
@@ -122,7 +122,7 @@ def share_from_owners(mine: Mapping[str, Any], owners: Mapping[str, int], group,
                 sent += flat.numel() * flat.element_size()
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-            dist.broadcast(flat, src=_global(group, r), group=group)
+            dist.broadcast(flat, src=global_rank(group, r), group=group)
             for ph, part in zip(phs, torch.split(flat, sizes), strict=True):
                 theirs[ph[1]] = part.view(ph[2]).clone()
         # the owner too takes the copies: every rank then holds tensors of one layout (compact,
