@@ -153,7 +153,7 @@ COMMANDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "train": ("dense", "dlrt", "sdlrt"),
     "sweep": ("dense", "dlrt", "sdlrt", "sdlrt-two-sided", "sdlrt-buffer", "sdlrt-feedback", "dlrt-2pass",
               "fixed", "dense-svd", "dlrt-warm", "sdlrt-warm", "dlrt-reset", "dlrt-muon", "dlrt-muon-reset",
-              "dlrt-reset-m", "dlrt-reset-v"),
+              "dlrt-reset-m", "dlrt-reset-v", "sdlrt-reset", "sdlrt-muon-reset"),
     "lm": ("dense", "dlrt", "sdlrt", "fixed", "galore", "muon", "cola", "dlrt-ue5", "dlrt-ue20",
            "dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm", "fixed-warm", "dlrt-core3",
            "dlrt-core0.3", "dlrt-reset-m", "dlrt-reset-v", "dlrt-reset-ue5", "dlrt-reset-ue20", "dlrt-muon",

@@ -23,7 +23,7 @@ DEFAULT_METHODS: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "sdlrt-two-sided",
 # feedback, so sdlrt-two-sided and sdlrt-buffer would repeat sdlrt, sdlrt-feedback dlrt)
 TARGET_METHODS: tuple[str, ...] = ("dense", "dlrt", "dlrt-2pass", "sdlrt", "fixed", "dense-svd", "dlrt-warm",
                                    "sdlrt-warm", "dlrt-reset", "dlrt-muon", "dlrt-muon-reset", "dlrt-reset-m",
-                                   "dlrt-reset-v")
+                                   "dlrt-reset-v", "sdlrt-reset", "sdlrt-muon-reset")
 TARGET_DEFAULT: tuple[str, ...] = ("dense", "dlrt", "sdlrt", "fixed", "dense-svd")  # --targets' study
 PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
 # what a record's `version` says its settings meant: 2, the sweep's sdlrt was the two-sided
