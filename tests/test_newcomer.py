@@ -3,6 +3,9 @@ names the problem."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -257,7 +260,7 @@ def test_a_second_sweep_into_the_folder_drops_tables_it_does_not_rewrite(tmp_pat
 
 
 _POOL_SCRIPT = """
-import signal, sys, time
+import os, signal, sys, time
 from pathlib import Path
 from rankwise.experiments._pool import map_runs
 
@@ -266,7 +269,7 @@ from rankwise.experiments._pool import map_runs
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 def slow(item, report):
-    Path(sys.argv[1], f"started{item}").write_text("")
+    Path(sys.argv[1], f"started{item}").write_text(str(os.getpid()))
     for i in range(600):
         time.sleep(0.1)
         if report is not None:
@@ -311,6 +314,46 @@ def test_ctrl_c_stops_a_pool_of_runs_at_once_without_tracebacks(tmp_path, fresh,
     assert p.returncode == 130 and err.strip() == "interrupted", err
     assert took < 3.0, took
     assert not (tmp_path / "started2").exists()  # the runs not started never start
+
+
+def _ended(pid: int) -> bool:
+    """The process `pid` has exited (gone, or a zombie nobody reaped yet)."""
+    from pathlib import Path
+
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_end_when_their_parent_is_killed(tmp_path):
+    """Issue 49's note: a sweep's parent ended by SIGTERM (a scheduler's kill, `timeout`) left
+    its workers training on: they ignore SIGINT and nothing ended them."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_SCRIPT)
+    p = subprocess.Popen([sys.executable, str(script), str(tmp_path), "fork"], start_new_session=True)
+    started = [tmp_path / "started0", tmp_path / "started1"]
+    deadline = time.monotonic() + 60
+    while not all(f.exists() and f.read_text() for f in started):
+        assert time.monotonic() < deadline and p.poll() is None
+        time.sleep(0.05)
+    workers = [int(f.read_text()) for f in started]
+    p.send_signal(signal.SIGTERM)  # the parent alone, as `kill PID` does
+    p.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while not all(_ended(w) for w in workers):
+        if time.monotonic() > deadline:
+            for w in workers:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w, signal.SIGKILL)
+            pytest.fail("the workers outlived their parent")
+        time.sleep(0.05)
 
 
 _SLOW_START = """

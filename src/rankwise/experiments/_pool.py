@@ -9,8 +9,11 @@ so a command line can show progress *within* runs, not only between them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import queue as _queue
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -44,6 +47,28 @@ def _ignore_interrupt() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _end_with_parent(parent: int) -> None:
+    """On Linux, ask the kernel to send this process SIGTERM when the thread that started it
+    ends (``PR_SET_PDEATHSIG``), so that workers do not outlive a parent killed by SIGTERM or
+    SIGKILL (they ignore SIGINT, and nothing else would end them: orphans kept training). A
+    parent that died before this ran is seen by the changed parent pid. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return
+    prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _worker_init(parent: int) -> None:
+    """Initializer of the workers and of the progress manager (`parent`: the pool's pid)."""
+    _ignore_interrupt()
+    _end_with_parent(parent)
 
 
 @contextlib.contextmanager
@@ -95,7 +120,7 @@ def map_runs(fn: Callable[[Any, Report | None], Any], items: Sequence[Any], *, j
 
     import multiprocessing as mp
 
-    kw: dict[str, Any] = {"initializer": _ignore_interrupt}
+    kw: dict[str, Any] = {"initializer": _worker_init, "initargs": (os.getpid(),)}
     if fresh_process:  # max_tasks_per_child needs the "spawn" start method
         kw |= {"max_tasks_per_child": 1, "mp_context": mp.get_context("spawn")}
     with contextlib.ExitStack() as stack:
@@ -147,7 +172,7 @@ def _manager() -> Any:
     from multiprocessing.managers import SyncManager
 
     manager = SyncManager()
-    manager.start(_ignore_interrupt)
+    manager.start(_worker_init, (os.getpid(),))
     return manager
 
 
