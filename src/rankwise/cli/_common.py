@@ -356,21 +356,33 @@ def no_repeats(items: list, text: str, option: str, keys: list | None = None) ->
 
 
 @contextmanager
-def run_bars(console: Any, describe: Callable[[dict], str]) -> Iterator[tuple[Callable, Callable]]:
+def run_bars(console: Any, describe: Callable[[dict], str],
+             form: Callable[[int, int, str], str] = lambda step, total, info: info,
+             ) -> Iterator[tuple[Callable, Callable]]:
     """Progress bars for a study's runs: yields ``(on_progress(key, step, total, info),
     on_done(record))``; a run's bar appears with its first report and gives way, when the run
-    is done, to the line ``describe(record)``."""
+    is done, to the line ``describe(record)``. `form(step, total, info)`: the text beside a bar.
+    Where the console is not a terminal (output to a file or a pipe: rich draws no bars there),
+    a run prints a line each tenth of its steps instead, so that a log shows runs advancing."""
     from rich.progress import Progress
 
     with Progress(*progress_columns(), console=console) as prog:
         bars: dict[str, Any] = {}
+        tenths: dict[str, int] = {}
 
         def on_progress(key: str, step: int, total: int, info: str) -> None:
+            if not console.is_terminal:
+                tenth = 10 * step // total if total > 0 else 0
+                if tenth > tenths.get(key, 0) and step < total:
+                    prog.console.print(f"{key}: step {step}/{total} {info}".rstrip())
+                tenths[key] = max(tenth, tenths.get(key, 0))
+                return
             if key not in bars:
                 bars[key] = prog.add_task(key, total=total, info="")
-            prog.update(bars[key], completed=step, total=total, info=info)
+            prog.update(bars[key], completed=step, total=total, info=form(step, total, info))
 
         def on_done(record: dict) -> None:
+            tenths.pop(record["key"], None)
             if record["key"] in bars:
                 prog.remove_task(bars.pop(record["key"]))
             prog.console.print(describe(record))

@@ -253,30 +253,21 @@ def sweep_cmd(
     lock_output(out)  # one command at a time in --out (released when it ends)
     check_output_dir(out, produced=SWEEP_SUMMARIES, force=force, records="task", what="sweep")
     from rich.console import Console
-    from rich.progress import Progress
 
     from .._io import write_atomic
     from ..experiments.sweep import plot, summary_markdown, sweep, write_csv
     from ..experiments.sweep_report import RANKWISE, equal_compression_markdown, versus_baselines_markdown
-    from ._common import progress_columns
+    from ._common import run_bars
 
     console = Console()
     count = [0]
-    with Progress(*progress_columns(), console=console) as prog:
-        bars: dict[str, int] = {}
 
-        def on_progress(key: str, step: int, steps: int, info: str) -> None:
-            if key not in bars:
-                bars[key] = prog.add_task(key, total=steps, info="")
-            prog.update(bars[key], completed=step, total=steps, info=f"step {step}/{steps} {info}")
+    def describe(r: dict) -> str:
+        count[0] += 1
+        return f"[{count[0]}] {r['key']}: test acc {r['test_acc']:.4f}, compression {r['compression']:.3f}"
 
-        def done(r: dict) -> None:
-            count[0] += 1
-            if r["key"] in bars:
-                prog.remove_task(bars.pop(r["key"]))
-            prog.console.print(f"[{count[0]}] {r['key']}: test acc {r['test_acc']:.4f}, "
-                               f"compression {r['compression']:.3f}")
-
+    with run_bars(console, describe, lambda step, steps, info: f"step {step}/{steps} {info}") as (
+            on_progress, done):
         def run(batch: list) -> list[dict]:
             return sweep(batch, out, jobs=jobs, overwrite=force, on_done=done, on_progress=on_progress)
 
