@@ -113,19 +113,27 @@ def test_each_segment_takes_the_cheaper_of_reversal_and_replay():
 
 
 def test_live_states_stay_within_the_budget_plus_working_states(monkeypatch):
-    """Counted from the objects alive at every step's vector-Jacobian product (gc), not from
-    the block's own bookkeeping: the states held never exceed the budget, plus the output and
-    two working states."""
+    """Counted from the objects alive at every step's vector-Jacobian product (every state
+    constructed and not yet freed, garbage included), not from the block's own bookkeeping: the
+    states held never exceed the budget, plus the output and two working states."""
     import gc
+    import weakref
 
     from rankwise.ode import _backward as _block
 
+    alive: weakref.WeakSet = weakref.WeakSet()
+    made = LowRankState.__post_init__
+
+    def tracked(self) -> None:
+        made(self)
+        alive.add(self)
+
+    monkeypatch.setattr(LowRankState, "__post_init__", tracked)
     live: list[int] = []
     real = _block._vjp
 
     def counting(*args, **kwargs):
-        gc.collect()
-        live.append(sum(type(o) is LowRankState for o in gc.get_objects()))
+        live.append(len(alive))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_block, "_vjp", counting)
@@ -137,7 +145,7 @@ def test_live_states_stay_within_the_budget_plus_working_states(monkeypatch):
         x = F0.clone().requires_grad_(True)
         loss = (block(x).dense() ** 2).sum()
         gc.collect()
-        before = sum(type(o) is LowRankState for o in gc.get_objects())  # tape + output + caller's
+        before = len(alive)  # tape + output + caller's
         live.clear()
         loss.backward()
         extra = max(live) - (before - block.last_stats["checkpoints"])  # states beyond those outside the tape
