@@ -380,3 +380,43 @@ def test_a_gradient_first_made_by_the_second_pass_is_not_applied(monkeypatch):
 
     torch.testing.assert_close(run("batched"), run("exact"))
     torch.testing.assert_close(run("batched"), torch.ones(3, dtype=F64))
+
+
+def _writes(w):
+    return {"nn.init.zeros_": lambda: nn.init.zeros_(w), ".data.mul_": lambda: w.data.mul_(2),
+            "detach().zero_": lambda: w.detach().zero_(), "a view's fill_": lambda: w.view(-1).fill_(0),
+            "[0] = 1": lambda: w.__setitem__(0, 1), "+= 1": lambda: w.__iadd__(1),
+            "out=": lambda: torch.mul(w.detach(), 2, out=w.detach()),
+            ".data =": lambda: setattr(w, "data", w * 0)}
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv", "attention"])
+def test_writing_into_a_dense_weight_view_is_refused_and_reading_it_works(kind):
+    """A low-rank layer's `weight` is computed from its factors on every read: before, a write
+    into it (user init code, pruning masks) changed a temporary and the model silently stayed
+    as it was. Every write now raises naming the layer; reads act as on a plain tensor."""
+    torch.manual_seed(0)
+    dense = {"linear": nn.Linear(6, 5), "conv": nn.Conv2d(3, 4, 3),
+             "attention": nn.MultiheadAttention(8, 2)}[kind]
+    layer = rankwise.to_low_rank(nn.Sequential(dense), rank=2)[0]
+    lin = layer.q_proj if kind == "attention" else layer
+    before = [t.detach().clone() for t in (lin.U, lin.S, lin.V)]
+    views = [layer.weight] if kind != "attention" else [layer.in_proj_weight, layer.in_proj_bias,
+                                                          layer.q_proj.weight]
+    for w in views:
+        for what, write in _writes(w).items():
+            with pytest.raises(RuntimeError, match=r"computed on every read, so writing into it .* lost"), \
+                    torch.no_grad():
+                write()
+            assert all(torch.equal(a, b) for a, b in zip(before, (lin.U, lin.S, lin.V), strict=True)), what
+    w = lin.weight
+    if kind == "conv":
+        x = torch.randn(2, 3, 6, 6)
+        y = torch.nn.functional.conv2d(x, w, lin.bias)
+    else:
+        x = torch.randn(3, lin.in_features)
+        y = torch.nn.functional.linear(x, w, lin.bias)
+    assert type(y) is torch.Tensor and type(w.norm()) is torch.Tensor
+    torch.testing.assert_close(y, lin(x))
+    (w ** 2).sum().backward()  # autograd reaches the factors through the view
+    assert lin.U.grad is not None and lin.U.grad.abs().sum() > 0

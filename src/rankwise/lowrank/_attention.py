@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..linalg import truncated_svd, work_dtype
 from ._base import from_dense_weight
 from ._linear import LowRankLinear
+from ._view import as_view
 
 PROJECTIONS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj")
 
@@ -163,14 +164,19 @@ class LowRankMultiheadAttention(nn.MultiheadAttention):
         """(3E, E): the q, k, v weights stacked (None unless kdim = vdim = E); read-only, computed."""
         if not self._qkv_same_embed_dim:
             return None
-        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        return as_view(torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight]),
+                       "LowRankMultiheadAttention.in_proj_weight (q, k, v projections stacked)",
+                       "change the projections' factors (`q_proj.set_factors`, …), or make the attention "
+                       "dense (`rankwise.export`)")
 
     @property
     def in_proj_bias(self) -> Tensor | None:
         """(3E,): the q, k, v biases stacked (None without bias); read-only, computed."""
         if self.q_proj.bias is None:
             return None
-        return torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+        return as_view(torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]),
+                       "LowRankMultiheadAttention.in_proj_bias (q, k, v biases stacked)",
+                       "edit `q_proj.bias`, `k_proj.bias` and `v_proj.bias`")
 
     @property
     def q_proj_weight(self) -> Tensor | None:

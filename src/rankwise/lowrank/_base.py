@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..linalg import truncated_svd, work_dtype
 from ._autograd import DenseWeightFn
+from ._view import as_view
 
 GradMode = Literal["full", "factors", "core"]
 
@@ -129,8 +130,16 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         """A read-only dense view, :meth:`dense_weight`, in the shape the matching torch layer's
         ``weight`` has: what code written for ``nn.Linear`` / ``nn.Conv2d`` reads (torch's
         transformer fast path, HF helpers). It is computed on each access and differentiable
-        through the factors; it is not a parameter, and assigning to it raises."""
-        return self.dense_weight()
+        through the factors; it is not a parameter: assigning to it, and writing into it in place
+        (``nn.init.*_``, ``.data.mul_``, ``[i] = …``), raise, since the write would be lost
+        (:class:`._view.DenseView`)."""
+        return as_view(self.dense_weight(), f"{type(self).__name__}.weight ({self._weight_is})",
+                       self._edit_instead)
+
+    # what `weight` is, and what to edit instead of writing into it (the error of a write)
+    _weight_is = "U S Vᵀ of its factors"
+    _edit_instead = ("change the factors (`set_factors`), or make the layer dense (`rankwise.export`) before "
+                     "editing its weight")
 
     @torch.no_grad()
     def set_factors(self, U: Tensor, S: Tensor, V: Tensor,

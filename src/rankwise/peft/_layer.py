@@ -51,6 +51,9 @@ class AdapterLinear(AbstractLowRankLayer):
                                        self.grad_mode == "factors")
         return self.base(x) + self.alpha * delta
 
+    _weight_is = "W0 + alpha · U S Vᵀ: the frozen base weight with the adapter merged"
+    _edit_instead = "edit the base layer's weight (`base.weight`) or the adapter's factors (`set_factors`)"
+
     def dense_weight(self) -> Tensor:
         """W0 + alpha · U S Vᵀ (out_features, in_features): the merged weight."""
         return self.base.weight + self.alpha * self.weight_matrix().to(self.base.weight)

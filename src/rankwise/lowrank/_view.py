@@ -1,0 +1,76 @@
+"""The dense weight of a low-rank layer as foreign code sees it: readable, never writable.
+
+A low-rank layer computes ``weight`` from its factors on every access, so a write into it
+(``nn.init.zeros_(layer.weight)``, ``layer.weight.data.mul_(2)``, ``layer.weight[0] = 0``) would
+change a temporary and be lost: the model would silently stay as it was. :class:`DenseView`
+refuses such writes in one line; every read (``F.linear(x, layer.weight)``, ``.shape``,
+``.norm()``, autograd through it) works as on a plain tensor and returns plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# methods that write into their tensor without a trailing underscore
+_WRITES = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                     "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                     "__irshift__", "__imatmul__"})
+_HARMLESS = frozenset({"requires_grad_", "retain_grad", "share_memory_"})  # in place, but no values
+
+
+class DenseView(Tensor):
+    """A tensor whose in-place writes (and those into its aliases: ``.data``, ``detach()``,
+    views) raise ``RuntimeError`` saying what it is (`what`) and what to edit `instead`; other
+    operations return plain tensors."""
+
+    what: str = "this tensor"
+    instead: str = ""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__set__":  # a property's setter: only `.data = …` replaces the values
+            name = f"{getattr(getattr(func, '__self__', None), '__name__', '')} ="
+        views = [a for a in (*args, *kwargs.values()) if isinstance(a, DenseView)]
+        if views and (_writes(name) or any(isinstance(o, DenseView) for o in _outs(kwargs))):
+            v = views[0]
+            raise RuntimeError(f"{v.what} is computed on every read, so writing into it ({name.strip('_')}) "
+                               f"would be lost; {v.instead}")
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        if isinstance(out, Tensor) and type(out) is not DenseView and any(_aliases(out, v) for v in views):
+            out = as_view(out, views[0].what, views[0].instead)  # `.data`, `detach()`, a slice: lost too
+        return out
+
+
+def _writes(name: str) -> bool:
+    if name in _HARMLESS:
+        return False
+    return name in _WRITES or name == "data =" or (name.endswith("_") and not name.endswith("__"))
+
+
+def _outs(kwargs: dict) -> list:
+    out = kwargs.get("out")
+    return [] if out is None else list(out) if isinstance(out, (tuple, list)) else [out]
+
+
+def _aliases(a: Tensor, b: Tensor) -> bool:
+    if a.device.type == "meta" or b.device.type == "meta" or a.numel() == 0:
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor without storage (e.g. a functional wrapper)
+        return False
+
+
+def as_view(t: Tensor, what: str, instead: str) -> Tensor:
+    """`t` (still attached to its autograd graph) as a :class:`DenseView`: `what` it is, and
+    what a user should edit `instead` (both for the error a write raises)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        v = t.as_subclass(DenseView)
+    v.what, v.instead = what, instead
+    return v
