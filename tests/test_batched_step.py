@@ -383,7 +383,7 @@ def test_sdlrt_with_momentum_narrows_its_augmentation(monkeypatch):
     assert any(got < full for got, full in widths), widths
 
 
-@pytest.mark.parametrize("mode,most", [("replicated", 4), ("sharded", 8)])
+@pytest.mark.parametrize("mode,most", [("replicated", 2), ("sharded", 6)])
 def test_a_data_parallel_step_takes_the_batched_path_with_few_host_reads(mode, most, tmp_path):
     """With `process_group` (a one-process gloo group here) the augmenting step is the batched
     one: the 48-layer GPT's step reads the host a few times (the presence vector of the

@@ -69,7 +69,7 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: 
         grads += sum(m.out_features for m in lr_layers.values())  # biases: every rank's
         grads += model[4].weight.numel() + model[4].bias.numel()
         slots = 4 * len(lr_layers) + 2  # S, bias, G_K, G_L per low-rank layer; dense W, b
-        formula.append(8 * (grads + slots + 1))  # float64, + the presence/flag vector
+        formula.append(8 * (grads + slots + 2))  # float64, + the presence vector and its two flags
         x, y = X[t, rank * half:(rank + 1) * half], Y[t, rank * half:(rank + 1) * half]
 
         def closure(x=x, y=y):
@@ -218,7 +218,17 @@ def _diverge_worker(rank: int, data_parallel: str) -> None:
     x, y = _data()
     opt.zero_grad()
     nn.functional.cross_entropy(model(x[0]), y[0]).backward()
-    opt.step()
+    opt.step()  # its check is gathered on the device, read with the next exchange or a state_dict
+    if data_parallel == "replicated":
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[1]), y[1]).backward()
+        try:
+            opt.step()
+        finally:  # raised before the step changed anything
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    else:
+        opt.state_dict()
 
 
 @pytest.mark.parametrize("data_parallel, where", [("replicated", "'2'"), ("sharded", "'4.weight'")])
@@ -249,15 +259,25 @@ def test_process_group_needs_torch_distributed():
         rankwise.DLRT(m, 0.1, tau=0.1, process_group=object())
 
 
-def test_fingerprint_sees_one_bit():
-    from rankwise.lowrank._dp import fingerprint
+def test_the_device_fingerprint_sees_every_single_bit_and_the_shape():
+    """Every one of the 192 bits of a 2×3 float32 tensor, flipped alone, changes its entry's
+    fingerprint and no other entry's; equal tensors, on any call, give equal fingerprints; the
+    shape and the order of an entry's tensors count."""
+    from rankwise.lowrank._dp import device_fingerprints
 
-    a = torch.randn(5, 7)
-    b = a.clone()
-    b.view(-1).view(torch.int32)[17] ^= 1
-    assert fingerprint([a]) == fingerprint([a.clone()])
-    assert fingerprint([a]) != fingerprint([b])
-    assert fingerprint([a]) != fingerprint([a.reshape(7, 5)])
+    a, other = torch.randn(2, 3, dtype=torch.float32), torch.randn(3, dtype=torch.float64)
+    ref = device_fingerprints([[a], [other]], a.device)
+    assert ref.dtype == torch.int64 and torch.equal(ref, device_fingerprints([[a.clone()], [other.clone()]],
+                                                                            a.device))
+    raw = a.view(-1).view(torch.int32)
+    for i in range(raw.numel()):
+        for bit in range(32):
+            b = a.clone()
+            b.view(-1).view(torch.int32)[i] ^= torch.tensor(1, dtype=torch.int32) << bit
+            got = device_fingerprints([[b], [other]], a.device)
+            assert got[0] != ref[0] and got[1] == ref[1], (i, bit)
+    assert device_fingerprints([[a.reshape(3, 2)], [other]], a.device)[0] != ref[0]
+    assert device_fingerprints([[a, other]], a.device)[0] != device_fingerprints([[other, a]], a.device)[0]
 
 
 def _train_worker(rank: int, out: str, method: str) -> dict:

@@ -37,20 +37,22 @@ class Slot:
     tag: str = ""  # what the caller calls it
 
 
-def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False) -> tuple[bool, int, list[bool]]:
+def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False,
+            also: bool | Tensor = False) -> tuple[bool, int, list[bool], bool]:
     """Average every slot over the ranks of `group` (a slot missing on a rank counts as zero, as
     in DDP; missing on every rank it stays None), in few collectives: one flat buffer per dtype
     and destination, split at :data:`BUCKET_BYTES`, plus one small vector holding each slot's
-    presence and `flag` (a bool, or a device bool tensor: it is not read on its own). A slot
-    with an `owner` is reduced to that rank only; the others get ``None`` in it. Returns
+    presence, `flag` and `also` (bools, or device bool tensors: they are not read on their own).
+    A slot with an `owner` is reduced to that rank only; the others get ``None`` in it. Returns
     whether any rank raised `flag` (e.g. "my loss is not finite"), the bytes this rank sent,
-    and each slot's presence on any rank. One host read: the presence vector with the flag."""
+    each slot's presence on any rank, and whether any rank raised `also` (e.g. "the last
+    replica check found a difference"). One host read: the presence vector with the flags."""
     n = dist.get_world_size(group)
     me = dist.get_rank(group)
     device = slots[0].device if slots else torch.device("cpu")  # (NCCL reduces only GPU tensors)
-    flag_t = torch.as_tensor(flag, device=device).to(torch.float64).reshape(1)
+    flags = [torch.as_tensor(f, device=device).to(torch.float64).reshape(1) for f in (flag, also)]
     meta = torch.cat([torch.tensor([float(s.value is not None) for s in slots], dtype=torch.float64,
-                                   device=device), flag_t])
+                                   device=device), *flags])
     works = [dist.all_reduce(meta, group=group, async_op=True)]
     by_key: dict[tuple, list[int]] = {}
     for i, s in enumerate(slots):
@@ -74,7 +76,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False) -> tup
     sent = meta.numel() * 8 + sum(flat.numel() * flat.element_size() for flat, _, owner in buckets
                                   if owner != me)  # (what an owner receives it does not send)
     host = meta.tolist()  # the one host read
-    present = [v > 0 for v in host[:-1]]
+    present = [v > 0 for v in host[:-2]]
     for flat, part, owner in buckets:
         mine = owner is None or owner == me
         if mine:
@@ -85,7 +87,7 @@ def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False) -> tup
             k = math.prod(s.shape)
             s.put(flat[offset:offset + k].view(s.shape).clone() if mine and present[i] else None)
             offset += k
-    return host[-1] > 0, sent, present
+    return host[-2] > 0, sent, present, host[-1] > 0
 
 
 def _flat(s: Slot) -> Tensor:
@@ -94,32 +96,8 @@ def _flat(s: Slot) -> Tensor:
     return s.value.detach().reshape(-1).to(s.dtype)
 
 
-def fingerprint(tensors: Sequence[Tensor]) -> int:
-    """BLAKE2b (64 bits) of the tensors' shapes, dtypes and bytes: equal tensors give equal
-    fingerprints; a flipped bit almost surely does not."""
-    return fingerprints([tensors])[0]
-
-
-def fingerprints(entries: Sequence[Sequence[Tensor]]) -> list[int]:
-    """:func:`fingerprint` of each entry, from one copy of all their bytes to the host."""
-    if not any(len(ts) for ts in entries):
-        return [fingerprint_of(ts, []) for ts in entries]
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for ts in entries for t in ts]
-    device = parts[0].device
-    data = torch.cat([p.to(device) for p in parts]).cpu().numpy()  # the one host read
-    out, pos, i = [], 0, 0
-    for ts in entries:
-        chunks = []
-        for _ in ts:
-            k = parts[i].numel()
-            chunks.append(data[pos:pos + k])
-            pos, i = pos + k, i + 1
-        out.append(fingerprint_of(ts, chunks))
-    return out
-
-
 def fingerprint_of(tensors: Sequence[Tensor], chunks: Sequence) -> int:
-    """BLAKE2b (64 bits) of the tensors' shapes and dtypes and their bytes `chunks` (host arrays)."""
+    """BLAKE2b (64 bits) of the tensors' shapes and dtypes and the host bytes `chunks`."""
     h = hashlib.blake2b(digest_size=8)
     for t, c in zip(tensors, chunks, strict=True):
         h.update(f"{tuple(t.shape)}{t.dtype};".encode())
@@ -127,23 +105,73 @@ def fingerprint_of(tensors: Sequence[Tensor], chunks: Sequence) -> int:
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
-def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> None:
-    """Raise ``RuntimeError`` naming the first rank (and layer) whose tensors differ from the
-    group's rank 0; one all-gather of one int64 per entry."""
+# splitmix64's constants as signed int64 (torch's integer arithmetic wraps modulo 2^64)
+_GOLDEN, _MIX = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64
+
+
+def device_fingerprints(entries: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
+    """(len(entries),) int64 on `device`, with no host read and a fixed number of ops: per entry,
+    Σ byte·w over its tensors' bytes (all entries' bytes in one stream), each byte's weight w an
+    odd number drawn from its position by splitmix64's mixer, plus a host-side hash of its
+    tensors' shapes and dtypes. Equal tensors give equal values on any rank; a changed byte moves
+    the sum by d·w ≠ 0 mod 2^64 (|d| < 2^8, w odd), so one flipped bit, or any change confined to
+    one byte, always shows; unrelated changes collide with probability about 2^-64."""
+    out = torch.tensor([fingerprint_of(ts, [b""] * len(ts)) for ts in entries], dtype=torch.int64).to(device)
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for ts in entries for t in ts]
+    if not any(p.numel() for p in parts):
+        return out
+    counts = torch.tensor([sum(t.numel() * t.element_size() for t in ts) for ts in entries], device=device)
+    data = torch.cat(parts).to(torch.int64)
+    x = torch.arange(1, data.numel() + 1, dtype=torch.int64, device=device) * _GOLDEN
+    x = (x ^ ((x >> 30) & (2**34 - 1))) * _MIX
+    x = (x ^ ((x >> 27) & (2**37 - 1))) | 1
+    entry_of = torch.repeat_interleave(torch.arange(len(entries), device=device), counts,
+                                       output_size=data.numel())
+    return out.index_add(0, entry_of, data * x)
+
+
+@dataclass
+class PendingCheck:
+    """A replica check in flight: every rank's fingerprints (world, entries) on the device,
+    gathered but not read; :meth:`differs` is a device bool to read with the next exchange."""
+
+    names: list[str]
+    rows: Tensor
+    when: str
+
+    def differs(self) -> Tensor:
+        return (self.rows != self.rows[:1]).any()
+
+    def raise_if_diverged(self, group) -> None:
+        """Read the rows (one host read) and raise ``RuntimeError`` naming the first rank (and
+        layer) whose tensors differ from the group's rank 0."""
+        rows = self.rows.tolist()
+        for r, theirs in enumerate(rows[1:], start=1):
+            diff = [i for i, (a, b) in enumerate(zip(theirs, rows[0], strict=True)) if a != b]
+            if diff:
+                raise RuntimeError(
+                    f"data-parallel replicas diverged {self.when}: rank {global_rank(group, r)} holds other "
+                    f"factors than rank {global_rank(group, 0)} in layer {self.names[diff[0]]!r} (ranks, "
+                    "bases or τ differ). Every rank must start from the same model and see the same averaged "
+                    "gradients; across machines whose floating-point results differ, the integrator's "
+                    "results can drift apart")
+
+
+def start_check(named: dict[str, Sequence[Tensor]], group, *, when: str) -> PendingCheck:
+    """Gather every rank's :func:`device_fingerprints` of the `named` tensors (one all-gather of
+    one int64 per entry), without reading them."""
     names = list(named)
     device = next((t.device for ts in named.values() for t in ts), torch.device("cpu"))
-    mine = torch.tensor(fingerprints([named[k] for k in names]), dtype=torch.int64, device=device)
+    mine = device_fingerprints([named[k] for k in names], device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    rows = torch.stack(everyone).tolist()  # one host read
-    for r, theirs in enumerate(rows[1:], start=1):
-        diff = [i for i, (a, b) in enumerate(zip(theirs, rows[0], strict=True)) if a != b]
-        if diff:
-            raise RuntimeError(
-                f"data-parallel replicas diverged {when}: rank {global_rank(group, r)} holds other factors "
-                f"than rank {global_rank(group, 0)} in layer {names[diff[0]]!r} (ranks, bases or τ differ). "
-                "Every rank must start from the same model and see the same averaged gradients; across "
-                "machines whose floating-point results differ, the integrator's results can drift apart")
+    return PendingCheck(names, torch.stack(everyone), when)
+
+
+def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> None:
+    """Raise ``RuntimeError`` naming the first rank (and layer) whose tensors differ from the
+    group's rank 0: :func:`start_check`, then its one host read."""
+    start_check(named, group, when=when).raise_if_diverged(group)
 
 
 def check_model(model: torch.nn.Module) -> None:

@@ -192,6 +192,15 @@ class AugmentedBUG(torch.optim.Optimizer):
         a garbage collection)."""
         _release(self._owned, self._token)
         self._released = True
+        if self.dp is not None:
+            self.dp.verify()
+
+    def state_dict(self) -> dict:
+        """As ``torch.optim.Optimizer.state_dict``; with a `process_group`, the last replica check
+        is read first, so that a replica that drifted is never saved (``RuntimeError``)."""
+        if self.dp is not None:
+            self.dp.verify()
+        return super().state_dict()
 
     def owners(self) -> dict[str, int] | None:
         """Sharded data parallelism: {layer name: the rank of `process_group` that integrates

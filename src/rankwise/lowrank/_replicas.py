@@ -6,7 +6,9 @@ holds: at construction every parameter and buffer is broadcast from the group's 
 step every gradient the step reads is averaged (:meth:`average`; sharded, a layer's factor
 gradients go to its owner only); after an augmentation the owners send their layers' results
 to every rank (:meth:`share`), and every `check_every`-th truncation the replicas are compared
-by a hash (:meth:`check`). The primitives are in :mod:`._dp` and :mod:`._shard`.
+by a hash computed and gathered on the device (:meth:`check_optimizer`), read with the next
+step's exchange (or by :meth:`verify`: a state_dict, a release). The primitives are in
+:mod:`._dp` and :mod:`._shard`.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Replicas:
         self.owners = self.placement if sharded else None
         self.allreduce_bytes = 0
         self.shared_bytes = 0
+        self.pending: _dp.PendingCheck | None = None  # the last replica check, read with the next exchange
 
     def batch_key(self, name: str) -> int:
         """Layers batched together share this key: the layer's owner (also when replicated, so
@@ -90,7 +93,11 @@ class Replicas:
             checked += [s.value for s in slots if s.value is not None]
         device = slots[0].device if slots else torch.device("cpu")
         flag = ~_all_finite_flag(checked, device)  # read with the presence vector, not alone
-        bad, sent, _ = _dp.average(slots, self.group, flag=flag)
+        pending, self.pending = self.pending, None
+        differs = pending.differs() if pending is not None else False
+        bad, sent, _, diverged = _dp.average(slots, self.group, flag=flag, also=differs)
+        if diverged:  # the previous step's check: raised before this step changes anything
+            pending.raise_if_diverged(self.group)
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         return bad
 
@@ -113,9 +120,12 @@ class Replicas:
             layer.set_factors(*v["factors"])
             state[layer.U], state[layer.V], state[layer.S] = v["state"]
 
-    def check(self, named: dict[str, tuple[Tensor, ...]], when: str) -> None:
-        """Every rank must hold the same `named` tensors (:func:`._dp.check_replicas`)."""
-        _dp.check_replicas(named, self.group, when=when)
+    def verify(self) -> None:
+        """Read the replica check still in flight, if any (``RuntimeError`` naming the rank that
+        drifted): a step's check is otherwise read with the next step's gradient exchange."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.raise_if_diverged(self.group)
 
     def check_optimizer(self, opt) -> None:
         """After a truncation: every rank must hold the same ranks, factors, buffers and τ
@@ -128,4 +138,6 @@ class Replicas:
             named = {n: (m.U, m.S, m.V, m.U_buf, m.V_buf,
                          torch.tensor(opt.state[m.S].get("tau", 0.0), dtype=torch.float64))
                      for n, m in self.layers.items()}
-        self.check(named, when=f"at step {opt.param_groups[0]['global_step']}")
+        self.verify()  # (none in flight unless two checks come without an exchange between them)
+        when = f"at step {opt.param_groups[0]['global_step']}"
+        self.pending = _dp.start_check(named, self.group, when=when)
