@@ -223,7 +223,9 @@ def test_versus_baselines_picks_on_validation_and_reports_test():
     rs = [r("dlrt", "dlrt", 0.90, 0.80, 0), r("dlrt", "dlrt", 0.90, 0.82, 1),  # best val, worse test
           r("dlrt", "dlrt-uniform", 0.85, 0.99, 0), r("dlrt", "dlrt-uniform", 0.85, 0.99, 1),
           r("fixed", "fixed-uniform", 0.88, 0.70, 0), r("fixed", "fixed-uniform", 0.88, 0.72, 1),
-          r("dense-svd", "dense-svd", 0.80, 0.95, 0), r("dense", "dense", 0.99, 0.99, 0, None)]
+          r("dense-svd", "dense-svd", 0.80, 0.95, 0), r("dense", "dense", 0.99, 0.99, 0, None),
+          # a rankwise variant, not a baseline (it was counted as one before issue 48's table)
+          r("dlrt-muon-reset", "dlrt-muon-reset", 0.89, 0.5, 0)]
     md = versus_baselines_markdown(rs)
     # rankwise: dlrt by validation (not dlrt-uniform's better test); baseline: fixed-uniform
     assert ("| t | 0.9 | dlrt | 0.8100 ± 0.0141 | fixed-uniform | 0.7100 ± 0.0141 | +0.1000 | yes | yes |"

@@ -6,6 +6,7 @@ import statistics
 
 import numpy as np
 
+from ..methods import REGISTRY
 from ._stats import mean_sd
 from ._sweep_spec import level
 
@@ -51,8 +52,9 @@ def equal_compression_markdown(results: list[dict], reference: str = "dlrt") -> 
     return "\n".join(lines) + "\n"
 
 
-RANKWISE = ("dlrt", "sdlrt", "dlrt-warm", "sdlrt-warm")
-"""The rank-adaptive methods; the other methods with a target (fixed, dense-svd) are baselines."""
+RANKWISE: tuple[str, ...] = tuple(n for n, m in REGISTRY.items() if not m.baseline)
+"""The rank-adaptive methods (every variant: ``dlrt-muon-reset`` too); the other methods with a
+target (fixed, dense-svd) are baselines."""
 
 
 def versus_baselines_markdown(results: list[dict]) -> str:
