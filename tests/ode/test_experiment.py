@@ -148,6 +148,7 @@ def test_ode_cli_resumes_from_its_run_records(tmp_path, monkeypatch):
     r = run_cli(*args)
     assert r.exit_code == 0, r.output
     assert "…" not in r.stdout, r.stdout  # issue 41: every cell whole at 80 columns or in a pipe
+    assert "fixed C=8 r=2 s0: test acc" in r.stdout  # a run's line as it ends, also where no bar is drawn
     record = out / "runs" / "mnist1d_gated_fixed_C8_r2_s0.json"
     before = record.read_bytes()
     assert json.loads(before)["spec"]["rank"] == 2 and (out / "results.json").exists()

@@ -144,30 +144,26 @@ def ode_cmd(
     claim_output_dir(out, produced=ODE_OUTPUTS, force=force, records="controller",
                      what="ode experiment")
 
-    from rich.progress import Progress
     from rich.table import Table
 
     from .._io import write_atomic
     from ..experiments._resume import run_resumable
     from ..experiments._stats import mean_std
     from ..experiments.ode_seq import plot_traces
-    from ._common import progress_columns
+    from ._common import run_bars
 
     scored = ("val_acc", "val acc") if validation else ("test_acc", "test acc")
     columns = ((*scored, "{:.3f}"), *_COLUMNS[1:])
     console = Console()
-    with Progress(*progress_columns(), console=console) as prog:
-        bars = {k: prog.add_task(f"{c.name} s{c.seed}", total=None, info="waiting")
-                for k, c in zip(keys, cfgs, strict=True)}
 
-        def on_progress(key: str, done: int, total: int, info: str) -> None:
-            prog.update(bars[key], completed=done, total=total, info=f"it {done}/{total} {info}")
+    def describe(r: dict) -> str:
+        return f"{r['name']} s{r['config']['seed']}: {scored[1]} {r[scored[0]]:.3f}"
 
-        def on_done(r: dict) -> None:
-            prog.update(bars[_key(Spec(**r["spec"]))], info=f"{scored[1]} {r[scored[0]]:.3f}")
-
+    form = lambda it, total, info: f"it {it}/{total} {info}"  # noqa: E731
+    with run_bars(console, describe, form) as (on_progress, done):
         results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
-                                overwrite=force, on_progress=on_progress, on_done=on_done,
+                                overwrite=force, on_progress=on_progress,
+                                on_done=lambda r: done({**r, "key": _key(Spec(**r["spec"]))}),
                                 hint="rerun with --force to replace them, or choose another --out")
     write_atomic(out / "results.json", json.dumps(results, indent=1).encode())
     rows = ["name,seed,it,loss,rank,checkpoints,max_delta,min_rho,tape_bytes,peak_bytes,recomputed,reloads"]
