@@ -387,6 +387,7 @@ def _writes(w):
             "detach().zero_": lambda: w.detach().zero_(), "a view's fill_": lambda: w.view(-1).fill_(0),
             "[0] = 1": lambda: w.__setitem__(0, 1), "+= 1": lambda: w.__iadd__(1),
             "out=": lambda: torch.mul(w.detach(), 2, out=w.detach()),
+            "_foreach_mul_": lambda: torch._foreach_mul_([w], 2),
             ".data =": lambda: setattr(w, "data", w * 0)}
 
 

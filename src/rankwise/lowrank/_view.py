@@ -35,7 +35,7 @@ class DenseView(Tensor):
         name = getattr(func, "__name__", "")
         if name == "__set__":  # a property's setter: only `.data = …` replaces the values
             name = f"{getattr(getattr(func, '__self__', None), '__name__', '')} ="
-        views = [a for a in (*args, *kwargs.values()) if isinstance(a, DenseView)]
+        views = [a for a in _flat((*args, *kwargs.values())) if isinstance(a, DenseView)]
         if views and (_writes(name) or any(isinstance(o, DenseView) for o in _outs(kwargs))):
             v = views[0]
             raise RuntimeError(f"{v.what} is computed on every read, so writing into it ({name.strip('_')}) "
@@ -51,6 +51,11 @@ def _writes(name: str) -> bool:
     if name in _HARMLESS:
         return False
     return name in _WRITES or name == "data =" or (name.endswith("_") and not name.endswith("__"))
+
+
+def _flat(items: tuple) -> list:
+    """`items` with lists and tuples opened one level (``torch.cat([w, …])``, ``_foreach_mul_``)."""
+    return [x for a in items for x in (a if isinstance(a, (list, tuple)) else (a,))]
 
 
 def _outs(kwargs: dict) -> list:
