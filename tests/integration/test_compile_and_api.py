@@ -139,3 +139,13 @@ def test_the_step_between_augmentations_compiles_without_graph_breaks():
 
     assert dynamo.explain(core_step)().graph_break_count == 0
     dynamo.reset()
+
+
+def test_a_compiled_function_reads_a_low_rank_weight():
+    """The write-protected `weight` view is a tensor subclass dynamo does not trace: under
+    torch.compile the property gives the plain tensor (the review of the view found
+    `torch.compile(lambda x: F.linear(x, layer.weight))` failing with a RecursionError)."""
+    layer = rankwise.to_low_rank(nn.Sequential(nn.Linear(6, 5)), rank=2)[0]
+    x = torch.randn(3, 6)
+    got = torch.compile(lambda x: nn.functional.linear(x, layer.weight, layer.bias), backend="eager")(x)
+    torch.testing.assert_close(got, layer(x))

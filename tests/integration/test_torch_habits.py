@@ -388,6 +388,7 @@ def _writes(w):
             "[0] = 1": lambda: w.__setitem__(0, 1), "+= 1": lambda: w.__iadd__(1),
             "out=": lambda: torch.mul(w.detach(), 2, out=w.detach()),
             "_foreach_mul_": lambda: torch._foreach_mul_([w], 2),
+            "a row of unbind()": lambda: w.detach().unbind()[0].zero_(),
             ".data =": lambda: setattr(w, "data", w * 0)}
 
 
@@ -421,3 +422,16 @@ def test_writing_into_a_dense_weight_view_is_refused_and_reading_it_works(kind):
     torch.testing.assert_close(y, lin(x))
     (w ** 2).sum().backward()  # autograd reaches the factors through the view
     assert lin.U.grad is not None and lin.U.grad.abs().sum() > 0
+    buf = torch.zeros_like(w)
+    with torch.no_grad():  # in-place ops that only read the view (an EMA, a copy) are not writes
+        buf.copy_(w)
+        buf.lerp_(w.detach(), 0.5)
+        torch._foreach_add_([buf], [w])
+    torch.testing.assert_close(buf, 2 * w.detach())
+    import copy
+    import io
+
+    saved = io.BytesIO()
+    torch.save(w.detach(), saved)
+    saved.seek(0)
+    assert type(torch.load(saved)) is torch.Tensor and type(copy.deepcopy(w.detach())) is torch.Tensor

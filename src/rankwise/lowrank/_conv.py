@@ -52,6 +52,8 @@ class LowRankConv2d(AbstractLowRankLayer):
         return LowRankConv2dFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors",
                                      self.kernel_size, self.stride, self.padding, self.dilation)
 
+    _weight_is = "U S Vᵀ of its factors, reshaped to the kernel"
+
     def dense_weight(self) -> Tensor:
         """(out_channels, in_channels, kh, kw), as ``nn.Conv2d.weight``."""
         return self.weight_matrix().reshape(self.out_channels, self.in_channels, *self.kernel_size)

@@ -52,6 +52,8 @@ class LowRankConv1D(LowRankLinear):
         """Input features, as ``Conv1D.nx``."""
         return self.in_features
 
+    _weight_is = "(U S Vᵀ)ᵀ of its factors"
+
     def dense_weight(self) -> Tensor:
         """(nx, nf) = (in_features, out_features), as ``Conv1D.weight``."""
         return self.weight_matrix().mT

@@ -9,6 +9,7 @@ refuses such writes in one line; every read (``F.linear(x, layer.weight)``, ``.s
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -35,16 +36,41 @@ class DenseView(Tensor):
         name = getattr(func, "__name__", "")
         if name == "__set__":  # a property's setter: only `.data = …` replaces the values
             name = f"{getattr(getattr(func, '__self__', None), '__name__', '')} ="
-        views = [a for a in _flat((*args, *kwargs.values())) if isinstance(a, DenseView)]
-        if views and (_writes(name) or any(isinstance(o, DenseView) for o in _outs(kwargs))):
-            v = views[0]
-            raise RuntimeError(f"{v.what} is computed on every read, so writing into it ({name.strip('_')}) "
-                               f"would be lost; {v.instead}")
+        # what the call writes into: its first argument (every tensor of it for `_foreach_*_`) for
+        # an in-place method, `out=` for any; `buf.copy_(weight)` only reads the view
+        written = (_flat(args[:1]) if args and _writes(name) else []) + _outs(kwargs)
+        hit = next((t for t in written if isinstance(t, DenseView)), None)
+        if hit is not None:
+            op = f"{name}, out=" if _outs(kwargs) and not _writes(name) else name
+            raise RuntimeError(f"{hit.what} is computed on every read, so writing into it ({op}) would be "
+                               f"lost; {hit.instead}")
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
-        if isinstance(out, Tensor) and type(out) is not DenseView and any(_aliases(out, v) for v in views):
-            out = as_view(out, views[0].what, views[0].instead)  # `.data`, `detach()`, a slice: lost too
+        views = [a for a in _flat((*args, *kwargs.values())) if isinstance(a, DenseView)]
+        if views:  # `.data`, `detach()`, a slice, `unbind()`'s rows: writes there are lost too
+            out = _wrap_aliases(out, views)
         return out
+
+    def __reduce_ex__(self, proto: int) -> Any:  # torch.save / pickle: a plain tensor
+        return _plain(self).__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo: dict) -> Tensor:
+        return copy.deepcopy(_plain(self), memo)
+
+
+def _plain(t: Tensor) -> Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(Tensor)
+
+
+def _wrap_aliases(out: Any, views: list) -> Any:
+    if isinstance(out, Tensor):
+        if type(out) is not DenseView and any(_aliases(out, v) for v in views):
+            return as_view(out, views[0].what, views[0].instead)
+        return out
+    if isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out):
+        return type(out)(_wrap_aliases(o, views) for o in out)
+    return out
 
 
 def _writes(name: str) -> bool:
@@ -74,7 +100,10 @@ def _aliases(a: Tensor, b: Tensor) -> bool:
 
 def as_view(t: Tensor, what: str, instead: str) -> Tensor:
     """`t` (still attached to its autograd graph) as a :class:`DenseView`: `what` it is, and
-    what a user should edit `instead` (both for the error a write raises)."""
+    what a user should edit `instead` (both for the error a write raises). Under
+    ``torch.compile`` `t` itself (dynamo does not trace this subclass)."""
+    if getattr(torch.compiler, "is_compiling", lambda: False)():
+        return t
     with torch._C.DisableTorchFunctionSubclass():
         v = t.as_subclass(DenseView)
     v.what, v.instead = what, instead
