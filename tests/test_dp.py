@@ -207,9 +207,10 @@ def test_a_sharded_run_resumes_bitwise_with_the_same_owners(tmp_path):
             assert np.array_equal(a, b)
 
 
-def _diverge_worker(rank: int, data_parallel: str) -> None:
+def _diverge_worker(rank: int, case: str) -> None:
     import torch.distributed as dist
 
+    data_parallel = case.split(":")[0]
     model = _model()
     opt = rankwise.DLRT(model, 0.1, tau=0.05, process_group=dist.group.WORLD, data_parallel=data_parallel)
     if rank == 1:  # after the broadcast: this replica drifts (sharded: in what every rank computes)
@@ -219,6 +220,9 @@ def _diverge_worker(rank: int, data_parallel: str) -> None:
     opt.zero_grad()
     nn.functional.cross_entropy(model(x[0]), y[0]).backward()
     opt.step()  # its check is gathered on the device, read with the next exchange or a state_dict
+    if case == "replicated:saved-on-0" and rank == 0:  # rank 0 alone reads it, and the caller goes on
+        with pytest.raises(RuntimeError, match="replicas diverged"):
+            opt.state_dict()
     if data_parallel == "replicated":
         before = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
@@ -231,12 +235,16 @@ def _diverge_worker(rank: int, data_parallel: str) -> None:
         opt.state_dict()
 
 
-@pytest.mark.parametrize("data_parallel, where", [("replicated", "'2'"), ("sharded", "'4.weight'")])
-def test_a_diverged_replica_is_named(tmp_path, data_parallel, where):
+@pytest.mark.parametrize("case, where", [("replicated", "'2'"), ("sharded", "'4.weight'"),
+                                         ("replicated:saved-on-0", "'2'")])
+def test_a_diverged_replica_is_named(tmp_path, case, where):
+    """Found at the step after the drift (its check rides on that step's exchange) or by a
+    state_dict; read by rank 0 alone, the next step still raises the same error on every rank."""
     with pytest.raises(AssertionError) as e:
-        run_world(_diverge_worker, 2, tmp_path, data_parallel)
+        run_world(_diverge_worker, 2, tmp_path, case)
     msg = str(e.value)
     assert "replicas diverged" in msg and "rank 1" in msg and where in msg
+    assert "NoneType" not in msg and "another rank's" not in msg
 
 
 def _shape_worker(rank: int) -> None:
@@ -278,6 +286,8 @@ def test_the_device_fingerprint_sees_every_single_bit_and_the_shape():
             assert got[0] != ref[0] and got[1] == ref[1], (i, bit)
     assert device_fingerprints([[a.reshape(3, 2)], [other]], a.device)[0] != ref[0]
     assert device_fingerprints([[a, other]], a.device)[0] != device_fingerprints([[other, a]], a.device)[0]
+    # tensors on another device than the hash's travel in one copy (here: "cpu" vs "cpu:0")
+    assert torch.equal(device_fingerprints([[a], [other]], torch.device("cpu", 0)), ref)
 
 
 def _train_worker(rank: int, out: str, method: str) -> dict:

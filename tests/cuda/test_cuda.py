@@ -211,3 +211,18 @@ def test_the_lm_gpu_protocol_trains_on_cuda(capsys):
     methods = "dense,dlrt-reset,dlrt-muon-reset"
     rows = load_benchmark("lm_gpu").main(["--device", DEVICE, "--small", "--methods", methods])
     assert all(r["failed"] is None and (DEVICE != "cuda" or r["peak_mib"] > 0) for r in rows)
+
+
+def test_replica_fingerprints_of_device_and_host_tensors():
+    """The data-parallel replica check hashes the factors on the device and a host τ after one
+    copy: repeatable, and a flipped bit on either side changes only its entry."""
+    from rankwise.lowrank._dp import device_fingerprints
+
+    dev = torch.device(DEVICE)
+    a, tau = torch.randn(4, 3, device=dev), torch.tensor(0.25, dtype=torch.float64)
+    ref = device_fingerprints([[a, tau], [a.clone()]], dev)
+    assert ref.device.type == dev.type and torch.equal(ref, device_fingerprints([[a, tau], [a]], dev))
+    other = tau.clone()
+    other.view(torch.int64).bitwise_xor_(1)
+    got = device_fingerprints([[a, other], [a]], dev)
+    assert got[0] != ref[0] and got[1] == ref[1]

@@ -50,9 +50,12 @@ def average(slots: Sequence[Slot], group, *, flag: bool | Tensor = False,
     n = dist.get_world_size(group)
     me = dist.get_rank(group)
     device = slots[0].device if slots else torch.device("cpu")  # (NCCL reduces only GPU tensors)
-    flags = [torch.as_tensor(f, device=device).to(torch.float64).reshape(1) for f in (flag, also)]
-    meta = torch.cat([torch.tensor([float(s.value is not None) for s in slots], dtype=torch.float64,
-                                   device=device), *flags])
+    values = [float(s.value is not None) for s in slots] + [0.0 if isinstance(f, Tensor) else float(f)
+                                                            for f in (flag, also)]
+    meta = torch.tensor(values, dtype=torch.float64).to(device)  # one copy; device flags put in place
+    for i, f in ((-2, flag), (-1, also)):
+        if isinstance(f, Tensor):
+            meta[i] = f.to(torch.float64)
     works = [dist.all_reduce(meta, group=group, async_op=True)]
     by_key: dict[tuple, list[int]] = {}
     for i, s in enumerate(slots):
@@ -111,23 +114,41 @@ _GOLDEN, _MIX = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64
 
 def device_fingerprints(entries: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
     """(len(entries),) int64 on `device`, with no host read and a fixed number of ops: per entry,
-    Σ byte·w over its tensors' bytes (all entries' bytes in one stream), each byte's weight w an
-    odd number drawn from its position by splitmix64's mixer, plus a host-side hash of its
-    tensors' shapes and dtypes. Equal tensors give equal values on any rank; a changed byte moves
-    the sum by d·w ≠ 0 mod 2^64 (|d| < 2^8, w odd), so one flipped bit, or any change confined to
-    one byte, always shows; unrelated changes collide with probability about 2^-64."""
-    out = torch.tensor([fingerprint_of(ts, [b""] * len(ts)) for ts in entries], dtype=torch.int64).to(device)
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for ts in entries for t in ts]
-    if not any(p.numel() for p in parts):
-        return out
-    counts = torch.tensor([sum(t.numel() * t.element_size() for t in ts) for ts in entries], device=device)
-    data = torch.cat(parts).to(torch.int64)
-    x = torch.arange(1, data.numel() + 1, dtype=torch.int64, device=device) * _GOLDEN
+    Σ word·w over the 8-byte words of its tensors' bytes (each tensor zero-padded to whole words;
+    all entries in one stream), each word's weight w an odd number drawn from its position by
+    splitmix64's mixer, plus a host-side hash of its tensors' shapes and dtypes. Equal tensors
+    give equal values on any rank; a changed word moves the sum by d·w ≠ 0 mod 2^64 (w odd), so
+    one flipped bit, or any change confined to one word, always shows; unrelated changes collide
+    with probability about 2^-63. Memory: about 3× the bytes hashed. Tensors on other devices
+    (a τ on the host) travel in one copy."""
+    here, there = [], []  # (entry, bytes) on `device` / elsewhere (moved at once)
+    for e, ts in enumerate(entries):
+        for t in ts:
+            b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            if b.numel():
+                (here if b.device == device else there).append((e, b))
+    meta = [fingerprint_of(ts, [b""] * len(ts)) for ts in entries]
+    parts = here + there
+    if not parts:
+        return torch.tensor(meta, dtype=torch.int64).to(device)
+    words = [-(-b.numel() // 8) for _, b in parts]
+    meta += [e for e, _ in parts] + words
+    meta_t = torch.tensor(meta, dtype=torch.int64).to(device)  # one copy: shape hashes, entries, counts
+    out, entry_ids, counts = meta_t.split([len(entries), len(parts), len(parts)])
+
+    def padded(bs: list[Tensor], dev: torch.device) -> list[Tensor]:
+        zeros = torch.zeros(8, dtype=torch.uint8, device=dev)
+        return [x for b in bs for x in (b, zeros[:-b.numel() % 8])]
+
+    stream = padded([b for _, b in here], device)
+    if there:
+        stream.append(torch.cat(padded([b for _, b in there], there[0][1].device)).to(device))
+    w = torch.cat(stream).view(torch.int64)
+    x = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=device) * _GOLDEN
     x = (x ^ ((x >> 30) & (2**34 - 1))) * _MIX
     x = (x ^ ((x >> 27) & (2**37 - 1))) | 1
-    entry_of = torch.repeat_interleave(torch.arange(len(entries), device=device), counts,
-                                       output_size=data.numel())
-    return out.index_add(0, entry_of, data * x)
+    entry_of = torch.repeat_interleave(entry_ids, counts, output_size=w.numel())
+    return out.index_add(0, entry_of, w * x)
 
 
 @dataclass

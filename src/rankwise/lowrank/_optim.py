@@ -376,6 +376,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         state_dict = _state.flattened(self.layers, self.param_groups, state_dict)
         _state.check_saved_ranks(self.layers, self.param_groups, state_dict)
         super().load_state_dict(state_dict)
+        if self.dp is not None:
+            self.dp.forget()
         self._group_by_id = None
         _state.tidy(self, start)
         self._set_modes()
