@@ -159,7 +159,9 @@ def ode_cmd(
     def describe(r: dict) -> str:
         return f"{r['name']} s{r['config']['seed']}: {scored[1]} {r[scored[0]]:.3f}"
 
-    form = lambda it, total, info: f"it {it}/{total} {info}"  # noqa: E731
+    def form(it: int, total: int, info: str) -> str:
+        return f"it {it}/{total} {info}"
+
     with run_bars(console, describe, form) as (on_progress, done):
         results = run_resumable(cfgs, out / "runs", _run_one, key=_key, jobs=jobs, fresh_process=jobs > 1,
                                 overwrite=force, on_progress=on_progress,

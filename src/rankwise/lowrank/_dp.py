@@ -99,12 +99,11 @@ def _flat(s: Slot) -> Tensor:
     return s.value.detach().reshape(-1).to(s.dtype)
 
 
-def fingerprint_of(tensors: Sequence[Tensor], chunks: Sequence) -> int:
-    """BLAKE2b (64 bits) of the tensors' shapes and dtypes and the host bytes `chunks`."""
+def shape_hash(tensors: Sequence[Tensor]) -> int:
+    """BLAKE2b (64 bits, signed) of the tensors' shapes and dtypes, in order."""
     h = hashlib.blake2b(digest_size=8)
-    for t, c in zip(tensors, chunks, strict=True):
+    for t in tensors:
         h.update(f"{tuple(t.shape)}{t.dtype};".encode())
-        h.update(c)
     return int.from_bytes(h.digest(), "little", signed=True)
 
 
@@ -127,14 +126,13 @@ def device_fingerprints(entries: Sequence[Sequence[Tensor]], device: torch.devic
             b = t.detach().contiguous().reshape(-1).view(torch.uint8)
             if b.numel():
                 (here if b.device == device else there).append((e, b))
-    meta = [fingerprint_of(ts, [b""] * len(ts)) for ts in entries]
     parts = here + there
-    if not parts:
-        return torch.tensor(meta, dtype=torch.int64).to(device)
     words = [-(-b.numel() // 8) for _, b in parts]
-    meta += [e for e, _ in parts] + words
-    meta_t = torch.tensor(meta, dtype=torch.int64).to(device)  # one copy: shape hashes, entries, counts
-    out, entry_ids, counts = meta_t.split([len(entries), len(parts), len(parts)])
+    header = [shape_hash(ts) for ts in entries] + [e for e, _ in parts] + words
+    header_t = torch.tensor(header, dtype=torch.int64).to(device)  # one copy: shape hashes, entries, words
+    out, entry_ids, counts = header_t.split([len(entries), len(parts), len(parts)])
+    if not parts:
+        return out
 
     def padded(bs: list[Tensor], dev: torch.device) -> list[Tensor]:
         zeros = torch.zeros(8, dtype=torch.uint8, device=dev)
@@ -187,12 +185,6 @@ def start_check(named: dict[str, Sequence[Tensor]], group, *, when: str) -> Pend
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     return PendingCheck(names, torch.stack(everyone), when)
-
-
-def check_replicas(named: dict[str, Sequence[Tensor]], group, *, when: str) -> None:
-    """Raise ``RuntimeError`` naming the first rank (and layer) whose tensors differ from the
-    group's rank 0: :func:`start_check`, then its one host read."""
-    start_check(named, group, when=when).raise_if_diverged(group)
 
 
 def check_model(model: torch.nn.Module) -> None:

@@ -57,7 +57,6 @@ class Replicas:
         self.allreduce_bytes = 0
         self.shared_bytes = 0
         self.pending: _dp.PendingCheck | None = None  # the last replica check, read with the next exchange
-        self.last_read: _dp.PendingCheck | None = None  # the last check :meth:`verify` read
 
     def batch_key(self, name: str) -> int:
         """Layers batched together share this key: the layer's owner (also when replicated, so
@@ -98,7 +97,10 @@ class Replicas:
         differs = pending.differs() if pending is not None else False
         bad, sent, _, diverged = _dp.average(slots, self.group, flag=flag, also=differs)
         if diverged:  # the previous step's check: raised before this step changes anything
-            self._raise_diverged(pending or self.last_read)
+            if pending is not None:
+                pending.raise_if_diverged(self.group)
+            raise RuntimeError("data-parallel replicas diverged: another rank's last replica check found a "
+                               "rank holding other factors than the group's first (see that rank's error)")
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         return bad
 
@@ -124,23 +126,16 @@ class Replicas:
     def verify(self) -> None:
         """Read the replica check still in flight, if any (``RuntimeError`` naming the rank that
         drifted): a step's check is otherwise read with the next step's gradient exchange. A
-        check read here stays this rank's :attr:`last_read`: when this rank alone read it (a
+        check that found a difference stays in flight: when this rank alone read it (a
         ``state_dict`` saved on rank 0), the next exchange, where the others report it, raises
         the same error here."""
-        pending, self.pending = self.pending, None
-        if pending is not None:
-            self.last_read = pending
-            pending.raise_if_diverged(self.group)
-
-    def _raise_diverged(self, check: _dp.PendingCheck | None) -> None:
-        if check is not None:
-            check.raise_if_diverged(self.group)
-        raise RuntimeError("data-parallel replicas diverged: another rank's last replica check found a rank "
-                           "holding other factors than the group's first (see that rank's error)")
+        if self.pending is not None:
+            self.pending.raise_if_diverged(self.group)
+            self.pending = None
 
     def forget(self) -> None:
         """Drop a check in flight (a loaded state replaces what it compared)."""
-        self.pending = self.last_read = None
+        self.pending = None
 
     def check_optimizer(self, opt) -> None:
         """After a truncation: every rank must hold the same ranks, factors, buffers and τ
