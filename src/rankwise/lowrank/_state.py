@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -57,18 +58,88 @@ def flattened(layers: dict, param_groups: list[dict], state_dict: dict) -> dict:
 
 def check_saved_ranks(layers: dict, param_groups: list[dict], state_dict: dict) -> None:
     """Refuse (``ValueError``, nothing loaded) a state whose K/L/S moments were saved at other
-    ranks than the layers have now: the next step would fail on a shape mismatch."""
+    ranks than the layers have now (the next step would fail on a shape mismatch), and one that
+    no optimizer here could have written: a moment (``m``, ``v``) that is not a tensor of its
+    parameter's shape (a K moment of shape (r,), a 3-D one), a τ that is not a number in [0, 1)
+    (NaN), a budget's tail outside [0, 1], a step count or a layer's counter that is not a
+    whole number >= 0. Each message names the layer (or parameter) and the key."""
     index = _by_param(param_groups, state_dict)
     saved = state_dict.get("state", {})
+    sizes = [len(g.get("params", [])) for g in state_dict.get("param_groups", [])]
+    if not isinstance(saved, dict) or sizes != [len(g["params"]) for g in param_groups]:
+        return  # torch's own load refuses other groups in one line
     for name, layer in layers.items():
         for key, p in (("K", layer.U), ("L", layer.V), ("S", layer.S)):
             st = saved.get(index.get(id(p))) or {}
             got = [tuple(st[k].shape) for k in ("m", "v") if torch.is_tensor(st.get(k)) and st[k].ndim == 2]
-            if any(g != tuple(p.shape) for g in got):
+            # another rank: (out, r') for K, (in, r') for L, (r', r') for S
+            other = [g for g in got if g != tuple(p.shape)
+                     and (g[0] == g[1] if key == "S" else g[0] == p.shape[0])]
+            if other:
                 raise ValueError(
-                    f"the optimizer state was saved with layer {name!r} at rank {got[0][1]} (its {key} "
-                    f"moments are {got[0][0]}×{got[0][1]}), but the layer is at rank {layer.rank} now: "
+                    f"the optimizer state was saved with layer {name!r} at rank {other[0][1]} (its {key} "
+                    f"moments are {other[0][0]}×{other[0][1]}), but the layer is at rank {layer.rank} now: "
                     "load the model's state_dict (it carries the ranks) before the optimizer's")
+            _check_entry(st, p, f"layer {name!r}", key)
+        _check_counters(saved.get(index.get(id(layer.S))) or {}, f"layer {name!r}")
+    factors = {id(p) for m in layers.values() for p in (m.U, m.V, m.S)}
+    names = {id(p): f"parameter {i}" for i, p in enumerate(p for g in param_groups for p in g["params"])}
+    for p in (p for g in param_groups for p in g["params"] if id(p) not in factors):
+        _check_entry(saved.get(index.get(id(p))) or {}, p, names[id(p)], "")
+
+
+_WAY_OUT = "it was not saved by this optimizer for this model: load the state saved with it, or start afresh"
+
+
+def _check_entry(st, p, where: str, key: str) -> None:
+    """One parameter's saved entry: its moments are tensors of the parameter's shape, its step
+    a whole number >= 0."""
+    if not isinstance(st, dict):
+        raise ValueError(f"the optimizer state of {where} is a {type(st).__name__}, not a dict; {_WAY_OUT}")
+    of = f"{key} " if key else ""
+    for k in ("m", "v"):
+        if st.get(k) is None:
+            continue
+        t = st[k]
+        if not torch.is_tensor(t) or not t.is_floating_point():
+            what = f"a {type(t).__name__}" if not torch.is_tensor(t) else f"a {t.dtype} tensor"
+            raise ValueError(f"the optimizer state of {where} has {of}moment {k!r} {what}, not a "
+                             f"floating-point tensor; {_WAY_OUT}")
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"the optimizer state of {where} has {of}moment {k!r} of shape {tuple(t.shape)} "
+                             f"where its parameter is {tuple(p.shape)}; {_WAY_OUT}")
+    _check_count(st, "step", where)
+
+
+def _check_count(st: dict, k: str, where: str) -> None:
+    v = st.get(k)
+    if v is None:
+        return
+    if torch.is_tensor(v) and v.numel() == 1 and not v.is_floating_point() and not v.is_complex():
+        v = v.item()
+    elif torch.is_tensor(v) and v.numel() == 1 and v.is_floating_point() and float(v) == int(float(v)):
+        v = int(float(v))  # (torch keeps a step as a float tensor)
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0 or v != int(v):
+        raise ValueError(f"the optimizer state of {where} has {k!r} = {v!r}, not a whole number >= 0; "
+                         f"{_WAY_OUT}")
+
+
+def _check_counters(st: dict, where: str) -> None:
+    """A layer's own entries (under its S): τ in [0, 1), a budget's tail in [0, 1], counters."""
+    for k, hi, closed in (("tau", 1.0, False), ("tail", 1.0, True)):
+        if k not in st:
+            continue
+        v = st[k]
+        if torch.is_tensor(v) and v.numel() == 1:
+            v = v.item()
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 \
+            and (v <= hi if closed else v < hi)
+        if not ok:
+            span = "[0, 1]" if closed else "[0, 1)"
+            raise ValueError(f"the optimizer state of {where} has {k!r} = {v!r}, not a number in {span}; "
+                             f"{_WAY_OUT}")
+    for k in ("r_init", "new_directions", "augmentations"):
+        _check_count(st, k, where)
 
 
 def tidy(opt, start) -> None:
