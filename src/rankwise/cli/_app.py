@@ -28,6 +28,7 @@ from ._common import (
     check_output_dir,
     claim_output_dir,
     config_option,
+    full_disk_cleaned,
     lock_output,
     new_app,
     num_threads,
@@ -73,7 +74,7 @@ _THREADS_HELP = ("CPU threads for torch. The models are tiny, so one thread is a
                  "several and is not slowed down by other busy processes.")
 # what `train` writes into --out (claim_output_dir refuses to mix two runs), as regexes
 RUN_OUTPUTS = (r"metrics\.csv", r"final\.json", r"events\.out\.tfevents\.\d+\..+", r"torchrun\.log",
-               r"\.rankwise-run\.json")
+               r"\.rankwise-run\.json", r"model\.pt")
 
 
 @app.command("train", cls=Command)
@@ -101,8 +102,11 @@ def train_cmd(
     checkpoint_dir: Annotated[Path | None, config_option(TC, "checkpoint_dir")] = TC.checkpoint_dir,
     max_restarts: Annotated[int, typer.Option(help="With --nproc: torchrun restarts the group after a "
                                               "failure this many times.", min=0)] = 0,
+    device: Annotated[str, typer.Option(help="Where one process trains: cpu, cuda or cuda:N (--nproc runs "
+                                        "on CPU processes).")] = "cpu",
 ) -> None:
-    """Train one model on the bundled 8×8 digits and print a summary."""
+    """Train one model on the bundled 8×8 digits and print a summary; with --out, the records
+    and the trained model's state_dict (model.pt) are written there."""
     if target is not None and tau is not None:
         raise UserError(f"give --target or --tau, not both (got --target {target:g}, --tau {tau:g})")
     if method.value == "dense" and tau is not None:  # (the other rules are TrainConfig's: _config)
@@ -124,22 +128,61 @@ def train_cmd(
     if checkpoint_every is not None and nproc < 4:
         raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
                         f"process with n > 3t); got --nproc {nproc}")
+    _check_device(device, nproc)
+    if out is not None:  # one run at a time in --out: taken before anything in it is read
+        lock_output(out)
     resumes = False
     if config.checkpoint_dir is not None and nproc > 1:
         from ._train_dp import check_checkpoint_dir, resumes_out
 
-        check_checkpoint_dir(config, nproc)  # before --out is created
-        resumes = resumes_out(config)  # --out holds this checkpointed run's own records
+        check_checkpoint_dir(config, nproc)
+        resumes = resumes_out(config)  # --out holds this checkpointed run's own records (its mark)
     if out is not None:
-        lock_output(out)  # one run at a time in --out
         means = ("" if config.checkpoint_dir is None else "; with --checkpoint-dir the training itself "
                  "resumes from the newest checkpoint there, --force replaces only the records in --out")
         claim_output_dir(out, produced=RUN_OUTPUTS, force=force or resumes, what="training run",
                          force_means=means)
-    _train(config, nproc, threads, max_restarts)
+    if out is None:
+        _train(config, nproc, threads, max_restarts, device)
+        return
+    with full_disk_cleaned(out, RUN_OUTPUTS):
+        _train(config, nproc, threads, max_restarts, device)
 
 
-def _train(config, nproc: int, threads: int, max_restarts: int) -> None:
+def _check_device(device: str, nproc: int) -> None:
+    """--device names a device this machine has (checked before any work)."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device must be cpu, cuda or cuda:N; got {device!r}")
+    if device == "cpu":
+        return
+    if nproc > 1:
+        raise UserError(f"--device {device} trains one process; --nproc {nproc} runs data-parallel CPU "
+                        "processes (gloo): leave one of them out")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available here (torch.cuda.is_available() "
+                        "is False); use --device cpu")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise UserError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                        f"(cuda:0 … cuda:{torch.cuda.device_count() - 1})")
+
+
+def _above_dense(console, summary: dict) -> None:
+    """One line when a low-rank run ends storing more than the dense model would."""
+    comp, cfg = summary["compression"], summary["config"]
+    if cfg["method"] != "dense" and comp["ratio"] < 0:
+        level = f"τ = {cfg['tau']:g}" if cfg.get("target") is None else f"target {cfg['target']:g}"
+        console.print(f"[yellow]warning: {cfg['method'].upper()} ended storing "
+                      f"{comp['stored_params'] / comp['dense_params']:.2f}× the dense model's parameters at "
+                      f"{level} (its ranks stayed high): a larger --tau or a --target below 1 compresses"
+                      "[/yellow]")
+
+
+def _train(config, nproc: int, threads: int, max_restarts: int, device: str = "cpu") -> None:
     """The training run of ``train`` (its arguments checked and --out claimed)."""
     from rich.console import Console
 
@@ -160,15 +203,17 @@ def _train(config, nproc: int, threads: int, max_restarts: int) -> None:
             except RuntimeError as e:
                 raise UserError(str(e), 1) from None
         console.print(summary_table(summary))
+        _above_dense(console, summary)
         return
     with num_threads(threads), progress(console) as bar:
         try:
-            summary = train(config, callback=bar(config.method))
+            summary = train(config, callback=bar(config.method), device=device)
         except FloatingPointError as e:  # the low-rank step refuses a non-finite loss or gradient
             kept = f"; the records up to there are in {config.out}" if config.out is not None else ""
             raise UserError(f"training diverged at --lr {config.lr:g} ({str(e).split(';')[0]}): try a "
                             f"lower --lr{kept}", 1) from None
     console.print(summary_table(summary))
+    _above_dense(console, summary)
 
 
 @app.command("demo", cls=Command)
@@ -215,11 +260,14 @@ def demo_cmd(
 
     console = Console()
     summaries = []
-    with num_threads(threads), progress(console) as bar:
+    with num_threads(threads), progress(console) as bar, \
+            full_disk_cleaned(out, RUN_OUTPUTS, also=[c.out for c in configs]):  # (every run's records)
         for config in configs:
             summaries.append(train(config, callback=bar(config.method)))
     console.print(comparison_table(summaries, epochs=epochs, rank=rank, **level))
-    console.print(f"Run records (metrics.csv, final.json, TensorBoard): {out}/{{dense,dlrt,sdlrt}}")
+    console.print(f"Run records (metrics.csv, final.json, TensorBoard, model.pt): {out}/{{dense,dlrt,sdlrt}}")
+    for s in summaries:
+        _above_dense(console, s)
     if markdown is not None:
         write_atomic(markdown, comparison_markdown(summaries).encode())
 

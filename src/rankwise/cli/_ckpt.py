@@ -19,7 +19,18 @@ import typer
 from rich.console import Console
 
 from .._checks import code_geometry_problem
-from ._common import Command, Force, UserError, check_new_file, check_range, claim_output_dir, new_app
+from ._common import (
+    Command,
+    Force,
+    UserError,
+    check_new_file,
+    check_range,
+    claim_output_dir,
+    full_disk_cleaned,
+    lock_output,
+    new_app,
+    unwritable_folder,
+)
 
 app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
               "from two small symbols of each of k peers.")
@@ -116,6 +127,7 @@ def encode_cmd(
 
     code = Code2D(n, t, hash=hash, backend=backend)
     data = file.read_bytes()  # before --force may delete it (FILE could be one of the outputs)
+    lock_output(out)  # one command at a time in --out: a second encode there is refused, not interleaved
     # the old commitment goes first, so an interrupted --force leaves an incomplete folder
     claim_output_dir(out, produced=CODED_OUTPUTS, force=force, what="coded checkpoint")
     t0 = time.perf_counter()
@@ -123,8 +135,9 @@ def encode_cmd(
         disp = code.encode(data)
     from rich.progress import track
 
-    save_dispersal(out, disp, progress=lambda fs: track(fs, description="writing fragments", console=console,
-                                                        transient=True))  # the commitment last
+    with full_disk_cleaned(out, CODED_OUTPUTS):  # (a full disk: the fragments written so far go)
+        save_dispersal(out, disp, progress=lambda fs: track(fs, description="writing fragments",
+                                                            console=console, transient=True))
     com = disp.commitment
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
     console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
@@ -183,6 +196,12 @@ def repair_cmd(folder: Folder,
         console.print(f"worker {worker}'s fragment is present and matches the commitment; nothing to "
                       "repair (--force rebuilds it anyway)")
         return
+    # where the fragment goes must accept it: checked before the work, not after
+    target = (folder if in_store is None else
+              in_store[0].joinpath(*_store.step_parts(worker, in_store[1])))
+    if (problem := unwritable_folder(target)) is not None:
+        raise UserError(f"cannot write worker {worker}'s fragment: {problem}; make it writable (or copy "
+                        "the folder somewhere writable and repair the copy)", 1)
     helpers = [f for i, f in sorted(found.items()) if i != worker and code.verify(f, com)]
     syms = [code.helper_symbols(f, worker) for f in helpers[:code.k]]
     try:
@@ -281,6 +300,10 @@ def demo_cmd(
     if not 1 <= kill_step < steps or kill_step % every == 0:
         raise UserError(f"--kill-step must be in [1, {steps}) and not a multiple of --every={every} "
                         f"(a checkpoint step: no work would be lost); got {kill_step}")
+    if kill_step < every:
+        raise UserError(f"--kill-step {kill_step} comes before the first checkpoint (step --every={every}): "
+                        f"there would be nothing to restore; give a --kill-step after step {every}, or a "
+                        "smaller --every")
     from ..experiments.ddp_resilience import DEMO_OUTPUTS, METHODS, run_demo
 
     if method not in METHODS:
@@ -290,7 +313,10 @@ def demo_cmd(
                      ours=lambda p: (p / "torchrun.log").is_file())  # each scenario's folder has one
     from rich.table import Table
 
-    with console.status("running torchrun three times (reference, killed worker, lying rank)"):
+    what = "running torchrun three times (reference, killed worker, lying rank)"
+    if not console.is_terminal:  # (a pipe or a log: rich shows no status there)
+        console.print(f"{what}, {steps} steps each; about 1.5 min on 2 cores", highlight=False)
+    with console.status(what):
         r = run_demo(workdir, nproc=nproc, steps=steps, every=every, kill_rank=2, kill_step=kill_step,
                      method=method)
     t = Table(title=f"coded checkpoints under torchrun: {nproc} workers, k = {r['k']}", show_header=False)

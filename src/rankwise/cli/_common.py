@@ -92,6 +92,22 @@ def _nearest_existing(path: Path) -> Path:
     return Path(".")
 
 
+def unwritable_folder(folder: Path) -> str | None:
+    """Why new files cannot be made in `folder` (or, if it does not exist yet, its nearest
+    existing parent), or None when they can: a file is created there and removed."""
+    import tempfile
+
+    target = _nearest_existing(folder)
+    if not target.is_dir():
+        return f"{target} is a file, not a folder"
+    try:
+        with tempfile.TemporaryFile(dir=target):
+            pass
+    except OSError as e:
+        return f"{target} is not writable ({e.strerror})"
+    return None
+
+
 def _check_writable(folder: Path, option: str) -> None:
     """`folder` (or, if it does not exist yet, its nearest existing parent) accepts new files."""
     import tempfile
@@ -218,7 +234,7 @@ def lock_output(folder: Path, option: str = "--out") -> None:
     import fcntl
 
     _named_folder(folder, option)
-    created = not folder.exists()
+    created, existing = not folder.exists(), _nearest_existing(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         # never through a link planted as the lock file (its target would be created), and
@@ -226,9 +242,13 @@ def lock_output(folder: Path, option: str = "--out") -> None:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         fd = os.open(folder / LOCK_FILE, flags, 0o644)
     except OSError as e:
+        if created:  # (the folders it made, empty: a refused run leaves nothing)
+            top = next((p for p in (folder, *folder.parents) if p.parent == existing), folder)
+            if top.is_dir() and _holds_nothing(top):
+                shutil.rmtree(top, ignore_errors=True)
         if e.errno == errno.ELOOP:
             raise UserError(f"{option} {folder}: {LOCK_FILE} in it is a symbolic link; remove it", 1) from e
-        raise UserError(f"{option} {folder}: cannot create it ({e.strerror})", 1) from e
+        raise _unwritable(folder, option, e, existed=not created) from e
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise UserError(f"{option} {folder}: {LOCK_FILE} in it is not a regular file; remove it", 1)
@@ -279,7 +299,63 @@ def claim_output_dir(folder: Path, *, produced: Sequence[str], force: bool, opti
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"{option} {folder}: cannot create it ({e.strerror})", 1) from e
+        raise _unwritable(folder, option, e, existed=folder.is_dir()) from e
+
+
+def _unwritable(folder: Path, option: str, e: OSError, existed: bool) -> UserError:
+    """The refusal of a `folder` this command cannot create, or (`existed`) cannot write in."""
+    if existed:
+        return UserError(f"{option} {folder} is not writable ({e.strerror}); make it writable or choose "
+                         f"another {option}", 1)
+    return UserError(f"{option} {folder}: cannot create it ({e.strerror}); choose another {option}", 1)
+
+
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextmanager
+def full_disk_cleaned(folder: Path, produced: Sequence[str], option: str = "--out",
+                      also: Sequence[Path] = ()) -> Iterator[None]:
+    """A full disk (``ENOSPC``, or a quota: ``EDQUOT``) while the command writes into `folder`
+    ends it in one line (exit 1), after removing what this run wrote there (the entries whose
+    names match the regular expressions `produced`, and atomic writes' ``.*.tmp`` files), so
+    that the rerun, once there is space, is not refused for an earlier run's files. Enter it
+    after :func:`claim_output_dir`, which removed an earlier run's such entries. `also`: more
+    folders this run writes such entries into (e.g. one per run), cleaned alike."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in FULL_DISK:
+            raise
+        import gc
+
+        gc.collect()  # (open writers of the failed run, e.g. TensorBoard's, close their files)
+        temporary = r"\..+\.[0-9a-f]+\.tmp"  # (write_atomic's)
+        for p in [p for f in (folder, *also) for p in earlier_outputs(f, (*produced, temporary))]:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        where = e.filename if e.filename is not None else folder
+        raise UserError(f"no space left on device writing {where} ({e.strerror or 'disk full'}); what this "
+                        f"run wrote in {option} {folder} was removed: free some space or choose another "
+                        f"{option}, then rerun", 1) from None
+
+
+def given(ctx: Any, name: str) -> bool:
+    """Did the user give the parameter `name` (on the command line or through its environment
+    variable), rather than leaving its default?"""
+    source = ctx.get_parameter_source(name)  # (typer's vendored click's ParameterSource: by name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def refuse_unused(ctx: Any, unused: dict[str, str]) -> None:
+    """`unused` maps a parameter name to why the chosen mode ignores it; the first one the
+    user gave is refused in one line (an option that changes nothing would mislead)."""
+    for name, why in unused.items():
+        if given(ctx, name):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} is ignored here: {why} (leave {flag} out)")
 
 
 def require_dir(path: Path, option: str) -> None:

@@ -19,10 +19,13 @@ def progress(console: Console) -> Iterator:
     """A rich progress display; yields ``bar(label) -> callback`` that adds one bar per run.
 
     The bar shows the running means of this epoch's minibatch loss and accuracy (each batch
-    measured as it was trained: "batch acc"), the last epoch's test accuracy and the ranks."""
+    measured as it was trained: "batch acc"), the last epoch's test accuracy and the ranks.
+    Where the console is not a terminal (a pipe, a log file: rich draws no bars there), a run
+    prints a line each tenth of its steps instead (and at its last step)."""
     with Progress(*progress_columns(), console=console) as prog:
         def bar(label: str):
-            task = prog.add_task(f"{label:>5}", total=None, info="")
+            task = prog.add_task(f"{label:>5}", total=None, info="", visible=console.is_terminal)
+            tenths = [0]
 
             def callback(p) -> None:
                 info = f"ep {p.epoch}/{p.epochs} loss {p.loss:.3f} batch acc {p.acc:.3f}"
@@ -30,8 +33,15 @@ def progress(console: Console) -> Iterator:
                     info += f" test {p.record.test_acc:.3f}"
                 if p.ranks:
                     info += " r " + "/".join(str(r) for r in p.ranks.values())
-                prog.update(task, total=p.epochs * p.steps,
-                            completed=(p.epoch - 1) * p.steps + p.step, info=info)
+                total, done = p.epochs * p.steps, (p.epoch - 1) * p.steps + p.step
+                if not console.is_terminal:
+                    tenth = 10 * done // total
+                    if tenth > tenths[0]:
+                        tenths[0] = tenth
+                        prog.console.print(f"{label}: step {done}/{total} {info}", highlight=False,
+                                           soft_wrap=True)
+                    return
+                prog.update(task, total=total, completed=done, info=info)
 
             return callback
 

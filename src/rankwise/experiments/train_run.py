@@ -74,7 +74,8 @@ class Progress(NamedTuple):
 ProgressCallback = Callable[[Progress], None]
 
 
-def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> dict[str, Any]:
+def train(config: TrainConfig, *, callback: ProgressCallback | None = None,
+          device: str | torch.device | None = None) -> dict[str, Any]:
     """Train `config.model` on the digits with `config.method` and return the run summary.
 
     The loop is :func:`rankwise.train.fit`; this function builds the model, the optimizer and
@@ -84,9 +85,11 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     epoch, train_loss, train_acc, test_acc, compression, epoch_time, then ``rank/<layer>``
     columns, then ``tau/<layer>``), TensorBoard events (``loss/train``, ``accuracy/train``,
     ``accuracy/test``, ``compression/ratio``, ``rank/<layer>``, ``tau/<layer>``, with a target
-    ``budget/params``; metrics.csv's ``budget_params``) and, last,
-    ``final.json`` (atomically). Files of an earlier run in ``config.out`` are overwritten
-    (the command line refuses that without ``--force``).
+    ``budget/params``; metrics.csv's ``budget_params``), the trained model's ``state_dict``
+    (``model.pt``, :func:`torch.save`, atomically; load it into ``rankwise.models.get_model``
+    converted as the run did, or read its tensors) and, last, ``final.json`` (atomically).
+    Files of an earlier run in ``config.out`` are overwritten (the command line refuses that
+    without ``--force``).
     The caller's global RNG state is left untouched.
 
     **Data-parallel**: called in every process of an initialised ``torch.distributed`` group
@@ -99,6 +102,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
     **Arguments:**
     - `config`: a :class:`TrainConfig`.
     - `callback`: called with a :class:`Progress` after every step; default none.
+    - `device`: where the model and the data live (default: the CPU).
 
     **Returns:** a dict with ``config``, ``test_acc``, ``train_acc`` (final, in [0, 1]),
     ``compression`` (the dict of :func:`rankwise.compression`), ``ranks`` and ``taus`` (per
@@ -119,12 +123,13 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
         torch.manual_seed(config.seed)
         split = load_digits(seed=config.seed)
         t_start = time.perf_counter()  # wall time: model building, training, evaluation
-        model, opt = _build(config, config.epochs * math.ceil(len(split.train) / config.batch_size), group)
+        model, opt = _build(config, config.epochs * math.ceil(len(split.train) / config.batch_size), group,
+                            device)
         low_rank = isinstance(opt, AugmentedBUG)
-        dtype = next(model.parameters()).dtype  # the data follow the model (e.g. float64)
-        x_tr, y_tr = split.train.tensors
-        x_te, y_te = split.test.tensors
-        x_tr, x_te = x_tr.to(dtype), x_te.to(dtype)
+        first = next(model.parameters())  # the data follow the model (e.g. float64, its device)
+        x_tr, y_tr = (t.to(first.device) for t in split.train.tensors)
+        x_te, y_te = (t.to(first.device) for t in split.test.tensors)
+        x_tr, x_te = x_tr.to(first.dtype), x_te.to(first.dtype)
         run = _EpochRecords(x_tr, y_tr, x_te, y_te, rec, callback)
         ck = _checkpoints(config, group)
         fit(model, opt, x_tr, y_tr, epochs=config.epochs, batch_size=config.batch_size,
@@ -144,6 +149,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None) -> d
             "rankwise_version": _version(),
             "format_version": FORMAT_VERSION,
         }
+        rec.model(model)
         rec.final(summary)
     return summary
 
@@ -164,8 +170,11 @@ def _data_parallel():
     return None, 0
 
 
-def _build(config: TrainConfig, total_steps: int, group=None) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _build(config: TrainConfig, total_steps: int, group=None,
+           device: str | torch.device | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = get_model(config.model)
+    if device is not None:
+        model = model.to(device)
     if config.method == "dense":
         if group is not None:  # dense: DDP does it
             model = nn.parallel.DistributedDataParallel(model, process_group=group)
@@ -304,6 +313,18 @@ class Records:
         if r.budget is not None:
             w.add_scalar("budget/params", r.budget, r.epoch)
         w.flush()
+
+    def model(self, model: nn.Module) -> None:
+        """The trained model's ``state_dict`` as ``model.pt`` (on the CPU; a DDP wrapper's module's)."""
+        if self.out is None:
+            return
+        import io
+
+        inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        state = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in inner.state_dict().items()}
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_atomic(self.out / "model.pt", buffer.getvalue())
 
     def final(self, summary: dict[str, Any]) -> None:
         if self.out is not None:
