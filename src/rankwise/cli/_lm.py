@@ -8,17 +8,20 @@ from typing import Annotated
 
 import typer
 
-from .._fields import options_named
+from .._fields import help_of, options_named
 from ..experiments._lm_spec import DENSE, METHODS
 from ..experiments._lm_spec import LmRunSpec as Spec
+from ..methods import REGISTRY
 from ._common import (
     MAX_WORKERS,
     UserError,
     check_output_dir,
     check_range,
     config_option,
+    given,
     lock_output,
     print_whole,
+    refuse_unused,
     run_bars,
 )
 
@@ -39,6 +42,7 @@ def _floats(option: str, text: str) -> list[float]:
 
 
 def lm_cmd(
+    ctx: typer.Context,
     methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
     = ",".join(DEFAULT),
     compressions: Annotated[str, typer.Option(help="Compressions of the projections' parameters for the "
@@ -52,7 +56,9 @@ def lm_cmd(
                                                      "compression and reuse them at the others "
                                                      "(default: choose at each).")] = None,
     steps: Annotated[int, config_option(Spec, "steps", min=1)] = Spec.steps,
-    batch: Annotated[int, config_option(Spec, "batch", min=1)] = Spec.batch,
+    batch: Annotated[int, typer.Option("--batch-size", help=help_of(Spec, "batch"), min=1)] = Spec.batch,
+    batch_alias: Annotated[int | None, typer.Option("--batch", hidden=True, min=1,
+                                                    help="= --batch-size (its old name).")] = None,
     context: Annotated[int, config_option(Spec, "context", min=8, max=1024)] = Spec.context,
     width: Annotated[int, config_option(Spec, "width", min=8)] = Spec.width,
     depth: Annotated[int, config_option(Spec, "depth", min=1)] = Spec.depth,
@@ -70,12 +76,18 @@ def lm_cmd(
     = Path("runs/lm"),
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings differ "
                                         "(default: refuse).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the arguments, print the plan and exit "
+                                          "without running or writing anything.")] = False,
 ) -> None:
     """Train a small GPT (or, with --model llama, a LLaMA-style decoder) on BBC News bytes with
     each method at equal steps and tokens; each method's learning rate chosen on validation;
     resumable; writes summary.md and lm_curves.png."""
     from ._sweep import _split
 
+    if batch_alias is not None:  # --batch: the old name of --batch-size (train's)
+        if given(ctx, "batch"):
+            raise UserError("--batch is the old name of --batch-size: give one of them")
+        batch = batch_alias
     method_list = _split(methods, METHODS, "--methods")
     comps = _floats("--compressions", compressions)
     for c in comps:
@@ -94,7 +106,20 @@ def lm_cmd(
         for m in method_list:
             Spec(m, 0.0 if m in DENSE else comps[0], lr=lrs[0], **fixed)
     except ValueError as e:
-        raise UserError(options_named(str(e), Spec, only=fixed)) from None
+        raise UserError(options_named(str(e), Spec, only=fixed, said={"batch": "--batch-size"})) from None
+    if schedule == "constant":
+        refuse_unused(ctx, {"warmup": "--schedule constant has no warm-up",
+                            "final_lr": "--schedule constant keeps the rate (no decay to end at)"})
+    if not any(getattr(REGISTRY.get(m), "warm", False) for m in method_list):
+        refuse_unused(ctx, {"warm": "it is the dense share of the *-warm methods, and --methods names none"})
+    if dry_run:
+        low = [m for m in method_list if m not in DENSE]
+        runs = (len(method_list) - len(low) + len(low) * len(comps)) * seeds
+        print(f"plan: {runs} runs ({len(method_list)} method(s), the low-rank ones at {len(comps)} "
+              f"compression(s), × {seeds} seed(s)) after choosing each rate on seed 0 from {len(lrs)} rates "
+              f"(more if a choice widens the grid), into {out}; runs stored there with the same settings "
+              "are skipped; nothing was run (--dry-run)")
+        return
     lock_output(out)  # one command at a time in --out (released when it ends)
     check_output_dir(out, produced=LM_OUTPUTS, force=force, records="context",
                      what="language-model comparison")

@@ -22,6 +22,7 @@ from ._common import (
     lock_output,
     no_repeats,
     print_whole,
+    refuse_unused,
 )
 
 _COLUMNS = (("test_acc", "test acc", "{:.3f}"), ("mean_rank", "mean rank", "{:.2f}"),
@@ -92,6 +93,7 @@ def _key(cfg) -> str:
 
 
 def ode_cmd(
+    ctx: typer.Context,
     data: Annotated[str, config_option(Spec, "data")] = Spec.data,
     grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay|budget|"
                                       "autograd|gru (budget:STATES; autograd: the stored-graph baseline; "
@@ -115,6 +117,8 @@ def ode_cmd(
                                       "with the same settings is reused, not rerun), results.json, "
                                       "traces.csv and ode_traces.png.")] = Path("runs/ode"),
     force: Force = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the arguments, print the plan (how many "
+                                          "runs) and exit without running or writing anything.")] = False,
 ) -> None:
     """The reversible low-rank ODE experiment: checkpoint/rank controllers compared.
 
@@ -138,6 +142,22 @@ def ode_cmd(
     keys = [_key(c) for c in cfgs]
     if len(set(keys)) != len(keys):
         raise UserError(f"--grid names a run twice ({grid}): each would train the same runs")
+    kinds = {k for k, _, _, _ in entries}
+    if model != "layered":
+        refuse_unused(ctx, {n: f"it shapes --model layered, not the {model} model"
+                            for n in ("layers", "depth_steps")})
+    if "budget" not in kinds:
+        refuse_unused(ctx, {"budget_in": "it is how a budget:STATES entry counts, and --grid has none"})
+    if not kinds & {"adaptive", "replay"}:
+        refuse_unused(ctx, {n: "it caps the adaptive and replay controllers, and --grid has neither"
+                            for n in ("c_max", "max_rank")})
+    from ..experiments._resume import stored_count
+
+    stored = stored_count(cfgs, out / "runs", key=_key)
+    if dry_run:
+        print(f"plan: {len(cfgs)} runs ({len(entries)} --grid entries × {seeds} seed(s)), {stored} stored in "
+              f"{out} with the same settings, {len(cfgs) - stored} to train; nothing was run (--dry-run)")
+        return
     # a folder of this command's run records is resumed, its summaries rewritten from them;
     # summary-named files without such records are someone else's: replaced only with --force
     lock_output(out)  # one command at a time in --out; a refused first run leaves no folder
@@ -156,8 +176,12 @@ def ode_cmd(
     columns = ((*scored, "{:.3f}"), *_COLUMNS[1:])
     console = Console()
 
+    count = [0]
+
     def describe(r: dict) -> str:
-        return f"{r['name']} s{r['config']['seed']}: {scored[1]} {r[scored[0]]:.3f}"
+        count[0] += 1
+        return (f"[{count[0]}/{len(cfgs) - stored}] {r['name']} s{r['config']['seed']}: {scored[1]} "
+                f"{r[scored[0]]:.3f}")
 
     def form(it: int, total: int, info: str) -> str:
         return f"it {it}/{total} {info}"

@@ -28,9 +28,11 @@ from ._common import (
     UserError,
     check_output_dir,
     check_range,
+    given,
     lock_output,
     no_repeats,
     print_whole,
+    refuse_unused,
     require_dir,
 )
 
@@ -76,6 +78,14 @@ def _entries(text: str) -> list[tuple[str, dict]]:
     return out
 
 
+_UNUSED = {  # why no run reads an option (when that is so for every planned run)
+    "omega": "ω is the factor of SDLRT's τ feedback, and no planned run has one (an sdlrt method with its "
+             "feedback, at --taus: a --targets budget has none)",
+    "rank": "no planned run starts from a rank of its own (dense and the baselines set theirs)",
+    "dt_every": "the dense shadow's d_t is measured for the low-rank methods only, and none is planned",
+}
+
+
 # the RunSpec fields this command sets from options of the same name (the others are set for it)
 _EXPOSED = ("lr", "omega", "ramp", "alloc", "val", "optimizer", "epochs", "rank", "dt_every",
             "finetune_epochs", "data_dir")
@@ -115,6 +125,7 @@ def _check_data(kinds: list[str], data_dir: Path) -> None:
 
 
 def sweep_cmd(
+    ctx: typer.Context,
     tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASK_NAMES)} "
                                        f"({', '.join(FILE_TASKS)} read files from --data-dir).")]
     = "lenet-digits,mlp-mnist1d,vgg-digits16",
@@ -161,17 +172,22 @@ def sweep_cmd(
              "adam:0.0003,0.001,0.003,0.01). A choice at an edge widens it by one value.")] = None,
     widen: Annotated[int | None, typer.Option(help="With --select: how often a grid may grow at an edge "
                                               "(default 1).", min=0, max=5)] = None,
-    val: Annotated[float, typer.Option(help="Share of the training split held out for validation.")]
-    = 0.15,
+    val: Annotated[float, typer.Option("--validation", help="Share of the training split held out for "
+                                       "validation.")] = 0.15,
+    val_alias: Annotated[float | None, typer.Option("--val", hidden=True, help="= --validation (its old "
+                                                    "name).")] = None,
     dt_every: Annotated[int, typer.Option(help="Steps between d_t measurements of the dense shadow "
                                           "(0: no shadow, faster).", min=0)] = 5,
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings "
                                         "differ from this sweep's (default: refuse).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check the arguments, print the plan (how many "
+                                          "runs) and exit without running or writing anything.")] = False,
 ) -> None:
     """The compression study: dense / DLRT / SDLRT and ablations over τ and seeds (resumable).
 
     Runs (or resumes) a sweep and writes runs.csv, summary.md (mean ± std over seeds),
-    equal_compression.md (each method against DLRT at the same final compression) and the plots
+    equal_compression.md (each method against DLRT at the same final compression; with two
+    --taus or more) and the plots
     acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png (with --targets also
     acc_vs_target.png and ranks_per_layer.png) into --out.
 
@@ -179,6 +195,10 @@ def sweep_cmd(
     A record with the same key but other settings (e.g. other --epochs) makes the sweep stop
     before it starts, unless --force. The summary files and plots are rewritten from all
     records of this sweep every time."""
+    if val_alias is not None:  # --val: the old name of --validation (the ode command's)
+        if given(ctx, "val"):
+            raise UserError("--val is the old name of --validation: give one of them")
+        val = val_alias
     task_list = _split(tasks, TASK_NAMES, "--tasks")
     default = DEFAULT_METHODS if targets is None else TARGET_DEFAULT
     entries = _entries(",".join(default) if methods is None else methods)
@@ -233,7 +253,13 @@ def sweep_cmd(
                 for level in levels_of(method) for seed in range(seeds)]
         specs = [spec(*p) for p in plan]
     except ValueError as e:  # the run spec checks every setting; the message names the option
-        raise UserError(options_named(str(e), RunSpec, only=_EXPOSED)) from None
+        raise UserError(options_named(str(e), RunSpec, only=_EXPOSED, said={"val": "--validation"})) from None
+    if target_list is not None:
+        refuse_unused(ctx, {"taus": "with --targets the low-rank methods reach each target by a parameter "
+                                    "budget, not a tolerance τ"})
+    for name, field in (("omega", "omega"), ("rank", "rank"), ("dt_every", "dt_every")):
+        if all(field in s.unused() for s in specs):  # (a setting none of the planned runs reads)
+            refuse_unused(ctx, {name: _UNUSED[name]})
     if data_dir is not None:
         require_dir(data_dir, "--data-dir")
     need = sorted({FILE_TASKS[t] for t in task_list if t in FILE_TASKS})
@@ -248,6 +274,16 @@ def sweep_cmd(
             digit_cnn_weights_path()
         except ImportError as e:
             raise UserError(f"task cnn-digits-pretrained: {e}") from None
+    from ..experiments._resume import stored_count
+
+    stored = stored_count(specs, out / "runs", differences=RunSpec.differences)
+    if dry_run:
+        levels_text = f"{len(target_list)} target(s)" if target_list is not None else f"{len(tau_list)} τ"
+        chosen = "" if select is None else ", after the --select grid's runs on validation"
+        print(f"plan: {len(specs)} runs ({len(task_list)} task(s) × {len(entries)} method(s) × {levels_text}"
+              f" × {seeds} seed(s); dense at one level), {stored} stored in {out} with the same settings, "
+              f"{len(specs) - stored} to train{chosen}; nothing was run (--dry-run)")
+        return
     # a sweep folder is resumed (its summaries rewritten from its records); summary-named files
     # in a folder without records are someone else's: replaced only with --force
     lock_output(out)  # one command at a time in --out (released when it ends)
@@ -264,7 +300,9 @@ def sweep_cmd(
 
     def describe(r: dict) -> str:
         count[0] += 1
-        return f"[{count[0]}] {r['key']}: test acc {r['test_acc']:.4f}, compression {r['compression']:.3f}"
+        of = "" if select is not None else f"/{len(specs) - stored}"  # (--select adds its grid's runs)
+        return (f"[{count[0]}{of}] {r['key']}: test acc {r['test_acc']:.4f}, "
+                f"compression {r['compression']:.3f}")
 
     with run_bars(console, describe, lambda step, steps, info: f"step {step}/{steps} {info}") as (
             on_progress, done):
@@ -294,7 +332,9 @@ def sweep_cmd(
     write_csv(results, out / "runs.csv")
     table = summary_markdown(results)
     write_atomic(out / "summary.md", table.encode())
-    if "dlrt" in method_list and target_list is None:
+    # each method against DLRT's accuracy interpolated at its compression: two τ at least
+    equal = "dlrt" in method_list and target_list is None and len(tau_list) > 1
+    if equal:
         write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
     versus = target_list is not None and bool(set(method_list) & set(RANKWISE)) and bool(
         {m for m in method_list if REGISTRY[m].baseline and m != "dense"})
@@ -303,12 +343,15 @@ def sweep_cmd(
     pngs = plot(results, out)
     # an earlier call's tables that this one does not rewrite would describe other runs: they go
     # (the folder is this sweep's, or --force said its outputs may be replaced)
-    written = {"equal_compression.md": "dlrt" in method_list and target_list is None,
+    written = {"equal_compression.md": equal,
                "selection.md": bool(choices), "versus_baselines.md": bool(versus)}
     for name, wrote in written.items():
         if not wrote and (out / name).is_file():
             (out / name).unlink()
     print_whole(console, table)
+    if "dlrt" in method_list and target_list is None and not equal:
+        console.print("equal_compression.md not written: it interpolates DLRT's accuracy between its "
+                      "compressions at two --taus or more (one was given)")
     trained = f"{count[0]} trained by this call" + (", the selection grid's included" if choices else "")
     console.print(f"{len(results)} runs in the tables ({trained}); wrote {out}/runs.csv, summary.md"
                   + "".join(f", {name}" for name, wrote in written.items() if wrote)

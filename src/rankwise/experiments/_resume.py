@@ -119,6 +119,16 @@ def _run_and_store(item: tuple[Job[Any], Any, str], report: Report | None) -> di
     return json.loads(text)  # as a later call reads it back (tuples as lists)
 
 
+def stored_count(specs: Sequence[S], folder: Path, *, key: Callable[[S], str] = _KEY,
+                 differences: Compare[S] = field_differences) -> int:
+    """How many of `specs` :func:`run_resumable` would reuse from `folder` (stored with the same
+    settings) instead of running them; reads the records, writes nothing."""
+    if not folder.is_dir():
+        return 0
+    done, _ = _scan(specs, _check_keys(specs, key), folder, differences)
+    return len(done)
+
+
 def run_resumable(specs: Sequence[S], folder: Path, job: Job[S], *, key: Callable[[S], str] = _KEY,
                   differences: Compare[S] = field_differences,
                   jobs: int = 1, fresh_process: bool = True, overwrite: bool = False,
