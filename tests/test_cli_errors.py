@@ -136,7 +136,7 @@ def test_a_comma_list_that_names_a_value_twice_is_refused(tmp_path, args, said):
 
 @pytest.mark.parametrize("args, said", [
     (("--lr", "0"), "--lr must be a finite number > 0; got 0.0"),
-    (("--omega", "1.5"), "--omega must be in (0, 1)"), (("--val", "1"), "--val must be in [0, 1)"),
+    (("--omega", "1.5"), "--omega must be in (0, 1)"), (("--val", "1"), "--validation must be in [0, 1)"),
     (("--optimizer", "rmsprop"), "--optimizer must be one of sgd, adam"),
     (("--targets", "0.9", "--alloc", "sqrt"), "--alloc must be one of error-sqrt")])
 def test_sweep_settings_are_checked_by_the_run_spec_and_named_by_option(tmp_path, args, said):

@@ -8,6 +8,7 @@ import errno
 import fcntl
 import os
 import random
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -160,3 +161,191 @@ def test_ckpt_demo_refuses_a_kill_before_the_first_checkpoint(tmp_path):
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", tmp_path / "w", "--kill-step", 3), "ckpt demo")
     assert "--kill-step 3 comes before the first checkpoint (step --every=5)" in msg
     assert not (tmp_path / "w").exists()
+
+
+# --------------------------------------------------------------------------- train's model, device, progress
+def test_train_saves_the_model_and_prints_progress_into_a_pipe(tmp_path):
+    """`train` wrote no model, and printed nothing into a pipe or a log until the end."""
+    import torch
+
+    from rankwise.models import get_model
+
+    out = tmp_path / "r"
+    r = run_cli("train", "--method", "dense", "--model", "mlp", "--epochs", 2, "--batch-size", 512,
+                "--out", out)
+    assert r.exit_code == 0, r
+    assert str(out) in r.stdout  # the summary table's cells whole (not "/tmp/…" at 80 columns)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("dense: step ")]
+    assert len(lines) >= 5 and lines[-1].startswith("dense: step 6/6 ep 2/2"), r.stdout
+    model = get_model("mlp")
+    model.load_state_dict(torch.load(out / "model.pt", weights_only=True))  # strict: every tensor
+    r = run_cli("train", "--method", "dense", "--model", "mlp", "--epochs", 1, "--out", out)
+    assert r.exit_code == 1 and "model.pt" in r.stderr  # an earlier run's model is not overwritten
+
+
+def test_train_device_is_checked_first(tmp_path):
+    import torch
+
+    msg = _one_line_error(run_cli("train", "--device", "tpu", "--out", tmp_path / "a"), "train")
+    assert "--device must be cpu, cuda or cuda:N; got 'tpu'" in msg
+    r = run_cli("train", "--device", "cuda", "--nproc", 2, "--out", tmp_path / "a")
+    msg = _one_line_error(r, "train")
+    assert "--nproc 2" in msg
+    if not torch.cuda.is_available():
+        msg = _one_line_error(run_cli("train", "--device", "cuda", "--out", tmp_path / "a"), "train")
+        assert "no CUDA device is available here" in msg and "--device cpu" in msg
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_low_rank_run_above_the_dense_size_says_so():
+    """README's `demo --tau 0.2` made SDLRT 1.48× the dense size without a word."""
+    import io
+
+    from rich.console import Console
+
+    from rankwise.cli._app import _above_dense
+
+    console = Console(file=io.StringIO(), width=200)
+    summary = {"config": {"method": "sdlrt", "tau": 0.2, "target": None},
+               "compression": {"ratio": -0.48, "stored_params": 148, "dense_params": 100}}
+    _above_dense(console, summary)
+    said = console.file.getvalue()
+    assert said.count("\n") == 1
+    assert "SDLRT ended storing 1.48× the dense model's parameters at τ = 0.2" in said
+    small = {"ratio": 0.9, "stored_params": 10, "dense_params": 100}
+    _above_dense(console, {**summary, "compression": small})
+    assert console.file.getvalue() == said
+
+
+def test_ckpt_demo_says_what_it_runs_into_a_pipe(tmp_path, monkeypatch):
+    from rankwise.experiments import ddp_resilience
+
+    def stop(*a, **k):
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(ddp_resilience, "run_demo", stop)
+    r = run_cli("ckpt", "demo", "--workdir", tmp_path / "w")
+    assert r.exit_code == 1 and "running torchrun three times" in r.stdout
+
+
+# --------------------------------------------------------------------------- SIGTERM
+def test_sigterm_ends_a_sweep_in_one_line(tmp_path, monkeypatch):
+    """SIGTERM ended `sweep` / `lm` / `ode` without a word (and leaked the pool's semaphores)."""
+    import signal
+    import time
+
+    from rankwise.experiments import sweep
+
+    def terminated(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises before this ends)
+        pytest.fail("SIGTERM did not end the sweep")
+
+    monkeypatch.setattr(sweep, "sweep", terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "s"
+    r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense", "--seeds", 1, "--out", out)
+    assert r.exit_code == 143 and "Traceback" not in r.stdout + r.stderr, r
+    assert r.stderr == (f"rankwise sweep: interrupted by SIGTERM; what it finished so far is in {out} (rerun "
+                        "the same command to resume or redo it)\n")
+    assert signal.getsignal(signal.SIGTERM) is before and not _HELD
+
+
+
+# --------------------------------------------------------------------------- options a mode ignores
+@pytest.mark.parametrize("args, flag", [
+    (("lm", "--schedule", "constant", "--warmup", "0.2"), "--warmup"),
+    (("lm", "--schedule", "constant", "--final-lr", "0.2"), "--final-lr"),
+    (("lm", "--warm", "0.3"), "--warm"),
+    (("sweep", "--methods", "dense,dlrt", "--omega", "0.5"), "--omega"),
+    (("sweep", "--targets", "0.9", "--omega", "0.5"), "--omega"),
+    (("sweep", "--targets", "0.9", "--taus", "0.1"), "--taus"),
+    (("sweep", "--methods", "dense", "--rank", "4"), "--rank"),
+    (("ode", "--layers", "3"), "--layers"),
+    (("ode", "--depth-steps", "3"), "--depth-steps"),
+    (("ode", "--budget-in", "bytes"), "--budget-in"),
+    (("ode", "--grid", "fixed:8", "--max-rank", "9"), "--max-rank"),
+])
+def test_an_option_the_chosen_mode_ignores_is_refused(tmp_path, args, flag):
+    msg = _one_line_error(run_cli(*args, "--out", tmp_path / "o"), args[0])
+    assert f"{flag} is ignored here: " in msg and f"(leave {flag} out)" in msg
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ("lm", "--schedule", "constant"), ("lm", "--methods", "dlrt-warm", "--warm", "0.3"),
+    ("sweep", "--methods", "sdlrt", "--omega", "0.5"), ("sweep", "--targets", "0.9", "--rank", "4"),
+    ("ode", "--model", "layered", "--layers", "3"), ("ode", "--grid", "budget:6", "--budget-in", "bytes"),
+])
+def test_the_same_options_where_they_are_read_pass_and_dry_run_runs_nothing(tmp_path, args):
+    r = run_cli(*args, "--out", tmp_path / "o", "--dry-run")
+    assert r.exit_code == 0, r
+    assert r.stdout.startswith("plan: ") and "nothing was run (--dry-run)" in r.stdout and r.stderr == ""
+    assert not (tmp_path / "o").exists()
+
+
+def test_sweep_dry_run_counts_the_runs_and_progress_has_a_total(tmp_path):
+    r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,dlrt", "--taus", "0.1,0.2",
+                "--seeds", 2, "--out", tmp_path / "o", "--dry-run")
+    assert r.exit_code == 0, r
+    assert r.stdout.startswith("plan: 6 runs (1 task(s) × 2 method(s) × 2 τ × 2 seed(s); dense at one "
+                               "level), 0 stored") and "6 to train" in r.stdout
+    r = run_cli("ode", "--grid", "fixed:8,fixed:4", "--seeds", 2, "--out", tmp_path / "o", "--dry-run")
+    assert r.exit_code == 0 and r.stdout.startswith("plan: 4 runs (2 --grid entries × 2 seed(s))"), r
+
+
+def test_a_one_tau_sweep_writes_no_empty_equal_compression_table(tmp_path, monkeypatch):
+    """A one-τ sweep wrote an empty equal_compression.md (DLRT's accuracy is interpolated
+    between its compressions at two τ at least)."""
+    from rankwise.experiments import sweep
+
+    monkeypatch.setattr(sweep, "sweep", lambda specs, out, **k: [])
+    monkeypatch.setattr(sweep, "summary_markdown", lambda results: "| task |\n")
+    monkeypatch.setattr(sweep, "write_csv", lambda results, path: path.write_text(""))
+    monkeypatch.setattr(sweep, "plot", lambda results, out: [])
+    out = tmp_path / "s"
+    r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,dlrt", "--taus", "0.1", "--seeds", 1,
+                "--out", out)
+    assert r.exit_code == 0, r
+    assert not (out / "equal_compression.md").exists() and (out / "summary.md").exists()
+    assert "equal_compression.md not written: it interpolates DLRT's accuracy" in " ".join(r.stdout.split())
+
+
+# --------------------------------------------------------------------------- names and help
+def test_one_idea_has_one_option_name(tmp_path):
+    """--val / --validation and --batch / --batch-size: the commands now say --validation and
+    --batch-size; the old names are hidden aliases."""
+    out = tmp_path / "o"
+    for args in (("sweep", "--val", "0.2"), ("sweep", "--validation", "0.2"), ("lm", "--batch", "8"),
+                 ("lm", "--batch-size", "8")):
+        assert run_cli(*args, "--out", out, "--dry-run").exit_code == 0, args
+    msg = _one_line_error(run_cli("sweep", "--val", "0.2", "--validation", "0.2", "--out", out), "sweep")
+    assert "--val is the old name of --validation" in msg
+    msg = _one_line_error(run_cli("lm", "--batch", "8", "--batch-size", "8", "--out", out), "lm")
+    assert "--batch is the old name of --batch-size" in msg
+    msg = _one_line_error(run_cli("sweep", "--val", "1", "--out", out), "sweep")
+    assert "--validation must be in [0, 1)" in msg
+    for command, old, new in (("sweep", "--val ", "--validation"), ("lm", "--batch ", "--batch-size")):
+        shown = run_cli(command, "--help").stdout
+        assert new in shown and old not in shown
+    assert not out.exists()
+
+
+COMMANDS = [("train",), ("demo",), ("sweep",), ("ode",), ("peft",), ("lm",), ("ckpt",), ("ckpt", "encode"),
+            ("ckpt", "verify"), ("ckpt", "repair"), ("ckpt", "retrieve"), ("ckpt", "inspect"),
+            ("ckpt", "demo")]
+
+
+def test_help_at_80_columns_cuts_nothing_and_lists_every_command(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("TERMINAL_WIDTH", raising=False)
+    root = run_cli("--help")
+    assert root.exit_code == 0 and "…" not in root.stdout
+    assert max(len(line) for line in root.stdout.splitlines()) <= 80
+    described = root.stdout.split("╭")[0]  # the text above the tables names each command too
+    for command in ("train", "demo", "sweep", "ode", "peft", "lm", "ckpt"):
+        assert re.search(rf"(^|\s){command}( /|:)", described), command
+    for command in COMMANDS:
+        r = run_cli(*command, "--help")
+        cut = [line for line in r.stdout.splitlines() if "…" in line]
+        assert r.exit_code == 0 and not cut, (command, cut)

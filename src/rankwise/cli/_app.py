@@ -7,6 +7,7 @@ non-zero exit; ``--debug`` (or ``RANKWISE_DEBUG=1``) shows the traceback instead
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import sys
@@ -20,6 +21,7 @@ from .._fields import options_named
 from ..train_config import METHODS as TRAIN_METHODS
 from ..train_config import TrainConfig as TC
 from ._common import (
+    _HELD,
     MAX_WORKERS,
     Command,
     Force,
@@ -32,6 +34,7 @@ from ._common import (
     lock_output,
     new_app,
     num_threads,
+    print_whole,
     release_outputs,
 )
 
@@ -40,6 +43,8 @@ app = new_app(
     "blocks, and 2-D coded checkpoints that survive a lost worker.\n\n"
     "train / demo: train a model on the bundled digits, dense or low-rank.  "
     "sweep: the compression study.  ode: the reversible ODE experiment.  "
+    "peft: rank-adaptive adapters against LoRA on a pretrained transformer.  "
+    "lm: a small GPT trained from scratch, dense against low-rank.  "
     "ckpt: encode, verify, repair and retrieve coded checkpoints; a torchrun demo.\n\n"
     "Errors are one line; add --debug (or set RANKWISE_DEBUG=1) for a traceback.")
 
@@ -202,7 +207,7 @@ def _train(config, nproc: int, threads: int, max_restarts: int, device: str = "c
                 summary = run(config, nproc, Path(tmp), max_restarts=max_restarts)
             except RuntimeError as e:
                 raise UserError(str(e), 1) from None
-        console.print(summary_table(summary))
+        print_whole(console, summary_table(summary))
         _above_dense(console, summary)
         return
     with num_threads(threads), progress(console) as bar:
@@ -212,7 +217,7 @@ def _train(config, nproc: int, threads: int, max_restarts: int, device: str = "c
             kept = f"; the records up to there are in {config.out}" if config.out is not None else ""
             raise UserError(f"training diverged at --lr {config.lr:g} ({str(e).split(';')[0]}): try a "
                             f"lower --lr{kept}", 1) from None
-    console.print(summary_table(summary))
+    print_whole(console, summary_table(summary))
     _above_dense(console, summary)
 
 
@@ -331,10 +336,52 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
     rc = 1
     try:
-        rc = _main(args)
+        with _sigterm_ends_cleanly():
+            rc = _main(args)
         return rc
     finally:  # (rc stays 1 when --debug lets an exception through)
         release_outputs(failed=rc != 0)
+
+
+_TERMINATED: list[bool] = []  # set when SIGTERM arrived during this command
+
+
+@contextlib.contextmanager
+def _sigterm_ends_cleanly():
+    """SIGTERM (``kill``, a scheduler's stop) ends the command as Ctrl-C does: worker pools are
+    ended, locks released, and one line says so (``main`` returns 143), instead of dying without
+    a word and leaving the pool's semaphores behind. Only in the main thread (elsewhere Python
+    has no signal handlers); the previous handler is restored afterwards."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum, frame):  # type: ignore[no-untyped-def]
+        if _TERMINATED:  # a second one while the first is being handled: let that finish
+            return
+        _TERMINATED.append(True)
+        raise KeyboardInterrupt
+
+    _TERMINATED.clear()
+    before = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _interrupted(args: list[str]) -> int:
+    """The one line of an interrupted command (Ctrl-C: 130; SIGTERM: 143)."""
+    if not _TERMINATED:
+        _error("rankwise: interrupted")
+        return 130
+    kept = "".join(f"; what it finished so far is in {folder}" for folder, _, _ in _HELD[:1])
+    _error(f"{_command_path(args)}: interrupted by SIGTERM{kept} (rerun the same command to resume or "
+           "redo it)")
+    return 143
 
 
 def _main(args: list[str]) -> int:
@@ -342,7 +389,7 @@ def _main(args: list[str]) -> int:
     try:
         rc = command.main(args=args, prog_name="rankwise", standalone_mode=False)
         if rc == 130:  # typer turns Ctrl-C (KeyboardInterrupt) into a silent exit status 130
-            _error("rankwise: interrupted")
+            return _interrupted(args)
         return rc if isinstance(rc, int) else 0
     except typer.TyperException as e:  # click's usage errors (typer vendors click)
         if type(e).__name__ == "NoArgsIsHelpError":  # the help was printed already
@@ -361,8 +408,7 @@ def _main(args: list[str]) -> int:
     except KeyboardInterrupt:
         if _debug(args):
             raise
-        _error("rankwise: interrupted")
-        return 130
+        return _interrupted(args)
     except _USER_ERRORS as e:
         if _debug(args):
             raise

@@ -181,7 +181,7 @@ def verify_cmd(folder: Folder, v1: V1Ok = False, root: Root = None) -> None:
 
 @app.command("repair", cls=Command)
 def repair_cmd(folder: Folder,
-               worker: Annotated[int, typer.Option(help="The worker to rebuild (0 … n−1).")],
+               worker: Annotated[int, typer.Option(help="The worker to rebuild (0 to n−1).")],
                force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
                                                    "if the present one is valid.")] = False,
                v1: V1Ok = False, root: Root = None) -> None:

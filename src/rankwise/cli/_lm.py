@@ -43,8 +43,8 @@ def _floats(option: str, text: str) -> list[float]:
 
 def lm_cmd(
     ctx: typer.Context,
-    methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.")]
-    = ",".join(DEFAULT),
+    methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)}.",
+                                         show_default=", ".join(DEFAULT))] = ",".join(DEFAULT),
     compressions: Annotated[str, typer.Option(help="Compressions of the projections' parameters for the "
                                               "low-rank methods, in (0, 1).")] = "0.5,0.75",
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 2,

@@ -95,9 +95,10 @@ def _key(cfg) -> str:
 def ode_cmd(
     ctx: typer.Context,
     data: Annotated[str, config_option(Spec, "data")] = Spec.data,
-    grid: Annotated[str, typer.Option(help="controller:C[-CMAX][:rR],...; fixed|adaptive|replay|budget|"
-                                      "autograd|gru (budget:STATES; autograd: the stored-graph baseline; "
-                                      "gru:HIDDEN: torch.nn.GRU, same training)")]
+    grid: Annotated[str, typer.Option(help="Comma-separated entries: fixed:C, adaptive:C or adaptive:C-CMAX, "
+                                      "replay:C or replay:C-CMAX (C: checkpoint spacing), budget:STATES, "
+                                      "autograd (the stored-graph baseline), gru:HIDDEN (torch.nn.GRU, same "
+                                      "training); :rR after an entry sets its rank R.")]
     = "fixed:8,adaptive:8",
     model: Annotated[str, config_option(Spec, "model")] = Spec.model,
     rank: Annotated[int, config_option(Spec, "rank", min=1)] = Spec.rank,

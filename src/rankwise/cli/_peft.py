@@ -28,8 +28,8 @@ GRID_DEFAULT = "adam:0.0003,0.001,0.003,0.01"
 
 def peft_cmd(
     methods: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(METHODS)} (dlrt, sdlrt: at "
-                                         "LoRA r's trainable parameters; *-cap2r: τ, capped at 2r).")]
-    = ",".join(METHODS),
+                                         "LoRA r's trainable parameters; *-cap2r: τ, capped at 2r).",
+                                         show_default=", ".join(METHODS))] = ",".join(METHODS),
     settings: Annotated[str, typer.Option(help="Training articles: full (70 % split), 100 or 25 (balanced "
                                           "per class, drawn with each seed).")] = "100",
     seeds: Annotated[int, typer.Option(help="Seeds per configuration.", min=1)] = 3,

@@ -127,11 +127,12 @@ def _check_data(kinds: list[str], data_dir: Path) -> None:
 def sweep_cmd(
     ctx: typer.Context,
     tasks: Annotated[str, typer.Option(help=f"Comma-separated, from: {', '.join(TASK_NAMES)} "
-                                       f"({', '.join(FILE_TASKS)} read files from --data-dir).")]
+                                       f"({', '.join(FILE_TASKS)} read files from --data-dir).",
+                                       show_default="lenet-digits, mlp-mnist1d, vgg-digits16")]
     = "lenet-digits,mlp-mnist1d,vgg-digits16",
     methods: Annotated[str | None, typer.Option(
-        help=f"Comma-separated, from: {', '.join(METHODS)} (default: {','.join(DEFAULT_METHODS)}; with "
-             f"--targets: {','.join(TARGET_DEFAULT)}).")] = None,
+        help=f"Comma-separated, from: {', '.join(METHODS)} (default: {', '.join(DEFAULT_METHODS)}; with "
+             f"--targets: {', '.join(TARGET_DEFAULT)}).")] = None,
     taus: Annotated[str, typer.Option(help="Comma-separated τ values in [0, 1) (default: the paper's "
                                       "grid).")]
     = ",".join(f"{t:g}" for t in PAPER_TAUS),
@@ -168,8 +169,8 @@ def sweep_cmd(
              "--grid, on seed 0 at this target (one of --targets, e.g. 0.9), then run every target and "
              "seed with its choice (the fair protocol; docs/sdlrt.md).")] = None,
     grid: Annotated[str | None, typer.Option(
-        help="With --select: FAMILY:LR,LR,...;FAMILY:... (default: sgd:0.01,0.03,0.1,0.3;"
-             "adam:0.0003,0.001,0.003,0.01). A choice at an edge widens it by one value.")] = None,
+        help="With --select: FAMILY:LR,LR,...;FAMILY:... (default: sgd at 0.01, 0.03, 0.1, 0.3; adam at "
+             "0.0003, 0.001, 0.003, 0.01). A choice at an edge widens it by one value.")] = None,
     widen: Annotated[int | None, typer.Option(help="With --select: how often a grid may grow at an edge "
                                               "(default 1).", min=0, max=5)] = None,
     val: Annotated[float, typer.Option("--validation", help="Share of the training split held out for "
