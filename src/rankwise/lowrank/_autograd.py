@@ -14,6 +14,18 @@ autograd accumulates them into ``U.grad`` and ``V.grad`` exactly as it accumulat
 (``torch.autograd.grad(loss, x)`` does not), ``zero_grad`` clears them, ``GradScaler.unscale_``
 and ``clip_grad_norm_`` scale them and gradient accumulation sums them. Plain autograd users
 (``factors=False``) get the true gradients dU, dV.
+
+Differentiating the backward (``create_graph=True``: gradient penalties such as WGAN-GP and R1,
+``torch.func.grad`` / ``jacrev`` / ``hessian``): the input gradient ``dx = dy U S Vᵀ`` is itself
+computed by a low-rank Function (the layer's adjoint) in the same mode, so a loss term on ``dx``
+adds ∇_W of that term to the factors in the same form (factor mode: G_K, G_S, G_L; else the true
+gradients), and the intermediate ``h`` is recomputed so that the graph reaches x and V.
+
+The Functions use the ``forward`` + ``setup_context`` style with ``generate_vmap_rule``, so
+``torch.func.grad``, ``vmap`` (per-sample gradients) and ``jacrev`` over
+``torch.func.functional_call`` work. The forwards follow torch's autocast rules as ``nn.Linear``
+and ``nn.Conv2d`` do (``F.linear`` / ``F.conv2d`` with the bias), so under autocast the output has
+the dtype the dense layer's would have.
 """
 
 from __future__ import annotations
@@ -22,96 +34,299 @@ import torch
 import torch.nn.functional as F
 
 
-def _finish(ctx, gk_fn, gl_fn, t_h, S):
-    """Shared tail of both backward passes: U's, S's and V's gradients (factor mode: G_K, G_S,
-    G_L; else dU = G_K Sᵀ, dS, dV = G_L S)."""
-    need_u, need_s, need_v = ctx.needs_input_grad[1:4]
+def _finish(needs, factors, gk_fn, gl_fn, s_fn, S):
+    """Shared tail of the backward passes: U's, S's and V's gradients (factor mode: G_K, G_S,
+    G_L; else dU = G_K Sᵀ, dS, dV = G_L S). `needs`: whether (U, S, V) need a gradient."""
+    need_u, need_s, need_v = needs
     gk = gk_fn() if need_u else None
     gl = gl_fn() if need_v else None
-    if ctx.factors:
-        return gk, (t_h if need_s else None), gl
-    dU = gk @ S.mT if need_u else None
-    dV = gl @ S if need_v else None
-    return dU, (t_h if need_s else None), dV
+    dS = s_fn() if need_s else None
+    if factors:
+        return gk, dS, gl
+    return (gk @ S.mT if need_u else None), dS, (gl @ S if need_v else None)
 
 
-class LowRankLinearFn(torch.autograd.Function):
-    """``y = ((x V) Sᵀ) Uᵀ + b`` for x (..., n), U (m, r), S (r, r), V (n, r); `factors`: the
-    backward gives (G_K, G_S, G_L) for (U, S, V) instead of their gradients."""
+def _multilinear_jvp(f, primals, tangents):
+    """The forward-mode derivative of ``f``, linear in each of `primals`: the sum of ``f`` with one
+    primal replaced by its tangent (None: no tangent)."""
+    out = None
+    for i, t in enumerate(tangents):
+        if t is not None:
+            term = f(*primals[:i], t, *primals[i + 1:])
+            out = term if out is None else out + term
+    return out
+
+
+def _linear_param_grads(needs, factors, x, dy, U, S, V, h=None):
+    """(U, S, V) gradients of ``⟨dy, x (U S Vᵀ)ᵀ⟩`` for x (..., n), dy (..., m); `h` = x V if
+    already at hand (else computed, which keeps the graph to x and V when differentiated)."""
+    if not any(needs):
+        return None, None, None
+    x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+    h2 = (x2 @ V) if h is None else h.reshape(-1, h.shape[-1])
+    t = dy2 @ U  # (N, r)
+    return _finish(needs, factors, lambda: dy2.mT @ h2, lambda: x2.mT @ t, lambda: t.mT @ h2, S)
+
+
+def _fn(plain, fwd):
+    """`fwd` (the Function with a ``jvp``: forward mode, ``jacfwd``, ``hessian``) in eager, `plain`
+    under ``torch.compile`` / ``torch.export``: Dynamo breaks the graph at a Function that defines
+    ``jvp``."""
+    return plain if torch.compiler.is_compiling() else fwd
+
+
+def _save(ctx, *tensors):
+    """The same tensors for the backward and the forward mode: torch's generated vmap rule keeps
+    one record of the saved tensors' batch dims for both."""
+    ctx.save_for_backward(*tensors)
+    ctx.save_for_forward(*tensors)
+
+
+class _LinearFn(torch.autograd.Function):
+    """``y = (x V Sᵀ) Uᵀ + b``; with `keep_h` it returns (y, h), h = x V non-differentiable and
+    saved for the backward (the layers' forward), else y alone and the backward recomputes h (the
+    calls made inside a backward: torch's transforms fail on a non-differentiable output there).
+    See :class:`LowRankLinearFn`."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, x, U, S, V, bias, factors: bool):
+    def forward(x, U, S, V, bias, factors: bool, keep_h: bool):
         h = x @ V
-        y = (h @ S.mT) @ U.mT
-        if bias is not None:
-            y = y + bias
-        ctx.save_for_backward(x, U, S, V, h)
-        ctx.factors = factors
-        ctx.has_bias = bias is not None
-        return y
+        # F.linear with the bias: under autocast the output (and the bias) take the dtype
+        # nn.Linear's output has, instead of the bias promoting y back to float32
+        y = F.linear(F.linear(h, S), U, bias)
+        return (y, h) if keep_h else y
 
     @staticmethod
-    def backward(ctx, dy):
-        x_in, U, S, V, h = ctx.saved_tensors
+    def setup_context(ctx, inputs, output):
+        x, U, S, V, bias, factors, keep_h = inputs
+        if keep_h:
+            ctx.mark_non_differentiable(output[1])
+            ctx.set_materialize_grads(False)
+            _save(ctx, x, U, S, V, output[1])
+        else:
+            _save(ctx, x, U, S, V)
+        ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
+
+    @staticmethod
+    def backward(ctx, dy, *_dh):
+        if dy is None:
+            return (None,) * 7
+        x_in, U, S, V, *h = ctx.saved_tensors
         # under autocast the forward ran in lower precision: do the backward in the factors' dtype
-        x, h, dy = x_in.to(U.dtype), h.to(U.dtype), dy.to(U.dtype)
-        x2, h2, dy2 = x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), dy.reshape(-1, dy.shape[-1])
-        t = dy2 @ U  # (N, r)
-        dx = ((t @ S) @ V.mT).reshape(x.shape).to(x_in.dtype) if ctx.needs_input_grad[0] else None
-        dU, dS, dV = _finish(ctx, lambda: dy2.mT @ h2, lambda: x2.mT @ t, t.mT @ h2, S)
-        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
-        return dx, dU, dS, dV, db, None
-
-
-class LowRankConv2dFn(torch.autograd.Function):
-    """A conv with r filters (Vᵀ reshaped) followed by a 1×1 conv with U S; no unfold."""
-
-    @staticmethod
-    def forward(ctx, x, U, S, V, bias, factors: bool, ksize, stride, padding, dilation):
-        filt = V.mT.reshape(V.shape[1], x.shape[1], *ksize)
-        h = F.conv2d(x, filt, None, stride, padding, dilation)
-        y = F.conv2d(h, (U @ S)[:, :, None, None], bias)
-        ctx.save_for_backward(x, U, S, V, h)
-        ctx.factors, ctx.has_bias = factors, bias is not None
-        ctx.geom = (ksize, stride, padding, dilation)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        x_in, U, S, V, h = ctx.saved_tensors
-        x, h, dy = x_in.to(U.dtype), h.to(U.dtype), dy.to(U.dtype)  # see LowRankLinearFn
-        ksize, stride, padding, dilation = ctx.geom
-        r = V.shape[1]
-        t = torch.einsum("nmhw,mr->nrhw", dy, U)
+        x, dy = x_in.to(U.dtype), dy.to(U.dtype)
+        differentiated = torch.is_grad_enabled()  # create_graph=True, torch.func
         dx = None
         if ctx.needs_input_grad[0]:
-            dh = torch.einsum("nrhw,rs->nshw", t, S)
-            filt = V.mT.reshape(r, x.shape[1], *ksize)
-            dx = torch.nn.grad.conv2d_input(x.shape, filt, dh, stride, padding, dilation).to(x_in.dtype)
+            if differentiated:
+                # dx = dy U S Vᵀ = dy (V Sᵀ Uᵀ)ᵀ: the adjoint layer, whose backward gives U, S, V
+                # gradients of the same kind (G_K, G_S, G_L in factor mode)
+                dx = _fn(_LinearFn, _LinearFnFwd).apply(dy, V, S.mT, U, None, ctx.factors, False)
+            else:
+                dx = ((dy @ U) @ S) @ V.mT
+            dx = dx.to(x_in.dtype)
+        h = h[0].to(U.dtype) if h and not differentiated else None
+        dU, dS, dV = _linear_param_grads(ctx.needs_input_grad[1:4], ctx.factors, x, dy, U, S, V, h)
+        db = None
+        if ctx.has_bias and ctx.needs_input_grad[4]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dx, dU, dS, dV, db, None, None
 
-        def gl():
-            w = torch.nn.grad.conv2d_weight(x, (U.shape[1], x.shape[1], *ksize), t, stride, padding,
-                                            dilation)
-            return w.reshape(U.shape[1], -1).mT
 
-        dU, dS, dV = _finish(
-            ctx, lambda: torch.einsum("nmhw,nrhw->mr", dy, h), gl,
-            torch.einsum("nrhw,nshw->rs", t, h), S,
-        )
+class _LinearFnFwd(_LinearFn):
+    """_LinearFn with forward mode (see :func:`_fn`)."""
+
+    @staticmethod
+    def jvp(ctx, dx, dU, dS, dV, db, _factors, _keep_h):
+        """Forward mode (``torch.func.jvp``, ``jacfwd``, ``hessian``): y is linear in each of x, U,
+        S, V, so its tangent is the sum of the forwards with one of them replaced by its tangent
+        (factor mode has no forward-mode form: the true tangent)."""
+        x, U, S, V = ctx.saved_tensors[:4]
+        dy = _multilinear_jvp(lambda x, U, S, V: F.linear(F.linear(x @ V, S), U), (x, U, S, V),
+                              (dx, dU, dS, dV))
+        if db is not None:
+            dy = db.expand(*x.shape[:-1], -1) if dy is None else dy + db
+        return (dy, None) if ctx.keep_h else dy
+
+
+class LowRankLinearFn:
+    """``y = ((x V) Sᵀ) Uᵀ + b`` for x (..., n), U (m, r), S (r, r), V (n, r); `factors`: the
+    backward gives (G_K, G_S, G_L) for (U, S, V) instead of their gradients.
+    ``LowRankLinearFn.apply(x, U, S, V, bias, factors)`` → y (the autograd Function behind it
+    also returns the intermediate x V, which its backward reuses)."""
+
+    @staticmethod
+    def apply(x, U, S, V, bias, factors: bool):
+        return _fn(_LinearFn, _LinearFnFwd).apply(x, U, S, V, bias, factors, True)[0]
+
+
+def _filters(V, channels, ksize):
+    """V (C·kh·kw, r) as r conv filters (r, C, kh, kw)."""
+    return V.mT.reshape(V.shape[1], channels, *ksize)
+
+
+def _conv(x, U, S, V, geom):
+    """The low-rank conv without bias: r filters Vᵀ, then the 1×1 conv with U S."""
+    ksize, stride, padding, dilation = geom
+    h = F.conv2d(x, _filters(V, x.shape[1], ksize), None, stride, padding, dilation)
+    return F.conv2d(h, (U @ S)[:, :, None, None])
+
+
+def _conv_param_grads(needs, factors, x, dy, U, S, V, geom, h=None):
+    """(U, S, V) gradients of ``⟨dy, conv(x, U S Vᵀ)⟩`` (the low-rank conv of `geom`); `h`, the
+    r-channel conv of x, if already at hand (else computed, keeping the graph to x and V)."""
+    if not any(needs):
+        return None, None, None
+    ksize, stride, padding, dilation = geom
+    r = V.shape[1]
+    if h is None:
+        h = F.conv2d(x, _filters(V, x.shape[1], ksize), None, stride, padding, dilation)
+    t = torch.einsum("nmhw,mr->nrhw", dy, U)
+
+    def gl():
+        w = torch.nn.grad.conv2d_weight(x, (r, x.shape[1], *ksize), t, stride, padding, dilation)
+        return w.reshape(r, -1).mT
+
+    return _finish(needs, factors, lambda: torch.einsum("nmhw,nrhw->mr", dy, h), gl,
+                   lambda: torch.einsum("nrhw,nshw->rs", t, h), S)
+
+
+def _conv_input_grad(dy, U, S, V, x_shape, geom):
+    """The adjoint of the low-rank conv: ``dx`` for ``dy``, (U S Vᵀ) reshaped to the kernel."""
+    ksize, stride, padding, dilation = geom
+    dh = torch.einsum("nrhw,rs->nshw", torch.einsum("nmhw,mr->nrhw", dy, U), S)
+    return torch.nn.grad.conv2d_input(x_shape, _filters(V, x_shape[1], ksize), dh, stride, padding,
+                                      dilation)
+
+
+class _Conv2dFn(torch.autograd.Function):
+    """The low-rank conv plus bias; with `keep_h` it returns (y, h), h the conv of x with the r
+    filters Vᵀ (non-differentiable, saved for the backward), else y alone (see _LinearFn).
+    See :class:`LowRankConv2dFn`."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, U, S, V, bias, factors: bool, keep_h: bool, ksize, stride, padding, dilation):
+        h = F.conv2d(x, _filters(V, x.shape[1], ksize), None, stride, padding, dilation)
+        y = F.conv2d(h, (U @ S)[:, :, None, None], bias)  # (autocast: see _LinearFn)
+        return (y, h) if keep_h else y
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, U, S, V, bias, factors, keep_h, *geom = inputs
+        if keep_h:
+            ctx.mark_non_differentiable(output[1])
+            ctx.set_materialize_grads(False)
+            _save(ctx, x, U, S, V, output[1])
+        else:
+            _save(ctx, x, U, S, V)
+        ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
+        ctx.geom = tuple(geom)
+
+    @staticmethod
+    def backward(ctx, dy, *_dh):
+        if dy is None:
+            return (None,) * 11
+        x_in, U, S, V, *h = ctx.saved_tensors
+        x, dy = x_in.to(U.dtype), dy.to(U.dtype)  # see _LinearFn
+        differentiated = torch.is_grad_enabled()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            if differentiated:  # the adjoint as a Function of the same mode (see _LinearFn)
+                dx = _fn(_Conv2dAdjointFn, _Conv2dAdjointFnFwd).apply(dy, U, S, V, ctx.factors,
+                                                                     tuple(x.shape), *ctx.geom)
+            else:
+                dx = _conv_input_grad(dy, U, S, V, x.shape, ctx.geom)
+            dx = dx.to(x_in.dtype)
+        h = h[0].to(U.dtype) if h and not differentiated else None
+        dU, dS, dV = _conv_param_grads(ctx.needs_input_grad[1:4], ctx.factors, x, dy, U, S, V, ctx.geom, h)
         db = dy.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[4] else None
-        return dx, dU, dS, dV, db, None, None, None, None, None
+        return dx, dU, dS, dV, db, None, None, None, None, None, None
 
 
-class DenseWeightFn(torch.autograd.Function):
+class _Conv2dAdjointFn(torch.autograd.Function):
+    """``dx`` = the adjoint of the low-rank conv applied to ``dy``; its backward gives dy the
+    low-rank conv of the incoming gradient and (U, S, V) the gradients of the same kind as the
+    layer's (G_K, G_S, G_L in factor mode), so that a loss on ``dx`` (a gradient penalty) adds
+    to the factors what the integrator reads."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(dy, U, S, V, factors: bool, x_shape, ksize, stride, padding, dilation):
+        return _conv_input_grad(dy, U, S, V, x_shape, (ksize, stride, padding, dilation))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        dy, U, S, V, factors, x_shape, *geom = inputs
+        _save(ctx, dy, U, S, V)
+        ctx.factors, ctx.x_shape, ctx.geom = factors, x_shape, tuple(geom)
+
+    @staticmethod
+    def backward(ctx, g):
+        dy, U, S, V = ctx.saved_tensors
+        g = g.to(U.dtype)
+        # ⟨g, A_Wᵀ dy⟩ = ⟨A_W g, dy⟩: dy's gradient is the layer applied to g, W's that of the
+        # layer with input g and output gradient dy
+        ddy = (_fn(_Conv2dFn, _Conv2dFnFwd).apply(g, U, S, V, None, ctx.factors, False, *ctx.geom)
+               if ctx.needs_input_grad[0] else None)
+        dU, dS, dV = _conv_param_grads(ctx.needs_input_grad[1:4], ctx.factors, g, dy, U, S, V, ctx.geom)
+        return ddy, dU, dS, dV, None, None, None, None, None, None
+
+
+class _Conv2dFnFwd(_Conv2dFn):
+    """_Conv2dFn with forward mode (see :func:`_fn`)."""
+
+    @staticmethod
+    def jvp(ctx, dx, dU, dS, dV, db, *_):
+        """Forward mode: as _LinearFn's, y is linear in each of x, U, S, V."""
+        x, U, S, V = ctx.saved_tensors[:4]
+        dy = _multilinear_jvp(lambda x, U, S, V: _conv(x, U, S, V, ctx.geom), (x, U, S, V),
+                              (dx, dU, dS, dV))
+        if db is not None:
+            db = db[:, None, None]
+            dy = db.expand(x.shape[0], -1, *_conv(x, U, S, V, ctx.geom).shape[2:]) if dy is None else dy + db
+        return (dy, None) if ctx.keep_h else dy
+
+
+class _Conv2dAdjointFnFwd(_Conv2dAdjointFn):
+    """_Conv2dAdjointFn with forward mode (see :func:`_fn`)."""
+
+    @staticmethod
+    def jvp(ctx, ddy, dU, dS, dV, *_):
+        """Forward mode: dx is linear in each of dy, U, S, V."""
+        return _multilinear_jvp(lambda *a: _conv_input_grad(*a, ctx.x_shape, ctx.geom),
+                                ctx.saved_tensors, (ddy, dU, dS, dV))
+
+
+class LowRankConv2dFn:
+    """A conv with r filters (Vᵀ reshaped) followed by a 1×1 conv with U S; no unfold.
+    ``LowRankConv2dFn.apply(x, U, S, V, bias, factors, ksize, stride, padding, dilation)`` → y."""
+
+    @staticmethod
+    def apply(x, U, S, V, bias, factors: bool, ksize, stride, padding, dilation):
+        return _fn(_Conv2dFn, _Conv2dFnFwd).apply(x, U, S, V, bias, factors, True, ksize, stride, padding,
+                                                  dilation)[0]
+
+
+class _DenseWeightFn(torch.autograd.Function):
     """``W = U S Vᵀ`` (m, n) from U (m, r), S (r, r), V (n, r); `factors`: the backward gives
     (G_K = ∇W·V, G_S = Uᵀ∇W·V, G_L = ∇Wᵀ·U) for (U, S, V), as the layers' own backward does in
     factor mode, so that a loss term on the dense weight adds what the integrator reads."""
 
+    generate_vmap_rule = True
+
     @staticmethod
-    def forward(ctx, U, S, V, factors: bool):
-        ctx.save_for_backward(U, S, V)
-        ctx.factors = factors
+    def forward(U, S, V, factors: bool):
         return U @ S @ V.mT
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        U, S, V, factors = inputs
+        _save(ctx, U, S, V)
+        ctx.factors = factors
 
     @staticmethod
     def backward(ctx, gW):
@@ -124,3 +339,19 @@ class DenseWeightFn(torch.autograd.Function):
             return (gk if need_u else None), dS, gl, None
         return (gk @ S.mT if need_u else None), dS, (gl @ S if need_v else None), None
 
+
+class _DenseWeightFnFwd(_DenseWeightFn):
+    """_DenseWeightFn with forward mode (see :func:`_fn`)."""
+
+    @staticmethod
+    def jvp(ctx, dU, dS, dV, _factors):
+        """Forward mode: W is linear in each of U, S, V."""
+        return _multilinear_jvp(lambda U, S, V: U @ S @ V.mT, ctx.saved_tensors, (dU, dS, dV))
+
+
+class DenseWeightFn:
+    """``DenseWeightFn.apply(U, S, V, factors)`` → W = U S Vᵀ; see :class:`_DenseWeightFn`."""
+
+    @staticmethod
+    def apply(U, S, V, factors: bool):
+        return _fn(_DenseWeightFn, _DenseWeightFnFwd).apply(U, S, V, factors)
