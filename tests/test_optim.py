@@ -225,7 +225,7 @@ def test_nonfinite_loss_never_writes_nan(mode, single_pass):
 def test_state_dict_round_trip_after_rank_changes(tmp_path):
     torch.manual_seed(2)
     model, (X, Y) = _net(), _data()
-    opt = SDLRT(model, 0.05, tau=0.4, momentum=0.9, optimizer="adam")
+    opt = SDLRT(model, 0.05, tau=0.4, optimizer="adam")
     for _ in range(4):
         opt.step(mse_closure(opt, model, X, Y))
     ranks = opt.ranks()
@@ -234,7 +234,7 @@ def test_state_dict_round_trip_after_rank_changes(tmp_path):
     fresh = _net()
     ck = torch.load(tmp_path / "ck.pt", weights_only=True)
     fresh.load_state_dict(ck["model"])
-    opt2 = SDLRT(fresh, 0.05, tau=0.4, momentum=0.9, optimizer="adam")
+    opt2 = SDLRT(fresh, 0.05, tau=0.4, optimizer="adam")
     opt2.load_state_dict(ck["opt"])
     assert opt2.ranks() == ranks and opt2.taus() == opt.taus()
     torch.testing.assert_close(fresh(X), model(X), rtol=0, atol=0)

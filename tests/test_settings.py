@@ -90,7 +90,10 @@ def test_the_presets_keyword_arguments_build_the_rule():
     group = opt.param_groups[0]
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.9), 1e-6, 0.0)
     assert rankwise.SDLRT(m, 0.1, tau=0.1, rule=rankwise.Adam()).settings.rule == rankwise.Adam()
-    assert rule_from("adam", momentum=0.9) == rankwise.Adam()  # checked, unused, as before
+    with pytest.raises(ValueError, match=r"`momentum` is SGD's .* the rule is 'adam': it would be unused"):
+        rule_from("adam", momentum=0.9)  # (it was silently dropped)
+    with pytest.raises(ValueError, match="`betas` and `eps` are Adam's"):
+        rankwise.DLRT(m, 0.1, tau=0.1, betas=(0.9, 0.99), eps=1e-6)  # (the rule is SGD: they stayed unused)
 
 
 @pytest.mark.parametrize("make, err, match", [
@@ -149,10 +152,15 @@ def test_a_state_saved_before_the_settings_objects_still_loads():
         other.load_state_dict(old)
 
 
-def test_frozen_parameters_are_not_held():
+def test_frozen_parameters_are_held_and_left_alone():
+    """As torch.optim.Adam(model.parameters()): a frozen parameter is held, and a step leaves it
+    as it is (it has no gradient)."""
     model = _model()
     model[0].bias.requires_grad_(False)
     opt = rankwise.DLRT(model, 0.1, tau=0.1)
     held = {id(p) for g in opt.param_groups for p in g["params"]}
-    assert id(model[0].bias) not in held
-    assert id(model[2].bias) in held and id(model[0].U) in held and id(model[0].V) in held
+    assert id(model[0].bias) in held and id(model[0].U) in held and id(model[0].V) in held
+    before = model[0].bias.detach().clone()
+    model(torch.randn(4, 12, dtype=torch.float64)).square().mean().backward()
+    opt.step()
+    assert torch.equal(model[0].bias, before) and not model[0].bias.requires_grad

@@ -226,8 +226,8 @@ def settings(name: str, truncation: Tolerance | Budget, *, omega: float = 0.8, t
     if method.rule is not None:  # the method's rule, with the command's Adam part
         kwargs = dict(kwargs)
         given = pop_rule(kwargs)
-        kwargs["rule"] = rule_from(method.rule, betas=getattr(given, "betas", (0.9, 0.999)),
-                                   eps=getattr(given, "eps", 1e-8), weight_decay=given.weight_decay)
+        adam = {k: getattr(given, k) for k in ("betas", "eps") if hasattr(given, k)}
+        kwargs["rule"] = rule_from(method.rule, **adam, weight_decay=given.weight_decay)
     return settings_from({**kwargs, **method.settings, "truncation": truncation, "feedback": feedback})
 
 

@@ -195,6 +195,9 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
           G_L = ∇Wᵀ·U (in, r), ``S.grad`` = G_S = Uᵀ∇W V (r, r) (DLRT/SDLRT set this mode).
         - ``"core"``: only ``S.grad`` (U, V do not require grad; no (out×r) or (in×r) products).
 
+        A frozen layer (``S.requires_grad`` False, e.g. after ``layer.requires_grad_(False)``)
+        keeps U's and V's ``requires_grad``: the mode takes effect once it is unfrozen.
+
         The gradients are ordinary ``.grad`` s, accumulated by autograd, cleared by
         ``zero_grad``; a change of mode drops U's and V's (they would mean something else).
         """
@@ -203,8 +206,9 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         if mode != self.grad_mode:
             self.U.grad = self.V.grad = None
         self.grad_mode = mode
-        self.U.requires_grad_(mode != "core")
-        self.V.requires_grad_(mode != "core")
+        if self.S.requires_grad:  # a frozen layer stays frozen; the mode applies once it is unfrozen
+            self.U.requires_grad_(mode != "core")
+            self.V.requires_grad_(mode != "core")
 
     def factor_grads(self) -> tuple[Tensor | None, Tensor | None]:
         """(G_K (out, r), G_L (in, r)) accumulated since the gradients were last cleared, in factor

@@ -138,17 +138,25 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
         raise ValueError(f"`rank` names layers whose weight is tied to another module's: {_tied_text(tied)}; "
                          "converting them would untie the weights: leave them out")
     targets = [(n, m) for n, m in targets if n not in tied]
+    others = _not_convertible(targets, subclassed)  # parametrised layers, subclasses: left dense
+    targets = [(n, m) for n, m in targets if n not in others]
+    _refuse_named(model, per_layer, include, {**others, **{n: _unsupported(m) for n, m in targets
+                                                          if _unsupported(m) is not None}})
     expressible = [(n, m) for n, m in targets if _unsupported(m) is None]
     _check_meta(expressible, tau, target)
+    _check_tensor_hooks(expressible)
     if target is not None:  # layers with no low-rank form stay dense: not in the budget
         ranks = _target_ranks(model, expressible, target, allocation) if expressible else {}
     else:
         ranks = _expand_attention(per_layer, targets) if per_layer else {}
     left_dense = [(n, _unsupported(m)) for n, m in targets if _unsupported(m) is not None]
+    left_dense += list(others.items())
     if not expressible:
         raise ValueError(_nothing_converted(model, include, exclude, low_rank, subclassed, left_dense, tied))
     for name, mod in expressible:
-        new = _low_rank(mod, _rank_of(name, mod, ranks, rank), tau, max_rank)
+        with own_rng(mod):
+            new = _low_rank(mod, _rank_of(name, mod, ranks, rank), tau, max_rank)
+        carry_over(mod, new)
         for alias in names_of[id(mod)]:
             _set_submodule(model, alias, new.train(mod.training))
     if tied:
@@ -222,6 +230,86 @@ def _check_filters(model: nn.Module, include: Pattern, exclude: Pattern) -> None
                              f"name or a suffix of one; the model's layers: {', '.join(map(repr, layers))})")
 
 
+def _parametrised(mod: nn.Module) -> str | None:
+    """How `mod`'s weight is computed from other parameters, or None: torch.nn.utils.parametrize
+    (``parametrizations.weight_norm`` / ``spectral_norm`` / ``orthogonal``) or the older hook-based
+    ``torch.nn.utils.weight_norm`` / ``spectral_norm``."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(mod):
+        kinds = sorted({type(p).__name__ for ps in mod.parametrizations.values() for p in ps})
+        return f"parametrised by torch.nn.utils.parametrize ({', '.join(kinds)})"
+    for hook in mod._forward_pre_hooks.values():
+        if type(hook).__name__ in ("WeightNorm", "SpectralNorm"):
+            return f"its weight is recomputed by torch.nn.utils.{type(hook).__name__.lower()[:-4]}_norm"
+    return None
+
+
+def _not_convertible(targets: list, subclassed: list) -> dict[str, str]:
+    """``{name: why it stays dense}`` for selected layers to_low_rank leaves as they are: a
+    parametrised weight (the low-rank factors cannot keep the parametrisation), a subclass of a
+    torch layer (its forward may do more than the class it extends). Modules inside a target
+    (an nn.MultiheadAttention's out_proj) are not listed."""
+    inside = {id(c) for _, m in targets for c in list(m.modules())[1:]}
+    out = {}
+    for name, mod in [*targets, *subclassed]:
+        if id(mod) in inside:
+            continue
+        how = _parametrised(mod)
+        if how is not None:
+            out[name] = (f"{how}; a low-rank layer cannot keep it: remove it first "
+                         "(torch.nn.utils.parametrize.remove_parametrizations(layer, 'weight')) to convert "
+                         "the layer, or exclude it")
+        elif (name, mod) in subclassed:
+            out[name] = (f"{type(mod).__name__} is a subclass of {_base_class(mod)}; to_low_rank converts "
+                         "the exact torch classes only (a subclass's forward may do more)")
+    return out
+
+
+def _base_class(mod: nn.Module) -> str:
+    return next(f"nn.{c.__name__}" for c in (nn.Linear, nn.Conv2d, nn.MultiheadAttention)
+                if isinstance(mod, c))
+
+
+def _refuse_named(model: nn.Module, per_layer: Mapping[str, int], include: Pattern,
+                  dense: dict[str, str]) -> None:
+    """A `rank` mapping, or an `include` list entry, that names a module to_low_rank cannot
+    convert raises (they name exactly the layers to convert); `dense`: {name: why} of the
+    selected layers that stay dense."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    if per_layer:
+        for name in per_layer:
+            parent, _, child = name.rpartition(".")
+            projection = child in PROJECTIONS and isinstance(modules.get(parent), nn.MultiheadAttention)
+            key = parent if projection else name
+            mod = modules.get(key)
+            if key in dense:
+                raise ValueError(f"`rank` names {key!r}, which to_low_rank cannot convert: {dense[key]}")
+            if not isinstance(mod, LowRank) and _kind(mod) is None:
+                raise ValueError(f"`rank` names {name!r}, a {type(mod).__name__}: to_low_rank converts "
+                                 "nn.Linear, nn.Conv2d, nn.MultiheadAttention and HF Conv1D modules only")
+    if isinstance(include, list):
+        for entry in include:
+            hits = [(n, m) for n, m in modules.items() if n and _matches(n, [entry])]
+            if hits and not any(n not in dense and (_kind(m) is not None or isinstance(m, LowRank))
+                                for n, m in hits):
+                n, m = hits[0]
+                why = dense.get(n, f"a {type(m).__name__}, not nn.Linear / nn.Conv2d / "
+                                   "nn.MultiheadAttention / HF Conv1D")
+                raise ValueError(f"`include` names {n!r}, which to_low_rank cannot convert: {why}")
+
+
+def _check_tensor_hooks(targets: list) -> None:
+    """A hook on a layer's weight tensor (``weight.register_hook``) cannot move to the factors."""
+    for name, mod in targets:
+        for pname, p in mod.named_parameters():
+            if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
+                raise ValueError(f"{_show(name)}.{pname} has a tensor hook (register_hook / "
+                                 "register_post_accumulate_grad_hook); its low-rank layer has no such tensor "
+                                 "(it holds U, S, V): register the hook on the converted layer's factors, "
+                                 "or a module hook, after to_low_rank")
+
+
 def _tied(model: nn.Module, targets: list) -> dict[str, list[str]]:
     """``{target name: [names of the parameters it shares with modules outside it]}`` for the
     targets holding a Parameter that another module holds too (tied weights)."""
@@ -251,6 +339,47 @@ def _check_meta(targets: list, tau: float | None, target: float | None) -> None:
 
 
 # ----------------------------------------------------------------------------- conversion
+def own_rng(*modules: nn.Module):
+    """A context in which random draws (a new layer's own initialisation, overwritten at once)
+    leave the user's generators as they were: the same seed gives the same data order and
+    dropout masks with or without a conversion."""
+    devices = {t.device for m in modules for t in m.parameters()} | {torch.get_default_device()}
+    cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    return torch.random.fork_rng(devices=cuda)
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def carry_over(old: nn.Module, new: nn.Module) -> None:
+    """What the user attached to the dense `old` moves to its low-rank replacement `new`:
+
+    - ``requires_grad``: a frozen weight gives frozen factors U, S, V, a frozen bias stays
+      frozen (an attention's, per projection);
+    - module hooks (forward, pre-forward, backward, state-dict): the same hook dictionaries, so
+      the handles the user holds still remove them."""
+    pairs = [(old, new)]
+    if isinstance(new, LowRankMultiheadAttention):
+        trios = [(getattr(new, p), w, b) for p, (w, b) in dense_projections(old).items()]
+        pairs.append((old.out_proj, new.out_proj))
+    else:
+        trios = [(new, old.weight, old.bias)]
+    for layer, w, b in trios:
+        for t in (layer.U, layer.S, layer.V):
+            t.requires_grad_(w.requires_grad)
+        if b is not None:
+            layer.bias.requires_grad_(b.requires_grad)
+    for src, dst in pairs:
+        for attr in _HOOK_DICTS:
+            if hasattr(src, attr):
+                setattr(dst, attr, getattr(src, attr))
+        if getattr(src, "_is_full_backward_hook", None) is not None:
+            dst._is_full_backward_hook = src._is_full_backward_hook
+
+
 def _unsupported(mod: nn.Module) -> str | None:
     """Why `mod` (a target) has no low-rank equivalent, or None."""
     kind = _kind(mod)

@@ -111,8 +111,10 @@ class AugmentedBUG(torch.optim.Optimizer):
     Per low-rank layer and augmentation step: K- and L-updates from the gradients of K = US and
     L = VSᵀ, ``Ū = orth[U0, ΔK(, U_buf)]``, ``V̄ = orth[V0, ΔL(, V_buf)]``, the Galerkin core
     ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, its SVD and a truncation chosen by `truncation`. The optimizer
-    holds the low-rank factors and every parameter that requires grad (frozen ones, a PEFT
-    base model, are left out, as a torch optimizer built from the trainable parameters would).
+    holds every parameter of the model, as ``torch.optim.Adam(model.parameters())`` does: a step
+    updates those with a gradient, so frozen ones (a PEFT base model, a frozen low-rank layer)
+    stay as they are and train once unfrozen. A second optimizer stepping a parameter this one
+    also steps is refused at its ``step()`` (the parameter would move twice per step).
 
     **Arguments:** `model`, `lr`, `param_groups`, `process_group` as under :class:`DLRT`;
     `implementation`: ``"batched"`` (default: layers of one shape and rank bucket together,
@@ -137,10 +139,10 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._warned_world = False
         self._group_by_id: dict[int, dict] | None = None
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
-        # (a layer whose core S is frozen is left alone, as torch optimizers leave frozen parameters)
+        # every low-rank layer, frozen ones too: as torch.optim.Adam(model.parameters()) holds frozen
+        # parameters and trains them once they are unfrozen and get gradients (gradual unfreezing)
         self.layers: dict[str, AbstractLowRankLayer] = {
-            n: m for n, m in model.named_modules()
-            if isinstance(m, AbstractLowRankLayer) and m.S.requires_grad
+            n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)
         }
         if not self.layers:
             warnings.warn("no low-rank layers in `model`; every parameter is updated densely "
@@ -155,14 +157,14 @@ class AugmentedBUG(torch.optim.Optimizer):
             defaults["budget_start"] = self.planner.start()
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         self._param_names = {id(p): n for n, p in model.named_parameters()}
-        # the factors (U and V are moved by the integrator, not autograd, so they may not
-        # require grad) and every trainable parameter; frozen ones (a PEFT base) are not held
-        params = [p for p in model.parameters() if p.requires_grad or id(p) in self._factor_ids]
+        # every parameter, frozen ones too (a step skips those without a gradient, as torch's do)
+        params = list(model.parameters())
         super().__init__(_split_groups(params, param_groups, self.layers, self._param_names), defaults)
         for layer in self.layers.values():
             self._adopt(layer)
         self._set_modes()
         _install_foreign_step_check()
+        _LIVE.add(self)
         # dropped without release(): the layers go back to plain autograd, as release() does
         self._owned = list(self.layers.values())  # (add_param_group appends to it)
         weakref.finalize(self, _release, self._owned, self._token)
@@ -178,7 +180,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.state[layer.S]["r_init"] = layer.rank
         if not self.settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
             self.state[layer.S]["tau"] = self.settings.tau
-        if getattr(layer, "_grad_owner", None) is None:  # what release() gives back
+        if getattr(layer, "_grad_owner", None) is None and layer.S.requires_grad:  # what release() gives back
             layer._requires_grad = (layer.U.requires_grad, layer.V.requires_grad)
         layer._grad_owner = self._token
 
@@ -264,6 +266,15 @@ class AugmentedBUG(torch.optim.Optimizer):
         for layer in self.layers.values():
             if getattr(layer, "_grad_owner", None) is self._token:
                 layer.set_grad_mode(mode)
+
+    def _dense_ids(self) -> set[int]:
+        """ids of the dense parameters this optimizer holds (cached per param-group layout)."""
+        key = tuple(len(g["params"]) for g in self.param_groups)
+        if getattr(self, "_dense_key", None) != key:
+            self._dense_key = key
+            self._dense = {id(p) for g in self.param_groups for p in g["params"]
+                           if id(p) not in self._factor_ids}
+        return self._dense
 
     def _hp(self) -> dict:
         """The first param group: the optimizer's own counters (``global_step``,
@@ -437,9 +448,10 @@ def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
         if getattr(layer, "_grad_owner", None) is token:
             layer.set_grad_mode("full")
             layer._grad_owner = None
-            u, v = getattr(layer, "_requires_grad", (True, True))  # as they were before
-            layer.U.requires_grad_(u)
-            layer.V.requires_grad_(v)
+            if layer.S.requires_grad:  # (a frozen layer stays frozen)
+                u, v = getattr(layer, "_requires_grad", (True, True))  # as they were before
+                layer.U.requires_grad_(u)
+                layer.V.requires_grad_(v)
 
 
 def _check_unwrapped(model: nn.Module) -> None:
@@ -482,6 +494,9 @@ def _install_foreign_step_check() -> None:
         _HOOKED = True
 
 
+_LIVE: weakref.WeakSet[AugmentedBUG] = weakref.WeakSet()  # (released ones are skipped)
+
+
 def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     if isinstance(optimizer, AugmentedBUG):
         return
@@ -495,6 +510,40 @@ def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             "rankwise DLRT/SDLRT is training (its U.grad and V.grad hold the integrator's factor "
             "gradients G_K, G_L): call release() on that optimizer first (a dropped one releases "
             "its layers when Python collects it); the layer then gets plain gradients")
+    _refuse_double_step(optimizer)
+
+
+def _refuse_double_step(optimizer: torch.optim.Optimizer) -> None:
+    """A torch optimizer about to step a dense parameter (one with a gradient) that a live
+    DLRT/SDLRT also steps is refused: the parameter would move twice per training step."""
+    found = _shared_param(optimizer)
+    if found is not None:
+        gc.collect()  # a dropped DLRT in a reference cycle is not live
+        found = _shared_param(optimizer)
+    if found is not None:
+        owner, name = found
+        kind = type(owner).__name__
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() would update {name!r}, which a rankwise {kind} also updates "
+            "at its step() (it trains every parameter of the model it was given, as "
+            "torch.optim.Adam(model.parameters()) does): the parameter would move twice per step; build the "
+            f"{kind} on the part it should train (e.g. {kind}(model.body, …)), or give the parameter to it "
+            "with its own hyperparameters (param_groups=[{'params': …, 'lr': …}]) instead of a second "
+            "optimizer, or release() it when it is done")
+
+
+def _shared_param(optimizer: torch.optim.Optimizer) -> tuple[AugmentedBUG, str] | None:
+    """(a live DLRT/SDLRT, the name of a dense parameter with a gradient that it and `optimizer`
+    both hold), or None."""
+    live = [o for o in _LIVE if not o._released]
+    for group in optimizer.param_groups if live else ():
+        for p in group["params"]:
+            if p.grad is None or layer_of(p) is not None:  # (layers: _trained_layer's message)
+                continue
+            owner = next((o for o in live if id(p) in o._dense_ids()), None)
+            if owner is not None:
+                return owner, owner._param_names.get(id(p), f"a {tuple(p.shape)} parameter")
+    return None
 
 
 def _trained_layer(optimizer: torch.optim.Optimizer) -> AbstractLowRankLayer | None:

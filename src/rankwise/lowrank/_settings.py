@@ -152,11 +152,12 @@ RULES: dict[str, type[Sgd] | type[Adam] | type[Muon]] = {"sgd": Sgd, "adam": Ada
 
 
 def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_decay: float | None = None,
-              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+              betas: tuple[float, float] | None = None, eps: float | None = None,
               decoupled_weight_decay: bool | None = None) -> Sgd | Adam:
     """The rule object for the presets' keyword arguments (``optimizer="adam"``, ``betas=...``).
-    Every value is checked; those of the other rule (``momentum`` under Adam, ``betas`` and
-    ``eps`` under SGD) are not used. `weight_decay` defaults
+    Every value is checked; those of the other rule (a non-zero ``momentum`` under Adam,
+    ``betas`` or ``eps`` under SGD) are refused: they would be silently unused, as torch's
+    optimizers refuse an argument they do not take. `weight_decay` defaults
     to the rule's own (torch's: 0, and 1e-2 for ``"adamw"``); `decoupled_weight_decay` is
     Adam's (``torch.optim.Adam(decoupled_weight_decay=True)`` is AdamW) and refused under
     SGD, which has no such form in torch."""
@@ -169,6 +170,18 @@ def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_d
                          "(names are lower case)")
     cls = RULES[optimizer]
     wd = {} if weight_decay is None else {"weight_decay": weight_decay}
+    Adam(**{k: v for k, v in (("betas", betas), ("eps", eps)) if v is not None})  # a wrong value first
+    if momentum is not None and optimizer != "muon":
+        Sgd(momentum)
+    unused = [k for k, v in (("betas", betas), ("eps", eps)) if v is not None] if optimizer == "sgd" else \
+        (["momentum"] if optimizer in ("adam", "adamw") and momentum not in (None, 0, 0.0) else [])
+    if unused:
+        theirs = "Adam's (optimizer='adam' or 'adamw')" if optimizer == "sgd" else "SGD's (optimizer='sgd')"
+        raise ValueError(f"{' and '.join(f'`{k}`' for k in unused)} {'are' if len(unused) > 1 else 'is'} "
+                         f"{theirs}, but the rule is {optimizer!r}: it would be unused; choose the rule it "
+                         "belongs to, or leave it out")
+    betas = (0.9, 0.999) if betas is None else betas
+    eps = 1e-8 if eps is None else eps
     if optimizer == "muon":
         if decoupled_weight_decay is False:
             raise ValueError("Muon's weight decay is decoupled (as torch.optim.Muon's): leave "
@@ -176,12 +189,10 @@ def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_d
         return Muon(**({} if momentum is None else {"momentum": momentum}), betas=betas, eps=eps, **wd)
     momentum = 0.0 if momentum is None else momentum
     if optimizer == "sgd":
-        Adam(betas, eps)  # checked even where unused: a mistake in them is named
         if decoupled_weight_decay:
             raise ValueError("`decoupled_weight_decay` is Adam's (torch.optim.SGD has none): use "
                              "optimizer='adamw', or weight_decay= alone for SGD's L2 decay")
         return Sgd(momentum, **wd)
-    Sgd(momentum)
     dec = {} if decoupled_weight_decay is None else {"decoupled_weight_decay": decoupled_weight_decay}
     return cls(betas, eps, **wd, **dec)
 

@@ -1,0 +1,163 @@
+"""Issue 56, native round 2: what a user attached to a layer survives the conversion, the
+optimizer follows ``requires_grad`` as torch's do, and nothing global moves."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import rankwise
+from rankwise import DLRT
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 12), nn.Tanh(), nn.Linear(12, 12), nn.Tanh(), nn.Linear(12, 3))
+
+
+def _step(model: nn.Module, opt, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 3, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def test_a_frozen_layer_stays_frozen_through_conversion_and_training():
+    """A layer frozen before to_low_rank (a frozen backbone; BitFit: weights frozen, biases
+    trained) comes back frozen, and DLRT leaves it as it is."""
+    m = _mlp()
+    m[0].requires_grad_(False)                # frozen backbone layer
+    m[2].weight.requires_grad_(False)         # BitFit: only the bias trains
+    attn = nn.MultiheadAttention(12, 2)
+    attn.in_proj_weight.requires_grad_(False)
+    rankwise.to_low_rank(m, rank=3)
+    rankwise.to_low_rank(nn.Sequential(attn), rank=3)  # (attention converts in place in its parent)
+    assert not any(t.requires_grad for t in (m[0].U, m[0].S, m[0].V, m[0].bias))
+    assert not any(t.requires_grad for t in (m[2].U, m[2].S, m[2].V)) and m[2].bias.requires_grad
+    before = {n: t.detach().clone() for n, t in m.named_parameters()}
+    opt = DLRT(m, 0.1, tau=0.1)
+    for s in range(3):
+        _step(m, opt, s)
+    after = dict(m.named_parameters())
+    for name in ("0.U", "0.S", "0.V", "0.bias", "2.U", "2.S", "2.V"):
+        assert torch.equal(after[name], before[name]), name
+    assert not torch.equal(after["2.bias"], before["2.bias"]) and not torch.equal(after["4.S"], before["4.S"])
+
+
+def test_a_frozen_attention_projection_stays_frozen():
+    holder = nn.Sequential(nn.MultiheadAttention(12, 2))
+    holder[0].in_proj_weight.requires_grad_(False)
+    rankwise.to_low_rank(holder, rank=3)
+    mha = holder[0]
+    for p in ("q_proj", "k_proj", "v_proj"):
+        assert not getattr(mha, p).S.requires_grad and getattr(mha, p).bias.requires_grad
+    assert mha.out_proj.S.requires_grad
+
+
+def test_layers_unfrozen_after_the_optimizer_was_built_train_as_if_built_after():
+    """Gradual unfreezing: a low-rank and a dense layer frozen when DLRT is built train once
+    unfrozen, exactly as under a DLRT built after the unfreezing (torch.optim.Adam does this)."""
+    def model():
+        m = _mlp()
+        rankwise.to_low_rank(m, rank=3, include=["0", "2"])
+        return m
+
+    late, ref = model(), model()
+    late[0].requires_grad_(False)
+    late[4].requires_grad_(False)
+    opt = DLRT(late, 0.1, tau=0.05)
+    _step(late, opt, 0)  # the frozen layers do not move
+    assert torch.equal(late[0].S, ref[0].S) and torch.equal(late[4].weight, ref[4].weight)
+    ref.load_state_dict(late.state_dict())
+    late[0].requires_grad_(True)
+    late[4].requires_grad_(True)
+    opt_ref = DLRT(ref, 0.1, tau=0.05)
+    for s in range(1, 4):
+        _step(late, opt, s)
+        _step(ref, opt_ref, s)
+    for (n, a), b in zip(late.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=n)
+    assert not torch.equal(late[0].S, model()[0].S)
+
+
+def test_a_parameter_stepped_by_two_optimizers_is_refused():
+    """DLRT on the whole model plus the user's own AdamW on the head stepped the head twice a
+    step; now the second optimizer's step is refused in one line, and works once released."""
+    m = _mlp()
+    rankwise.to_low_rank(m, rank=3, include=["0", "2"])
+    opt = DLRT(m, 0.1, tau=0.1)
+    head = torch.optim.AdamW(m[4].parameters(), 1e-3)
+    _step(m, opt)
+    before = m[4].weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"would update '4.weight', which a rankwise DLRT also updates"):
+        head.step()
+    assert torch.equal(m[4].weight, before)
+    opt.release()
+    head.step()
+    assert not torch.equal(m[4].weight, before)
+
+
+def test_hooks_registered_before_conversion_keep_firing_and_their_handles_work():
+    m = _mlp()
+    seen = []
+    pre = m[2].register_forward_pre_hook(lambda mod, args: seen.append(("pre", type(mod).__name__)))
+    m[2].register_forward_hook(lambda mod, args, out: seen.append(("fwd", out.shape[-1])))
+    m[2].register_full_backward_hook(lambda mod, gi, go: seen.append(("bwd", go[0].shape[-1])))
+    rankwise.to_low_rank(m, rank=3)
+    m(torch.randn(2, 8)).sum().backward()
+    assert seen == [("pre", "LowRankLinear"), ("fwd", 12), ("bwd", 12)]
+    pre.remove()
+    seen.clear()
+    m(torch.randn(2, 8))
+    assert seen == [("fwd", 12)]
+
+
+def test_a_hook_on_a_weight_tensor_is_refused_by_name():
+    m = _mlp()
+    m[2].weight.register_hook(lambda g: g)
+    with pytest.raises(ValueError, match=r"'2'.weight has a tensor hook"):
+        rankwise.to_low_rank(m, rank=3)
+    assert isinstance(m[0], nn.Linear)  # nothing changed
+
+
+def test_naming_a_module_it_cannot_convert_is_refused():
+    m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"`rank` names '1', a LayerNorm"):
+        rankwise.to_low_rank(m, rank={"0": 2, "1": 2})
+    with pytest.raises(ValueError, match=r"`include` names '1', which to_low_rank cannot convert"):
+        rankwise.to_low_rank(m, rank=2, include=["0", "1"])
+    assert isinstance(m[0], nn.Linear)
+
+
+def test_a_parametrised_linear_is_named_not_skipped_silently():
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8))
+    nn.utils.parametrizations.weight_norm(m[1])
+    nn.utils.parametrizations.spectral_norm(m[2])
+    with pytest.warns(UserWarning) as record:
+        rankwise.to_low_rank(m, rank=2)
+    text = " ".join(str(w.message) for w in record)
+    assert "leaving '1' dense: parametrised" in text and "leaving '2' dense: parametrised" in text
+    assert "remove_parametrizations" in text and isinstance(m[0], rankwise.LowRankLinear)
+    with pytest.raises(ValueError, match=r"`rank` names '1', which to_low_rank cannot convert: parametrised"):
+        rankwise.to_low_rank(m, rank={"1": 2})
+    old = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # (the hook-based form is deprecated)
+        nn.utils.weight_norm(old[1])
+    with pytest.warns(UserWarning, match=r"leaving '1' dense: its weight is recomputed by torch.nn.utils.weight_norm"):
+        rankwise.to_low_rank(old, rank=2)
+
+
+def test_conversion_leaves_the_global_rng_where_it_was():
+    torch.manual_seed(0)
+    plain = torch.rand(3)
+    m = _mlp()
+    holder = nn.Sequential(nn.MultiheadAttention(12, 2))
+    torch.manual_seed(0)
+    rankwise.to_low_rank(m, rank=3)
+    rankwise.to_low_rank(holder, rank=3)
+    assert torch.equal(torch.rand(3), plain)
