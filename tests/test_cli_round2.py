@@ -30,12 +30,15 @@ def _one_line_error(r, command: str, code: int = 2) -> str:
 
 
 @contextmanager
-def _held(folder: Path):
-    """Another rankwise command holds `folder` (its lock file, flock'ed)."""
+def _held(folder: Path, lock_file: bool = True):
+    """Another rankwise command holds `folder` (its lock file, or the folder itself, flock'ed)."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_FILE, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT) if lock_file else os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield
+    finally:
+        os.close(fd)
 
 
 def _checkpoint_file(tmp_path: Path, size: int = 3000) -> Path:
@@ -52,14 +55,15 @@ def _no_space(path) -> OSError:
 def test_ckpt_encode_into_a_folder_another_encode_holds_is_refused(tmp_path):
     """Two `ckpt encode` into one --out both succeeded and the first root was lost."""
     src, out = _checkpoint_file(tmp_path), tmp_path / "frags"
-    with _held(out):
+    with _held(out, lock_file=False):  # (encode locks the folder itself: it adds no file to it)
         r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", out)
     msg = _one_line_error(r, "ckpt encode", 1)
     assert "in use by another rankwise command" in msg
-    assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE] and not _HELD
+    assert list(out.iterdir()) == [] and not _HELD
     r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", out)  # free again: it works
     assert r.exit_code == 0, r
-    assert run_cli("ckpt", "verify", out).exit_code == 0  # (the lock file beside the fragments is fine)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["commitment.rwck", "worker0.rwck", "worker1.rwck", "worker2.rwck", "worker3.rwck"]
 
 
 def test_train_reads_the_resume_mark_only_after_taking_the_lock(tmp_path, monkeypatch):
@@ -148,8 +152,7 @@ def test_an_existing_read_only_out_is_called_not_writable(tmp_path, monkeypatch)
     out = tmp_path / "ro"
     out.mkdir()
     monkeypatch.setattr(_common.os, "open", refused)
-    msg = _one_line_error(run_cli("ckpt", "encode", _checkpoint_file(tmp_path), "--n", 4, "--t", 1,
-                                  "--out", out), "ckpt encode", 1)
+    msg = _one_line_error(run_cli("train", "--out", out), "train", 1)
     assert f"--out {out} is not writable (Permission denied)" in msg and "cannot create" not in msg
     msg = _one_line_error(run_cli("train", "--out", tmp_path / "new" / "x"), "train", 1)
     assert "cannot create it (Permission denied)" in msg and not (tmp_path / "new").exists()

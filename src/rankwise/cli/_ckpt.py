@@ -127,7 +127,9 @@ def encode_cmd(
 
     code = Code2D(n, t, hash=hash, backend=backend)
     data = file.read_bytes()  # before --force may delete it (FILE could be one of the outputs)
-    lock_output(out)  # one command at a time in --out: a second encode there is refused, not interleaved
+    # one encode at a time in --out (a second is refused, not interleaved); the folder itself is
+    # locked: it holds exactly the fragments and the commitment
+    lock_output(out, lock_file=False)
     # the old commitment goes first, so an interrupted --force leaves an incomplete folder
     claim_output_dir(out, produced=CODED_OUTPUTS, force=force, what="coded checkpoint")
     t0 = time.perf_counter()
@@ -200,8 +202,8 @@ def repair_cmd(folder: Folder,
     target = (folder if in_store is None else
               in_store[0].joinpath(*_store.step_parts(worker, in_store[1])))
     if (problem := unwritable_folder(target)) is not None:
-        raise UserError(f"cannot write worker {worker}'s fragment: {problem}; make it writable (or copy "
-                        "the folder somewhere writable and repair the copy)", 1)
+        raise UserError(f"cannot write worker {worker}'s fragment: {problem}; nothing was repaired (fix "
+                        "that, or copy the checkpoint somewhere writable and repair the copy)", 1)
     helpers = [f for i, f in sorted(found.items()) if i != worker and code.verify(f, com)]
     syms = [code.helper_symbols(f, worker) for f in helpers[:code.k]]
     try:

@@ -99,7 +99,7 @@ def unwritable_folder(folder: Path) -> str | None:
 
     target = _nearest_existing(folder)
     if not target.is_dir():
-        return f"{target} is a file, not a folder"
+        return f"{target} is not a folder"
     try:
         with tempfile.TemporaryFile(dir=target):
             pass
@@ -226,21 +226,41 @@ LOCK_FILE = ".rankwise.lock"
 _HELD: list[tuple[Path, Any, bool]] = []  # (folder, its open lock file, created by this command)
 
 
-def lock_output(folder: Path, option: str = "--out") -> None:
+class _FolderLock:
+    """An open folder whose descriptor holds the ``flock`` (closing it releases the lock)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def lock_output(folder: Path, option: str = "--out", *, lock_file: bool = True) -> None:
     """Hold an exclusive lock on `folder` (``.rankwise.lock`` in it, ``flock``) until the command
     ends (:func:`release_outputs`, called by ``main``): a second command writing to the same
     folder at the same time is refused in one line instead of both succeeding with one's records
-    replaced. Call it after the arguments are checked and before the folder is examined."""
+    replaced. Call it after the arguments are checked and before the folder is examined.
+    Without `lock_file` the folder itself is locked (``flock`` on its descriptor) and nothing is
+    added to it (a coded checkpoint's folder holds exactly its fragments and commitment)."""
     import fcntl
 
     _named_folder(folder, option)
     created, existing = not folder.exists(), _nearest_existing(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        # never through a link planted as the lock file (its target would be created), and
-        # only a regular file (a FIFO or a device is refused)
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-        fd = os.open(folder / LOCK_FILE, flags, 0o644)
+        if lock_file:
+            # never through a link planted as the lock file (its target would be created), and
+            # only a regular file (a FIFO or a device is refused)
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(folder / LOCK_FILE, flags, 0o644)
+        else:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as e:
         if created:  # (the folders it made, empty: a refused run leaves nothing)
             top = next((p for p in (folder, *folder.parents) if p.parent == existing), folder)
@@ -249,10 +269,10 @@ def lock_output(folder: Path, option: str = "--out") -> None:
         if e.errno == errno.ELOOP:
             raise UserError(f"{option} {folder}: {LOCK_FILE} in it is a symbolic link; remove it", 1) from e
         raise _unwritable(folder, option, e, existed=not created) from e
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
+    if lock_file and not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise UserError(f"{option} {folder}: {LOCK_FILE} in it is not a regular file; remove it", 1)
-    handle = os.fdopen(fd, "a+")
+    handle: Any = os.fdopen(fd, "a+") if lock_file else _FolderLock(fd)
     _HELD.append((folder, handle, created))
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
