@@ -299,7 +299,7 @@ def test_sweep_dry_run_counts_the_runs_and_progress_has_a_total(tmp_path):
 
 def test_a_one_tau_sweep_writes_no_empty_equal_compression_table(tmp_path, monkeypatch):
     """A one-τ sweep wrote an empty equal_compression.md (DLRT's accuracy is interpolated
-    between its compressions at two τ at least)."""
+    between its compressions at two τ at least): the file and the command now say why."""
     from rankwise.experiments import sweep
 
     monkeypatch.setattr(sweep, "sweep", lambda specs, out, **k: [])
@@ -310,8 +310,10 @@ def test_a_one_tau_sweep_writes_no_empty_equal_compression_table(tmp_path, monke
     r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,dlrt", "--taus", "0.1", "--seeds", 1,
                 "--out", out)
     assert r.exit_code == 0, r
-    assert not (out / "equal_compression.md").exists() and (out / "summary.md").exists()
-    assert "equal_compression.md not written: it interpolates DLRT's accuracy" in " ".join(r.stdout.split())
+    why = ("interpolates DLRT's accuracy between its compressions at two --taus or more, and this sweep "
+           "has one")
+    assert f"*No rows: it {why}.*" in (out / "equal_compression.md").read_text()
+    assert f"equal_compression.md has no rows: it {why}" in " ".join(r.stdout.split())
 
 
 # --------------------------------------------------------------------------- names and help

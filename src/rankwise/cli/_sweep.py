@@ -187,8 +187,8 @@ def sweep_cmd(
     """The compression study: dense / DLRT / SDLRT and ablations over τ and seeds (resumable).
 
     Runs (or resumes) a sweep and writes runs.csv, summary.md (mean ± std over seeds),
-    equal_compression.md (each method against DLRT at the same final compression; with two
-    --taus or more) and the plots
+    equal_compression.md (each method against DLRT at the same final compression, from two
+    --taus or more; with one, the file says so) and the plots
     acc_vs_compression.png, rank_vs_step.png, dt_vs_step.png (with --targets also
     acc_vs_target.png and ranks_per_layer.png) into --out.
 
@@ -333,10 +333,16 @@ def sweep_cmd(
     write_csv(results, out / "runs.csv")
     table = summary_markdown(results)
     write_atomic(out / "summary.md", table.encode())
-    # each method against DLRT's accuracy interpolated at its compression: two τ at least
-    equal = "dlrt" in method_list and target_list is None and len(tau_list) > 1
-    if equal:
-        write_atomic(out / "equal_compression.md", equal_compression_markdown(results).encode())
+    equal = "dlrt" in method_list and target_list is None
+    no_rows = None
+    if equal:  # each method against DLRT's accuracy interpolated at its compression
+        text = equal_compression_markdown(results)
+        if text.count("\n") <= 2:  # (the header alone: say why instead of an empty table)
+            no_rows = ("it interpolates DLRT's accuracy between its compressions at two --taus or more, and "
+                       "this sweep has one" if len(tau_list) < 2 else
+                       "--methods has no method besides dense and DLRT to compare with DLRT")
+            text += f"\n*No rows: {no_rows}.*\n"
+        write_atomic(out / "equal_compression.md", text.encode())
     versus = target_list is not None and bool(set(method_list) & set(RANKWISE)) and bool(
         {m for m in method_list if REGISTRY[m].baseline and m != "dense"})
     if versus:
@@ -350,9 +356,8 @@ def sweep_cmd(
         if not wrote and (out / name).is_file():
             (out / name).unlink()
     print_whole(console, table)
-    if "dlrt" in method_list and target_list is None and not equal:
-        console.print("equal_compression.md not written: it interpolates DLRT's accuracy between its "
-                      "compressions at two --taus or more (one was given)")
+    if no_rows is not None:
+        console.print(f"equal_compression.md has no rows: {no_rows}", highlight=False)
     trained = f"{count[0]} trained by this call" + (", the selection grid's included" if choices else "")
     console.print(f"{len(results)} runs in the tables ({trained}); wrote {out}/runs.csv, summary.md"
                   + "".join(f", {name}" for name, wrote in written.items() if wrote)
