@@ -148,7 +148,7 @@ def test_a_parametrised_linear_is_named_not_skipped_silently():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # (the hook-based form is deprecated)
         nn.utils.weight_norm(old[1])
-    with pytest.warns(UserWarning, match=r"leaving '1' dense: its weight is recomputed by torch.nn.utils.weight_norm"):
+    with pytest.warns(UserWarning, match=r"leaving .1. dense: its weight is recomputed by torch.nn.utils"):
         rankwise.to_low_rank(old, rank=2)
 
 
@@ -160,4 +160,13 @@ def test_conversion_leaves_the_global_rng_where_it_was():
     torch.manual_seed(0)
     rankwise.to_low_rank(m, rank=3)
     rankwise.to_low_rank(holder, rank=3)
+    assert torch.equal(torch.rand(3), plain)
+
+
+def test_dense_ema_leaves_the_global_rng_where_it_was():
+    m = rankwise.to_low_rank(_mlp(), rank=3)
+    torch.manual_seed(0)
+    plain = torch.rand(3)
+    torch.manual_seed(0)
+    rankwise.DenseEMA(m, 0.9)
     assert torch.equal(torch.rand(3), plain)

@@ -275,3 +275,16 @@ def test_hf_causal_lm_example_text_without_the_corpus(monkeypatch):
                                                                 "weight", "while", "integrator", "adapts",
                                                                 "each", "as", "training", "goes"]))
     assert [len(b["input_ids"]) for b in example.blocks(text, 16)] == [16] * 31
+
+
+def test_a_target_is_reached_within_the_trainers_steps(tmp_path):
+    """RankwiseTrainer(integrator={"target": 0.6}) with max_steps=16 ended at 0.076 (the budget
+    ramped over DLRT's default 200 augmentations); the ramp now follows the run's length."""
+    from rankwise.peft import RankwiseTrainer
+
+    model = _llama()
+    trainer = RankwiseTrainer(model=model, args=_args(tmp_path, max_steps=6), train_dataset=_lm_data(),
+                              integrator={"target": 0.6})
+    trainer.train()
+    assert _opt(trainer).budget()["target_params"] >= rankwise.compression(model)["stored_params"] - 1
+    assert rankwise.compression(model)["ratio"] == pytest.approx(0.6, abs=0.02)

@@ -21,6 +21,9 @@ _FROM_ARGS = ("lr", "optimizer", "momentum", "weight_decay", "betas", "eps", "de
               "rule", "settings", "param_groups")
 _METHODS = ("dlrt", "sdlrt")
 
+# a compression target's ramp: this share of the run's optimizer steps (as `rankwise train`'s)
+RAMP_SHARE = 0.9
+
 
 def _is_adapter_model(model: nn.Module) -> bool:
     config = getattr(model, "adapter_config", None)
@@ -95,7 +98,8 @@ class RankwiseTrainer(transformers.Trainer):
       ``{"update_every": 2}``);
     - for a ``to_low_rank`` model, ``rankwise.DLRT`` (or ``rankwise.SDLRT`` with
       ``integrator={"method": "sdlrt", ...}``) with the keyword arguments of `integrator`, which
-      must give the truncation: ``{"tau": 0.1}`` or ``{"target": 0.9}``.
+      must give the truncation: ``{"tau": 0.1}`` or ``{"target": 0.9}`` (a target is reached
+      over the first 90 % of the run's optimizer steps unless ``ramp_steps`` is given).
 
     The basis update and truncation happen inside ``optimizer.step()``, which the Trainer calls
     at every step, so there is no extra call to forget (PEFT's AdaLoRA needs
@@ -168,6 +172,20 @@ class RankwiseTrainer(transformers.Trainer):
         spared = [p for n, p in self.model.named_parameters() if n not in decay and p.requires_grad]
         return [{"params": spared, "weight_decay": 0.0}] if spared else []
 
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self._num_training_steps = num_training_steps  # (a target's ramp follows the run's length)
+        super().create_optimizer_and_scheduler(num_training_steps)
+
+    def _ramp(self, kw: dict[str, Any]) -> None:
+        """A `target` without ``ramp_steps`` ramps over :data:`RAMP_SHARE` of the Trainer's
+        optimizer steps (counted in augmentations), not DLRT's default 200 augmentations, which
+        a short run would never reach."""
+        # (transformers 4 passes the run's length to create_optimizer_and_scheduler; 5 sets it
+        # on the state before create_optimizer)
+        steps = getattr(self, "_num_training_steps", None) or getattr(self.state, "max_steps", 0)
+        if kw.get("target") is not None and "ramp_steps" not in kw and steps:
+            kw["ramp_steps"] = max(1, int(RAMP_SHARE * steps) // int(kw.get("update_every", 1)))
+
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             from ..lowrank import DLRT, SDLRT
@@ -181,6 +199,7 @@ class RankwiseTrainer(transformers.Trainer):
                 self.optimizer = adapter_optimizer(self.model, a.learning_rate, **kw)
             else:
                 cls = SDLRT if kw.pop("method", "dlrt") == "sdlrt" else DLRT
+                self._ramp(kw)
                 self.optimizer = cls(self.model, a.learning_rate, **kw)
             if self._hooked:
                 self._clip_before_steps(self.optimizer)
