@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 
 import rankwise
@@ -170,3 +171,68 @@ def test_dense_ema_leaves_the_global_rng_where_it_was():
     torch.manual_seed(0)
     rankwise.DenseEMA(m, 0.9)
     assert torch.equal(torch.rand(3), plain)
+
+
+def test_a_pickled_model_and_optimizer_resume_as_if_never_saved():
+    """torch.save({"model": m, "opt": opt}) then torch.load: was AttributeError '_released'."""
+    import io
+
+    m = rankwise.to_low_rank(_mlp(), rank=4)
+    opt = DLRT(m, 0.05, tau=0.2, optimizer="adam")
+    for s in range(2):
+        _step(m, opt, s)
+    buf = io.BytesIO()
+    torch.save({"model": m, "opt": opt}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    m2, opt2 = saved["model"], saved["opt"]
+    assert m2[0].grad_mode == "factors" and opt2.layers["0"] is m2[0]
+    for s in range(2, 5):
+        _step(m, opt, s)
+        _step(m2, opt2, s)
+    for a, b in zip(m.parameters(), m2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert opt2.ranks() == opt.ranks()
+
+
+def test_a_model_state_loaded_at_other_ranks_trains_on_with_its_moments_restarted():
+    """model.load_state_dict(best) after the ranks changed, then more steps: was a size mismatch
+    deep in the step (Adam's moments at the later ranks); now the moments of the layers whose
+    rank differs restart, with one warning."""
+    import copy
+
+    m = rankwise.to_low_rank(_mlp(), rank=6)
+    opt = DLRT(m, 0.05, tau=0.3, optimizer="adam")
+    _step(m, opt, 0)
+    best, ranks = copy.deepcopy(m.state_dict()), opt.ranks()
+    s = 1
+    while opt.ranks() == ranks:
+        _step(m, opt, s)
+        s += 1
+    m.load_state_dict(best)
+    with pytest.warns(UserWarning, match=r"changed outside the optimizer .*moments restart"):
+        _step(m, opt, s)
+    _step(m, opt, s + 1)
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("helper", [
+    lambda layer: torch.nn.utils.prune.l1_unstructured(layer, "weight", 0.3),
+    lambda layer: nn.utils.parametrizations.weight_norm(layer),
+    lambda layer: nn.utils.parametrizations.spectral_norm(layer),
+    lambda layer: nn.utils.spectral_norm(layer),
+    lambda layer: torch.nn.utils.fusion.fuse_linear_bn_eval(layer.eval(), nn.BatchNorm1d(12).eval()),
+    lambda layer: torch.func.functional_call(layer, {"weight": torch.zeros(12, 8)}, (torch.zeros(1, 8),)),
+    lambda layer: setattr(layer, "weight", nn.Parameter(torch.zeros(12, 8))),
+    lambda layer: delattr(layer, "weight"),
+], ids=["prune", "weight_norm", "spectral_norm", "old_spectral_norm", "fuse_linear_bn", "functional_call",
+        "assign", "delete"])
+def test_torch_helpers_that_take_the_weight_for_a_parameter_are_refused_in_one_line(helper):
+    layer = rankwise.to_low_rank(_mlp(), rank=3)[0]
+    before = {n: t.detach().clone() for n, t in layer.state_dict().items()}
+    with pytest.raises(TypeError, match=r"^LowRankLinear: its `weight` is not a parameter .*rankwise.export"):
+        helper(layer)
+    assert type(layer) is rankwise.LowRankLinear and set(layer.state_dict()) == set(before)
+    assert all(torch.equal(layer.state_dict()[n], t) for n, t in before.items())
+    out = torch.func.functional_call(layer, {"U": torch.zeros_like(layer.U)}, (torch.ones(1, 8),))
+    torch.testing.assert_close(out, layer.bias.detach()[None])  # a factor by name works

@@ -11,12 +11,21 @@ from torch import Tensor, nn
 
 from ..linalg import truncated_svd, work_dtype
 from ._autograd import DenseWeightFn
-from ._view import as_view
+from ._view import DenseView, as_view
 
 GradMode = Literal["full", "factors", "core"]
 
 
 _BY_PARAM: weakref.WeakValueDictionary[int, AbstractLowRankLayer] = weakref.WeakValueDictionary()
+
+
+_CHANGES = [0]  # factor replacements (set_factors, load_state_dict) of any layer so far
+
+
+def factor_changes() -> int:
+    """How many times any low-rank layer's factors were replaced (``set_factors``,
+    ``load_state_dict``): an optimizer that sees a change it did not make checks its state."""
+    return _CHANGES[0]
 
 
 def layer_of(p: Tensor) -> AbstractLowRankLayer | None:
@@ -39,6 +48,51 @@ def _swap_data(p: nn.Parameter, new: Tensor) -> None:
         other = torch.float16 if new.dtype != torch.float16 else torch.float32
         p.data = torch.empty(0, dtype=other, device=new.device)
     p.data = new
+
+
+class NotAParameter(TypeError, KeyError):
+    """Raised where torch code takes a low-rank layer's ``weight`` for a parameter (to prune,
+    re-parametrise, replace or delete it); a ``KeyError`` too, for code that looks it up in
+    ``module._parameters``."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class _Parameters(dict):
+    """A low-rank layer's ``_parameters``: asking it for ``weight`` (``"weight" in
+    layer._parameters``, ``layer._parameters["weight"]``, ``del …``: how torch.nn.utils.prune,
+    weight_norm, spectral_norm, parametrize and torch.func.functional_call reach a module's
+    weight) raises :class:`NotAParameter` naming the layer and the way out."""
+
+    def __init__(self, *args, what: str = "this low-rank layer") -> None:
+        super().__init__(*args)
+        self.what = what
+
+    def refuse(self) -> NotAParameter:
+        return NotAParameter(
+            f"{self.what}: its `weight` is not a parameter but U S Vᵀ of its factors, computed on every "
+            "read, so torch helpers that prune, re-parametrise, replace or delete a module's weight "
+            "parameter (torch.nn.utils.prune, weight_norm, spectral_norm, parametrize, functional_call / "
+            "stateless with a 'weight' entry, fuse_*_bn_eval, assigning layer.weight) cannot act on it: "
+            "apply them to a plain copy, rankwise.export(model), or to a factor by name ('U', 'S', 'V'; "
+            "functional_call takes '<layer>.U' …)")
+
+    def __contains__(self, key: object) -> bool:
+        if key == "weight" and not dict.__contains__(self, key):
+            raise self.refuse()
+        return dict.__contains__(self, key)
+
+    def __missing__(self, key: str):
+        raise self.refuse() if key == "weight" else KeyError(key)
+
+    def __delitem__(self, key: str) -> None:
+        if key == "weight" and not dict.__contains__(self, key):
+            raise self.refuse()
+        dict.__delitem__(self, key)
+
+    def __reduce__(self):  # pickled and deep-copied as a plain dict (the layer puts it back)
+        return dict, (dict(self),)
 
 
 @torch.no_grad()
@@ -91,6 +145,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         self.register_buffer("U_buf", torch.empty(out_features, 0, **kw))
         self.register_buffer("V_buf", torch.empty(in_features, 0, **kw))
         self.grad_mode: GradMode = "full"
+        self._guard_parameters()
         self._register()
         self.reset_parameters()
 
@@ -136,6 +191,28 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         return as_view(self.dense_weight(), f"{type(self).__name__}.weight ({self._weight_is})",
                        self._edit_instead)
 
+    @weight.setter
+    def weight(self, value) -> None:  # (`layer.weight = …`, torch.func.functional_call)
+        raise _Parameters(what=type(self).__name__).refuse()
+
+    @weight.deleter
+    def weight(self) -> None:
+        raise _Parameters(what=type(self).__name__).refuse()
+
+    def register_parameter(self, name: str, param) -> None:
+        """As ``nn.Module.register_parameter``; a parameter named ``weight``, or the weight view
+        registered under another name (``torch.nn.utils.prune``'s ``weight_orig``), is refused
+        (:class:`NotAParameter`): the layer's weight is its factors'."""
+        guard = self.__dict__.get("_parameters")
+        if isinstance(guard, _Parameters) and (name == "weight" or isinstance(param, DenseView)):
+            raise guard.refuse()
+        super().register_parameter(name, param)
+
+    def _guard_parameters(self) -> None:
+        """Put the refusing parameter dict (:class:`_Parameters`) in place."""
+        if not isinstance(self.__dict__.get("_parameters"), _Parameters):
+            self.__dict__["_parameters"] = _Parameters(self._parameters, what=type(self).__name__)
+
     # what `weight` is, and what to edit instead of writing into it (the error of a write)
     _weight_is = "U S Vᵀ of its factors"
     _edit_instead = ("change the factors (`set_factors`), or make the layer dense (`rankwise.export`) before "
@@ -158,6 +235,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
                 f"({self.in_features}, r); got {tuple(U.shape)}, {tuple(S.shape)}, {tuple(V.shape)}"
             )
         like = self.U
+        _CHANGES[0] += 1
         for p, new in ((self.U, U), (self.S, S), (self.V, V)):
             _swap_data(p, new.to(like).contiguous())
             p.grad = None
@@ -176,6 +254,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         """copy.deepcopy and pickle: new U, S, V objects, found by :func:`layer_of`; a copy is
         trained by no optimizer yet, so it starts in plain autograd (``"full"``) mode."""
         super().__setstate__(state)
+        self._guard_parameters()
         self._register()
         if self.grad_mode != "full":
             self.set_grad_mode("full")
@@ -225,6 +304,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):
         src = {k: state_dict.get(prefix + k) for k in ("U", "S", "V", "U_buf", "V_buf")}
+        _CHANGES[0] += 1
         if all(src[k] is not None for k in ("U", "S", "V")):
             a, b = src["S"].shape
             _swap_data(self.U, self.U.new_empty(self.out_features, a))

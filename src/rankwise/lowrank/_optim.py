@@ -17,10 +17,11 @@ import torch
 from torch import Tensor, nn
 
 from . import _batched, _closure, _dp, _shard, _state
-from ._base import AbstractLowRankLayer, layer_of
+from ._base import AbstractLowRankLayer, factor_changes, layer_of
 from ._budget import Planner
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._replicas import Replicas
+from ._rules import restart
 from ._settings import Settings, pop_rule, settings_doc, settings_from
 
 
@@ -139,6 +140,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._warned_world = False
         self._group_by_id: dict[int, dict] | None = None
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
+        self._seen_changes = factor_changes()
         # every low-rank layer, frozen ones too: as torch.optim.Adam(model.parameters()) holds frozen
         # parameters and trains them once they are unfrozen and get gradients (gradual unfreezing)
         self.layers: dict[str, AbstractLowRankLayer] = {
@@ -183,6 +185,39 @@ class AugmentedBUG(torch.optim.Optimizer):
         if getattr(layer, "_grad_owner", None) is None and layer.S.requires_grad:  # what release() gives back
             layer._requires_grad = (layer.U.requires_grad, layer.V.requires_grad)
         layer._grad_owner = self._token
+
+    # what a pickled optimizer carries beside torch's defaults, state and param groups
+    _PICKLED = ("implementation", "settings", "process_group", "_released", "_warned_world", "layers",
+                "planner", "_owned")
+
+    def __getstate__(self) -> dict:
+        """Pickled (``torch.save({"model": model, "opt": opt})``, ``copy.deepcopy``) with its model,
+        as a torch optimizer is with its parameters; a data-parallel one is refused."""
+        if self.dp is not None:
+            raise TypeError(f"a data-parallel {type(self).__name__} (process_group=…) cannot be pickled: "
+                            "save opt.state_dict() (and model.state_dict()) and build the optimizer again on "
+                            "each rank")
+        model = self._model()
+        if model is None:
+            raise TypeError(f"this {type(self).__name__}'s model was garbage-collected: nothing to pickle")
+        return {**super().__getstate__(), **{k: self.__dict__[k] for k in self._PICKLED}, "_model": model}
+
+    def __setstate__(self, state: dict) -> None:
+        """The unpickled optimizer trains the unpickled model's layers, as it did before."""
+        model = state.pop("_model")
+        super().__setstate__(state)
+        self._model, self._token, self.dp = weakref.ref(model), object(), None
+        self._group_by_id, self._skipped = None, None
+        self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
+        self._param_names = {id(p): n for n, p in model.named_parameters()}
+        if not self._released:
+            for layer in self.layers.values():
+                layer._grad_owner = self._token
+            self._set_modes()
+        weakref.finalize(self, _release, self._owned, self._token)
+        _install_foreign_step_check()
+        _LIVE.add(self)
+        self._seen_changes = factor_changes()
 
     def release(self) -> None:
         """Hand the low-rank layers back to plain torch: they return to ``"full"`` gradient mode
@@ -345,6 +380,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         if not self._warned_world and self.dp is None:
             self._warned_world = True
             _closure.warn_without_group(self)
+        if factor_changes() != self._seen_changes:  # someone else replaced factors since our last step
+            _restart_stale_moments(self)
         augment = self._augment_now()
         two_pass = augment and not self.settings.single_pass and self.layers
         if closure is None and two_pass:
@@ -374,6 +411,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             for layer in self.layers.values():
                 layer.reset_factor_grads()
             self._set_modes()
+            self._seen_changes = factor_changes()
         return loss
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler (:func:`._closure.amp_unscale`)
@@ -420,6 +458,26 @@ class AugmentedBUG(torch.optim.Optimizer):
             if self.truncation.data_aware:
                 scores = {n: gathered[n] for n in spectra}
         return self.planner.ranks(spectra, scores, self._augmentation(), self._hp()["budget_start"])
+
+
+def _restart_stale_moments(opt: AugmentedBUG) -> None:
+    """A layer whose rule moments no longer have its factors' shapes (the model's state was
+    loaded at other ranks without the optimizer's, or ``set_factors`` changed its rank) restarts
+    them, with one warning naming the layers. A torch optimizer keeps its moments through such a
+    load; these are coordinates in bases the layer no longer has, so they cannot be kept."""
+    stale = []
+    for name, layer in opt.layers.items():
+        trio = (layer.U, layer.S, layer.V)
+        if any(torch.is_tensor(m := opt.state[p].get(k)) and m.shape != p.shape
+               for p in trio for k in ("m", "v")):
+            for p in trio:
+                opt.state[p] = restart(restart(opt.state[p], "m"), "v")
+            stale.append(name)
+    if stale:
+        warnings.warn(f"{type(opt).__name__}: the ranks of {', '.join(map(repr, stale))} changed outside the "
+                      "optimizer (a model state loaded without the optimizer's, or set_factors); their "
+                      "moments restart (load the optimizer's state saved with the model to keep them)",
+                      stacklevel=5)
 
 
 def _with_new_layers(opt: AugmentedBUG, group: dict) -> tuple[dict, list[AbstractLowRankLayer]]:
