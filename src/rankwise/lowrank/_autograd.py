@@ -68,11 +68,17 @@ def _linear_param_grads(needs, factors, x, dy, U, S, V, h=None):
     return _finish(needs, factors, lambda: dy2.mT @ h2, lambda: x2.mT @ t, lambda: t.mT @ h2, S)
 
 
-def _fn(plain, fwd):
-    """`fwd` (the Function with a ``jvp``: forward mode, ``jacfwd``, ``hessian``) in eager, `plain`
-    under ``torch.compile`` / ``torch.export``: Dynamo breaks the graph at a Function that defines
-    ``jvp``."""
-    return plain if torch.compiler.is_compiling() else fwd
+def _fn(plain):
+    """Which form of the Function `plain` to apply: `plain` itself under ``torch.compile`` /
+    ``torch.export`` (Dynamo breaks the graph at a Function that defines ``jvp``); under torch.func
+    transforms the subclass with a ``jvp`` (forward mode: ``jacfwd``, ``hessian``); else, in plain
+    eager, the same Function in the ctx-in-forward style (with the ``jvp``), since torch binds the
+    arguments with ``inspect.signature`` on every call of a ``setup_context`` Function (~60 µs a
+    layer)."""
+    if torch.compiler.is_compiling():
+        return plain
+    fwd, eager = _VARIANTS[plain]
+    return fwd if torch._C._are_functorch_transforms_active() else eager
 
 
 def _save(ctx, *tensors):
@@ -122,7 +128,7 @@ class _LinearFn(torch.autograd.Function):
             if differentiated:
                 # dx = dy U S Vᵀ = dy (V Sᵀ Uᵀ)ᵀ: the adjoint layer, whose backward gives U, S, V
                 # gradients of the same kind (G_K, G_S, G_L in factor mode)
-                dx = _fn(_LinearFn, _LinearFnFwd).apply(dy, V, S.mT, U, None, ctx.factors, False)
+                dx = _fn(_LinearFn).apply(dy, V, S.mT, U, None, ctx.factors, False)
             else:
                 dx = ((dy @ U) @ S) @ V.mT
             dx = dx.to(x_in.dtype)
@@ -158,7 +164,7 @@ class LowRankLinearFn:
 
     @staticmethod
     def apply(x, U, S, V, bias, factors: bool):
-        return _fn(_LinearFn, _LinearFnFwd).apply(x, U, S, V, bias, factors, True)[0]
+        return _fn(_LinearFn).apply(x, U, S, V, bias, factors, True)[0]
 
 
 def _filters(V, channels, ksize):
@@ -235,7 +241,7 @@ class _Conv2dFn(torch.autograd.Function):
         dx = None
         if ctx.needs_input_grad[0]:
             if differentiated:  # the adjoint as a Function of the same mode (see _LinearFn)
-                dx = _fn(_Conv2dAdjointFn, _Conv2dAdjointFnFwd).apply(dy, U, S, V, ctx.factors,
+                dx = _fn(_Conv2dAdjointFn).apply(dy, U, S, V, ctx.factors,
                                                                      tuple(x.shape), *ctx.geom)
             else:
                 dx = _conv_input_grad(dy, U, S, V, x.shape, ctx.geom)
@@ -270,7 +276,7 @@ class _Conv2dAdjointFn(torch.autograd.Function):
         g = g.to(U.dtype)
         # ⟨g, A_Wᵀ dy⟩ = ⟨A_W g, dy⟩: dy's gradient is the layer applied to g, W's that of the
         # layer with input g and output gradient dy
-        ddy = (_fn(_Conv2dFn, _Conv2dFnFwd).apply(g, U, S, V, None, ctx.factors, False, *ctx.geom)
+        ddy = (_fn(_Conv2dFn).apply(g, U, S, V, None, ctx.factors, False, *ctx.geom)
                if ctx.needs_input_grad[0] else None)
         dU, dS, dV = _conv_param_grads(ctx.needs_input_grad[1:4], ctx.factors, g, dy, U, S, V, ctx.geom)
         return ddy, dU, dS, dV, None, None, None, None, None, None
@@ -307,7 +313,7 @@ class LowRankConv2dFn:
 
     @staticmethod
     def apply(x, U, S, V, bias, factors: bool, ksize, stride, padding, dilation):
-        return _fn(_Conv2dFn, _Conv2dFnFwd).apply(x, U, S, V, bias, factors, True, ksize, stride, padding,
+        return _fn(_Conv2dFn).apply(x, U, S, V, bias, factors, True, ksize, stride, padding,
                                                   dilation)[0]
 
 
@@ -354,4 +360,26 @@ class DenseWeightFn:
 
     @staticmethod
     def apply(U, S, V, factors: bool):
-        return _fn(_DenseWeightFn, _DenseWeightFnFwd).apply(U, S, V, factors)
+        return _fn(_DenseWeightFn).apply(U, S, V, factors)
+
+
+def _eager(cls, name):
+    """`cls` (forward + setup_context) as a Function with the ctx in its forward, named `name`."""
+
+    def forward(ctx, *args):
+        out = cls.forward(*args)
+        cls.setup_context(ctx, args, out)
+        return out
+
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(forward), "backward": staticmethod(cls.backward),
+        "jvp": staticmethod(cls.jvp), "__doc__": cls.__doc__})
+
+
+# plain Function → (its subclass with a jvp, the ctx-in-forward form); see _fn
+_VARIANTS = {plain: (fwd, _eager(fwd, name)) for plain, fwd, name in (
+    (_LinearFn, _LinearFnFwd, "LowRankLinearFn"),
+    (_Conv2dFn, _Conv2dFnFwd, "LowRankConv2dFn"),
+    (_Conv2dAdjointFn, _Conv2dAdjointFnFwd, "LowRankConv2dAdjointFn"),
+    (_DenseWeightFn, _DenseWeightFnFwd, "DenseWeightFn"),
+)}
