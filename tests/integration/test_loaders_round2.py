@@ -21,7 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _trained():
     torch.manual_seed(0)
     model = nn.Sequential(LowRankLinear(8, 6, 2), nn.ReLU(), nn.Linear(6, 3))
-    opt = SDLRT(model, 0.05, tau=0.3, momentum=0.9, optimizer="adam")
+    opt = SDLRT(model, 0.05, tau=0.3, optimizer="adam")
     X, Y = torch.randn(10, 8), torch.randn(10, 3)
 
     def closure():
@@ -41,21 +41,196 @@ def _spoiled(sd: dict, index: int, key: str, value) -> dict:
 
 
 @pytest.mark.parametrize(("index", "key", "value", "match"), [
-    (0, "m", lambda t: t[:, 0].clone(), r"layer '0' has K moment 'm' of shape \(6,\) where its parameter is \(6, 2\)"),
-    (2, "v", lambda t: t[None].clone(), r"layer '0' has L moment 'v' of shape \(1, 8, 2\) where its parameter"),
+    (0, "m", lambda t: t[:, 0].clone(), r"layer '0' has K moment 'm' of shape \(6,\) where its param"),
+    (2, "v", lambda t: t[None].clone(), r"layer '0' has L moment 'v' of shape \(1, 8, 2\) where"),
     (1, "tau", lambda t: float("nan"), r"layer '0' has 'tau' = nan, not a number in \[0, 1\)"),
     (1, "tau", lambda t: 1.5, r"layer '0' has 'tau' = 1.5"),
     (1, "r_init", lambda t: -1, r"layer '0' has 'r_init' = -1, not a whole number"),
     (0, "step", lambda t: float("nan"), r"layer '0' has 'step' = nan"),
-    (4, "m", lambda t: t.T.clone(), r"parameter 4 has moment 'm' of shape \(6, 3\) where its parameter is \(3, 6\)"),
+    (4, "m", lambda t: t.T.clone(), r"parameter 4 has moment 'm' of shape \(6, 3\) where its param"),
     (0, "v", lambda t: "zeros", r"K moment 'v' a str, not a floating-point tensor"),
 ])
 def test_optimizer_state_that_no_optimizer_wrote_is_refused_naming_layer_and_key(index, key, value, match):
     model, opt, closure = _trained()
     sd = opt.state_dict()
     bad = _spoiled(sd, index, key, value(sd["state"][index].get(key)))
-    fresh = SDLRT(model, 0.05, tau=0.3, momentum=0.9, optimizer="adam")
+    fresh = SDLRT(model, 0.05, tau=0.3, optimizer="adam")
     with pytest.raises(ValueError, match=match):
         fresh.load_state_dict(bad)
     fresh.load_state_dict(sd)  # the state as saved still loads, and trains on
     fresh.step(closure)
+
+
+# --------------------------------------------------------------------------- from_pretrained's files
+transformers = pytest.importorskip("transformers")  # the rankwise[peft] extra; make test installs it
+transformers.logging.set_verbosity_error()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A tiny converted GPT-2 saved with save_pretrained (one block), an input, and the model."""
+    import warnings
+
+    from rankwise.lowrank import to_low_rank
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tied lm_head left dense
+        to_low_rank(model, rank=4)
+    model.generation_config.max_length = 7  # beside the weights: generation_config.json
+    folder = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(folder)
+    x = torch.randint(0, 32, (1, 5))
+    return folder, x, model
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _load(folder):
+    from rankwise.lowrank import from_pretrained
+
+    return from_pretrained(transformers.GPT2LMHeadModel, folder)
+
+
+def _sharded(folder, shard_name, tmp_path):
+    """`folder` as a sharded save whose index names `shard_name` for every tensor."""
+    import json
+
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map":
+                                                                     dict.fromkeys(keys, shard_name)}))
+    (folder / "model.safetensors").rename(tmp_path / "moved.safetensors")
+    return tmp_path / "moved.safetensors"
+
+
+def test_a_fifo_named_in_the_index_is_refused_not_waited_on(saved, tmp_path):
+    import os
+
+    folder = _copy(saved[0], tmp_path / "m")
+    _sharded(folder, "model-00001.safetensors", tmp_path)
+    os.mkfifo(folder / "model-00001.safetensors")
+    with pytest.raises(ValueError, match=r"model-00001\.safetensors is a FIFO, not a regular file"):
+        _load(folder)
+
+
+@pytest.mark.parametrize("how", ["dotdot", "absolute", "link"])
+def test_an_index_naming_a_file_outside_the_folder_is_refused(saved, tmp_path, how):
+    folder = _copy(saved[0], tmp_path / "m")
+    (tmp_path / "elsewhere").mkdir()
+    outside = tmp_path / "elsewhere" / "x.safetensors"
+    name = {"dotdot": "../elsewhere/x.safetensors", "absolute": str(outside), "link": "x.safetensors"}[how]
+    _sharded(folder, name, tmp_path).rename(outside)  # a good file, but outside
+    if how == "link":
+        (folder / "x.safetensors").symlink_to(outside)
+    match = r"is a link to .* outside the folder" if how == "link" else r"is not a file name inside"
+    with pytest.raises(ValueError, match=match):
+        _load(folder)
+
+
+def test_a_link_inside_the_folder_and_a_sharded_save_still_load(saved, tmp_path):
+    folder = _copy(saved[0], tmp_path / "m")
+    (folder / "sub").mkdir()
+    _sharded(folder, "model-00001.safetensors", tmp_path).rename(folder / "sub" / "real.safetensors")
+    (folder / "model-00001.safetensors").symlink_to("sub/real.safetensors")
+    torch.testing.assert_close(_load(folder)(saved[1]).logits, saved[2](saved[1]).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["huge", "nested"])
+def test_an_oversized_or_deeply_nested_index_is_refused_in_one_line(saved, tmp_path, how):
+    folder = _copy(saved[0], tmp_path / "m")
+    _sharded(folder, "model-00001.safetensors", tmp_path)
+    index = folder / "model.safetensors.index.json"
+    if how == "huge":
+        with open(index, "wb") as f:
+            f.truncate(256 << 20)  # sparse: nothing is written
+        match = r"is 268,435,456 bytes, more than the 16,777,216 it can hold"
+    else:
+        index.write_text("[" * (1 << 20))
+        match = r"nested too deep"
+    with pytest.raises(ValueError, match=match):
+        _load(folder)
+
+
+def _rewrite(folder, change):
+    """Rewrite `folder`'s model.safetensors with `change` applied to its tensors (a dict)."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    change(state)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_zero_byte_factors_declaring_a_huge_rank_are_refused_before_allocating(saved, tmp_path):
+    folder = _copy(saved[0], tmp_path / "m")
+    layer = "transformer.h.0.mlp.c_fc"  # 64 × 16
+
+    def huge(state):
+        state[f"{layer}.S"] = torch.empty(2**31, 0)  # zero bytes, rank 2^31
+        state[f"{layer}.U"] = torch.empty(64, 0)
+        state[f"{layer}.V"] = torch.empty(16, 0)
+    _rewrite(folder, huge)
+    with pytest.raises(ValueError, match=rf"layer '{layer}' \(64×16\) has saved factors U \(64, 0\), "
+                                         r"S \(2147483648, 0\).*1 <= r <= 16"):
+        _load(folder)
+
+
+def test_a_safetensors_header_declaring_more_bytes_than_it_holds_is_refused(saved, tmp_path):
+    import json
+    import struct
+
+    folder = _copy(saved[0], tmp_path / "m")
+    header = json.dumps({"transformer.h.0.mlp.c_fc.S": {"dtype": "F32", "shape": [1 << 20, 1 << 20],
+                                                        "data_offsets": [0, 16]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(16))
+    with pytest.raises(ValueError, match=r"declares shape \(1048576, 1048576\) \(4,398,046,511,104 bytes\) "
+                                         r"but holds 16 bytes"):
+        _load(folder)
+
+
+def test_a_config_with_a_huge_vocabulary_is_compared_before_anything_is_built(saved, tmp_path):
+    import json
+
+    folder = _copy(saved[0], tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["vocab_size"] = 2**27  # an 8 GiB embedding at 16 features
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"'transformer.wte.weight' is saved with shape \(32, 16\) but the "
+                                         r"model its config builds has \(134217728, 16\)"):
+        _load(folder)
+
+
+def test_from_pretrained_restores_what_hf_restores_beside_the_weights(saved):
+    folder, x, model = saved
+    again = _load(folder)
+    hf = transformers.GPT2LMHeadModel.from_pretrained(folder)  # what HF's own loader restores
+    assert again.generation_config.max_length == hf.generation_config.max_length == 7
+    assert again.name_or_path == again.config.name_or_path == hf.name_or_path == str(folder)
+    assert not again.training and not hf.training
+    assert again.lm_head.weight is again.transformer.wte.weight
+    torch.testing.assert_close(again(x).logits, model(x).logits, rtol=0, atol=0)
+
+
+def test_from_pretrained_runs_no_svd_and_initialises_only_meta_tensors(saved, monkeypatch):
+    def meta_only(fn, what):  # (a layer built on meta runs its constructor's SVD on meta: free)
+        def run(t, *a, **k):
+            assert t.is_meta, f"{what} ran on a real tensor while loading"
+            return fn(t, *a, **k)
+        return run
+
+    monkeypatch.setattr(torch.linalg, "svd", meta_only(torch.linalg.svd, "an SVD"))
+    monkeypatch.setattr(torch.linalg, "svdvals", meta_only(torch.linalg.svdvals, "an SVD"))
+    monkeypatch.setattr(torch.nn.init, "normal_", meta_only(torch.nn.init.normal_, "an initialisation"))
+    folder, x, model = saved
+    expected = model(x).logits
+    torch.testing.assert_close(_load(folder)(x).logits, expected, rtol=0, atol=0)
