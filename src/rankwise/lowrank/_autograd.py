@@ -21,11 +21,17 @@ computed by a low-rank Function (the layer's adjoint) in the same mode, so a los
 adds ∇_W of that term to the factors in the same form (factor mode: G_K, G_S, G_L; else the true
 gradients), and the intermediate ``h`` is recomputed so that the graph reaches x and V.
 
-The Functions use the ``forward`` + ``setup_context`` style with ``generate_vmap_rule``, so
-``torch.func.grad``, ``vmap`` (per-sample gradients) and ``jacrev`` over
-``torch.func.functional_call`` work. The forwards follow torch's autocast rules as ``nn.Linear``
-and ``nn.Conv2d`` do (``F.linear`` / ``F.conv2d`` with the bias), so under autocast the output has
-the dtype the dense layer's would have.
+The Functions use the ``forward`` + ``setup_context`` style with ``generate_vmap_rule`` and a
+``jvp``, so ``torch.func.grad``, ``vmap`` (per-sample gradients), ``jacrev``, ``jacfwd`` and
+``hessian`` over ``torch.func.functional_call`` work (factor mode has no forward-mode form: a
+``jvp`` is the true tangent). Which form runs is chosen per call (:func:`_fn`): plain eager calls
+take the same code in the ctx-in-forward style, ``torch.compile`` the form without ``jvp``. Limits
+that are torch's own: ``torch.compile`` (aot_autograd, the default) refuses a double backward
+in its own words, and Dynamo cannot ``vmap`` a custom Function (run ``torch.func.vmap`` eagerly).
+
+The forwards follow torch's autocast rules as ``nn.Linear`` and ``nn.Conv2d`` do (``F.linear`` /
+``F.conv2d`` with the bias), so under autocast the output has the dtype the dense layer's would
+have (the bias no longer promotes it to float32).
 """
 
 from __future__ import annotations
