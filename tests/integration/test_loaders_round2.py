@@ -234,3 +234,25 @@ def test_from_pretrained_runs_no_svd_and_initialises_only_meta_tensors(saved, mo
     folder, x, model = saved
     expected = model(x).logits
     torch.testing.assert_close(_load(folder)(x).logits, expected, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the weight view
+@pytest.mark.parametrize("call", [
+    lambda F, w: F.relu(w, inplace=True),
+    lambda F, w: F.leaky_relu(w, 0.1, inplace=True),
+    lambda F, w: F.dropout(w, 0.5, training=True, inplace=True),
+    lambda F, w: F.hardtanh(w, inplace=True),
+    lambda F, w: F.hardtanh_(w),
+    lambda F, w: F.elu_(w),
+    lambda F, w: F.threshold(w, 0.0, 1.0, inplace=True),
+    lambda F, w: F.silu(w, inplace=True),
+])
+def test_inplace_functionals_on_the_weight_view_are_refused(call):
+    import torch.nn.functional as F
+
+    layer = LowRankLinear(6, 5, 2)
+    before = layer.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"computed on every read, so writing into it .* would be lost"):
+        call(F, layer.weight)
+    torch.testing.assert_close(layer.weight.detach(), before, rtol=0, atol=0)
+    assert torch.equal(F.relu(layer.weight), before.relu())  # out of place: as on a plain tensor

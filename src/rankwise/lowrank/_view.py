@@ -1,10 +1,11 @@
 """The dense weight of a low-rank layer as foreign code sees it: readable, never writable.
 
 A low-rank layer computes ``weight`` from its factors on every access, so a write into it
-(``nn.init.zeros_(layer.weight)``, ``layer.weight.data.mul_(2)``, ``layer.weight[0] = 0``) would
-change a temporary and be lost: the model would silently stay as it was. :class:`DenseView`
-refuses such writes in one line; every read (``F.linear(x, layer.weight)``, ``.shape``,
-``.norm()``, autograd through it) works as on a plain tensor and returns plain tensors.
+(``nn.init.zeros_(layer.weight)``, ``layer.weight.data.mul_(2)``, ``layer.weight[0] = 0``,
+``F.relu(layer.weight, inplace=True)``) would change a temporary and be lost: the model would
+silently stay as it was. :class:`DenseView` refuses such writes in one line; every read
+(``F.linear(x, layer.weight)``, ``.shape``, ``.norm()``, autograd through it) works as on a
+plain tensor and returns plain tensors.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ class DenseView(Tensor):
         if name == "__set__":  # a property's setter: only `.data = …` replaces the values
             name = f"{getattr(getattr(func, '__self__', None), '__name__', '')} ="
         # what the call writes into: its first argument (every tensor of it for `_foreach_*_`) for
-        # an in-place method, `out=` for any; `buf.copy_(weight)` only reads the view
-        written = (_flat(args[:1]) if args and _writes(name) else []) + _outs(kwargs)
+        # an in-place method or a functional given `inplace=True` (``F.relu(w, inplace=True)``,
+        # ``F.dropout``: torch passes it as a keyword), `out=` for any; `buf.copy_(weight)` only
+        # reads the view
+        inplace = kwargs.get("inplace") is True
+        written = (_flat(args[:1]) if args and (_writes(name) or inplace) else []) + _outs(kwargs)
         hit = next((t for t in written if isinstance(t, DenseView)), None)
         if hit is not None:
-            op = f"{name}, out=" if _outs(kwargs) and not _writes(name) else name
+            op = (f"{name}(inplace=True)" if inplace
+                  else f"{name}, out=" if _outs(kwargs) and not _writes(name) else name)
             raise RuntimeError(f"{hit.what} is computed on every read, so writing into it ({op}) would be "
                                f"lost; {hit.instead}")
         with torch._C.DisableTorchFunctionSubclass():
