@@ -197,3 +197,30 @@ def test_autocast_output_dtype_is_the_dense_layers(kind):
     got.float().pow(2).mean().backward()
     for p in low.parameters():
         assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all()
+
+
+@pytest.mark.parametrize("mode", ["factors", "full"])
+def test_a_gradient_penalty_inside_autocast_matches_float32(mode):
+    """The penalty's torch.autograd.grad(create_graph=True) written inside the autocast region:
+    the backward runs in the factors' dtype (a conv layer's used to end in a oneDNN error from the
+    mixed dtypes autocast made), and the gradients are float32's within bf16's precision."""
+    torch.manual_seed(0)
+    model = nn.Sequential(LowRankLinear(16, 12, 2), nn.Tanh(), nn.Unflatten(1, (3, 2, 2)),
+                          LowRankConv2d(3, 2, 3, 2, padding=1))
+    for layer in (model[0], model[3]):
+        layer.set_grad_mode(mode)
+    x = torch.randn(8, 16)
+
+    def grads(autocast: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            xr = x.clone().requires_grad_(True)
+            out = model(xr).float().sum()
+            (gx,) = torch.autograd.grad(out, xr, create_graph=True)
+            loss = out + (gx.float() ** 2).sum()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for got, want in zip(grads(True), grads(False), strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)

@@ -36,6 +36,8 @@ have (the bias no longer promotes it to float32).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -89,9 +91,25 @@ def _fn(plain):
 
 def _save(ctx, *tensors):
     """The same tensors for the backward and the forward mode: torch's generated vmap rule keeps
-    one record of the saved tensors' batch dims for both."""
+    one record of the saved tensors' batch dims for both; and their device, for _no_autocast."""
     ctx.save_for_backward(*tensors)
     ctx.save_for_forward(*tensors)
+    ctx.device_type = tensors[1].device.type
+
+
+def _no_autocast(backward):
+    """`backward` run with autocast off: it works in the factors' dtype, also when the backward
+    runs inside an autocast region (``torch.autograd.grad(..., create_graph=True)`` for a gradient
+    penalty written inside ``with torch.autocast(...)``), where autocast would mix dtypes."""
+
+    @functools.wraps(backward)
+    def wrapped(ctx, *grads):
+        if not torch.is_autocast_enabled(ctx.device_type):
+            return backward(ctx, *grads)
+        with torch.autocast(ctx.device_type, enabled=False):
+            return backward(ctx, *grads)
+
+    return wrapped
 
 
 class _LinearFn(torch.autograd.Function):
@@ -122,6 +140,7 @@ class _LinearFn(torch.autograd.Function):
         ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, dy, *_dh):
         if dy is None:
             return (None,) * 7
@@ -238,6 +257,7 @@ class _Conv2dFn(torch.autograd.Function):
         ctx.geom = tuple(geom)
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, dy, *_dh):
         if dy is None:
             return (None,) * 11
@@ -277,6 +297,7 @@ class _Conv2dAdjointFn(torch.autograd.Function):
         ctx.factors, ctx.x_shape, ctx.geom = factors, x_shape, tuple(geom)
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, g):
         dy, U, S, V = ctx.saved_tensors
         g = g.to(U.dtype)
@@ -341,6 +362,7 @@ class _DenseWeightFn(torch.autograd.Function):
         ctx.factors = factors
 
     @staticmethod
+    @_no_autocast
     def backward(ctx, gW):
         U, S, V = ctx.saved_tensors
         need_u, need_s, need_v = ctx.needs_input_grad[:3]
