@@ -47,6 +47,19 @@ def _checkpoint_file(tmp_path: Path, size: int = 3000) -> Path:
     return src
 
 
+@pytest.fixture
+def no_runs(monkeypatch):
+    """The studies' runs fail the test if they start (a refusal must come before any work)."""
+    from rankwise.experiments import _resume, ddp_resilience, lm_compare, sweep
+
+    def ran(*a, **k):
+        pytest.fail("the command started its runs")
+
+    for module, name in ((sweep, "sweep"), (lm_compare, "study"), (_resume, "run_resumable"),
+                         (ddp_resilience, "run_demo")):
+        monkeypatch.setattr(module, name, ran)
+
+
 def _no_space(path) -> OSError:
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
@@ -158,7 +171,7 @@ def test_an_existing_read_only_out_is_called_not_writable(tmp_path, monkeypatch)
     assert "cannot create it (Permission denied)" in msg and not (tmp_path / "new").exists()
 
 
-def test_ckpt_demo_refuses_a_kill_before_the_first_checkpoint(tmp_path):
+def test_ckpt_demo_refuses_a_kill_before_the_first_checkpoint(tmp_path, no_runs):
     """`ckpt demo --kill-step 3` (before the first checkpoint at --every 5) ran a minute, then a
     traceback."""
     msg = _one_line_error(run_cli("ckpt", "demo", "--workdir", tmp_path / "w", "--kill-step", 3), "ckpt demo")
@@ -269,7 +282,7 @@ def test_sigterm_ends_a_sweep_in_one_line(tmp_path, monkeypatch):
     (("ode", "--budget-in", "bytes"), "--budget-in"),
     (("ode", "--grid", "fixed:8", "--max-rank", "9"), "--max-rank"),
 ])
-def test_an_option_the_chosen_mode_ignores_is_refused(tmp_path, args, flag):
+def test_an_option_the_chosen_mode_ignores_is_refused(tmp_path, args, flag, no_runs):
     msg = _one_line_error(run_cli(*args, "--out", tmp_path / "o"), args[0])
     assert f"{flag} is ignored here: " in msg and f"(leave {flag} out)" in msg
     assert not (tmp_path / "o").exists()
@@ -280,14 +293,14 @@ def test_an_option_the_chosen_mode_ignores_is_refused(tmp_path, args, flag):
     ("sweep", "--methods", "sdlrt", "--omega", "0.5"), ("sweep", "--targets", "0.9", "--rank", "4"),
     ("ode", "--model", "layered", "--layers", "3"), ("ode", "--grid", "budget:6", "--budget-in", "bytes"),
 ])
-def test_the_same_options_where_they_are_read_pass_and_dry_run_runs_nothing(tmp_path, args):
+def test_the_same_options_where_they_are_read_pass_and_dry_run_runs_nothing(tmp_path, args, no_runs):
     r = run_cli(*args, "--out", tmp_path / "o", "--dry-run")
     assert r.exit_code == 0, r
     assert r.stdout.startswith("plan: ") and "nothing was run (--dry-run)" in r.stdout and r.stderr == ""
     assert not (tmp_path / "o").exists()
 
 
-def test_sweep_dry_run_counts_the_runs_and_progress_has_a_total(tmp_path):
+def test_sweep_dry_run_counts_the_runs_and_progress_has_a_total(tmp_path, no_runs):
     r = run_cli("sweep", "--tasks", "lenet-digits", "--methods", "dense,dlrt", "--taus", "0.1,0.2",
                 "--seeds", 2, "--out", tmp_path / "o", "--dry-run")
     assert r.exit_code == 0, r
@@ -317,7 +330,7 @@ def test_a_one_tau_sweep_writes_no_empty_equal_compression_table(tmp_path, monke
 
 
 # --------------------------------------------------------------------------- names and help
-def test_one_idea_has_one_option_name(tmp_path):
+def test_one_idea_has_one_option_name(tmp_path, no_runs):
     """--val / --validation and --batch / --batch-size: the commands now say --validation and
     --batch-size; the old names are hidden aliases."""
     out = tmp_path / "o"
