@@ -243,7 +243,8 @@ def test_a_diverged_replica_is_named(tmp_path, case, where):
     with pytest.raises(AssertionError) as e:
         run_world(_diverge_worker, 2, tmp_path, case)
     msg = str(e.value)
-    assert "replicas diverged" in msg and "rank 1" in msg and where in msg
+    # two ranks: which one drifted cannot be told (see test_loaders_round2 for three)
+    assert "replicas diverged" in msg and "ranks 0 / 1 hold different factors" in msg and where in msg
     assert "NoneType" not in msg and "another rank's" not in msg
 
 

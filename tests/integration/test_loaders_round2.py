@@ -256,3 +256,39 @@ def test_inplace_functionals_on_the_weight_view_are_refused(call):
         call(F, layer.weight)
     torch.testing.assert_close(layer.weight.detach(), before, rtol=0, atol=0)
     assert torch.equal(F.relu(layer.weight), before.relu())  # out of place: as on a plain tensor
+
+
+# --------------------------------------------------------------------------- the replica check
+def test_the_replica_fingerprint_sees_sign_flipped_singular_pairs():
+    """Flipping the signs of an even number of singular pairs (u_i, v_i → −u_i, −v_i) leaves the
+    layer's function as it is but not its factors: the replicas differ. Each flipped float64
+    moves its word by 2^63, so a weighted sum of words cancels in pairs; the mixed sum does not."""
+    from rankwise.lowrank._dp import device_fingerprints
+
+    torch.manual_seed(0)
+    U, S, V = torch.randn(6, 4, dtype=torch.float64), torch.diag(torch.rand(4, dtype=torch.float64)), \
+        torch.randn(5, 4, dtype=torch.float64)
+    ref = device_fingerprints([[U, S, V]], U.device)
+    for flipped in ([0, 1], [0, 1, 2, 3], [1]):
+        sign = torch.ones(4, dtype=torch.float64)
+        sign[flipped] = -1
+        got = device_fingerprints([[U * sign, S, V * sign]], U.device)
+        assert got != ref, flipped
+    x = torch.zeros(4, dtype=torch.float64)  # two entries' words swapped: seen too
+    x[0], x[1] = 1.0, 2.0
+    assert device_fingerprints([[x]], x.device) != device_fingerprints([[x[[1, 0, 2, 3]]]], x.device)
+
+
+@pytest.mark.parametrize(("rows", "match"), [
+    ([[1, 2], [9, 2], [1, 2]], r"rank 1 holds other factors than the other 2 ranks in layer 'a'"),
+    ([[9, 2], [1, 2], [1, 2]], r"rank 0 holds other factors than the other 2 ranks in layer 'a'"),
+    ([[1, 2], [1, 9]], r"ranks 0 / 1 hold different factors \(no majority tells which drifted\) in layer"),
+    ([[1, 2], [1, 2], [1, 9], [1, 9]], r"ranks 0, 1 / 2, 3 hold different factors"),
+])
+def test_a_diverged_replica_is_the_one_the_majority_disowns(rows, match):
+    from rankwise.lowrank._dp import PendingCheck
+
+    check = PendingCheck(["a", "b"], torch.tensor(rows), "at step 3")
+    with pytest.raises(RuntimeError, match=r"replicas diverged at step 3: " + match):
+        check.raise_if_diverged(None)
+    PendingCheck(["a", "b"], torch.tensor([rows[0]] * 3), "at step 3").raise_if_diverged(None)  # all agree

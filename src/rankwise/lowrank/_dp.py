@@ -108,18 +108,32 @@ def shape_hash(tensors: Sequence[Tensor]) -> int:
 
 
 # splitmix64's constants as signed int64 (torch's integer arithmetic wraps modulo 2^64)
-_GOLDEN, _MIX = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64
+_GOLDEN, _MIX, _MIX2 = 0x9E3779B97F4A7C15 - 2**64, 0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64
+
+
+def _shr(x: Tensor, k: int) -> Tensor:
+    """Logical right shift of int64 words (torch's ``>>`` is arithmetic)."""
+    return (x >> k) & (2 ** (64 - k) - 1)
+
+
+def _finalise(x: Tensor) -> Tensor:
+    """splitmix64's finaliser: a bijection of 64-bit words that mixes every bit into every other."""
+    x = (x ^ _shr(x, 30)) * _MIX
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
 
 
 def device_fingerprints(entries: Sequence[Sequence[Tensor]], device: torch.device) -> Tensor:
     """(len(entries),) int64 on `device`, with no host read and a fixed number of ops: per entry,
-    Σ word·w over the 8-byte words of its tensors' bytes (each tensor zero-padded to whole words;
-    all entries in one stream), each word's weight w an odd number drawn from its position by
-    splitmix64's mixer, plus a host-side hash of its tensors' shapes and dtypes. Equal tensors
-    give equal values on any rank; a changed word moves the sum by d·w ≠ 0 mod 2^64 (w odd), so
-    one flipped bit, or any change confined to one word, always shows; unrelated changes collide
-    with probability about 2^-63. Memory: about 3× the bytes hashed. Tensors on other devices
-    (a τ on the host) travel in one copy."""
+    Σ f(word ⊕ k) over the 8-byte words of its tensors' bytes (each tensor zero-padded to whole
+    words; all entries in one stream), f splitmix64's finaliser (a bijection) and k a key drawn
+    from the word's position by the same mixer, plus a host-side hash of its tensors' shapes and
+    dtypes. Equal tensors give equal values on any rank; a changed word moves the sum by
+    f(a') − f(a) ≠ 0 (f is one-to-one), so one flipped bit, or any change confined to one word,
+    always shows; several changed words collide with probability about 2^-64, whatever the
+    change: a sign flipped in an even number of words (a singular pair's ±u, ±v), which moves
+    each word by 2^63 and would cancel in a weighted sum, shows too. Memory: about 3× the bytes
+    hashed. Tensors on other devices (a τ on the host) travel in one copy."""
     here, there = [], []  # (entry, bytes) on `device` / elsewhere (moved at once)
     for e, ts in enumerate(entries):
         for t in ts:
@@ -142,11 +156,9 @@ def device_fingerprints(entries: Sequence[Sequence[Tensor]], device: torch.devic
     if there:
         stream.append(torch.cat(padded([b for _, b in there], there[0][1].device)).to(device))
     w = torch.cat(stream).view(torch.int64)
-    x = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=device) * _GOLDEN
-    x = (x ^ ((x >> 30) & (2**34 - 1))) * _MIX
-    x = (x ^ ((x >> 27) & (2**37 - 1))) | 1
+    key = _finalise(torch.arange(1, w.numel() + 1, dtype=torch.int64, device=device) * _GOLDEN)
     entry_of = torch.repeat_interleave(entry_ids, counts, output_size=w.numel())
-    return out.index_add(0, entry_of, w * x)
+    return out.index_add(0, entry_of, _finalise(w ^ key))
 
 
 @dataclass
@@ -162,18 +174,32 @@ class PendingCheck:
         return (self.rows != self.rows[:1]).any()
 
     def raise_if_diverged(self, group) -> None:
-        """Read the rows (one host read) and raise ``RuntimeError`` naming the first rank (and
-        layer) whose tensors differ from the group's rank 0."""
-        rows = self.rows.tolist()
-        for r, theirs in enumerate(rows[1:], start=1):
-            diff = [i for i, (a, b) in enumerate(zip(theirs, rows[0], strict=True)) if a != b]
-            if diff:
-                raise RuntimeError(
-                    f"data-parallel replicas diverged {self.when}: rank {global_rank(group, r)} holds other "
-                    f"factors than rank {global_rank(group, 0)} in layer {self.names[diff[0]]!r} (ranks, "
-                    "bases or τ differ). Every rank must start from the same model and see the same averaged "
-                    "gradients; across machines whose floating-point results differ, the integrator's "
-                    "results can drift apart")
+        """Read the rows (one host read) and raise ``RuntimeError`` naming the ranks (and the
+        first layer) whose tensors differ from the majority's; with no majority (two ranks, or
+        a tie), the ranks that differ, without blaming either side."""
+        rows = [tuple(r) for r in self.rows.tolist()]
+        if all(r == rows[0] for r in rows):
+            return
+        first = next(i for i in range(len(rows[0])) if len({r[i] for r in rows}) > 1)
+        counts = {r: rows.count(r) for r in rows}
+        top = max(counts.values())
+        names = [global_rank(group, i) for i in range(len(rows))]
+        ref = next(r for r, c in counts.items() if c == top)
+        if top > len(rows) / 2:  # a strict majority: the others drifted
+            odd = [str(names[i]) for i, r in enumerate(rows) if r != ref]
+            what = (f"rank {odd[0]} holds" if len(odd) == 1 else f"ranks {', '.join(odd)} hold") + \
+                f" other factors than the other {top} ranks"
+        else:
+            groups: dict[tuple, list[str]] = {}
+            for i, r in enumerate(rows):
+                groups.setdefault(r, []).append(str(names[i]))
+            what = ("ranks " + " / ".join(", ".join(g) for g in groups.values()) + " hold different factors "
+                    "(no majority tells which drifted)")
+        raise RuntimeError(
+            f"data-parallel replicas diverged {self.when}: {what} in layer {self.names[first]!r} (ranks, "
+            "bases or τ differ). Every rank must start from the same model and see the same averaged "
+            "gradients; across machines whose floating-point results differ, the integrator's "
+            "results can drift apart")
 
 
 def start_check(named: dict[str, Sequence[Tensor]], group, *, when: str) -> PendingCheck:

@@ -99,8 +99,8 @@ class Replicas:
         if diverged:  # the previous step's check: raised before this step changes anything
             if pending is not None:
                 pending.raise_if_diverged(self.group)
-            raise RuntimeError("data-parallel replicas diverged: another rank's last replica check found a "
-                               "rank holding other factors than the group's first (see that rank's error)")
+            raise RuntimeError("data-parallel replicas diverged: another rank's last replica check found "
+                               "ranks holding different factors (see that rank's error)")
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         return bad
 
@@ -124,11 +124,11 @@ class Replicas:
             state[layer.U], state[layer.V], state[layer.S] = v["state"]
 
     def verify(self) -> None:
-        """Read the replica check still in flight, if any (``RuntimeError`` naming the rank that
-        drifted): a step's check is otherwise read with the next step's gradient exchange. A
-        check that found a difference stays in flight: when this rank alone read it (a
-        ``state_dict`` saved on rank 0), the next exchange, where the others report it, raises
-        the same error here."""
+        """Read the replica check still in flight, if any (``RuntimeError`` naming the ranks that
+        differ from the majority): a step's check is otherwise read with the next step's
+        gradient exchange. A check that found a difference stays in flight: when this rank alone
+        read it (a ``state_dict`` saved on rank 0), the next exchange, where the others report
+        it, raises the same error here."""
         if self.pending is not None:
             self.pending.raise_if_diverged(self.group)
             self.pending = None
