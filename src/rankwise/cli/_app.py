@@ -212,7 +212,7 @@ def _train(config, nproc: int, threads: int, max_restarts: int, device: str = "c
         return
     with num_threads(threads), progress(console) as bar:
         try:
-            summary = train(config, callback=bar(config.method), device=device)
+            summary = train(config, callback=bar(config.method), device=device, save_model=True)
         except FloatingPointError as e:  # the low-rank step refuses a non-finite loss or gradient
             kept = f"; the records up to there are in {config.out}" if config.out is not None else ""
             raise UserError(f"training diverged at --lr {config.lr:g} ({str(e).split(';')[0]}): try a "
@@ -268,7 +268,7 @@ def demo_cmd(
     with num_threads(threads), progress(console) as bar, \
             full_disk_cleaned(out, RUN_OUTPUTS, also=[c.out for c in configs]):  # (every run's records)
         for config in configs:
-            summaries.append(train(config, callback=bar(config.method)))
+            summaries.append(train(config, callback=bar(config.method), save_model=True))
     console.print(comparison_table(summaries, epochs=epochs, rank=rank, **level))
     console.print(f"Run records (metrics.csv, final.json, TensorBoard, model.pt): {out}/{{dense,dlrt,sdlrt}}")
     for s in summaries:

@@ -140,7 +140,7 @@ def _worker(config_json: str, summary_path: str) -> None:
 
     torch.set_num_threads(1)
     init_process_group("gloo")
-    summary = train(TrainConfig.from_dict(json.loads(config_json)))
+    summary = train(TrainConfig.from_dict(json.loads(config_json)), save_model=True)
     if dist.get_rank() == 0:
         summary["nproc"] = dist.get_world_size()
         write_atomic(Path(summary_path), json.dumps(summary).encode())

@@ -75,7 +75,7 @@ ProgressCallback = Callable[[Progress], None]
 
 
 def train(config: TrainConfig, *, callback: ProgressCallback | None = None,
-          device: str | torch.device | None = None) -> dict[str, Any]:
+          device: str | torch.device | None = None, save_model: bool = False) -> dict[str, Any]:
     """Train `config.model` on the digits with `config.method` and return the run summary.
 
     The loop is :func:`rankwise.train.fit`; this function builds the model, the optimizer and
@@ -85,9 +85,10 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None,
     epoch, train_loss, train_acc, test_acc, compression, epoch_time, then ``rank/<layer>``
     columns, then ``tau/<layer>``), TensorBoard events (``loss/train``, ``accuracy/train``,
     ``accuracy/test``, ``compression/ratio``, ``rank/<layer>``, ``tau/<layer>``, with a target
-    ``budget/params``; metrics.csv's ``budget_params``), the trained model's ``state_dict``
-    (``model.pt``, :func:`torch.save`, atomically; load it into ``rankwise.models.get_model``
-    converted as the run did, or read its tensors) and, last, ``final.json`` (atomically).
+    ``budget/params``; metrics.csv's ``budget_params``), with `save_model` the trained model's
+    ``state_dict`` (``model.pt``, :func:`torch.save`, atomically; load it into
+    ``rankwise.models.get_model`` converted as the run did, or read its tensors) and, last,
+    ``final.json`` (atomically).
     Files of an earlier run in ``config.out`` are overwritten (the command line refuses that
     without ``--force``).
     The caller's global RNG state is left untouched.
@@ -103,6 +104,7 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None,
     - `config`: a :class:`TrainConfig`.
     - `callback`: called with a :class:`Progress` after every step; default none.
     - `device`: where the model and the data live (default: the CPU).
+    - `save_model`: also write ``model.pt`` into ``config.out`` (``rankwise train`` does).
 
     **Returns:** a dict with ``config``, ``test_acc``, ``train_acc`` (final, in [0, 1]),
     ``compression`` (the dict of :func:`rankwise.compression`), ``ranks`` and ``taus`` (per
@@ -149,7 +151,8 @@ def train(config: TrainConfig, *, callback: ProgressCallback | None = None,
             "rankwise_version": _version(),
             "format_version": FORMAT_VERSION,
         }
-        rec.model(model)
+        if save_model:
+            rec.model(model)
         rec.final(summary)
     return summary
 
