@@ -136,6 +136,29 @@ def test_train_on_a_full_disk_is_one_line_and_leaves_nothing_that_blocks_the_rer
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE, "notes.txt"]
 
 
+def test_a_full_disk_met_in_a_writer_thread_prints_no_thread_traceback(tmp_path, monkeypatch):
+    """TensorBoard's writer thread met the full disk first and printed "Exception in thread …"
+    with a traceback before the command's line; the command now says it once."""
+    import threading
+
+    from rankwise.experiments import train_run
+
+    def writer_thread_then_main(config, **kw):
+        config.out.joinpath("metrics.csv").write_text("epoch\n")  # (what the run wrote so far)
+        t = threading.Thread(target=lambda: (_ for _ in ()).throw(_no_space(config.out / "events.out")))
+        t.start()
+        t.join()
+        raise _no_space(config.out / "events.out")  # (the writer re-raises it in the main thread)
+
+    monkeypatch.setattr(train_run, "train", writer_thread_then_main)
+    monkeypatch.setattr(threading, "excepthook", threading.__excepthook__)  # (Python's, not pytest's)
+    out = tmp_path / "o"
+    msg = _one_line_error(run_cli("train", "--out", out), "train", 1)
+    assert "no space left on device writing" in msg and "Exception in thread" not in msg
+    assert not out.exists()  # what it wrote removed, and the folder it created
+    assert threading.excepthook is threading.__excepthook__  # (restored)
+
+
 # --------------------------------------------------------------------------- writable, checked first
 def test_ckpt_repair_checks_the_folder_is_writable_before_the_work(tmp_path, monkeypatch):
     from rankwise.ckpt import Code2D

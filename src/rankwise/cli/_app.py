@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
     rc = 1
     try:
-        with _sigterm_ends_cleanly():
+        with _sigterm_ends_cleanly(), _full_disk_in_threads_said_once():
             rc = _main(args)
         return rc
     finally:  # (rc stays 1 when --debug lets an exception through)
@@ -371,6 +371,29 @@ def _sigterm_ends_cleanly():
         yield
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+@contextlib.contextmanager
+def _full_disk_in_threads_said_once():
+    """A full disk met by a helper thread (TensorBoard's writer) printed its traceback ("Exception
+    in thread …") before the command's own one line: such a thread's ``ENOSPC``/``EDQUOT`` is
+    left to the command, which meets it again when it next writes or closes the records."""
+    import threading
+
+    from ._common import FULL_DISK
+
+    before = threading.excepthook
+
+    def hook(args):  # type: ignore[no-untyped-def]
+        if isinstance(args.exc_value, OSError) and args.exc_value.errno in FULL_DISK:
+            return
+        before(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = before
 
 
 def _interrupted(args: list[str]) -> int:
