@@ -292,3 +292,61 @@ def test_a_diverged_replica_is_the_one_the_majority_disowns(rows, match):
     with pytest.raises(RuntimeError, match=r"replicas diverged at step 3: " + match):
         check.raise_if_diverged(None)
     PendingCheck(["a", "b"], torch.tensor([rows[0]] * 3), "at step 3").raise_if_diverged(None)  # all agree
+
+
+# --------------------------------------------------------------------------- what peers send
+def test_plain_data_between_ranks_round_trips_without_pickle():
+    from rankwise.lowrank._shard import decode, encode
+
+    value = {"a": ("__tensor__", 0, (3, 2), "float32"), 3: [1.5, float("inf"), None, True, "x"],
+             "s": {"spectra": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+                   "empty": torch.empty(0, 4)},
+             "flags": torch.tensor([True, False]), "z": torch.tensor([1 + 2j])}
+    back = decode(encode(value))
+    assert back.keys() == value.keys() and back["a"] == value["a"] and isinstance(back["a"][2], tuple)
+    assert back[3][:1] == [1.5] and back[3][2:] == [None, True, "x"]
+    for k in ("spectra", "empty"):
+        assert torch.equal(back["s"][k], value["s"][k]) and back["s"][k].dtype == value["s"][k].dtype
+    assert torch.equal(back["flags"], value["flags"]) and torch.equal(back["z"], value["z"])
+    with pytest.raises(TypeError, match="cannot send a object"):
+        encode({"x": object()})
+
+
+@pytest.mark.parametrize("payload", [
+    b"\x80\x04\x95",  # a pickle's opening: never unpickled
+    (6).to_bytes(8, "little") + b'{"v":1',  # a header past the end
+    (20).to_bytes(8, "little") + b'{"v":1,"t":[["f",[]]]}',
+    (5).to_bytes(8, "little") + b"[" * 5,
+])
+def test_a_peers_malformed_message_is_refused_naming_it(payload):
+    from rankwise.lowrank._shard import decode
+
+    with pytest.raises(ValueError, match=r"rank 3 sent a message that is not rankwise's exchange format"):
+        decode(payload, "rank 3")
+
+
+def test_data_parallel_exchanges_unpickle_nothing(tmp_path, monkeypatch):
+    """A sharded, budgeted DLRT in a one-rank gloo group: construction, the owners' share and the
+    budget's gathered spectra travel as tensors (the pickling collectives are never called)."""
+    import torch.distributed as dist
+
+    import rankwise
+
+    def pickled(*a, **k):
+        raise AssertionError("a pickling collective was called")
+
+    for fn in ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list"):
+        monkeypatch.setattr(dist, fn, pickled)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(LowRankLinear(8, 6, 3), nn.ReLU(), LowRankLinear(6, 4, 3))
+        opt = rankwise.DLRT(model, 0.1, target=0.5, process_group=dist.group.WORLD, data_parallel="sharded")
+        X, Y = torch.randn(16, 8), torch.randn(16, 4)
+        for _ in range(2):
+            opt.zero_grad()
+            ((model(X) - Y) ** 2).mean().backward()
+            opt.step()
+        assert opt.owners() == {"0": 0, "2": 0}
+    finally:
+        dist.destroy_process_group()

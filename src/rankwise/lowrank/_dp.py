@@ -249,9 +249,10 @@ def broadcast_from_first(tensors: Sequence[Tensor], group) -> None:
 def check_shapes(named: dict[str, Tensor], group) -> None:
     """Every rank must hold the same tensor names and shapes (e.g. the same ranks) before a
     broadcast: else a clear error naming the first rank that differs."""
+    from ._shard import gather_objects  # (plain data as JSON: nothing a peer sends is unpickled)
+
     sig = [(k, tuple(t.shape), str(t.dtype)) for k, t in named.items()]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, sig, group=group)
+    everyone = gather_objects(sig, group)
     for r, theirs in enumerate(everyone[1:], start=1):
         if theirs != everyone[0]:
             bad = next(((a, b) for a, b in zip(everyone[0], theirs, strict=False) if a != b), None)
