@@ -390,3 +390,39 @@ def test_help_at_80_columns_cuts_nothing_and_lists_every_command(monkeypatch):
         r = run_cli(*command, "--help")
         cut = [line for line in r.stdout.splitlines() if "…" in line]
         assert r.exit_code == 0 and not cut, (command, cut)
+
+
+def test_one_process_train_checkpoints_and_resumes_as_if_uninterrupted(tmp_path, monkeypatch):
+    """`train` had no checkpoint or resume for one process: --checkpoint-every/--checkpoint-dir
+    now work with --nproc 1 (checkpoint.pt), and the same command rerun after an interruption
+    resumes and ends where the uninterrupted run does."""
+    import json
+
+    from rankwise.experiments import train_run
+
+    def run(name: str):
+        return run_cli("train", "--model", "mlp", "--method", "sdlrt", "--rank", 8, "--epochs", 2,
+                       "--batch-size", 512, "--checkpoint-every", 2, "--checkpoint-dir",
+                       tmp_path / name / "ck", "--out", tmp_path / name / "out")
+
+    def final(name: str) -> dict:
+        s = json.loads((tmp_path / name / "out" / "final.json").read_text())
+        return {"history": [{k: v for k, v in h.items() if k != "epoch_time"} for h in s["history"]],
+                "ranks": s["ranks"], "test_acc": s["test_acc"], "restored": s["restored_from"]}
+
+    assert run("whole").exit_code == 0
+    real = train_run._EpochRecords.on_step_end
+
+    def stopped(self, loop):  # interrupted after step 5 (the checkpoint of step 4 is written)
+        real(self, loop)
+        if loop.global_step == 5:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_run._EpochRecords, "on_step_end", stopped)
+    assert run("cut").exit_code == 130
+    monkeypatch.setattr(train_run._EpochRecords, "on_step_end", real)
+    r = run("cut")  # the same command again: it resumes (no --force needed: the records are its own)
+    assert r.exit_code == 0, r
+    whole, cut = final("whole"), final("cut")
+    assert whole.pop("restored") is None and cut.pop("restored")["step"] == 4
+    assert cut == whole

@@ -102,9 +102,13 @@ def train_cmd(
     nproc: Annotated[int, typer.Option(help="Data-parallel processes (torchrun, gloo, one thread each): "
                                        "each trains on its shard of every batch.", min=1,
                                        max=MAX_WORKERS)] = 1,
-    checkpoint_every: Annotated[int | None, config_option(TC, "checkpoint_every", min=1)] \
-    = TC.checkpoint_every,
-    checkpoint_dir: Annotated[Path | None, config_option(TC, "checkpoint_dir")] = TC.checkpoint_dir,
+    checkpoint_every: Annotated[int | None, typer.Option(
+        "--checkpoint-every", min=1, help="A checkpoint every this many steps, in --checkpoint-dir: one "
+        "process writes checkpoint.pt; --nproc >= 4, a 2-D coded checkpoint (a lost rank repaired from its "
+        "peers).")] = TC.checkpoint_every,
+    checkpoint_dir: Annotated[Path | None, typer.Option(
+        "--checkpoint-dir", help="Node-local folder for the checkpoints (rank<i>/ per process with "
+        "--nproc); the same command rerun resumes from the newest checkpoint there.")] = TC.checkpoint_dir,
     max_restarts: Annotated[int, typer.Option(help="With --nproc: torchrun restarts the group after a "
                                               "failure this many times.", min=0)] = 0,
     device: Annotated[str, typer.Option(help="Where one process trains: cpu, cuda or cuda:N (--nproc runs "
@@ -130,14 +134,15 @@ def train_cmd(
     if max_restarts and nproc == 1:
         raise UserError(f"--max-restarts restarts torchrun's worker group: it needs --nproc > 1 (got "
                         f"--max-restarts {max_restarts} with one process)")
-    if checkpoint_every is not None and nproc < 4:
-        raise UserError(f"--checkpoint-every needs --nproc >= 4 (coded checkpoints tolerate t = 1 lost "
-                        f"process with n > 3t); got --nproc {nproc}")
+    if checkpoint_every is not None and 1 < nproc < 4:
+        raise UserError(f"--checkpoint-every needs --nproc >= 4 when data-parallel (coded checkpoints "
+                        f"tolerate t = 1 lost process with n > 3t); got --nproc {nproc} (one process, "
+                        "--nproc 1, writes plain checkpoints)")
     _check_device(device, nproc)
     if out is not None:  # one run at a time in --out: taken before anything in it is read
         lock_output(out)
     resumes = False
-    if config.checkpoint_dir is not None and nproc > 1:
+    if config.checkpoint_dir is not None:
         from ._train_dp import check_checkpoint_dir, resumes_out
 
         check_checkpoint_dir(config, nproc)
@@ -210,6 +215,10 @@ def _train(config, nproc: int, threads: int, max_restarts: int, device: str = "c
         print_whole(console, summary_table(summary))
         _above_dense(console, summary)
         return
+    if config.checkpoint_dir is not None:  # (its manifest: a rerun with other settings is refused)
+        from ._train_dp import claim_checkpoint_dir, mark_out
+
+        mark_out(config, claim_checkpoint_dir(config, nproc))
     with num_threads(threads), progress(console) as bar:
         try:
             summary = train(config, callback=bar(config.method), device=device, save_model=True)

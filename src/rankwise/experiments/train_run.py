@@ -205,11 +205,56 @@ def _resumable(config: TrainConfig) -> dict:
             if k not in ("out", "checkpoint_dir") and not (k == "update_every" and v == 1)}
 
 
+class FileCheckpoints:
+    """One process's checkpoints for :class:`CodedCheckpoints` (the checkpointer it calls): the
+    newest state as ``folder/checkpoint.pt`` (:func:`torch.save`, written atomically, so a crash
+    leaves the one before), restored from there with ``torch.load(weights_only=True)``."""
+
+    NAME = "checkpoint.pt"
+
+    def __init__(self, folder: Path) -> None:
+        self.root_dir = Path(folder)
+
+    def save(self, state: Any, step: int, *, per_rank: Any = None, blocking: bool = True) -> None:
+        import io
+
+        buffer = io.BytesIO()
+        torch.save({"step": step, "state": state, "per_rank": per_rank}, buffer)
+        self.root_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.root_dir / self.NAME, buffer.getvalue())
+
+    def restore(self):  # type: ignore[no-untyped-def]
+        from types import SimpleNamespace
+
+        path = self.root_dir / self.NAME
+        if path.is_symlink() or not path.exists():
+            return None
+        if not path.is_file():
+            raise ValueError(f"{path} is not a regular file; remove it or choose another checkpoint folder")
+        try:
+            got = torch.load(path, weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path} is not a readable checkpoint ({type(e).__name__}: {e}); remove it or "
+                             "choose another checkpoint folder") from None
+        if not isinstance(got, dict) or not {"step", "state", "per_rank"} <= set(got):
+            raise ValueError(f"{path} is not a checkpoint of `rankwise train`; choose another checkpoint "
+                             "folder")
+        return SimpleNamespace(state=got["state"], per_rank=got["per_rank"], step=got["step"], repaired=[],
+                               skipped=[])
+
+    def wait(self) -> None:
+        return None
+
+
 def _checkpoints(config: TrainConfig, group) -> CodedCheckpoints | None:
-    """The coded-checkpoint callback when the config asks for checkpoints."""
+    """The checkpoint callback when the config asks for checkpoints: one process's
+    (:class:`FileCheckpoints` in ``checkpoint_dir``), or the data-parallel run's coded ones."""
     if config.checkpoint_every is None:
         return None
-    if group is None or torch.distributed.get_world_size(group) < 4:
+    if group is None:
+        return CodedCheckpoints(FileCheckpoints(config.checkpoint_dir), config.checkpoint_every,
+                                identity=_resumable(config))
+    if torch.distributed.get_world_size(group) < 4:
         raise ValueError("coded checkpoints (`checkpoint_every`) need a data-parallel run on >= 4 ranks "
                          "(the code tolerates t = 1 lost rank with n > 3t)")
     from ..ckpt import CodedCheckpointer
