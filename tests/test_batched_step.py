@@ -621,8 +621,9 @@ def test_ranks_of_one_bucket_take_one_padded_group_and_their_exact_steps(cls, kw
         torch.testing.assert_close(a, b, atol=1e-9, rtol=0, msg=k)
     for la, lb in zip(opt.layers.values(), ref.layers.values(), strict=True):
         torch.testing.assert_close(la.weight_matrix(), lb.weight_matrix(), atol=1e-9, rtol=0)
-        if la.U_buf.shape[1]:
-            torch.testing.assert_close(la.U_buf @ la.U_buf.T, lb.U_buf @ lb.U_buf.T, atol=1e-7, rtol=0)
+        if la.U_buf.shape[1]:  # (the buffer's span is fixed only up to roundoff / the spectral gap at its
+            # edge: the forward's roundoff of e764c94 (F.linear with the bias) moved it by 2e-7 here)
+            torch.testing.assert_close(la.U_buf @ la.U_buf.T, lb.U_buf @ lb.U_buf.T, atol=1e-6, rtol=0)
 
 
 def test_ops_of_a_padded_group_do_not_grow_with_the_number_of_ranks():

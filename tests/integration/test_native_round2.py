@@ -236,3 +236,43 @@ def test_torch_helpers_that_take_the_weight_for_a_parameter_are_refused_in_one_l
     assert all(torch.equal(layer.state_dict()[n], t) for n, t in before.items())
     out = torch.func.functional_call(layer, {"U": torch.zeros_like(layer.U)}, (torch.ones(1, 8),))
     torch.testing.assert_close(out, layer.bias.detach()[None])  # a factor by name works
+
+
+def test_sharding_after_the_optimizer_or_before_the_conversion_is_named():
+    """fully_shard after DLRT was built ended in "found no gradient … call loss.backward()";
+    to_low_rank on a sharded model in "mixed torch.Tensor and DTensor"."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        m = rankwise.to_low_rank(_mlp(), rank=3, include=["0"])
+        opt = DLRT(m, 0.1, tau=0.1)
+        fully_shard(m)
+        with pytest.raises(ValueError, match=r"sharded by fully_shard .*after the optimizer was built"):
+            _step(m, opt)
+        sharded = fully_shard(_mlp())
+        with pytest.raises(ValueError, match=r"already sharded .*convert it first, then shard"):
+            rankwise.to_low_rank(sharded, rank=3)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fx_symbolic_trace_records_low_rank_layers_as_calls_that_keep_the_gradient_contract():
+    """torch.fx.symbolic_trace ended in "symbolically traced variables cannot be used as inputs to
+    control flow"; the traced graph now computes the model and, under DLRT, the factor gradients."""
+    import torch.fx
+
+    torch.manual_seed(0)
+    m = rankwise.to_low_rank(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                                           nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 3)), rank=2)
+    x = torch.randn(2, 3, 4, 4)
+    gm = torch.fx.symbolic_trace(m)
+    torch.testing.assert_close(gm(x), m(x))
+    DLRT(m, 0.1, tau=0.1)
+    gm(x).square().sum().backward()
+    traced = [p.grad.clone() for p in (m[0].U, m[3].V, m[5].S)]
+    m.zero_grad()
+    m(x).square().sum().backward()
+    for a, b in zip(traced, (m[0].U.grad, m[3].V.grad, m[5].S.grad), strict=True):
+        torch.testing.assert_close(a, b)

@@ -266,12 +266,12 @@ def test_fsdp_is_refused_by_name(monkeypatch):
 
     from rankwise.lowrank import _optim
 
-    assert fsdp.FSDPModule in _optim._fsdp_classes()
+    assert fsdp.FSDPModule in _optim.fsdp_classes()
 
     class Sharded(nn.Linear):
         pass
 
-    monkeypatch.setattr(_optim, "_fsdp_classes", lambda: (Sharded,))
+    monkeypatch.setattr(_optim, "fsdp_classes", lambda: (Sharded,))
     m = nn.Sequential(LowRankLinear(4, 4, 2), Sharded(4, 4))
     with pytest.raises(ValueError, match=r"does not support FSDP yet \(module '1'"):
         DLRT(m, 0.1, tau=0.1)

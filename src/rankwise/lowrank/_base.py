@@ -28,6 +28,16 @@ def factor_changes() -> int:
     return _CHANGES[0]
 
 
+def fsdp_classes() -> tuple[type, ...]:
+    """torch's FSDP module classes (``FSDPModule`` of fully_shard, ``FullyShardedDataParallel``)."""
+    try:
+        from torch.distributed import fsdp
+    except ImportError:  # torch built without distributed
+        return ()
+    names = ("FSDPModule", "FullyShardedDataParallel")
+    return tuple(c for c in (getattr(fsdp, n, None) for n in names) if c is not None)
+
+
 def layer_of(p: Tensor) -> AbstractLowRankLayer | None:
     """The low-rank layer whose U, S or V `p` is (None for any other tensor)."""
     m = _BY_PARAM.get(id(p))

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
 from ._autograd import LowRankConv2dFn
-from ._base import AbstractLowRankLayer, from_dense_weight
+from ._base import AbstractLowRankLayer, from_dense_weight, layer_of
+
+
+def low_rank_conv2d(x: Tensor, U: Tensor, S: Tensor, V: Tensor, bias: Tensor | None, kernel_size: tuple,
+                    stride: tuple, padding: tuple, dilation: tuple) -> Tensor:
+    """:class:`LowRankConv2d`'s forward as one call, its gradient mode read when it runs (what
+    ``torch.fx.symbolic_trace`` records, as :func:`._linear.low_rank_linear`)."""
+    layer = layer_of(U)
+    return LowRankConv2dFn.apply(x, U, S, V, bias, layer is not None and layer.grad_mode == "factors",
+                                 kernel_size, stride, padding, dilation)
+
+
+torch.fx.wrap("low_rank_conv2d")
 
 
 def _explicit_padding(padding, kernel_size, dilation) -> tuple[int, int]:
@@ -47,6 +60,9 @@ class LowRankConv2d(AbstractLowRankLayer):
                          device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            return low_rank_conv2d(x, self.U, self.S, self.V, self.bias, self.kernel_size, self.stride,
+                                   self.padding, self.dilation)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (N, {self.in_channels}, H, W); got {tuple(x.shape)}")
         return LowRankConv2dFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors",

@@ -15,7 +15,7 @@ from .._checks import check_rank
 from ..linalg import work_dtype
 from ._attention import PROJECTIONS, LowRankMultiheadAttention, dense_projections
 from ._attention import unsupported as attention_unsupported
-from ._base import AbstractLowRankLayer
+from ._base import AbstractLowRankLayer, fsdp_classes
 from ._conv import LowRankConv2d
 from ._hf import LowRankConv1D, is_hf_conv1d
 from ._linear import LowRankLinear
@@ -131,6 +131,7 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
         return (any(include is None or _matches(n, include) for n in names)
                 and not any(exclude is not None and _matches(n, exclude) for n in names))
 
+    _check_unsharded(model)
     names_of = _names(model)
     targets, low_rank, subclassed = _classify(model, names_of, selected, per_layer)
     tied = _tied(model, targets)
@@ -297,6 +298,19 @@ def _refuse_named(model: nn.Module, per_layer: Mapping[str, int], include: Patte
                 why = dense.get(n, f"a {type(m).__name__}, not nn.Linear / nn.Conv2d / "
                                    "nn.MultiheadAttention / HF Conv1D")
                 raise ValueError(f"`include` names {n!r}, which to_low_rank cannot convert: {why}")
+
+
+def _check_unsharded(model: nn.Module) -> None:
+    """A model already sharded (fully_shard, DTensor parameters) cannot be converted in place."""
+    fsdp = fsdp_classes()
+    sharded = next((n for n, m in model.named_modules() if fsdp and isinstance(m, fsdp)), None)
+    if sharded is None:
+        sharded = next((n for n, p in model.named_parameters() if type(p).__name__ == "DTensor"
+                        or type(getattr(p, "data", None)).__name__ == "DTensor"), None)
+    if sharded is not None:
+        raise ValueError(f"to_low_rank: the model is already sharded ({_show(sharded)}: fully_shard, DTensor "
+                         "parameters): convert it first, then shard (to_low_rank(model, …), then "
+                         "fully_shard); DLRT/SDLRT do not train FSDP-sharded models yet (use process_group=)")
 
 
 def _check_tensor_hooks(targets: list) -> None:

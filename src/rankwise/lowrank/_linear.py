@@ -3,10 +3,22 @@
 from __future__ import annotations
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 
 from ._autograd import LowRankLinearFn
-from ._base import AbstractLowRankLayer, from_dense_weight
+from ._base import AbstractLowRankLayer, from_dense_weight, layer_of
+
+
+def low_rank_linear(x: Tensor, U: Tensor, S: Tensor, V: Tensor, bias: Tensor | None) -> Tensor:
+    """A low-rank layer's forward as one call, with its layer's gradient mode read when it runs:
+    what ``torch.fx.symbolic_trace`` records for :class:`LowRankLinear` (a leaf node, so that a
+    traced graph trained by DLRT gets the factor gradients as the layer would)."""
+    layer = layer_of(U)
+    return LowRankLinearFn.apply(x, U, S, V, bias, layer is not None and layer.grad_mode == "factors")
+
+
+torch.fx.wrap("low_rank_linear")
 
 
 class LowRankLinear(AbstractLowRankLayer):
@@ -28,6 +40,8 @@ class LowRankLinear(AbstractLowRankLayer):
                          device=device, dtype=dtype)
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            return low_rank_linear(x, self.U, self.S, self.V, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (..., {self.in_features}); got {tuple(x.shape)}")
         return LowRankLinearFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors")

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _batched, _closure, _dp, _shard, _state
-from ._base import AbstractLowRankLayer, factor_changes, layer_of
+from ._base import AbstractLowRankLayer, factor_changes, fsdp_classes, layer_of
 from ._budget import Planner
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._replicas import Replicas
@@ -203,7 +203,11 @@ class AugmentedBUG(torch.optim.Optimizer):
         return {**super().__getstate__(), **{k: self.__dict__[k] for k in self._PICKLED}, "_model": model}
 
     def __setstate__(self, state: dict) -> None:
-        """The unpickled optimizer trains the unpickled model's layers, as it did before."""
+        """The unpickled optimizer trains the unpickled model's layers, as it did before.
+        (torch's ``load_state_dict`` calls this too, with the state and param groups alone.)"""
+        if "_model" not in state:
+            super().__setstate__(state)
+            return
         model = state.pop("_model")
         super().__setstate__(state)
         self._model, self._token, self.dp = weakref.ref(model), object(), None
@@ -389,6 +393,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         try:
             loss = _closure.evaluate(self, closure)
             if not _closure.has_grads(self):
+                if (model := self._model()) is not None:  # sharded after construction: its parameters are new
+                    _check_unwrapped(model, after=True)
                 raise RuntimeError(_closure.no_grad_message(type(self).__name__, closure))
             if not _closure.amp_unscale(self):
                 return loss  # torch.amp.GradScaler found inf/NaN: skip, as torch optimizers do
@@ -512,8 +518,9 @@ def _release(layers: list[AbstractLowRankLayer], token: object) -> None:
                 layer.V.requires_grad_(v)
 
 
-def _check_unwrapped(model: nn.Module) -> None:
-    """Refuse data-parallel wrappers the integrator cannot train through (one line each)."""
+def _check_unwrapped(model: nn.Module, after: bool = False) -> None:
+    """Refuse data-parallel wrappers the integrator cannot train through (one line each);
+    `after`: the model was wrapped after the optimizer was built."""
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
@@ -521,21 +528,13 @@ def _check_unwrapped(model: nn.Module) -> None:
                          "only .grad in buckets fixed at construction, and the ranks change; pass the model "
                          "itself with process_group=torch.distributed.group.WORLD (the optimizer averages "
                          "every gradient it reads)")
-    fsdp = _fsdp_classes()
+    fsdp = fsdp_classes()
     wrapped = next((n for n, m in model.named_modules() if fsdp and isinstance(m, fsdp)), None)
     if wrapped is not None:
-        raise ValueError(f"DLRT/SDLRT does not support FSDP yet (module {wrapped or '<root>'!r} is sharded "
-                         "by fully_shard / FullyShardedDataParallel): use process_group= data parallelism, "
-                         "which shards the integrator's work by layer")
-
-
-def _fsdp_classes() -> tuple[type, ...]:
-    try:
-        from torch.distributed import fsdp
-    except ImportError:  # torch built without distributed
-        return ()
-    names = ("FSDPModule", "FullyShardedDataParallel")
-    return tuple(c for c in (getattr(fsdp, n, None) for n in names) if c is not None)
+        when = " after the optimizer was built (its parameters are new ones)" if after else ""
+        raise ValueError(f"DLRT/SDLRT does not support FSDP yet (module {wrapped or '<root>'!r} was sharded "
+                         f"by fully_shard / FullyShardedDataParallel{when}): use process_group= data "
+                         "parallelism, which shards the integrator's work by layer")
 
 
 _HOOKED = False
