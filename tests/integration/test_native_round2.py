@@ -276,3 +276,25 @@ def test_fx_symbolic_trace_records_low_rank_layers_as_calls_that_keep_the_gradie
     m(x).square().sum().backward()
     for a, b in zip(traced, (m[0].U.grad, m[3].V.grad, m[5].S.grad), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_weight_read_without_autograd_is_formed_once_until_the_factors_change():
+    """Foreign code reading `layer.weight` on every call (T5: `wo.weight.dtype` in each block)
+    formed U S Vᵀ each time; without autograd the view is now kept until the factors change."""
+    m = rankwise.to_low_rank(_mlp(), rank=3)
+    layer = m[0]
+    with torch.no_grad():
+        w = layer.weight
+        assert layer.weight is w
+        layer.U.mul_(2)  # an in-place change of a factor
+        w2 = layer.weight
+    assert w2 is not w
+    torch.testing.assert_close(w2, 2 * w)
+    opt = DLRT(m, 0.1, tau=0.1)
+    _step(m, opt)
+    with torch.no_grad():
+        torch.testing.assert_close(layer.weight, layer.U @ layer.S @ layer.V.T)
+    assert layer.weight.requires_grad and layer.weight is not layer.weight  # under autograd: each read
+    with pytest.raises(RuntimeError, match="LowRankLinear.weight"):
+        with torch.no_grad():
+            layer.weight.mul_(0)  # the kept view is write-protected like any other

@@ -28,6 +28,11 @@ def factor_changes() -> int:
     return _CHANGES[0]
 
 
+# weight views read without autograd, kept per layer until its factors change (`weight`); weak, so
+# that a layer is never kept alive, copied or pickled with its view
+_VIEWS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
+
+
 def fsdp_classes() -> tuple[type, ...]:
     """torch's FSDP module classes (``FSDPModule`` of fully_shard, ``FullyShardedDataParallel``)."""
     try:
@@ -197,7 +202,24 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         transformer fast path, HF helpers). It is computed on each access and differentiable
         through the factors; it is not a parameter: assigning to it, and writing into it in place
         (``nn.init.*_``, ``.data.mul_``, ``[i] = …``), raise, since the write would be lost
-        (:class:`._view.DenseView`)."""
+        (:class:`._view.DenseView`).
+
+        Read where autograd records nothing (``no_grad``, ``inference_mode``, frozen factors), the
+        view is kept until the factors change, so foreign code that reads it on every call (T5
+        reads ``wo.weight.dtype`` in each block, each step of generation) forms U S Vᵀ once: that
+        costs the layer's dense size in memory while it is kept."""
+        U, S, V = self.U, self.S, self.V
+        record = torch.is_grad_enabled() and (U.requires_grad or S.requires_grad or V.requires_grad)
+        if record or getattr(torch.compiler, "is_compiling", lambda: False)():
+            return self._view()
+        key = (factor_changes(), *(t._version for t in (U, S, V)), *(t.data_ptr() for t in (U, S, V)),
+               U.shape, V.shape, U.dtype, U.device)
+        kept = _VIEWS.get(self)
+        if kept is None or kept[0] != key:
+            kept = _VIEWS[self] = (key, self._view())
+        return kept[1]
+
+    def _view(self) -> Tensor:
         return as_view(self.dense_weight(), f"{type(self).__name__}.weight ({self._weight_is})",
                        self._edit_instead)
 
