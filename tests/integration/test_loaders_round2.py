@@ -185,6 +185,17 @@ def test_zero_byte_factors_declaring_a_huge_rank_are_refused_before_allocating(s
         _load(folder)
 
 
+def test_sdlrt_buffers_of_two_widths_are_refused(saved, tmp_path):
+    folder = _copy(saved[0], tmp_path / "m")
+    layer = "transformer.h.0.mlp.c_fc"
+
+    def widths(state):
+        state[f"{layer}.U_buf"], state[f"{layer}.V_buf"] = torch.zeros(64, 2), torch.zeros(16, 3)
+    _rewrite(folder, widths)
+    with pytest.raises(ValueError, match=r"U_buf' \(64, 2\) and .*V_buf' \(16, 3\) must be \(out, b\) and"):
+        _load(folder)
+
+
 def test_a_safetensors_header_declaring_more_bytes_than_it_holds_is_refused(saved, tmp_path):
     import json
     import struct

@@ -361,6 +361,10 @@ def _check_shapes(model: nn.Module, shapes: dict[str, tuple], path: Path) -> Non
     """Every saved tensor's shape against the converted (meta) model's, before any is read."""
     mine = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
     for k, s in shapes.items():
+        pair = k[:-len("U_buf")] + "V_buf" if k.endswith(".U_buf") else None
+        if pair in shapes and (len(s) != 2 or len(shapes[pair]) != 2 or s[1] != shapes[pair][1]):
+            raise ValueError(f"{path}: {k!r} {s} and {pair!r} {shapes[pair]} must be (out, b) and (in, b), "
+                             "one width b: the file does not fit this model")
         want = mine.get(k)
         if k.endswith(("U_buf", "V_buf")) and want is not None and s[:1] == want[:1] and len(s) == 2:
             continue  # SDLRT's buffers: (out, b), (in, b) at the width they had
