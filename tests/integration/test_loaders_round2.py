@@ -47,6 +47,7 @@ def _spoiled(sd: dict, index: int, key: str, value) -> dict:
     (1, "tau", lambda t: 1.5, r"layer '0' has 'tau' = 1.5"),
     (1, "r_init", lambda t: -1, r"layer '0' has 'r_init' = -1, not a whole number"),
     (0, "step", lambda t: float("nan"), r"layer '0' has 'step' = nan"),
+    (3, "step", lambda t: torch.tensor(float("nan")), r"parameter 3 has 'step' = nan"),
     (4, "m", lambda t: t.T.clone(), r"parameter 4 has moment 'm' of shape \(6, 3\) where its param"),
     (0, "v", lambda t: "zeros", r"K moment 'v' a str, not a floating-point tensor"),
 ])

@@ -115,10 +115,8 @@ def _check_count(st: dict, k: str, where: str) -> None:
     v = st.get(k)
     if v is None:
         return
-    if torch.is_tensor(v) and v.numel() == 1 and not v.is_floating_point() and not v.is_complex():
-        v = v.item()
-    elif torch.is_tensor(v) and v.numel() == 1 and v.is_floating_point() and float(v) == int(float(v)):
-        v = int(float(v))  # (torch keeps a step as a float tensor)
+    if torch.is_tensor(v) and v.numel() == 1 and not v.is_complex():
+        v = v.item()  # (torch keeps a step as a float tensor)
     if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0 or v != int(v):
         raise ValueError(f"the optimizer state of {where} has {k!r} = {v!r}, not a whole number >= 0; "
                          f"{_WAY_OUT}")
