@@ -50,10 +50,11 @@ class TrainConfig:
     - `update_every`: DLRT/SDLRT augment and truncate every this many steps (the steps between
       move the cores S and the dense parameters only); default 1.
     - `out`: directory for the run records (created if missing); ``None`` writes nothing.
-    - `checkpoint_every`, `checkpoint_dir`: data-parallel runs (≥ 4 ranks) only: a 2-D coded
-      checkpoint (:class:`rankwise.ckpt.CodedCheckpointer`, t = 1) every `checkpoint_every`
-      steps, each rank's fragment in ``checkpoint_dir/rank<i>`` (node-local); a restarted run
-      resumes from the newest one, repairing a lost rank from its peers. Default: none.
+    - `checkpoint_every`, `checkpoint_dir`: a checkpoint every `checkpoint_every` steps, from
+      which a restarted run resumes: one process writes ``checkpoint_dir/checkpoint.pt``;
+      data-parallel runs (≥ 4 ranks) a 2-D coded checkpoint (:class:`rankwise.ckpt.CodedCheckpointer`,
+      t = 1), each rank's fragment in ``checkpoint_dir/rank<i>`` (node-local), repairing a lost
+      rank from its peers. Default: none.
     """
 
     method: Method = setting("dlrt", help="Training method: dense (SGD), dlrt or sdlrt.")
@@ -74,11 +75,11 @@ class TrainConfig:
                                "--force.")
     update_every: int = setting(1, help="dlrt/sdlrt: augment and truncate every this many steps (the steps "
                                 "between move the cores S and the dense parameters only).")
-    checkpoint_every: int | None = setting(None, help="With --nproc >= 4: a 2-D coded checkpoint every this "
-                                           "many steps (resumed after a restart, a lost rank repaired from "
-                                           "its peers).")
-    checkpoint_dir: Path | None = setting(None, help="Node-local folder for the checkpoint fragments "
-                                          "(rank<i>/ per process); a run started with the same settings "
+    checkpoint_every: int | None = setting(None, help="A checkpoint every this many steps, resumed after a "
+                                           "restart: one process writes checkpoint.pt; --nproc >= 4 a 2-D "
+                                           "coded checkpoint (a lost rank repaired from its peers).")
+    checkpoint_dir: Path | None = setting(None, help="Node-local folder for the checkpoints (rank<i>/ per "
+                                          "process with --nproc); a run started with the same settings "
                                           "resumes from the newest checkpoint there.")
 
     def __post_init__(self) -> None:
