@@ -38,12 +38,13 @@ def test_half_precision_optimizer_state_round_trip(optimizer):
 
     x, y = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(8, 3, dtype=torch.bfloat16)
     m = make()
-    opt = DLRT(m, 0.05, tau=0.1, momentum=0.9, optimizer=optimizer)
+    rule = {"momentum": 0.9} if optimizer == "sgd" else {}  # (Adam has no momentum argument)
+    opt = DLRT(m, 0.05, tau=0.1, optimizer=optimizer, **rule)
     for _ in range(2):
         opt.step(mse_closure(opt, m, x, y))
     m2 = make()
     m2.load_state_dict(m.state_dict())
-    opt2 = DLRT(m2, 0.05, tau=0.1, momentum=0.9, optimizer=optimizer)
+    opt2 = DLRT(m2, 0.05, tau=0.1, optimizer=optimizer, **rule)
     opt2.load_state_dict(opt.state_dict())
     assert opt2.state[m2[0].U]["m"].dtype == torch.float32  # working precision restored
     opt2.step(mse_closure(opt2, m2, x, y))

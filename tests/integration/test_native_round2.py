@@ -238,6 +238,29 @@ def test_torch_helpers_that_take_the_weight_for_a_parameter_are_refused_in_one_l
     torch.testing.assert_close(out, layer.bias.detach()[None])  # a factor by name works
 
 
+@pytest.mark.parametrize("helper", [
+    lambda mha: torch.nn.utils.prune.l1_unstructured(mha, "in_proj_weight", 0.3),
+    lambda mha: nn.utils.parametrizations.weight_norm(mha, "in_proj_weight"),
+    lambda mha: setattr(mha, "in_proj_weight", nn.Parameter(torch.zeros(24, 8))),
+], ids=["prune", "weight_norm", "assign"])
+def test_an_attentions_dense_views_are_refused_as_parameters_too(helper):
+    mha = rankwise.to_low_rank(nn.Sequential(nn.MultiheadAttention(8, 2)), rank=2)[0]
+    with pytest.raises(TypeError, match=r"^LowRankMultiheadAttention: its `in_proj_weight` is not a param"):
+        helper(mha)
+    assert mha.in_proj_weight.shape == (24, 8)
+
+
+def test_a_state_declaring_a_rank_the_layer_cannot_hold_is_refused_before_allocating():
+    """Zero-byte factors declaring rank 2³¹ made load_state_dict allocate 412 GB."""
+    layer = rankwise.LowRankLinear(8, 12, 3)
+    huge = 2**20  # (S alone: 4 TiB of float32)
+    state = {"U": torch.empty(12, huge, device="meta"), "S": torch.empty(huge, huge, device="meta"),
+             "V": torch.empty(8, huge, device="meta"), "bias": torch.zeros(12)}
+    with pytest.raises(ValueError, match=r"do not fit this 12×8 layer: .*1 <= r <= 8"):
+        layer.load_state_dict(state)
+    assert layer.rank == 3
+
+
 def test_sharding_after_the_optimizer_or_before_the_conversion_is_named():
     """fully_shard after DLRT was built ended in "found no gradient … call loss.backward()";
     to_low_rank on a sharded model in "mixed torch.Tensor and DTensor"."""
@@ -295,6 +318,5 @@ def test_a_weight_read_without_autograd_is_formed_once_until_the_factors_change(
     with torch.no_grad():
         torch.testing.assert_close(layer.weight, layer.U @ layer.S @ layer.V.T)
     assert layer.weight.requires_grad and layer.weight is not layer.weight  # under autograd: each read
-    with pytest.raises(RuntimeError, match="LowRankLinear.weight"):
-        with torch.no_grad():
-            layer.weight.mul_(0)  # the kept view is write-protected like any other
+    with pytest.raises(RuntimeError, match=r"LowRankLinear\.weight"), torch.no_grad():
+        layer.weight.mul_(0)  # the kept view is write-protected like any other

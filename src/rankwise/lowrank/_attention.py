@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..linalg import truncated_svd, work_dtype
-from ._base import from_dense_weight
+from ._base import GuardedViews, from_dense_weight
 from ._linear import LowRankLinear
 from ._view import as_view
 
@@ -58,7 +58,7 @@ def _per_projection(rank) -> dict[str, int | None]:
     return dict(rank)
 
 
-class LowRankMultiheadAttention(nn.MultiheadAttention):
+class LowRankMultiheadAttention(GuardedViews, nn.MultiheadAttention):
     """Drop-in replacement for ``nn.MultiheadAttention`` with low-rank projections.
 
     **Arguments:** as ``nn.MultiheadAttention`` (`embed_dim` E, `num_heads`, `dropout`, `bias`,
@@ -76,6 +76,9 @@ class LowRankMultiheadAttention(nn.MultiheadAttention):
     of ``nn.TransformerEncoderLayer`` computes the same function with the dense weights.
     """
 
+    # torch's dense views of the projections (read-only, computed): not parameter names
+    VIEWS = frozenset({"in_proj_weight", "in_proj_bias", "q_proj_weight", "k_proj_weight", "v_proj_weight"})
+
     def __init__(self, embed_dim: int, num_heads: int, rank: int | Mapping[str, int], *,
                  dropout: float = 0.0, bias: bool = True, kdim: int | None = None,
                  vdim: int | None = None, batch_first: bool = False, max_rank: int | None = None,
@@ -92,6 +95,7 @@ class LowRankMultiheadAttention(nn.MultiheadAttention):
     def _configure(self, embed_dim: int, num_heads: int, dropout: float, kdim: int | None,
                    vdim: int | None, batch_first: bool) -> None:
         """The plain attributes nn.MultiheadAttention has (and torch's transformer code reads)."""
+        self._guard_parameters()
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} "
                              f"and num_heads={num_heads} instead")

@@ -66,48 +66,85 @@ def _swap_data(p: nn.Parameter, new: Tensor) -> None:
 
 
 class NotAParameter(TypeError, KeyError):
-    """Raised where torch code takes a low-rank layer's ``weight`` for a parameter (to prune,
-    re-parametrise, replace or delete it); a ``KeyError`` too, for code that looks it up in
-    ``module._parameters``."""
+    """Raised where torch code takes a low-rank module's dense weight view (``weight``, an
+    attention's ``in_proj_weight``) for a parameter (to prune, re-parametrise, replace or delete
+    it); a ``KeyError`` too, for code that looks it up in ``module._parameters``."""
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
 class _Parameters(dict):
-    """A low-rank layer's ``_parameters``: asking it for ``weight`` (``"weight" in
+    """A low-rank module's ``_parameters``: asking it for one of its dense views (``"weight" in
     layer._parameters``, ``layer._parameters["weight"]``, ``del …``: how torch.nn.utils.prune,
     weight_norm, spectral_norm, parametrize and torch.func.functional_call reach a module's
-    weight) raises :class:`NotAParameter` naming the layer and the way out."""
+    weight) raises :class:`NotAParameter` naming the module and the way out."""
 
-    def __init__(self, *args, what: str = "this low-rank layer") -> None:
+    def __init__(self, *args, what: str, views: frozenset[str]) -> None:
         super().__init__(*args)
-        self.what = what
+        self.what, self.views = what, views
 
-    def refuse(self) -> NotAParameter:
+    def refuse(self, name: str) -> NotAParameter:
         return NotAParameter(
-            f"{self.what}: its `weight` is not a parameter but U S Vᵀ of its factors, computed on every "
+            f"{self.what}: its `{name}` is not a parameter but computed from low-rank factors on every "
             "read, so torch helpers that prune, re-parametrise, replace or delete a module's weight "
             "parameter (torch.nn.utils.prune, weight_norm, spectral_norm, parametrize, functional_call / "
-            "stateless with a 'weight' entry, fuse_*_bn_eval, assigning layer.weight) cannot act on it: "
-            "apply them to a plain copy, rankwise.export(model), or to a factor by name ('U', 'S', 'V'; "
+            f"stateless with a '{name}' entry, fuse_*_bn_eval, assigning it) cannot act on it: apply them "
+            "to a plain copy, rankwise.export(model), or to a factor by name ('U', 'S', 'V'; "
             "functional_call takes '<layer>.U' …)")
 
     def __contains__(self, key: object) -> bool:
-        if key == "weight" and not dict.__contains__(self, key):
-            raise self.refuse()
+        if key in self.views and not dict.__contains__(self, key):
+            raise self.refuse(key)
         return dict.__contains__(self, key)
 
     def __missing__(self, key: str):
-        raise self.refuse() if key == "weight" else KeyError(key)
+        raise self.refuse(key) if key in self.views else KeyError(key)
 
     def __delitem__(self, key: str) -> None:
-        if key == "weight" and not dict.__contains__(self, key):
-            raise self.refuse()
+        if key in self.views and not dict.__contains__(self, key):
+            raise self.refuse(key)
         dict.__delitem__(self, key)
 
-    def __reduce__(self):  # pickled and deep-copied as a plain dict (the layer puts it back)
+    def __reduce__(self):  # pickled and deep-copied as a plain dict (the module puts it back)
         return dict, (dict(self),)
+
+
+class GuardedViews:
+    """Mixin (before ``nn.Module``) for modules whose dense weights are read-only views computed
+    from factors (`VIEWS`): registering, assigning or deleting a parameter under such a name,
+    or registering a view itself under another (``torch.nn.utils.prune``'s ``weight_orig``),
+    raises :class:`NotAParameter`, as does looking one up in ``_parameters``."""
+
+    VIEWS: frozenset[str] = frozenset()
+
+    def _guard_parameters(self) -> None:
+        """Put the refusing parameter dict (:class:`_Parameters`) in place."""
+        if not isinstance(self.__dict__.get("_parameters"), _Parameters):
+            self.__dict__["_parameters"] = _Parameters(self._parameters, what=type(self).__name__,
+                                                       views=self.VIEWS)
+
+    def _refuse(self, name: str) -> NotAParameter:
+        return _Parameters(what=type(self).__name__, views=self.VIEWS).refuse(name)
+
+    def register_parameter(self, name: str, param) -> None:
+        if name in self.VIEWS or isinstance(param, DenseView):
+            raise self._refuse(name if name in self.VIEWS else name.removesuffix("_orig"))
+        super().register_parameter(name, param)
+
+    def __setattr__(self, name: str, value) -> None:  # (`layer.weight = …`, torch.func.functional_call)
+        if name in self.VIEWS:
+            raise self._refuse(name)
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.VIEWS:
+            raise self._refuse(name)
+        super().__delattr__(name)
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._guard_parameters()
 
 
 @torch.no_grad()
@@ -125,7 +162,7 @@ def from_dense_weight(make, weight: Tensor, bias: Tensor | None, *, rank: int | 
     return layer
 
 
-class AbstractLowRankLayer(nn.Module, abc.ABC):
+class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
     """A layer whose weight matrix (out_features, in_features) is ``U S Vᵀ``.
 
     Parameters: ``U`` (out, r), ``S`` (r, r), ``V`` (in, r), optional ``bias`` (out,).
@@ -223,27 +260,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         return as_view(self.dense_weight(), f"{type(self).__name__}.weight ({self._weight_is})",
                        self._edit_instead)
 
-    @weight.setter
-    def weight(self, value) -> None:  # (`layer.weight = …`, torch.func.functional_call)
-        raise _Parameters(what=type(self).__name__).refuse()
-
-    @weight.deleter
-    def weight(self) -> None:
-        raise _Parameters(what=type(self).__name__).refuse()
-
-    def register_parameter(self, name: str, param) -> None:
-        """As ``nn.Module.register_parameter``; a parameter named ``weight``, or the weight view
-        registered under another name (``torch.nn.utils.prune``'s ``weight_orig``), is refused
-        (:class:`NotAParameter`): the layer's weight is its factors'."""
-        guard = self.__dict__.get("_parameters")
-        if isinstance(guard, _Parameters) and (name == "weight" or isinstance(param, DenseView)):
-            raise guard.refuse()
-        super().register_parameter(name, param)
-
-    def _guard_parameters(self) -> None:
-        """Put the refusing parameter dict (:class:`_Parameters`) in place."""
-        if not isinstance(self.__dict__.get("_parameters"), _Parameters):
-            self.__dict__["_parameters"] = _Parameters(self._parameters, what=type(self).__name__)
+    VIEWS = frozenset({"weight"})  # (GuardedViews: not a parameter name)
 
     # what `weight` is, and what to edit instead of writing into it (the error of a write)
     _weight_is = "U S Vᵀ of its factors"
@@ -285,8 +302,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
     def __setstate__(self, state) -> None:
         """copy.deepcopy and pickle: new U, S, V objects, found by :func:`layer_of`; a copy is
         trained by no optimizer yet, so it starts in plain autograd (``"full"``) mode."""
-        super().__setstate__(state)
-        self._guard_parameters()
+        super().__setstate__(state)  # (GuardedViews puts the guard back)
         self._register()
         if self.grad_mode != "full":
             self.set_grad_mode("full")
@@ -338,6 +354,7 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         src = {k: state_dict.get(prefix + k) for k in ("U", "S", "V", "U_buf", "V_buf")}
         _CHANGES[0] += 1
         if all(src[k] is not None for k in ("U", "S", "V")):
+            self._check_loaded_shapes(prefix, src)
             a, b = src["S"].shape
             _swap_data(self.U, self.U.new_empty(self.out_features, a))
             _swap_data(self.S, self.S.new_empty(a, b))
@@ -349,6 +366,25 @@ class AbstractLowRankLayer(nn.Module, abc.ABC):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         self._register()  # load_state_dict(assign=True) puts new Parameter objects in place
+
+    def _check_loaded_shapes(self, prefix: str, src: dict) -> None:
+        """Saved factors of a rank this layer can hold, U (out, a), S (a, b), V (in, b), and a buffer
+        U_buf (out, c), V_buf (in, c), checked before anything is allocated (a file declaring rank
+        2³¹ would otherwise allocate hundreds of GB)."""
+        full = min(self.out_features, self.in_features)
+        shapes = {k: tuple(t.shape) for k, t in src.items() if t is not None}
+        S = shapes["S"]
+        ok = (len(S) == 2 and all(1 <= n <= full for n in S)
+              and shapes["U"] == (self.out_features, S[0]) and shapes["V"] == (self.in_features, S[1]))
+        if ok and "U_buf" in shapes and "V_buf" in shapes:
+            ub, vb = shapes["U_buf"], shapes["V_buf"]
+            ok = (len(ub) == 2 and len(vb) == 2 and ub[0] == self.out_features and vb[0] == self.in_features
+                  and ub[1] == vb[1] <= full)
+        if not ok:
+            raise ValueError(f"{prefix or type(self).__name__ + '.'}: saved factors of shapes "
+                             f"{', '.join(f'{k} {v}' for k, v in shapes.items())} do not fit this "
+                             f"{self.out_features}×{self.in_features} layer: U (out, r), S (r, r), V (in, r) "
+                             f"with 1 <= r <= {full}")
 
     def __prepare_scriptable__(self):
         """``torch.jit.script`` calls this first: refuse by name (the backward is a custom
