@@ -164,12 +164,13 @@ def test_conversion_leaves_the_global_rng_where_it_was():
     assert torch.equal(torch.rand(3), plain)
 
 
-def test_dense_ema_leaves_the_global_rng_where_it_was():
+def test_dense_ema_and_export_leave_the_global_rng_where_it_was():
     m = rankwise.to_low_rank(_mlp(), rank=3)
     torch.manual_seed(0)
     plain = torch.rand(3)
     torch.manual_seed(0)
     rankwise.DenseEMA(m, 0.9)
+    rankwise.export(m, merge="never")
     assert torch.equal(torch.rand(3), plain)
 
 

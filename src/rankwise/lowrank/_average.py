@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from ._base import AbstractLowRankLayer
-from ._convert import own_rng
 from ._export import export
 
 
@@ -94,8 +93,7 @@ class DenseEMA(nn.Module):
             raise ValueError(f"`decay` must be a number in [0, 1] (torch's EMA default 0.999); got {decay!r}")
         self.decay = float(decay)
         try:
-            with own_rng(model):  # (the export's new layers draw their init)
-                self.module = export(model, merge="always")
+            self.module = export(model, merge="always")  # (which leaves the global RNG alone)
         except TypeError as e:
             raise TypeError(f"DenseEMA averages a dense copy of the model, and {e}") from None
         self._replaced = replaced_modules(model, self.module)

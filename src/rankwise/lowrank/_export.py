@@ -18,7 +18,7 @@ from ..linalg import work_dtype
 from ._attention import LowRankMultiheadAttention
 from ._base import AbstractLowRankLayer
 from ._conv import LowRankConv2d
-from ._convert import check_model
+from ._convert import check_model, own_rng
 from ._hf import LowRankConv1D, hf_conv1d
 from ._linear import LowRankLinear
 
@@ -88,9 +88,10 @@ def export(model: nn.Module, *, merge: Merge = "auto") -> nn.Module:
     # Pre-seeding deepcopy's memo makes every reference to a low-rank layer resolve to its
     # replacement (so shared layers stay shared, the root case falls out, and the factors,
     # buffers and sink of the source are never copied).
-    memo: dict[int, object] = {
-        id(m): plain_layer(m, merge="always" if id(m) in dense else merge) for m in _outermost(model)
-    }
+    with own_rng(model):  # (the new layers draw an initialisation, overwritten at once)
+        memo: dict[int, object] = {
+            id(m): plain_layer(m, merge="always" if id(m) in dense else merge) for m in _outermost(model)
+        }
     out = copy.deepcopy(model, memo)
     for p in out.parameters():
         p.grad = None
