@@ -304,20 +304,73 @@ def test_fx_symbolic_trace_records_low_rank_layers_as_calls_that_keep_the_gradie
 
 def test_a_weight_read_without_autograd_is_formed_once_until_the_factors_change():
     """Foreign code reading `layer.weight` on every call (T5: `wo.weight.dtype` in each block)
-    formed U S Vᵀ each time; without autograd the view is now kept until the factors change."""
-    m = rankwise.to_low_rank(_mlp(), rank=3)
+    formed U S Vᵀ each time; in eval mode without autograd it is now kept until the factors
+    change (each read a new tensor object over it), and never kept as an inference tensor."""
+    m = rankwise.to_low_rank(_mlp(), rank=3).eval()
     layer = m[0]
     with torch.no_grad():
         w = layer.weight
-        assert layer.weight is w
+        assert layer.weight.data_ptr() == w.data_ptr() and layer.weight is not w
         layer.U.mul_(2)  # an in-place change of a factor
         w2 = layer.weight
-    assert w2 is not w
+    assert w2.data_ptr() != w.data_ptr()
     torch.testing.assert_close(w2, 2 * w)
+    with torch.inference_mode():
+        layer.U.mul_(0.5)
+        layer.weight.sum()
+    x = torch.randn(2, 8, requires_grad=True)
+    nn.functional.linear(x, layer.weight.detach()).sum().backward()  # (an inference tensor would raise)
+    m.train()
     opt = DLRT(m, 0.1, tau=0.1)
     _step(m, opt)
+    m.eval()
     with torch.no_grad():
         torch.testing.assert_close(layer.weight, layer.U @ layer.S @ layer.V.T)
-    assert layer.weight.requires_grad and layer.weight is not layer.weight  # under autograd: each read
+    m.train()
+    with torch.no_grad():
+        assert layer.weight.data_ptr() != layer.weight.data_ptr()  # training: formed on each read
+    m.eval()
     with pytest.raises(RuntimeError, match=r"LowRankLinear\.weight"), torch.no_grad():
-        layer.weight.mul_(0)  # the kept view is write-protected like any other
+        layer.weight.mul_(0)  # the kept matrix is write-protected like any view
+
+
+def test_an_optimizer_state_saved_when_frozen_parameters_were_not_held_still_loads():
+    """Before this issue the optimizer held only trainable parameters: a state it saved (frozen
+    layers present, as every PEFT run has) has shorter param groups; it loads into today's."""
+    def model():
+        m = rankwise.to_low_rank(_mlp(), rank=3, include=["0", "2"])
+        m[0].requires_grad_(False)
+        m[4].bias.requires_grad_(False)
+        return m
+
+    m = model()
+    opt = DLRT(m, 0.05, tau=0.1, optimizer="adam")
+    for s in range(2):
+        _step(m, opt, s)
+    new = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    factors = {id(t) for t in (m[2].U, m[2].S, m[2].V)}
+    kept = [i for i, p in enumerate(params) if p.requires_grad or id(p) in factors]
+    old = {"state": {kept.index(k): v for k, v in new["state"].items() if k in kept},
+           "param_groups": [{**new["param_groups"][0], "params": list(range(len(kept)))}]}
+    loaded = []
+    for state in (old, new):
+        fresh = model()
+        fresh.load_state_dict(m.state_dict())
+        again = DLRT(fresh, 0.05, tau=0.1, optimizer="adam")
+        again.load_state_dict(state)
+        loaded.append(again.state_dict())
+    assert loaded[0]["param_groups"] == loaded[1]["param_groups"] == new["param_groups"]
+    for k, st in new["state"].items():
+        for key, v in st.items():
+            for got in loaded:
+                assert torch.equal(torch.as_tensor(got["state"][k][key]), torch.as_tensor(v)), (k, key)
+
+
+def test_a_frozen_low_rank_layer_counts_as_fixed_in_a_budget():
+    """A frozen layer keeps its rank: a target only its trainable layers could reach by
+    shrinking the frozen one is refused at construction (it crushed the trainable layer)."""
+    m = nn.Sequential(rankwise.LowRankLinear(32, 32, 16), rankwise.LowRankLinear(32, 32, 16))
+    m[0].requires_grad_(False)
+    with pytest.raises(ValueError, match=r"cannot be reached: .*frozen low-rank layers\) alone are 1,344"):
+        DLRT(m, 0.05, target=0.5, ramp_steps=3)

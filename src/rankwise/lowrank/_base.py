@@ -241,20 +241,36 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         (``nn.init.*_``, ``.data.mul_``, ``[i] = …``), raise, since the write would be lost
         (:class:`._view.DenseView`).
 
-        Read where autograd records nothing (``no_grad``, ``inference_mode``, frozen factors), the
-        view is kept until the factors change, so foreign code that reads it on every call (T5
-        reads ``wo.weight.dtype`` in each block, each step of generation) forms U S Vᵀ once: that
-        costs the layer's dense size in memory while it is kept."""
+        In eval mode, read where autograd records nothing (``no_grad``, ``inference_mode``), U S Vᵀ
+        is kept until the factors change, so foreign code that reads the view on every call (T5
+        reads ``wo.weight.dtype`` in each block, at each step of generation) forms it once: that
+        costs the layer's dense size in memory while kept. Each read is a new tensor object.
+        Limit: a write into a factor that bypasses its version counter (``layer.S.data.mul_(2)``)
+        is not seen by a kept view; in-place ops on the factors and ``set_factors`` are."""
         U, S, V = self.U, self.S, self.V
-        record = torch.is_grad_enabled() and (U.requires_grad or S.requires_grad or V.requires_grad)
-        if record or getattr(torch.compiler, "is_compiling", lambda: False)():
+        if not self._keep_view():
             return self._view()
-        key = (factor_changes(), *(t._version for t in (U, S, V)), *(t.data_ptr() for t in (U, S, V)),
-               U.shape, V.shape, U.dtype, U.device)
+        key = (factor_changes(), *(id(t) for t in (U, S, V)), *(t._version for t in (U, S, V)),
+               *(t.data_ptr() for t in (U, S, V)), U.shape, V.shape, U.dtype, U.device)
         kept = _VIEWS.get(self)
         if kept is None or kept[0] != key:
-            kept = _VIEWS[self] = (key, self._view())
-        return kept[1]
+            with torch.inference_mode(False), torch.no_grad():  # (never an inference tensor)
+                kept = _VIEWS[self] = (key, self.dense_weight())
+        return as_view(kept[1].detach(), f"{type(self).__name__}.weight ({self._weight_is})",
+                       self._edit_instead)
+
+    def _keep_view(self) -> bool:
+        """May :attr:`weight` keep its matrix: eval mode, nothing recorded by autograd, plain
+        factors (not under ``torch.func`` transforms, forward AD or compile, not subclasses)."""
+        U, S, V = self.U, self.S, self.V
+        recorded = torch.is_grad_enabled() and (U.requires_grad or S.requires_grad or V.requires_grad)
+        if self.training or recorded:
+            return False
+        if getattr(torch.compiler, "is_compiling", lambda: False)():
+            return False
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        plain = all(type(t) in (nn.Parameter, Tensor) and not wrapped(t) for t in (U, S, V))
+        return plain and torch.autograd.forward_ad._current_level < 0  # (no dual_level() open)
 
     def _view(self) -> Tensor:
         return as_view(self.dense_weight(), f"{type(self).__name__}.weight ({self._weight_is})",

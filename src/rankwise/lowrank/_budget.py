@@ -183,13 +183,16 @@ class Planner:
         factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in layers.values())
         self.dense_params = c["dense_params"]
         self.other_params = c["stored_params"] - factors
+        # frozen layers keep their rank: fixed, like the parameters outside the layers
+        fixed = self.other_params + sum(m.U.numel() + m.S.numel() + m.V.numel()
+                                        for m in layers.values() if not m.S.requires_grad)
         self.count_buffer = bool(truncation.count_buffer and settings.buffer)
-        if truncation.target is not None and (1 - truncation.target) * self.dense_params <= self.other_params:
+        if truncation.target is not None and (1 - truncation.target) * self.dense_params <= fixed:
             raise ValueError(f"`target`={truncation.target} cannot be reached: the parameters outside "
-                             f"the low-rank factors (biases, dense layers) alone are "
-                             f"{self.other_params:,} of {self.dense_params:,}")
+                             f"the trainable low-rank factors (biases, dense layers, frozen low-rank layers) "
+                             f"alone are {fixed:,} of {self.dense_params:,}")
         least = sum(layer_cost(m.out_features, m.in_features, min(min_rank, m.max_rank),
-                               buffer=self.count_buffer) for m in layers.values())
+                               buffer=self.count_buffer) for m in layers.values() if m.S.requires_grad)
         if truncation.params is not None and truncation.params < least:
             raise ValueError(f"`params`={truncation.params:,} cannot hold the low-rank layers at "
                              f"min_rank={min_rank}: that alone costs {least:,} parameters")

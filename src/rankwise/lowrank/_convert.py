@@ -139,7 +139,7 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
         raise ValueError(f"`rank` names layers whose weight is tied to another module's: {_tied_text(tied)}; "
                          "converting them would untie the weights: leave them out")
     targets = [(n, m) for n, m in targets if n not in tied]
-    others = _not_convertible(targets, subclassed)  # parametrised layers, subclasses: left dense
+    others = _not_convertible(model, targets, subclassed)  # parametrised layers, subclasses: left dense
     targets = [(n, m) for n, m in targets if n not in others]
     _refuse_named(model, per_layer, include, {**others, **{n: _unsupported(m) for n, m in targets
                                                           if _unsupported(m) is not None}})
@@ -246,12 +246,13 @@ def _parametrised(mod: nn.Module) -> str | None:
     return None
 
 
-def _not_convertible(targets: list, subclassed: list) -> dict[str, str]:
+def _not_convertible(model: nn.Module, targets: list, subclassed: list) -> dict[str, str]:
     """``{name: why it stays dense}`` for selected layers to_low_rank leaves as they are: a
     parametrised weight (the low-rank factors cannot keep the parametrisation), a subclass of a
     torch layer (its forward may do more than the class it extends). Modules inside a target
-    (an nn.MultiheadAttention's out_proj) are not listed."""
+    (an nn.MultiheadAttention's out_proj) are not listed, nor the parts of any attention."""
     inside = {id(c) for _, m in targets for c in list(m.modules())[1:]}
+    inside |= {id(c) for m in model.modules() if isinstance(m, nn.MultiheadAttention) for c in m.children()}
     out = {}
     for name, mod in [*targets, *subclassed]:
         if id(mod) in inside:

@@ -35,6 +35,31 @@ def _by_param(param_groups: list[dict], state_dict: dict) -> dict[int, int]:
     return {id(p): i for i, p in zip(saved_ids, params, strict=False)}
 
 
+def widened(layers: dict, param_groups: list[dict], state_dict: dict) -> dict:
+    """A state saved when the optimizer held only the trainable parameters and the factors of
+    trainable layers (before it held every parameter, issue 56) renumbered into today's groups,
+    which hold every parameter; any other state is returned as it is (torch's load checks it)."""
+    saved = state_dict.get("param_groups", [])
+    if not isinstance(saved, list) or len(saved) != len(param_groups):
+        return state_dict
+    sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved]
+    if sizes == [len(g["params"]) for g in param_groups]:
+        return state_dict
+    factors = {id(t) for m in layers.values() if m.S.requires_grad for t in (m.U, m.S, m.V)}
+    held = [[i for i, p in enumerate(g["params"]) if p.requires_grad or id(p) in factors]
+            for g in param_groups]
+    if sizes != [len(h) for h in held]:
+        return state_dict
+    remap, groups, start = {}, [], 0
+    for old, g, kept in zip(saved, param_groups, held, strict=True):
+        ids = list(range(start, start + len(g["params"])))
+        start += len(ids)
+        remap.update({k: ids[i] for k, i in zip(old["params"], kept, strict=True)})
+        groups.append({**old, "params": ids})
+    state = {remap[k]: v for k, v in state_dict.get("state", {}).items() if k in remap}
+    return {**state_dict, "state": state, "param_groups": groups}
+
+
 def flattened(layers: dict, param_groups: list[dict], state_dict: dict) -> dict:
     """A state saved with each layer's rule states nested under S (``{"K": {...}, "L": {...},
     "S": {...}}``, before the state was flat) converted: K's under U, L's under V, S's beside
@@ -152,6 +177,7 @@ def tidy(opt, start) -> None:
         opt.param_groups[0].setdefault("budget_start", start)
     for layer in opt.layers.values():
         st, dt = opt.state[layer.S], work_dtype(layer.S.dtype)
+        st.setdefault("r_init", layer.rank)  # (a state saved before the optimizer held frozen layers)
         if not opt.settings.budgeted:
             st.setdefault("tau", opt.settings.tau)  # a state saved under a budget has none
         for p in (layer.U, layer.V, layer.S):
