@@ -75,12 +75,13 @@ class TrainConfig:
                                "--force.")
     update_every: int = setting(1, help="dlrt/sdlrt: augment and truncate every this many steps (the steps "
                                 "between move the cores S and the dense parameters only).")
-    checkpoint_every: int | None = setting(None, help="A checkpoint every this many steps, resumed after a "
-                                           "restart: one process writes checkpoint.pt; --nproc >= 4 a 2-D "
-                                           "coded checkpoint (a lost rank repaired from its peers).")
+    checkpoint_every: int | None = setting(None, help="A checkpoint every this many steps, in "
+                                           "--checkpoint-dir: one process writes checkpoint.pt; --nproc "
+                                           ">= 4, a 2-D coded checkpoint (a lost rank repaired from its "
+                                           "peers).")
     checkpoint_dir: Path | None = setting(None, help="Node-local folder for the checkpoints (rank<i>/ per "
-                                          "process with --nproc); a run started with the same settings "
-                                          "resumes from the newest checkpoint there.")
+                                          "process with --nproc); the same command rerun resumes from the "
+                                          "newest checkpoint there.")
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:

@@ -26,8 +26,10 @@ def test_data_parallel_sdlrt_survives_a_killed_worker_bitwise(tmp_path):
     """The low-rank optimizer data-parallel (process_group=) with coded checkpoints: its ranks
     change before the checkpoint it restores from, and the resumed run's losses, parameter
     digests and ranks equal the uninterrupted run's bit for bit."""
-    r = run_demo(tmp_path / "demo", nproc=4, steps=16, every=5, kill_rank=2, kill_step=12,
+    # (the first rank change is at step 11 since to_low_rank leaves the global RNG alone, which
+    # moves the demo's noise: checkpoints every 6 steps restore from step 12, after it)
+    r = run_demo(tmp_path / "demo", nproc=4, steps=16, every=6, kill_rank=2, kill_step=14,
                  corrupt_scenario=False, timeout=180, method="sdlrt")
     assert r["bitwise_equal"], r
-    assert r["restored_step"] == 10 and r["repaired"] == [2]
+    assert r["restored_step"] == 12 and r["repaired"] == [2]
     assert r["ranks_first"] == "16/16" and r["ranks_at_restore"] != r["ranks_first"]

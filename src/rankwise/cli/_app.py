@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from .. import __version__
-from .._fields import options_named
+from .._fields import help_of, options_named
 from ..train_config import METHODS as TRAIN_METHODS
 from ..train_config import TrainConfig as TC
 from ._common import (
@@ -103,12 +103,9 @@ def train_cmd(
                                        "each trains on its shard of every batch.", min=1,
                                        max=MAX_WORKERS)] = 1,
     checkpoint_every: Annotated[int | None, typer.Option(
-        "--checkpoint-every", min=1, help="A checkpoint every this many steps, in --checkpoint-dir: one "
-        "process writes checkpoint.pt; --nproc >= 4, a 2-D coded checkpoint (a lost rank repaired from its "
-        "peers).")] = TC.checkpoint_every,
+        "--checkpoint-every", min=1, help=help_of(TC, "checkpoint_every"))] = TC.checkpoint_every,
     checkpoint_dir: Annotated[Path | None, typer.Option(
-        "--checkpoint-dir", help="Node-local folder for the checkpoints (rank<i>/ per process with "
-        "--nproc); the same command rerun resumes from the newest checkpoint there.")] = TC.checkpoint_dir,
+        "--checkpoint-dir", help=help_of(TC, "checkpoint_dir"))] = TC.checkpoint_dir,
     max_restarts: Annotated[int, typer.Option(help="With --nproc: torchrun restarts the group after a "
                                               "failure this many times.", min=0)] = 0,
     device: Annotated[str, typer.Option(help="Where one process trains: cpu, cuda or cuda:N (--nproc runs "

@@ -29,7 +29,7 @@ class LmRunSpec:
     lr: float = 3e-3
     seed: int = 0
     steps: int = setting(600, help="Optimizer steps per run.")
-    batch: int = setting(16, help="Windows per step.")
+    batch: int = setting(16, flag="--batch-size", help="Windows per step.")
     context: int = setting(128, help="Tokens per window.")
     width: int = setting(256, help="Model width.")
     depth: int = setting(4, help="Transformer blocks.")
