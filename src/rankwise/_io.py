@@ -7,7 +7,8 @@ import contextlib
 import json
 import os
 import secrets
-from collections.abc import Callable
+import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,27 @@ def read_json(path: str | os.PathLike, limit: int = SMALL_FILE) -> Any:
         raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
+@contextlib.contextmanager
+def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None,
+                 what: str = "") -> Iterator[tuple[int, int]]:
+    """(fd, size) of `path` opened read-only without blocking, refused (``ValueError``) unless a
+    regular file (links are followed to one): a FIFO, a device or a socket is refused at once
+    instead of hanging or reading without end. With `dir_fd`, `path` is a name in that open
+    folder; `what` ends the refusal's message (what the file was to be read as)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
+                 **({} if dir_fd is None else {"dir_fd": dir_fd}))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
+                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                    else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
+            raise ValueError(f"{path} is {kind}, not a regular file{what}")
+        yield fd, st.st_size
+    finally:
+        os.close(fd)
+
+
 def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None, exact: int | None = None,
                  head: tuple[int, Callable[[bytes], None]] | None = None) -> bytes:
     """The bytes of `path`, which must be a regular file (links are followed to one) of at
@@ -84,33 +106,21 @@ def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = No
     is a name in that open folder. `exact`: the size the file must have (any other is refused
     before anything is read); `head` = (n, check): the first n bytes are read and given to
     `check` (which raises ``ValueError`` naming what is wrong) before the rest is allocated."""
-    import stat
-
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0),
-                 **({} if dir_fd is None else {"dir_fd": dir_fd}))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
-                    else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-            raise ValueError(f"{path} is {kind}, not a regular file")
-        if st.st_size > limit:
-            raise ValueError(f"{path} is {st.st_size:,} bytes, more than the {limit:,} it can hold")
-        if exact is not None and st.st_size != exact:
-            raise ValueError(f"{path} is {st.st_size:,} bytes where {exact:,} are expected")
+    with open_regular(path, dir_fd=dir_fd) as (fd, size):
+        if size > limit:
+            raise ValueError(f"{path} is {size:,} bytes, more than the {limit:,} it can hold")
+        if exact is not None and size != exact:
+            raise ValueError(f"{path} is {size:,} bytes where {exact:,} are expected")
         if head is not None:
-            first = os.pread(fd, min(head[0], st.st_size), 0)
+            first = os.pread(fd, min(head[0], size), 0)
             head[1](first)
-        buf = bytearray(st.st_size)
+        buf = bytearray(size)
         view, got = memoryview(buf), 0
-        while got < st.st_size:
+        while got < size:
             n = os.readv(fd, [view[got:]])
             if n == 0:
-                raise ValueError(f"{path} shrank while it was read ({got:,} of {st.st_size:,} bytes)")
+                raise ValueError(f"{path} shrank while it was read ({got:,} of {size:,} bytes)")
             got += n
         if os.read(fd, 1):
-            raise ValueError(f"{path} grew while it was read (beyond {st.st_size:,} bytes)")
+            raise ValueError(f"{path} grew while it was read (beyond {size:,} bytes)")
         return bytes(buf)
-    finally:
-        os.close(fd)

@@ -112,6 +112,19 @@ def _no_autocast(backward):
     return wrapped
 
 
+def _setup_layer(ctx, inputs: tuple, output) -> None:
+    """A layer Function's ``setup_context``: inputs (x, U, S, V, bias, factors, keep_h); with
+    `keep_h` the output is (y, h = x V), h saved and not differentiable."""
+    x, U, S, V, bias, factors, keep_h = inputs
+    if keep_h:
+        ctx.mark_non_differentiable(output[1])
+        ctx.set_materialize_grads(False)
+        _save(ctx, x, U, S, V, output[1])
+    else:
+        _save(ctx, x, U, S, V)
+    ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
+
+
 class _LinearFn(torch.autograd.Function):
     """``y = (x V Sᵀ) Uᵀ + b``; with `keep_h` it returns (y, h), h = x V non-differentiable and
     saved for the backward (the layers' forward), else y alone and the backward recomputes h (the
@@ -130,14 +143,7 @@ class _LinearFn(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, U, S, V, bias, factors, keep_h = inputs
-        if keep_h:
-            ctx.mark_non_differentiable(output[1])
-            ctx.set_materialize_grads(False)
-            _save(ctx, x, U, S, V, output[1])
-        else:
-            _save(ctx, x, U, S, V)
-        ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
+        _setup_layer(ctx, inputs[:7], output)
 
     @staticmethod
     @_no_autocast
@@ -246,15 +252,8 @@ class _Conv2dFn(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, U, S, V, bias, factors, keep_h, *geom = inputs
-        if keep_h:
-            ctx.mark_non_differentiable(output[1])
-            ctx.set_materialize_grads(False)
-            _save(ctx, x, U, S, V, output[1])
-        else:
-            _save(ctx, x, U, S, V)
-        ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
-        ctx.geom = tuple(geom)
+        _setup_layer(ctx, inputs[:7], output)
+        ctx.geom = tuple(inputs[7:])
 
     @staticmethod
     @_no_autocast

@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import stat
 import sys
 from collections.abc import Iterator
 from pathlib import Path, PurePath
@@ -28,7 +27,7 @@ from pathlib import Path, PurePath
 import torch
 from torch import Tensor, nn
 
-from .._io import SMALL_FILE, read_json
+from .._io import SMALL_FILE, open_regular, read_json
 from ._convert import to_low_rank
 
 _FACTORS = ("U", "S", "V")
@@ -168,22 +167,6 @@ def _inside(folder: Path, name: str, what: str) -> Path:
                      "it (copy the file into the folder)")
 
 
-@contextlib.contextmanager
-def _open_regular(file: Path) -> Iterator[tuple[int, int]]:
-    """(fd, size) of `file`, opened without blocking and refused unless a regular file."""
-    fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            kind = ("a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device" if stat.S_ISCHR(st.st_mode)
-                    or stat.S_ISBLK(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
-                    else "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file")
-            raise ValueError(f"{file} is {kind}, not a regular file: refusing to read it as weights")
-        yield fd, st.st_size
-    finally:
-        os.close(fd)
-
-
 def _pread_into(fd: int, buf: memoryview, offset: int, file: Path) -> None:
     got = 0
     while got < len(buf):
@@ -194,10 +177,13 @@ def _pread_into(fd: int, buf: memoryview, offset: int, file: Path) -> None:
 
 
 # header entries: key -> (dtype, shape, (file, start, nbytes)); a .bin's: (dtype, shape, tensor)
+_AS_WEIGHTS = ": refusing to read it as weights"  # (the end of a non-regular file's refusal)
+
+
 def _header(file: Path) -> dict[str, tuple]:
     if file.suffix == ".bin":
         return _bin_header(file)
-    with _open_regular(file) as (fd, size):
+    with open_regular(file, what=_AS_WEIGHTS) as (fd, size):
         if size < 8:
             raise ValueError(f"{file} is {size} bytes: too short for a safetensors file")
         n = int.from_bytes(os.pread(fd, 8, 0), "little")
@@ -246,7 +232,7 @@ def _entry(file: Path, key: str, entry, data_size: int, base: int) -> tuple:
 def _bin_header(file: Path) -> dict[str, tuple]:
     """A ``pytorch_model.bin``: torch.load (weights only) reads it whole (a pickle has no header
     to check first); the shapes are compared after."""
-    with _open_regular(file) as (fd, _), os.fdopen(os.dup(fd), "rb") as f:
+    with open_regular(file, what=_AS_WEIGHTS) as (fd, _), os.fdopen(os.dup(fd), "rb") as f:
         state = torch.load(f, map_location="cpu", weights_only=True)
     if not isinstance(state, dict) or not all(isinstance(k, str) and torch.is_tensor(v)
                                               for k, v in state.items()):
@@ -266,7 +252,7 @@ def _read_tensors(headers: dict[str, tuple]) -> dict[str, Tensor]:
         else:
             by_file.setdefault(where[0], []).append((k, dtype, shape, where[1], where[2]))
     for file, entries in by_file.items():
-        with _open_regular(file) as (fd, size):
+        with open_regular(file, what=_AS_WEIGHTS) as (fd, size):
             for k, dtype, shape, start, nbytes in entries:
                 if start + nbytes > size:
                     raise ValueError(f"{file} shrank while it was read")
