@@ -374,19 +374,3 @@ def test_a_frozen_low_rank_layer_counts_as_fixed_in_a_budget():
     m[0].requires_grad_(False)
     with pytest.raises(ValueError, match=r"cannot be reached: .*frozen low-rank layers\) alone are 1,344"):
         DLRT(m, 0.05, target=0.5, ramp_steps=3)
-
-
-def test_two_live_integrators_on_one_model_do_not_both_step_its_dense_parameters():
-    """A second DLRT built on the model (the first neither released nor dropped) took the layers
-    over, but both stepped the dense parameters: the second step is now refused; a released
-    first, or one that was dropped, is not in the way."""
-    m = rankwise.to_low_rank(_mlp(), rank=3, include=["0", "2"])
-    first = DLRT(m, 0.1, tau=0.1)
-    second = DLRT(m, 0.1, tau=0.1)
-    with pytest.raises(RuntimeError, match=r"DLRT\.step\(\) would update '0\.bias', which a rankwise DLRT"):
-        _step(m, second)
-    first.release()
-    _step(m, second)
-    third = DLRT(m, 0.1, tau=0.1)
-    del second
-    _step(m, third)

@@ -386,8 +386,6 @@ class AugmentedBUG(torch.optim.Optimizer):
             _closure.warn_without_group(self)
         if factor_changes() != self._seen_changes:  # someone else replaced factors since our last step
             _restart_stale_moments(self)
-        if len(_LIVE) > 1:  # another DLRT/SDLRT on the same parameters: refused, as a torch optimizer is
-            _refuse_double_step(self)
         augment = self._augment_now()
         two_pass = augment and not self.settings.single_pass and self.layers
         if closure is None and two_pass:
@@ -574,9 +572,8 @@ def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 
 def _refuse_double_step(optimizer: torch.optim.Optimizer) -> None:
-    """A torch optimizer (or a second DLRT/SDLRT) about to step a dense parameter (one with a
-    gradient) that a live DLRT/SDLRT also steps is refused: the parameter would move twice per
-    training step."""
+    """A torch optimizer about to step a dense parameter (one with a gradient) that a live
+    DLRT/SDLRT also steps is refused: the parameter would move twice per training step."""
     found = _shared_param(optimizer)
     if found is not None:
         gc.collect()  # a dropped DLRT in a reference cycle is not live
@@ -596,7 +593,7 @@ def _refuse_double_step(optimizer: torch.optim.Optimizer) -> None:
 def _shared_param(optimizer: torch.optim.Optimizer) -> tuple[AugmentedBUG, str] | None:
     """(a live DLRT/SDLRT, the name of a dense parameter with a gradient that it and `optimizer`
     both hold), or None."""
-    live = [o for o in _LIVE if not o._released and o is not optimizer]
+    live = [o for o in _LIVE if not o._released]
     for group in optimizer.param_groups if live else ():
         for p in group["params"]:
             if p.grad is None or layer_of(p) is not None:  # (layers: _trained_layer's message)
