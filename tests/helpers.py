@@ -84,6 +84,15 @@ def run_cli(*args: object) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+def one_line_error(r: CliResult, command: str, code: int = 2) -> str:
+    """The call failed with `code`, printing exactly one line on stderr naming `command`."""
+    assert r.exit_code == code, r
+    assert r.stderr.endswith("\n") and r.stderr.count("\n") == 1, r
+    assert r.stderr.startswith(f"rankwise {command}: error: "), r
+    assert "Traceback" not in r.stdout + r.stderr
+    return r.stderr
+
+
 def step_beside_torch(opt, torch_opt, model, ref, steps: int = 4) -> None:
     """`steps` steps of `opt` on `model` (a low-rank first layer, then dense layers) and of the
     torch optimizer `torch_opt` on `ref` (a copy of the dense layers), both on the first layer's

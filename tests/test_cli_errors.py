@@ -14,19 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_line_error as _one_line_error
 from helpers import run_cli
 from rankwise import _io
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _one_line_error(r, command: str, code: int = 2) -> str:
-    """The call failed with `code`, printing exactly one line on stderr naming `command`."""
-    assert r.exit_code == code, r
-    assert r.stderr.endswith("\n") and r.stderr.count("\n") == 1, r
-    assert r.stderr.startswith(f"rankwise {command}: error: "), r
-    assert "Traceback" not in r.stdout + r.stderr
-    return r.stderr
 
 
 def _encoded(tmp_path: Path, n: int = 7, t: int = 2, size: int = 30_000) -> tuple[Path, bytes]:

@@ -14,19 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_line_error as _one_line_error
 from helpers import run_cli
 from rankwise.cli._common import _HELD, LOCK_FILE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _one_line_error(r, command: str, code: int = 2) -> str:
-    """The call failed with `code`, printing exactly one line on stderr naming `command`."""
-    assert r.exit_code == code, r
-    assert r.stderr.endswith("\n") and r.stderr.count("\n") == 1, r
-    assert r.stderr.startswith(f"rankwise {command}: error: "), r
-    assert "Traceback" not in r.stdout + r.stderr
-    return r.stderr
 
 
 @contextmanager

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import mse_closure
 from rankwise import SDLRT
 from rankwise.lowrank import LowRankLinear
 
@@ -22,14 +23,7 @@ def _trained():
     torch.manual_seed(0)
     model = nn.Sequential(LowRankLinear(8, 6, 2), nn.ReLU(), nn.Linear(6, 3))
     opt = SDLRT(model, 0.05, tau=0.3, optimizer="adam")
-    X, Y = torch.randn(10, 8), torch.randn(10, 3)
-
-    def closure():
-        opt.zero_grad()
-        loss = ((model(X) - Y) ** 2).mean()
-        loss.backward()
-        return loss
-
+    closure = mse_closure(opt, model, torch.randn(10, 8), torch.randn(10, 3))
     opt.step(closure)
     return model, opt, closure
 
