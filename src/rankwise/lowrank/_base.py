@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import weakref
 from typing import Literal
 
@@ -218,15 +219,147 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
     # ----------------------------------------------------------------- factors
     @property
     def rank(self) -> int:
-        """Current rank r (an int)."""
-        return self.S.shape[0]
+        """Current (live) rank r (an int)."""
+        return self.S.shape[0] if self.capacity is None else self._live[0]
+
+    # ----------------------------------------------------------------- fixed capacity
+    capacity: int | None = None  # None: U, S, V at the live rank (their shapes change with it)
+    _live: tuple[int, int] = (0, 0)  # fixed capacity: (rank r, buffer columns b), on the host
+    _point: tuple[Tensor, Tensor, Tensor] | None = None  # two-pass BUG's augmented point (evaluate_at)
+
+    def factors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The live factors (U (out, r), S (r, r), V (in, r)): the parameters themselves, or, at a
+        fixed :attr:`capacity`, views of their first r columns (what the forward computes with)."""
+        if self._point is not None:
+            return self._point
+        if self.capacity is None:
+            return self.U, self.S, self.V
+        r = self._live[0]
+        return self.U[:, :r], self.S[:r, :r], self.V[:, :r]
+
+    def live_grads(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``.grad`` of U, S, V cut to the live rank (G_K, G_S, G_L in factor mode); None where absent.
+        At two-pass BUG's augmented point (:meth:`evaluate_at`), the core gradient there."""
+        if self._point is not None:
+            return None, self._point[1].grad, None
+        if self.capacity is None:
+            return self.U.grad, self.S.grad, self.V.grad
+        r = self._live[0]
+        U, S, V = self.U.grad, self.S.grad, self.V.grad
+        return (None if U is None else U[:, :r], None if S is None else S[:r, :r],
+                None if V is None else V[:, :r])
+
+    def live_buffer(self) -> tuple[Tensor, Tensor]:
+        """SDLRT's compensation buffer (U_buf (out, b), V_buf (in, b)) at its live width b."""
+        if self.capacity is None:
+            return self.U_buf, self.V_buf
+        b = self._live[1]
+        return self.U_buf[:, :b], self.V_buf[:, :b]
+
+    def live_params(self) -> int:
+        """Parameters of the live factors, (out + in + r)·r (what a compression ratio counts)."""
+        r = self.rank
+        return (self.out_features + self.in_features + r) * r
+
+    @torch.no_grad()
+    def set_capacity(self, capacity: int) -> None:
+        """Store U (out, R), S (R, R), V (in, R) and the buffer U_buf (out, R), V_buf (in, R) at a fixed
+        capacity R = min(`capacity`, out, in) from now on: columns beyond the live rank r (and rows of
+        S) are exactly zero, the forward computes at r, and the integrator writes each new rank into
+        the same tensors, so the parameters keep their shapes and storage for the life of the layer
+        (what DDP's buckets, ``torch.distributed.checkpoint`` and ``torch.compile`` need). The live
+        rank and buffer width are host integers, saved as the buffer ``live`` ([r, b]). The rank can
+        then grow to R at most (``max_rank`` becomes min(max_rank, R)). Changing the capacity
+        (this call again) is a rare, explicit event: a wrapping DDP or an optimizer must be built
+        again after it."""
+        full = min(self.out_features, self.in_features)
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"`capacity` must be an int >= 1; got {capacity!r}")
+        R = min(capacity, full)
+        if self.rank > R:
+            raise ValueError(f"`capacity` {capacity} is below this {self.out_features}×{self.in_features} "
+                             f"layer's rank {self.rank}")
+        U, S, V = (t.detach().clone() for t in self.factors())
+        Ub, Vb = (t.detach().clone() for t in self.live_buffer())
+        if Ub.shape[1] > R:  # (a buffer never holds more than the rank's worth of directions)
+            Ub, Vb = Ub[:, :R], Vb[:, :R]
+        like = self.U
+        _swap_data(self.U, like.new_zeros(self.out_features, R))
+        _swap_data(self.S, like.new_zeros(R, R))
+        _swap_data(self.V, like.new_zeros(self.in_features, R))
+        self.U_buf = like.new_zeros(self.out_features, R)
+        self.V_buf = like.new_zeros(self.in_features, R)
+        if "live" not in self._buffers:
+            self.register_buffer("live", torch.zeros(2, dtype=torch.int64, device=like.device))
+        self.capacity = R
+        self.max_rank = min(self.max_rank, R)
+        self._live = (0, 0)
+        self.set_factors(U, S, V, Ub, Vb)
+
+    def sync_live(self) -> None:
+        """Fixed capacity: take the live rank and buffer width from the saved buffer ``live`` (one read
+        of the device), after something wrote the layer's tensors in place (DDP's broadcast from rank 0
+        at wrapping, ``torch.distributed.checkpoint.load`` into ``model.state_dict()``)."""
+        if self.capacity is not None and not self.live.is_meta:
+            r, b = (int(v) for v in self.live.tolist())
+            if not (1 <= r <= self.capacity and 0 <= b <= self.capacity):
+                raise ValueError(f"{type(self).__name__}: its saved live rank and buffer {[r, b]} do not "
+                                 f"fit its capacity {self.capacity}")
+            self._live = (r, b)
+
+    @torch.no_grad()
+    def _write_fixed(self, U: Tensor, S: Tensor, V: Tensor, U_buf: Tensor | None,
+                     V_buf: Tensor | None) -> None:
+        """Fixed capacity: the new factors (and buffer) into the first columns, zeros after them."""
+        r, R = S.shape[0], self.capacity
+        if S.shape[1] != r or r > R:
+            raise ValueError(f"a fixed-capacity layer (capacity {R}) holds a square core of rank <= {R}; "
+                             f"got S {tuple(S.shape)} (raise the capacity with set_capacity, a rare, "
+                             "explicit event)")
+        b = self._live[1] if U_buf is None else U_buf.shape[1]
+        if b > R:
+            raise ValueError(f"a buffer of {b} columns exceeds this layer's capacity {R}")
+        def into(dst: Tensor, new: Tensor) -> None:
+            if new.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+                new = new.clone()  # (a view of `dst` itself: zeroing first would lose it)
+            dst.zero_()
+            dst[tuple(slice(0, n) for n in new.shape)].copy_(new)
+
+        for p, new in ((self.U, U), (self.S, S), (self.V, V)):
+            into(p, new)
+            p.grad = None
+        if U_buf is not None:
+            into(self.U_buf, U_buf)
+            into(self.V_buf, V_buf)
+        self._live = (r, b)
+        self.live.copy_(torch.tensor([r, b], dtype=torch.int64))
+
+    def _check_traceable(self) -> None:
+        """``torch.fx.symbolic_trace`` records the factors as the layer's parameters: at a fixed
+        capacity that would compute at the capacity, not the live rank; refused by name."""
+        if self.capacity is not None:
+            raise TypeError(f"torch.fx.symbolic_trace of a fixed-capacity {type(self).__name__} is not "
+                            "supported (the live rank is a host integer the graph would freeze): trace a "
+                            "model converted without `capacity`, or use torch.compile / torch.export")
+
+    @contextlib.contextmanager
+    def evaluate_at(self, U: Tensor, S: Tensor, V: Tensor):
+        """Within the block, the forward computes with U (out, a), S (a, b), V (in, b) instead of the
+        factors, S a fresh leaf whose gradient :meth:`live_grads` returns (two-pass BUG's second
+        evaluation, at the augmented point, in core mode). The parameters are not touched."""
+        self._point = (U.detach(), S.detach().clone().requires_grad_(True), V.detach())
+        try:
+            yield
+        finally:
+            self._point = None
 
     def weight_matrix(self) -> Tensor:
         """``U S Vᵀ`` as a matrix (out_features, in_features); differentiable, in factor mode with
         the integrator's gradients (:class:`._autograd.DenseWeightFn`)."""
-        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (self.U, self.S, self.V)):
-            return self.U @ self.S @ self.V.mT
-        return DenseWeightFn.apply(self.U, self.S, self.V, self.grad_mode == "factors")
+        U, S, V = self.factors()
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in (U, S, V)):
+            return U @ S @ V.mT
+        return DenseWeightFn.apply(U, S, V, self.grad_mode == "factors")
 
     @abc.abstractmethod
     def dense_weight(self) -> Tensor:
@@ -299,14 +432,17 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
                 f"factor shapes must be U ({self.out_features}, r), S (r, r), V "
                 f"({self.in_features}, r); got {tuple(U.shape)}, {tuple(S.shape)}, {tuple(V.shape)}"
             )
+        if (U_buf is None) != (V_buf is None) or (U_buf is not None and U_buf.shape[1] != V_buf.shape[1]):
+            raise ValueError("U_buf and V_buf must be given together, with the same number of columns")
         like = self.U
         _CHANGES[0] += 1
+        if self.capacity is not None:
+            self._write_fixed(U, S, V, U_buf, V_buf)
+            return
         for p, new in ((self.U, U), (self.S, S), (self.V, V)):
             _swap_data(p, new.to(like).contiguous())
             p.grad = None
         if U_buf is not None and V_buf is not None:
-            if U_buf.shape[1] != V_buf.shape[1]:
-                raise ValueError("U_buf and V_buf must have the same number of columns")
             self.U_buf = U_buf.to(like).contiguous()
             self.V_buf = V_buf.to(like).contiguous()
 
@@ -369,19 +505,67 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
                               missing_keys, unexpected_keys, error_msgs):
         src = {k: state_dict.get(prefix + k) for k in ("U", "S", "V", "U_buf", "V_buf")}
         _CHANGES[0] += 1
+        live = state_dict.get(prefix + "live")  # saved at a fixed capacity: [rank, buffer columns]
         if all(src[k] is not None for k in ("U", "S", "V")):
             self._check_loaded_shapes(prefix, src)
-            a, b = src["S"].shape
-            _swap_data(self.U, self.U.new_empty(self.out_features, a))
-            _swap_data(self.S, self.S.new_empty(a, b))
-            _swap_data(self.V, self.V.new_empty(self.in_features, b))
-        if src["U_buf"] is not None and src["V_buf"] is not None:
+            fits = (live is not None and self.capacity is not None
+                    and tuple(src["S"].shape) == tuple(self.S.shape)
+                    and (src["U_buf"] is None or tuple(src["U_buf"].shape) == tuple(self.U_buf.shape)))
+            if not fits and (live is not None or self.capacity is not None):  # another layout or capacity
+                state_dict = self._relaid(state_dict, prefix, src, live)
+                src = {k: state_dict.get(prefix + k) for k in src}
+            if self.capacity is None:
+                a, b = src["S"].shape
+                _swap_data(self.U, self.U.new_empty(self.out_features, a))
+                _swap_data(self.S, self.S.new_empty(a, b))
+                _swap_data(self.V, self.V.new_empty(self.in_features, b))
+        if self.capacity is None and src["U_buf"] is not None and src["V_buf"] is not None:
             b = src["U_buf"].shape[1]
             self.U_buf = self.U_buf.new_empty(self.out_features, b)
             self.V_buf = self.V_buf.new_empty(self.in_features, b)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
                                       missing_keys, unexpected_keys, error_msgs)
         self._register()  # load_state_dict(assign=True) puts new Parameter objects in place
+        self.sync_live()
+
+    def _relaid(self, state_dict, prefix: str, src: dict, live: Tensor | None) -> dict:
+        """This module's entries of `state_dict` in this layer's layout: saved at a fixed capacity
+        (`live` = [r, b]) cut to the live rank; into a fixed capacity, zero-padded to it (a rank
+        above it is refused). Only this module's own entries are returned (children load theirs
+        from the original)."""
+        if live is not None:
+            r, b = (int(v) for v in live.tolist())
+            R = src["S"].shape[0]
+            bufs = src["U_buf"] is not None and src["V_buf"] is not None
+            if not (1 <= r <= R and 0 <= b <= (src["U_buf"].shape[1] if bufs else 0)):
+                raise ValueError(f"{prefix or type(self).__name__ + '.'}: saved live rank and buffer "
+                                 f"{[r, b]} do not fit its saved capacity {R}")
+            src = {"U": src["U"][:, :r], "S": src["S"][:r, :r], "V": src["V"][:, :r],
+                   "U_buf": src["U_buf"][:, :b] if bufs else None,
+                   "V_buf": src["V_buf"][:, :b] if bufs else None}
+        own = {prefix + n: state_dict[prefix + n] for n in (*self._parameters, *self._buffers)
+               if prefix + n in state_dict}
+        own.pop(prefix + "live", None)
+        if self.capacity is None:
+            return {**own, **{prefix + k: v for k, v in src.items() if v is not None}}
+        R, (r, b) = self.capacity, tuple(src["S"].shape)
+        c = 0 if src["U_buf"] is None else src["U_buf"].shape[1]
+        if r != b or r > R or c > R:
+            raise ValueError(f"{prefix or type(self).__name__ + '.'}: saved rank {r} (buffer {c}) does not "
+                             f"fit this layer's fixed capacity {R}: raise it with set_capacity before "
+                             "loading")
+
+        def pad(t: Tensor | None, rows: int, cols: int) -> Tensor:
+            out = t.new_zeros(rows, cols) if t is not None else self.U.new_zeros(rows, cols)
+            if t is not None:
+                out[:t.shape[0], :t.shape[1]] = t
+            return out
+
+        return {**own, prefix + "U": pad(src["U"], self.out_features, R), prefix + "S": pad(src["S"], R, R),
+                prefix + "V": pad(src["V"], self.in_features, R),
+                prefix + "U_buf": pad(src["U_buf"], self.out_features, R),
+                prefix + "V_buf": pad(src["V_buf"], self.in_features, R),
+                prefix + "live": torch.tensor([r, c], dtype=torch.int64)}
 
     def _check_loaded_shapes(self, prefix: str, src: dict) -> None:
         """Saved factors of a rank this layer can hold, U (out, a), S (a, b), V (in, b), and a buffer
@@ -410,5 +594,6 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
                         "torch.jit.trace / torch.export, which work on the low-rank model itself")
 
     def extra_repr(self) -> str:
+        fixed = "" if self.capacity is None else f", capacity={self.capacity}"
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
-                f"max_rank={self.max_rank}, bias={self.bias is not None}")
+                f"max_rank={self.max_rank}{fixed}, bias={self.bias is not None}")

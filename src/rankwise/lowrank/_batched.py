@@ -24,6 +24,7 @@ augmentation.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from typing import TYPE_CHECKING
 
@@ -180,19 +181,18 @@ class _Group:
         self.layers = layers = [opt.layers[n] for n in names]
         self.states = [opt.state[m.S] for m in layers]
         self.r = [m.rank for m in layers]
-        self.b = [m.U_buf.shape[1] if cfg.buffer else 0 for m in layers]
+        self.b = [m.live_buffer()[0].shape[1] if cfg.buffer else 0 for m in layers]
         first = layers[0]
         dt = work_dtype(first.U.dtype)
 
         def stack(ts: list[Tensor]) -> Tensor:
             return _stack(ts, dt)
 
-        f = bug.Factors(stack([m.U for m in layers]), stack([m.S for m in layers]),
-                        stack([m.V for m in layers]),
-                        stack([m.U.grad for m in layers]), stack([m.S.grad for m in layers]),
-                        stack([m.V.grad for m in layers]),
-                        stack([m.U_buf if cfg.buffer else m.U_buf[:, :0] for m in layers]),
-                        stack([m.V_buf if cfg.buffer else m.V_buf[:, :0] for m in layers]))
+        live, grads, bufs = ([m.factors() for m in layers], [m.live_grads() for m in layers],
+                             [m.live_buffer() for m in layers])
+        f = bug.Factors(*(stack([t[j] for t in live]) for j in range(3)),
+                        *(stack([g[j] for g in grads]) for j in range(3)),
+                        *(stack([b[j] if cfg.buffer else b[j][:, :0] for b in bufs]) for j in range(2)))
         x = F.Stack(f, *(_stack_states(_rule_states(opt, layers, k), dt) for k in ("K", "L", "S")),
                     _step.padding(self.r, self.b, dt, first.U.device))
         self.padded = x.pad is not None
@@ -286,7 +286,7 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
     for n in todo:
         m, st = opt.layers[n], opt.state[opt.layers[n].S]
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
-        r, b = m.rank, m.U_buf.shape[1] if cfg.buffer else 0
+        r, b = m.rank, m.live_buffer()[0].shape[1] if cfg.buffer else 0
         R, B = _step.rank_bucket(r), _step.rank_bucket(b) if b else 0
         if not full and min(m.out_features, m.in_features) >= 2 * R + B:
             r, b = R, B
@@ -428,23 +428,21 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     saved = {p: None if p.grad is None else p.grad.clone()  # every dense parameter: one whose first
              for g in opt.param_groups for p in g["params"]       # gradient comes in pass 2 gets None back
              if id(p) not in opt._factor_ids}
-    originals = {n: (opt.layers[n].U.data, opt.layers[n].S.data, opt.layers[n].V.data) for n in points}
+    originals = {n: (opt.layers[n].U.data, opt.layers[n].S.data, opt.layers[n].V.data) for n in points
+                 if opt.layers[n].capacity is None}
     elsewhere = False
     try:
-        for n, (U, S0, V) in points.items():
-            opt.layers[n].set_factors(U, S0, V)
-            opt.layers[n].set_grad_mode("core")
-        with torch.enable_grad():
-            loss2 = closure()
-        _closure.check_loss(type(opt).__name__, loss2)
-        got = any(p.grad is not None for group in opt.param_groups for p in group["params"])
-        if not got:
-            raise RuntimeError(_closure.no_grad_message(type(opt).__name__, closure, " on its second call "
-                                                        "(two-pass, `single_pass=False`)"))
-        if opt.dp is not None:  # every rank's core gradients, averaged
-            elsewhere = opt.dp.average([core_slot(opt.layers[n]) for n in points], loss2, first=False)
-        grads = [torch.stack([m.S.grad if m.S.grad is not None else torch.zeros_like(m.S) for m in g.layers])
-                 for g in groups]
+        with contextlib.ExitStack() as at:
+            for n, (U, S0, V) in points.items():
+                if opt.layers[n].capacity is None:
+                    opt.layers[n].set_factors(U, S0, V)
+                else:  # (a fixed capacity may be narrower than the augmented point: the forward takes it)
+                    at.enter_context(opt.layers[n].evaluate_at(U, S0, V))
+                opt.layers[n].set_grad_mode("core")
+            with torch.enable_grad():
+                loss2 = closure()
+            grads = _second_grads(opt, groups, points, loss2, closure)
+            elsewhere = grads is None
     finally:
         for p, grad in saved.items():
             p.grad = grad
@@ -455,6 +453,32 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     for g, G in zip(groups, grads, strict=True):
         g.finish_two_pass(G)
     return torch.isfinite(torch.as_tensor(loss2).detach()).to(device).reshape(())
+
+
+def _second_grads(opt: AugmentedBUG, groups: list[_Group], points: dict, loss2,
+                  closure) -> list[Tensor] | None:
+    """The second pass's core gradients per group (L, ku, kv), averaged over a data-parallel group;
+    None when another rank's loss was not finite."""
+    _closure.check_loss(type(opt).__name__, loss2)
+    if not any(p.grad is not None for group in opt.param_groups for p in group["params"]) and not any(
+            m._point is not None and m._point[1].grad is not None for m in opt.layers.values()):
+        raise RuntimeError(_closure.no_grad_message(type(opt).__name__, closure, " on its second call "
+                                                    "(two-pass, `single_pass=False`)"))
+    if opt.dp is not None and opt.dp.average([core_slot(opt.layers[n]) for n in points], loss2, first=False):
+        return None  # (every rank's core gradients averaged; another rank's loss was not finite)
+
+    def core_grad(m) -> Tensor:
+        G = m.live_grads()[1]
+        return G if G is not None else torch.zeros_like(m.factors()[1])
+
+    grads = [torch.stack([core_grad(m) for m in g.layers]) for g in groups]
+    if opt.ddp is not None and grads:  # DDP saw no parameter in this pass: average the cores' gradients here
+        flat = torch.cat([G.reshape(-1) for G in grads])
+        torch.distributed.all_reduce(flat, group=opt.ddp.process_group)
+        flat /= torch.distributed.get_world_size(opt.ddp.process_group)
+        parts = torch.split(flat, [G.numel() for G in grads])
+        grads = [f.view(G.shape) for f, G in zip(parts, grads, strict=True)]
+    return grads
 
 
 def _commit(opt: AugmentedBUG, g: _Group) -> None:
@@ -475,14 +499,16 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
         def pick(t: Tensor, sel=sel) -> Tensor:
             return t if sel is None else t.index_select(0, sel)
 
-        torch._foreach_copy_([layers[i].U for i in same], _rows(pick(UP), [(m_, r1[i]) for i in same]))
-        torch._foreach_copy_([layers[i].V for i in same], _rows(pick(VQ), [(n_, r1[i]) for i in same]))
-        torch._foreach_copy_([layers[i].S for i in same], _rows(pick(S1), [(r1[i], r1[i]) for i in same]))
+        live = [layers[i].factors() for i in same]  # (the parameters, or their live columns)
+        torch._foreach_copy_([f[0] for f in live], _rows(pick(UP), [(m_, r1[i]) for i in same]))
+        torch._foreach_copy_([f[2] for f in live], _rows(pick(VQ), [(n_, r1[i]) for i in same]))
+        torch._foreach_copy_([f[1] for f in live], _rows(pick(S1), [(r1[i], r1[i]) for i in same]))
         bufs = [i for i in same if b1[i]]
         if bufs:
             UB = [UP[i, :, r1[i]:r1[i] + b1[i]] for i in bufs]
             VB = [VQ[i, :, r1[i]:r1[i] + b1[i]] for i in bufs]
-            torch._foreach_copy_([layers[i].U_buf for i in bufs] + [layers[i].V_buf for i in bufs], UB + VB)
+            held = [layers[i].live_buffer() for i in bufs]
+            torch._foreach_copy_([h[0] for h in held] + [h[1] for h in held], UB + VB)
         for i in same:
             m = layers[i]
             m.U.grad = m.S.grad = m.V.grad = None
@@ -528,7 +554,7 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
     (:func:`augmenting_step` reports it)."""
     todo = [m for m in opt.layers.values() if m.S.grad is not None]
     keyed: dict[tuple, list] = defaultdict(list)
-    for m in todo:
+    for m in todo:  # (a layer's live core and its gradient: m.factors()[1], m.live_grads()[1])
         key = (_step.rank_bucket(m.rank), m.S.dtype, m.S.device, id(opt._hp_of(m.S)),
                _signature(opt.state[m.S]))
         keyed[key].append(m)
@@ -537,15 +563,15 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
     planned = []
     for layers in keyed.values():
         dt = work_dtype(layers[0].S.dtype)
-        S0 = _stack([m.S for m in layers], dt)
-        G = _stack([m.S.grad for m in layers], dt)
+        S0 = _stack([m.factors()[1] for m in layers], dt)
+        G = _stack([m.live_grads()[1] for m in layers], dt)
         old = _stack_states(_rule_states(opt, layers, "S"), dt)
         S1, new, finite = F.core(S0, G, old, opt.rule, _core_hp(opt, layers, dt))
         ok = ok & finite
         planned.append((layers, S0, S1, old, new))
     for layers, S0, S1, old, new in planned:
-        shapes = [tuple(m.S.shape) for m in layers]
-        torch._foreach_copy_([m.S for m in layers], _rows(torch.where(ok, S1, S0), shapes))
+        shapes = [(m.rank, m.rank) for m in layers]
+        torch._foreach_copy_([m.factors()[1] for m in layers], _rows(torch.where(ok, S1, S0), shapes))
         for k in _MOMENTS:
             if new.get(k) is not None:
                 before = old[k] if old.get(k) is not None else torch.zeros_like(new[k])

@@ -180,12 +180,11 @@ class Planner:
         truncation, min_rank = settings.truncation, settings.min_rank
         self.truncation, self.min_rank, self.layers, self.rank_cap = truncation, min_rank, layers, rank_cap
         c = compression(model)
-        factors = sum(m.U.numel() + m.S.numel() + m.V.numel() for m in layers.values())
+        factors = sum(m.live_params() for m in layers.values())
         self.dense_params = c["dense_params"]
         self.other_params = c["stored_params"] - factors
         # frozen layers keep their rank: fixed, like the parameters outside the layers
-        fixed = self.other_params + sum(m.U.numel() + m.S.numel() + m.V.numel()
-                                        for m in layers.values() if not m.S.requires_grad)
+        fixed = self.other_params + sum(m.live_params() for m in layers.values() if not m.S.requires_grad)
         self.count_buffer = bool(truncation.count_buffer and settings.buffer)
         if truncation.target is not None and (1 - truncation.target) * self.dense_params <= fixed:
             raise ValueError(f"`target`={truncation.target} cannot be reached: the parameters outside "

@@ -73,7 +73,8 @@ def warn_without_group(opt) -> None:
 
         warnings.warn(f"torch.distributed runs {dist.get_world_size()} processes but this "
                       f"{type(opt).__name__} was built without `process_group`: each process integrates "
-                      "its own gradients and the replicas drift apart (DDP does not average the "
-                      "integrator's factor gradients, and its buckets break when a rank changes); "
-                      "build it with process_group=torch.distributed.group.WORLD and no DDP wrapper",
+                      "its own gradients and the replicas drift apart; build it on the "
+                      "DistributedDataParallel wrapper of a model converted with `capacity` "
+                      "(DLRT(DDP(model), …)), or with process_group=torch.distributed.group.WORLD and no "
+                      "DDP wrapper",
                       UserWarning, stacklevel=4)

@@ -61,11 +61,12 @@ class LowRankConv2d(AbstractLowRankLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            self._check_traceable()
             return low_rank_conv2d(x, self.U, self.S, self.V, self.bias, self.kernel_size, self.stride,
                                    self.padding, self.dilation)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (N, {self.in_channels}, H, W); got {tuple(x.shape)}")
-        return LowRankConv2dFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors",
+        return LowRankConv2dFn.apply(x, *self.factors(), self.bias, self.grad_mode == "factors",
                                      self.kernel_size, self.stride, self.padding, self.dilation)
 
     _weight_is = "U S Vᵀ of its factors, reshaped to the kernel"

@@ -50,7 +50,7 @@ def _kind(mod: nn.Module) -> str | None:
 def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None, tau: float | None = None,
                 include: Pattern = None, exclude: Pattern = None,
                 max_rank: int | None = None, target: float | None = None,
-                allocation: str = "error-sqrt") -> nn.Module:
+                allocation: str = "error-sqrt", capacity: int | str | None = None) -> nn.Module:
     """Replace matching dense layers by their truncated SVDs, in place.
 
     Converted (exact classes, not their subclasses): ``nn.Linear`` → :class:`LowRankLinear`,
@@ -75,6 +75,12 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
       (``rankwise.lowrank._budget.allocate_ranks``), at least rank 1 per layer;
     - `allocation`: with a `target`, how (``"error-sqrt"``: directions by the relative error they
       remove per √(parameters); ``"error"``, ``"energy"``; ``"uniform"``: one rank for all).
+    - `capacity`: store each converted layer's factors at a fixed capacity R, so that parameter
+      shapes and storage never change while the rank moves below R (``set_capacity``; what DDP,
+      ``torch.distributed.checkpoint`` resharding and ``torch.compile`` need): an int (R =
+      min(capacity, out, in) per layer, at least its rank), or ``"auto"``: twice each layer's
+      initial rank, capped at `max_rank` and min(out, in). Default ``None``: factors at the
+      live rank, their shapes change at every truncation.
 
     A pretrained model keeps its function up to the truncation error. Layers with no low-rank
     equivalent are left dense, with one warning each: convolutions LowRankConv2d cannot express
@@ -120,6 +126,8 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
     for name, value in (("rank", rank), ("max_rank", max_rank)):
         if value is not None:
             check_rank(value, name)
+    if capacity is not None and capacity != "auto":
+        check_rank(capacity, "capacity")
     # a one-shot iterator (e.g. a generator) would be used up by the first module name
     include = include if include is None or isinstance(include, str) else list(include)
     exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)
@@ -157,6 +165,8 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
     for name, mod in expressible:
         with own_rng(mod):
             new = _low_rank(mod, _rank_of(name, mod, ranks, rank), tau, max_rank)
+        if capacity is not None:
+            _fix_capacity(new, capacity, max_rank)
         carry_over(mod, new)
         for alias in names_of[id(mod)]:
             _set_submodule(model, alias, new.train(mod.training))
@@ -431,6 +441,17 @@ def _rank_of(name: str, mod: nn.Module, ranks: dict[str, int], rank: int | None)
     if _kind(mod) == "attention":
         return {p: ranks.get(f"{name}.{p}", rank) for p in PROJECTIONS}
     return ranks.get(name, rank)
+
+
+def _fix_capacity(new: nn.Module, capacity: int | str, max_rank: int | None) -> None:
+    """Every low-rank layer in `new` (a layer, or an attention's projections) at a fixed capacity:
+    `capacity`, or ``"auto"``: twice its rank (capped by `max_rank`)."""
+    from ._base import AbstractLowRankLayer
+
+    for m in new.modules():
+        if isinstance(m, AbstractLowRankLayer):
+            R = 2 * m.rank if capacity == "auto" else capacity
+            m.set_capacity(max(m.rank, min(R, max_rank)) if max_rank is not None else max(m.rank, R))
 
 
 def _low_rank(mod: nn.Module, rank, tau: float | None, max_rank: int | None) -> nn.Module:

@@ -221,6 +221,10 @@ def check_model(model: torch.nn.Module) -> None:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("with `process_group` pass the model itself, not a DistributedDataParallel "
                          "wrapper: the optimizer averages the gradients")
+    fixed = next((n for n, m in model.named_modules() if getattr(m, "capacity", None) is not None), None)
+    if fixed is not None:
+        raise ValueError(f"`process_group` does not take fixed-capacity layers yet (layer {fixed!r}): wrap "
+                         "the model in DistributedDataParallel instead (DLRT(DDP(model), …))")
     bn = next((n for n, m in model.named_modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
                and not isinstance(m, torch.nn.SyncBatchNorm) and m.track_running_stats), None)
     if bn is not None:

@@ -41,10 +41,11 @@ class LowRankLinear(AbstractLowRankLayer):
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.fx._symbolic_trace.is_fx_symbolic_tracing():
+            self._check_traceable()
             return low_rank_linear(x, self.U, self.S, self.V, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (..., {self.in_features}); got {tuple(x.shape)}")
-        return LowRankLinearFn.apply(x, self.U, self.S, self.V, self.bias, self.grad_mode == "factors")
+        return LowRankLinearFn.apply(x, *self.factors(), self.bias, self.grad_mode == "factors")
 
     def dense_weight(self) -> Tensor:
         """(out_features, in_features), as ``nn.Linear.weight``."""

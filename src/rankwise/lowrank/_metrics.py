@@ -39,8 +39,8 @@ def compression(model: nn.Module) -> dict[str, float]:
     unique = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
     other = sum(p.numel() for i, p in unique.items() if i not in factor_ids)
     dense = other + sum(m.out_features * m.in_features for m in lr.values())
-    stored = other + sum(m.U.numel() + m.S.numel() + m.V.numel() for m in lr.values())
-    buf = sum(m.U_buf.numel() + m.V_buf.numel() for m in lr.values())
+    stored = other + sum(m.live_params() for m in lr.values())  # (at a fixed capacity: the live rank's)
+    buf = sum(sum(t.numel() for t in m.live_buffer()) for m in lr.values())
     return {
         "dense_params": dense,
         "stored_params": stored,

@@ -85,7 +85,8 @@ def _checked(model: nn.Module, lr: float, settings: Settings | None, kwargs: dic
         what = "model.parameters()" if isinstance(model, Iterator) else type(model).__name__
         raise TypeError(f"`model` must be an nn.Module (the model itself, not {what}): the optimizer "
                         "finds its low-rank layers in it")
-    _check_unwrapped(model)
+    if not isinstance(model, _ddp_class()):
+        _check_unwrapped(model)
     if not (math.isfinite(v := _real("lr", lr, finite=False)) and v >= 0):
         raise ValueError(f"`lr` must be a finite number >= 0; got {lr}")
     if settings is None:
@@ -101,6 +102,40 @@ def _checked(model: nn.Module, lr: float, settings: Settings | None, kwargs: dic
     if process_group is not None:
         _dp.check_model(model)
     return settings
+
+
+def _ddp_class() -> type:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def _unwrap_ddp(model: nn.Module, settings: Settings, process_group) -> tuple[nn.Module, nn.Module | None]:
+    """(the model to train, its DistributedDataParallel wrapper or None). Under DDP the factors
+    must be at a fixed capacity (DDP's buckets are fixed when it wraps the model; the ranks
+    change) and the wrapper must let parameters go unused where a step leaves U and V out
+    (``update_every`` > 1, two-pass BUG): refused by name otherwise."""
+    if not isinstance(model, _ddp_class()):
+        return model, None
+    inner = model.module  # (with `process_group` too, _checked has refused the wrapper)
+    _check_unwrapped(inner)
+    loose = next((n for n, m in inner.named_modules()
+                  if isinstance(m, AbstractLowRankLayer) and m.capacity is None), None)
+    if loose is not None:
+        raise ValueError(f"DLRT/SDLRT under DistributedDataParallel needs fixed-capacity factors (DDP's "
+                         f"buckets are fixed when it wraps the model, and the ranks change): layer {loose!r} "
+                         "has none; "
+                         "convert with rankwise.to_low_rank(model, ..., capacity='auto') (or an int) before "
+                         "wrapping the model in DDP")
+    partial = settings.update_every > 1 or not settings.single_pass
+    if partial and not model.find_unused_parameters:
+        what = "update_every > 1" if settings.update_every > 1 else "two-pass BUG (single_pass=False)"
+        raise ValueError(f"{what} leaves U and V without gradients in some backward passes: wrap the model "
+                         "with DistributedDataParallel(model, find_unused_parameters=True)")
+    for m in inner.modules():  # (DDP broadcast rank 0's parameters and buffers when it wrapped the model)
+        if isinstance(m, AbstractLowRankLayer):
+            m.sync_live()
+    return inner, model
 
 
 class AugmentedBUG(torch.optim.Optimizer):
@@ -132,6 +167,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             raise ValueError(f"`implementation` must be one of {IMPLEMENTATIONS}; got {implementation!r}")
         self.implementation = implementation
         settings = _checked(model, lr, settings, kwargs, process_group)
+        model, ddp = _unwrap_ddp(model, settings, process_group)
+        self.ddp = ddp  # averages every .grad (G_K, G_S, G_L in factor mode) during the backward
         self.settings = settings
         self.process_group = process_group
         self._model = weakref.ref(model)
@@ -188,7 +225,7 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # what a pickled optimizer carries beside torch's defaults, state and param groups
     _PICKLED = ("implementation", "settings", "process_group", "_released", "_warned_world", "layers",
-                "planner", "_owned")
+                "planner", "_owned", "ddp")
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save({"model": model, "opt": opt})``, ``copy.deepcopy``) with its model,
@@ -381,7 +418,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if self._released:
             raise RuntimeError(f"this {type(self).__name__} was released (release()): its layers are back in "
                                "plain autograd mode; build a new optimizer to train them again")
-        if not self._warned_world and self.dp is None:
+        if not self._warned_world and self.dp is None and self.ddp is None:
             self._warned_world = True
             _closure.warn_without_group(self)
         if factor_changes() != self._seen_changes:  # someone else replaced factors since our last step
@@ -475,8 +512,8 @@ def _restart_stale_moments(opt: AugmentedBUG) -> None:
     stale = []
     for name, layer in opt.layers.items():
         trio = (layer.U, layer.S, layer.V)
-        if any(torch.is_tensor(m := opt.state[p].get(k)) and m.shape != p.shape
-               for p in trio for k in ("m", "v")):
+        if any(torch.is_tensor(m := opt.state[p].get(k)) and m.shape != live.shape  # (at the live rank)
+               for p, live in zip(trio, layer.factors(), strict=True) for k in ("m", "v")):
             for p in trio:
                 opt.state[p] = restart(restart(opt.state[p], "m"), "v")
             stale.append(name)

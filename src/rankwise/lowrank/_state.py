@@ -94,18 +94,19 @@ def check_saved_ranks(layers: dict, param_groups: list[dict], state_dict: dict) 
     if not isinstance(saved, dict) or sizes != [len(g["params"]) for g in param_groups]:
         return  # torch's own load refuses other groups in one line
     for name, layer in layers.items():
-        for key, p in (("K", layer.U), ("L", layer.V), ("S", layer.S)):
+        U, S, V = layer.factors()  # (the moments are at the live rank, also at a fixed capacity)
+        for key, p, live in (("K", layer.U, U), ("L", layer.V, V), ("S", layer.S, S)):
             st = saved.get(index.get(id(p))) or {}
             got = [tuple(st[k].shape) for k in ("m", "v") if torch.is_tensor(st.get(k)) and st[k].ndim == 2]
             # another rank: (out, r') for K, (in, r') for L, (r', r') for S
-            other = [g for g in got if g != tuple(p.shape)
+            other = [g for g in got if g != tuple(live.shape)
                      and (g[0] == g[1] if key == "S" else g[0] == p.shape[0])]
             if other:
                 raise ValueError(
                     f"the optimizer state was saved with layer {name!r} at rank {other[0][1]} (its {key} "
                     f"moments are {other[0][0]}×{other[0][1]}), but the layer is at rank {layer.rank} now: "
                     "load the model's state_dict (it carries the ranks) before the optimizer's")
-            _check_entry(st, p, f"layer {name!r}", key)
+            _check_entry(st, live, f"layer {name!r}", key)
         _check_counters(saved.get(index.get(id(layer.S))) or {}, f"layer {name!r}")
     factors = {id(p) for m in layers.values() for p in (m.U, m.V, m.S)}
     names = {id(p): f"parameter {i}" for i, p in enumerate(p for g in param_groups for p in g["params"])}

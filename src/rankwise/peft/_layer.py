@@ -47,7 +47,7 @@ class AdapterLinear(AbstractLowRankLayer):
                          _orthonormal(self.in_features, r, dtype=dt))
 
     def forward(self, x: Tensor) -> Tensor:
-        delta = LowRankLinearFn.apply(self.dropout(x), self.U, self.S, self.V, None,
+        delta = LowRankLinearFn.apply(self.dropout(x), *self.factors(), None,
                                        self.grad_mode == "factors")
         return self.base(x) + self.alpha * delta
 
