@@ -132,3 +132,58 @@ def test_wrappings_that_cannot_work_are_refused_by_name(tmp_path):
     assert "update_every > 1" in got[1] and "find_unused_parameters=True" in got[1]
     assert "two-pass" in got[2] and "find_unused_parameters=True" in got[2]
     assert "not a DistributedDataParallel wrapper" in got[3]
+
+
+def _dcp_train(rank: int | None, world: int, folder: str, resume: bool) -> list:
+    """SDLRT-Adam under DDP at `world` ranks (`rank` None: one process, no DDP): 2 steps, a DCP
+    checkpoint of model and optimizer (``get_state_dict``), 8 more; or, `resume`, load the
+    checkpoint into a fresh model and optimizer (``set_state_dict``) and run the last 8. Returns
+    the losses and ranks of the steps run after the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    X, Y = _data()
+    model = _model()
+    if rank is not None:
+        per = len(X) // world
+        X, Y = X[rank * per:(rank + 1) * per], Y[rank * per:(rank + 1) * per]
+    net = model if rank is None else nn.parallel.DistributedDataParallel(model)
+    opt = rankwise.SDLRT(net, 0.5, tau=0.1, optimizer="adam")
+
+    def closure():
+        opt.zero_grad()
+        loss = ((net(X) - Y) ** 2).mean()
+        loss.backward()
+        return loss
+
+    def steps(n: int) -> list:
+        out = []
+        for _ in range(n):
+            loss = opt.step(closure).detach().clone()
+            if rank is not None:
+                torch.distributed.all_reduce(loss)
+                loss /= world
+            out.append((float(loss), list(opt.ranks().values())))
+        return out
+
+    if resume:
+        model_sd, opt_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": opt_sd}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        return steps(8)
+    steps(2)
+    model_sd, opt_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": opt_sd}, checkpoint_id=folder)
+    return steps(8)
+
+
+def test_a_dcp_checkpoint_of_a_ddp_run_resumes_bitwise_and_at_another_world_size(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    straight = run_world(_dcp_train, 2, tmp_path, 2, folder, False)
+    resumed = run_world(_dcp_train, 2, tmp_path, 2, folder, True)
+    assert resumed == straight  # two ranks, from the checkpoint: bit for bit
+    alone = _dcp_train(None, 1, folder, True)  # saved at two ranks, resumed in one process
+    assert [r for _, r in alone] == [r for _, r in straight[0]]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(alone, straight[0], strict=True)) < 1e-12
+    assert len({r for _, rs in straight[0] for r in rs}) > 1  # the ranks moved after the checkpoint

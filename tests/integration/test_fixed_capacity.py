@@ -56,12 +56,14 @@ def test_fixed_capacity_trains_as_exact_shapes_and_never_moves_a_parameter(prese
     where = [(n, tuple(p.shape), p.data_ptr()) for n, p in model.named_parameters()]
     fixed, m1, _ = _run(6, PRESETS[preset], 30, model=model)
     assert len({r for _, rs in exact for r in rs}) > 1  # the ranks moved
-    assert fixed == exact
+    # (not bit for bit: the fixed layout's optimizer state is made at construction, zero moments whose
+    # contiguous layout takes BLAS down other paths than the first gradient's strides; 1e-15 relative)
+    assert [r for _, r in fixed] == [r for _, r in exact]
+    assert max(abs(a - b) for (a, _), (b, _) in zip(fixed, exact, strict=True)) < 1e-12
     assert [(n, tuple(p.shape), p.data_ptr()) for n, p in model.named_parameters()] == where
     low = [[m for m in net if isinstance(m, LowRankLinear)] for net in (m0, m1)]
     for a, b in zip(*low, strict=True):
-        # (U S Vᵀ of the live columns' strided views: BLAS may round the last bit otherwise)
-        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=1e-14)
+        torch.testing.assert_close(a.weight, b.weight, rtol=0, atol=1e-12)
         r = b.rank
         assert b.live.tolist()[0] == r and b.U.shape == (b.out_features, 6)
         assert not (b.U[:, r:].any() or b.V[:, r:].any() or b.S[r:].any() or b.S[:, r:].any())
@@ -121,3 +123,38 @@ def test_capacity_auto_is_twice_the_rank_and_counts_the_live_rank():
     assert rankwise.compression(model) == exact
     with pytest.raises(TypeError, match="symbolic_trace of a fixed-capacity"):
         torch.fx.symbolic_trace(model)
+
+
+_COMPILE = """
+import sys, torch, rankwise
+from torch import nn
+net = nn.Sequential(nn.Linear(16, 12), nn.Tanh(), nn.Linear(12, 6))
+model = rankwise.to_low_rank(net, rank=3, capacity=6)
+assert "torch._dynamo" not in sys.modules  # (the layers marked their rank sizes without importing it)
+from torch._dynamo.utils import counters
+compiled = torch.compile(model, backend="aot_eager")
+layers = [m for m in model if isinstance(m, rankwise.lowrank.LowRankLinear)]
+opt = rankwise.DLRT(model, 0.1, tau=0.1)
+x, g = torch.randn(8, 16), torch.Generator().manual_seed(0)
+for r in (3, 5, 2, 6, 4, 1, 6, 3):  # every layer's rank, set as a truncation would (6: the capacity)
+    for m in layers:
+        q = lambda n: torch.linalg.qr(torch.randn(n, r, generator=g))[0]
+        m.set_factors(q(m.out_features), torch.diag(torch.rand(r, generator=g) + 0.5), q(m.in_features))
+    y = compiled(x)
+    torch.testing.assert_close(y, model(x))
+    y.square().mean().backward()
+    opt.zero_grad()
+print(counters["stats"]["unique_graphs"], sum(counters["graph_break"].values()))
+"""
+
+
+def test_compiling_a_fixed_capacity_model_recompiles_at_most_at_the_edges():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    graphs, breaks = map(int, out.stdout.split())
+    # one graph for every rank in [2, R − 1]; dynamo specialises a size of 1 and a slice that covers
+    # the whole capacity (then contiguous) once each: 3 here, where the exact shapes compile 6
+    assert breaks == 0 and graphs <= 3, (graphs, breaks)

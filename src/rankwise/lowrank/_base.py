@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import sys
 import weakref
 from typing import Literal
 
@@ -32,6 +33,18 @@ def factor_changes() -> int:
 # weight views read without autograd, kept per layer until its factors change (`weight`); weak, so
 # that a layer is never kept alive, copied or pickled with its view
 _VIEWS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _dynamic_size(t: Tensor) -> Tensor:
+    """`t`, its size marked as ``torch._dynamo.maybe_mark_dynamic(t, 0)`` does (dynamic from the first
+    compile), without importing torch._dynamo (over a second) where it is not imported yet."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.maybe_mark_dynamic(t, 0)
+    else:  # (what maybe_mark_dynamic records on the tensor)
+        t._dynamo_weak_dynamic_indices = {0}
+        t._has_dynamo_dim_marking = True
+    return t
 
 
 def fsdp_classes() -> tuple[type, ...]:
@@ -234,7 +247,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             return self._point
         if self.capacity is None:
             return self.U, self.S, self.V
-        r = self._live[0]
+        r = self._rank_probe.shape[0]  # = self._live[0]; a size, so that torch.compile makes it dynamic
         return self.U[:, :r], self.S[:r, :r], self.V[:, :r]
 
     def live_grads(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -293,7 +306,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             self.register_buffer("live", torch.zeros(2, dtype=torch.int64, device=like.device))
         self.capacity = R
         self.max_rank = min(self.max_rank, R)
-        self._live = (0, 0)
+        self._set_live(0, 0)
         self.set_factors(U, S, V, Ub, Vb)
 
     def sync_live(self) -> None:
@@ -305,7 +318,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             if not (1 <= r <= self.capacity and 0 <= b <= self.capacity):
                 raise ValueError(f"{type(self).__name__}: its saved live rank and buffer {[r, b]} do not "
                                  f"fit its capacity {self.capacity}")
-            self._live = (r, b)
+            self._set_live(r, b)
 
     @torch.no_grad()
     def _write_fixed(self, U: Tensor, S: Tensor, V: Tensor, U_buf: Tensor | None,
@@ -331,8 +344,16 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         if U_buf is not None:
             into(self.U_buf, U_buf)
             into(self.V_buf, V_buf)
-        self._live = (r, b)
+        self._set_live(r, b)
         self.live.copy_(torch.tensor([r, b], dtype=torch.int64))
+
+    def _set_live(self, r: int, b: int) -> None:
+        """The host's live rank and buffer width, and the rank as the size of an empty meta tensor
+        (what the forward slices by: ``torch.compile`` guards on a size and, after one recompile,
+        treats it as dynamic, where a plain int attribute would compile a graph for every rank)."""
+        self._live = (r, b)
+        if getattr(self, "_rank_probe", None) is None or self._rank_probe.shape[0] != r:
+            self._rank_probe = _dynamic_size(torch.empty(r, device="meta"))
 
     def _check_traceable(self) -> None:
         """``torch.fx.symbolic_trace`` records the factors as the layer's parameters: at a fixed

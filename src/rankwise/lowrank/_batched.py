@@ -81,22 +81,50 @@ counters (``r_init``, ``tau``, ``augmentations``, ...)."""
 
 
 def _rule_states(opt: AugmentedBUG, layers: list, key: str) -> list[State]:
-    """The rule states of K (`key` ``"K"``: under U), L (under V) or S of `layers`."""
-    return [{k: v for k, v in opt.state[getattr(m, _HOLDER[key])].items() if k in RULE_KEYS} for m in layers]
+    """The rule states of K (`key` ``"K"``: under U), L (under V) or S of `layers`; at a fixed
+    capacity, each moment's live part (its storage is at the capacity, :func:`_capacity_shape`)."""
+    out = []
+    for m in layers:
+        st = {k: v for k, v in opt.state[getattr(m, _HOLDER[key])].items() if k in RULE_KEYS}
+        if m.capacity is not None:
+            a, b = _live_shape(m, key)
+            st = {k: v[:a, :b] if k in _MOMENTS and torch.is_tensor(v) else v for k, v in st.items()}
+        out.append(st)
+    return out
 
 
 _HOLDER = {"K": "U", "L": "V", "S": "S"}
 
 
+def _live_shape(m, key: str) -> tuple[int, int]:
+    """The shape of a layer's K (out, r), L (in, r) or S (r, r) at its live rank."""
+    return {"K": (m.out_features, m.rank), "L": (m.in_features, m.rank), "S": (m.rank, m.rank)}[key]
+
+
+def _capacity_shape(m, key: str) -> tuple[int, int] | None:
+    """At a fixed capacity R, where a layer's K, L or S moments are stored: (out, R), (in, R),
+    (R, R), the parameter's shape; None for a layer at its live shapes."""
+    return None if m.capacity is None else tuple(getattr(m, _HOLDER[key]).shape)
+
+
 def _put_rule_states(opt: AugmentedBUG, layers: list, key: str, new: State | None,
                      shapes: list[tuple[int, ...]]) -> None:
-    """Write a stacked rule state (None: reset, the entries removed) into each layer's state."""
+    """Write a stacked rule state (None: reset, the entries removed) into each layer's state.
+    At a fixed capacity an entry is never removed: a moment restarts as zeros (what the rules
+    take an absent one for, bit for bit) and a count as 0, so that the state keeps its keys and
+    shapes (what ``torch.distributed.checkpoint`` loads into)."""
     targets = [opt.state[getattr(m, _HOLDER[key])] for m in layers]
-    for t in targets:
+    caps = [_capacity_shape(m, key) for m in layers]
+    for t, cap in zip(targets, caps, strict=True):
         for k in [k for k in t if k in RULE_KEYS and (new is None or k not in new)]:
-            del t[k]
+            if cap is None:
+                del t[k]
+            elif torch.is_tensor(t[k]):
+                t[k].zero_()
+            else:
+                t[k] = 0
     if new is not None:
-        _write_states(targets, new, shapes)
+        _write_states(targets, new, shapes, caps)
 
 
 def _stack_states(states: list[State], dt: torch.dtype) -> State:
@@ -108,10 +136,14 @@ def _stack_states(states: list[State], dt: torch.dtype) -> State:
     return out
 
 
-def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]]) -> None:
+def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]],
+                  caps: list[tuple[int, int] | None] | None = None) -> None:
     """Write a stacked state (L, ...) into L per-layer state dicts, row i cut to shapes[i]: into
     their tensors in one ``_foreach_copy_`` where every tensor is there with that shape and
-    dtype, else as fresh per-layer tensors (own storage: a view would save the whole batch)."""
+    dtype, else as fresh per-layer tensors (own storage: a view would save the whole batch).
+    Where ``caps[i]`` is a shape (a fixed capacity), the moment is stored at that shape: its
+    first rows and columns get the row, the rest zeros."""
+    caps = caps or [None] * len(targets)
     for k, v in new.items():
         if k not in _MOMENTS:
             for t in targets:
@@ -119,12 +151,19 @@ def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]
             continue
         old = [t.get(k) for t in targets]
         rows = _rows(v, shapes)
-        if all(o is not None and o.shape == r.shape and o.dtype == r.dtype
-               for o, r in zip(old, rows, strict=True)):
+        if all(c is None for c in caps) and all(o is not None and o.shape == r.shape and o.dtype == r.dtype
+                                                for o, r in zip(old, rows, strict=True)):
             torch._foreach_copy_(old, rows)
-        else:
-            for t, r in zip(targets, rows, strict=True):
+            continue
+        for t, o, r, cap in zip(targets, old, rows, caps, strict=True):
+            if cap is None:
                 t[k] = r.clone()
+                continue
+            if o is None or tuple(o.shape) != cap or o.dtype != r.dtype:
+                o = t[k] = r.new_zeros(cap)
+            else:
+                o.zero_()
+            o[:r.shape[0], :r.shape[1]].copy_(r)
 
 
 def _dense_params(opt: AugmentedBUG) -> list[Tensor]:
@@ -270,7 +309,7 @@ def _width(states: list[State]) -> int | None:
     new directions (ΔK lies mostly in span[U0, U_buf]), so its cores stay near the exact
     path's size instead of 3r. Only with a buffer: without one the full width is 2r, the exact
     path's largest, and ΔK rarely loses directions."""
-    seen = [st.get("new_directions") for st in states]
+    seen = [st.get("new_directions") if st.get("augmentations") else None for st in states]
     if any(e is None for e in seen):
         return None
     return max(2 * e + 4 for e in seen)
@@ -577,7 +616,8 @@ def core_step(opt: AugmentedBUG, loss) -> bool:
                 before = old[k] if old.get(k) is not None else torch.zeros_like(new[k])
                 new[k] = torch.where(ok, new[k], before)
         new = {k: v for k, v in new.items() if k in RULE_KEYS}
-        _write_states([opt.state[m.S] for m in layers], new, shapes)
+        caps = [_capacity_shape(m, "S") for m in layers]
+        _write_states([opt.state[m.S] for m in layers], new, shapes, caps)
     dense_step(opt, ok)
     bad = (~ok).to(torch.int64)
     opt._skipped = bad if opt._skipped is None else opt._skipped + bad

@@ -201,6 +201,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         super().__init__(_split_groups(params, param_groups, self.layers, self._param_names), defaults)
         for layer in self.layers.values():
             self._adopt(layer)
+        if self.layers and all(m.capacity is not None for m in self.layers.values()):
+            _state.materialise(self)  # (a fresh state_dict() has every key and shape: DCP loads into it)
         self._set_modes()
         _install_foreign_step_check()
         _LIVE.add(self)
@@ -512,8 +514,9 @@ def _restart_stale_moments(opt: AugmentedBUG) -> None:
     stale = []
     for name, layer in opt.layers.items():
         trio = (layer.U, layer.S, layer.V)
-        if any(torch.is_tensor(m := opt.state[p].get(k)) and m.shape != live.shape  # (at the live rank)
-               for p, live in zip(trio, layer.factors(), strict=True) for k in ("m", "v")):
+        held = layer.factors() if layer.capacity is None else trio  # (the moments' shapes)
+        if any(torch.is_tensor(m := opt.state[p].get(k)) and m.shape != live.shape
+               for p, live in zip(trio, held, strict=True) for k in ("m", "v")):
             for p in trio:
                 opt.state[p] = restart(restart(opt.state[p], "m"), "v")
             stale.append(name)

@@ -94,7 +94,8 @@ def check_saved_ranks(layers: dict, param_groups: list[dict], state_dict: dict) 
     if not isinstance(saved, dict) or sizes != [len(g["params"]) for g in param_groups]:
         return  # torch's own load refuses other groups in one line
     for name, layer in layers.items():
-        U, S, V = layer.factors()  # (the moments are at the live rank, also at a fixed capacity)
+        # the moments' shape: at the live rank, or the parameter's at a fixed capacity
+        U, S, V = layer.factors() if layer.capacity is None else (layer.U, layer.S, layer.V)
         for key, p, live in (("K", layer.U, U), ("L", layer.V, V), ("S", layer.S, S)):
             st = saved.get(index.get(id(p))) or {}
             got = [tuple(st[k].shape) for k in ("m", "v") if torch.is_tensor(st.get(k)) and st[k].ndim == 2]
@@ -186,3 +187,35 @@ def tidy(opt, start) -> None:
             for k in ("m", "v"):
                 if torch.is_tensor(moments.get(k)):
                     moments[k] = moments[k].to(dt)
+
+
+def materialise(opt) -> None:
+    """Fixed capacity: every entry a step would create, made now (moments as zeros at their
+    parameter's shape, Adam's counts as 0), as torch's ``_init_optim_state`` does for
+    ``torch.distributed.checkpoint``: a fresh optimizer's ``state_dict()`` then has every key
+    and shape a trained one saves, so ``dcp.load`` into it restores all of it. Bit for bit the
+    same training: the rules take a zero moment as an absent one (m = μ·0 + g = g, and Adam's
+    (1 − β)·g and counts), and a moment restarts as zeros, not by removal (:mod:`._batched`)."""
+    rule = opt.settings.rule.name
+    momentum = opt.settings.rule.hyper().get("momentum", 0.0)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            st = opt.state[p]
+            factor = id(p) in opt._factor_ids
+            dt = work_dtype(p.dtype) if factor else p.dtype
+            adam = rule in ("adam", "adamw") or (rule == "muon" and not factor)  # (Muon's dense: AdamW)
+            keys = ("m", "v") if adam else ("m",) if rule == "muon" or momentum else ()
+            for k in keys:
+                if st.get(k) is None:
+                    st[k] = torch.zeros(p.shape, dtype=dt, device=p.device)
+            if adam:
+                for k in ("step", "m_from", "v_from"):
+                    st.setdefault(k, 0)
+    for layer in opt.layers.values():  # (the layer's counters, under its S)
+        st = opt.state[layer.S]
+        st.setdefault("augmentations", 0)
+        st.setdefault("new_directions", 0)  # (read only after an augmentation: :func:`._batched._width`)
+        if opt.settings.budgeted:
+            st.setdefault("tail", 0.0)
