@@ -1,5 +1,6 @@
 """Data-parallel low-rank training: step time with 1, 2, 4 processes and the bytes each step
-moves, low-rank SDLRT with the replicated and the sharded integrator against dense DDP, in one run.
+moves, low-rank SDLRT with the replicated and the sharded integrator, SDLRT on a DDP-wrapped model
+with fixed-capacity factors, against dense DDP, in one run.
 
 Model: ``--depth`` layers of ``--width``×``--width`` (ReLU between), MSE on random data, a fixed
 global batch ``--batch`` split over the processes (strong scaling); low-rank at ``--rank`` with
@@ -13,6 +14,11 @@ median of rank 0 over ``--steps`` steps after 3 warm-up steps.
   to its owner (the biases' all-reduced), each layer integrated by its owner, which then
   broadcasts the new factors, buffers and optimizer state; no replica hash (the factors are
   copies; the dense parameters here are biases only).
+
+- ``ddp``: ``to_low_rank(..., capacity=--capacity)`` (default twice the rank), the model wrapped in
+  ``DistributedDataParallel(broadcast_buffers=False)``, SDLRT built on the wrapper: the gradients
+  of U, S, V (at the capacity) and the biases are averaged by DDP's buckets during the backward,
+  every rank integrates every layer.
 
 The step is split into forward + backward, the gradient all-reduce, the owners' broadcast
 (sharded) and the rest (the integrator, the replica check, bookkeeping). Bytes: what rank 0
@@ -39,7 +45,7 @@ import tempfile
 import time
 from datetime import timedelta
 
-KINDS = ("replicated", "sharded", "dense")
+KINDS = ("replicated", "sharded", "ddp", "dense")
 
 
 def _timed(fn, into: list):
@@ -74,7 +80,14 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     model = nn.Sequential(*layers)
     ddp_bytes, reduce_time, share_time = [], [], []
     kind = args["kind"]
-    if kind != "dense":
+    hook_net = None
+    if kind == "ddp":  # fixed-capacity factors under DDP: U's, S's, V's gradients in DDP's buckets
+        rankwise.to_low_rank(model, rank=r, capacity=args["capacity"])
+        net = model
+        if world > 1:
+            net = hook_net = nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        opt = rankwise.SDLRT(net, 1e-3, tau=0.1, min_rank=r, max_rank=r, momentum=0.9)
+    elif kind != "dense":
         rankwise.to_low_rank(model, rank=r)
         extra = dict(data_parallel="sharded", check_every=0) if kind == "sharded" else \
             dict(data_parallel="replicated")
@@ -88,21 +101,22 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
         net = model
         if world > 1:
-            net = nn.parallel.DistributedDataParallel(model)
+            net = hook_net = nn.parallel.DistributedDataParallel(model)
+    if hook_net is not None and world > 1:
 
-            def counting_hook(state, bucket):
-                t = bucket.buffer()
-                ddp_bytes.append(t.numel() * t.element_size())
-                t.div_(world)
-                return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
+        def counting_hook(state, bucket):
+            t = bucket.buffer()
+            ddp_bytes.append(t.numel() * t.element_size())
+            t.div_(world)
+            return dist.all_reduce(t, async_op=True).get_future().then(lambda f: f.value()[0])
 
-            net.register_comm_hook(None, counting_hook)
+        hook_net.register_comm_hook(None, counting_hook)
     g = torch.Generator().manual_seed(1 + rank)
     per = batch // world
     x, y = torch.randn(per, w, generator=g), torch.randn(per, w, generator=g)
     rows = []
     phases = None
-    if args["phases"] and kind != "dense":  # the optimizer step split into phases (benchmark only)
+    if args["phases"] and kind not in ("dense", "ddp"):  # the optimizer step split into phases
         from step_time import PHASES, _Phases
 
         phases = _Phases({**PHASES, "owners' broadcast": [("shard", "share_from_owners")],
@@ -123,7 +137,8 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
         if world > 1:
             dist.barrier()
         if step >= 3:
-            sent = (sum(ddp_bytes), 0) if kind == "dense" else (opt.allreduce_bytes, opt.shared_bytes)
+            ours = (opt.allreduce_bytes, opt.shared_bytes) if kind not in ("dense", "ddp") else None
+            sent = (sum(ddp_bytes), 0) if ours is None else ours
             rows.append((t2 - t0, t1 - t0, sum(reduce_time), sum(share_time), *sent))
         ddp_bytes.clear()
     split = {}
@@ -159,11 +174,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=256, help="global batch, split over the processes")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--procs", default="1,2,4")
+    p.add_argument("--capacity", type=int, default=None,
+                   help="the ddp rows' fixed capacity (default 2·rank)")
     p.add_argument("--phases", action="store_true",
                    help="also split rank 0's low-rank step into phases (mean ms/step; slower)")
     a = p.parse_args(argv)
     procs = [int(n) for n in a.procs.split(",")]
-    args = dict(width=a.width, depth=a.depth, rank=a.rank, batch=a.batch, steps=a.steps, phases=a.phases)
+    capacity = a.capacity or 2 * a.rank
+    args = dict(width=a.width, depth=a.depth, rank=a.rank, batch=a.batch, steps=a.steps, phases=a.phases,
+                capacity=capacity)
     res = {(kind, n): run(kind, n, args) for n in procs for kind in KINDS if kind != "sharded" or n > 1}
     if 1 in procs:  # one process: nothing to shard
         res[("sharded", 1)] = res[("replicated", 1)]
@@ -183,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {n} | {kind} | {step:.4f} | {step / res[(kind, one)][0]:.2f} | {fb:.4f} | {red:.4f} | "
                   f"{share:.4f} | {step - fb - red - share:.4f} | {(red + share) / step:.0%} "
                   f"| {step / dt:.2f} |")
+        step, fb = res[("ddp", n)][:2]
+        print(f"| {n} | DDP, capacity {capacity} | {step:.4f} | {step / res[('ddp', one)][0]:.2f} | {fb:.4f} "
+              f"(all-reduce overlapped) | | | {step - fb:.4f} | | {step / dt:.2f} |")
         print(f"| {n} | dense DDP | {dt:.4f} | {dt / res[('dense', one)][0]:.2f} | | | | | | 1.00 |")
     if a.phases:
         names = [k for k in next(v[6] for v in res.values() if v[6])  # (fwd+bwd, the all-reduce: above)
@@ -216,6 +238,10 @@ def main(argv: list[str] | None = None) -> None:
               f"m per layer) | {gb:,.0f} | {reduce_formula:,} | {gb / reduce_formula:.3f} |")
         print(f"| sharded: owners' broadcast (3(m + n)·r + 2r² per owned layer) | {sb:,.0f} "
               f"| {share_formula:,} | {sb / share_formula:.3f} |")
+        cb, R = res[("ddp", n)][4], capacity
+        ddp_formula = 4 * a.depth * ((w + w) * R + R * R + w)
+        print(f"| SDLRT under DDP at capacity R = {R} ((m + n)·R + R² + m per layer) | {cb:,.0f} | "
+              f"{ddp_formula:,} | {cb / ddp_formula:.3f} |")
         print(f"| dense DDP (m·n + m per layer) | {db:,.0f} | {dense_formula:,} | {db / dense_formula:.3f} |")
 
 

@@ -276,8 +276,9 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
 
     @torch.no_grad()
     def set_capacity(self, capacity: int) -> None:
-        """Store U (out, R), S (R, R), V (in, R) and the buffer U_buf (out, R), V_buf (in, R) at a fixed
-        capacity R = min(`capacity`, out, in) from now on: columns beyond the live rank r (and rows of
+        """Store U (out, R), S (R, R), V (in, R) (and SDLRT's buffer U_buf (out, R), V_buf (in, R), once an
+        SDLRT optimizer reserves it: :meth:`reserve_buffer`) at a fixed capacity R = min(`capacity`, out,
+        in) from now on: columns beyond the live rank r (and rows of
         S) are exactly zero, the forward computes at r, and the integrator writes each new rank into
         the same tensors, so the parameters keep their shapes and storage for the life of the layer
         (what DDP's buckets, ``torch.distributed.checkpoint`` and ``torch.compile`` need). The live
@@ -300,8 +301,9 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         _swap_data(self.U, like.new_zeros(self.out_features, R))
         _swap_data(self.S, like.new_zeros(R, R))
         _swap_data(self.V, like.new_zeros(self.in_features, R))
-        self.U_buf = like.new_zeros(self.out_features, R)
-        self.V_buf = like.new_zeros(self.in_features, R)
+        width = R if Ub.shape[1] else 0  # (SDLRT's buffer: reserved at capacity once used, reserve_buffer)
+        self.U_buf = like.new_zeros(self.out_features, width)
+        self.V_buf = like.new_zeros(self.in_features, width)
         if "live" not in self._buffers:
             self.register_buffer("live", torch.zeros(2, dtype=torch.int64, device=like.device))
         self.capacity = R
@@ -319,6 +321,18 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
                 raise ValueError(f"{type(self).__name__}: its saved live rank and buffer {[r, b]} do not "
                                  f"fit its capacity {self.capacity}")
             self._set_live(r, b)
+
+    @torch.no_grad()
+    def reserve_buffer(self) -> None:
+        """Fixed capacity: SDLRT's buffer U_buf (out, R), V_buf (in, R) allocated at the capacity (an
+        SDLRT optimizer calls this when it is built, so that the layer's shapes are fixed from then on;
+        until then a layer holds no buffer columns)."""
+        if self.capacity is not None and self.U_buf.shape[1] != self.capacity:
+            b = self._live[1]
+            U_buf, V_buf = self.U_buf[:, :b].clone(), self.V_buf[:, :b].clone()
+            self.U_buf = self.U.new_zeros(self.out_features, self.capacity)
+            self.V_buf = self.U.new_zeros(self.in_features, self.capacity)
+            self.U_buf[:, :b], self.V_buf[:, :b] = U_buf, V_buf
 
     @torch.no_grad()
     def _write_fixed(self, U: Tensor, S: Tensor, V: Tensor, U_buf: Tensor | None,
@@ -342,8 +356,11 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             into(p, new)
             p.grad = None
         if U_buf is not None:
-            into(self.U_buf, U_buf)
-            into(self.V_buf, V_buf)
+            if b:
+                self.reserve_buffer()
+            if self.U_buf.shape[1]:
+                into(self.U_buf, U_buf)
+                into(self.V_buf, V_buf)
         self._set_live(r, b)
         self.live.copy_(torch.tensor([r, b], dtype=torch.int64))
 
@@ -535,6 +552,8 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             if not fits and (live is not None or self.capacity is not None):  # another layout or capacity
                 state_dict = self._relaid(state_dict, prefix, src, live)
                 src = {k: state_dict.get(prefix + k) for k in src}
+                if self.capacity is not None and src["U_buf"].shape[1]:
+                    self.reserve_buffer()  # (a saved buffer in use: this layer's at capacity too)
             if self.capacity is None:
                 a, b = src["S"].shape
                 _swap_data(self.U, self.U.new_empty(self.out_features, a))
@@ -582,10 +601,11 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
                 out[:t.shape[0], :t.shape[1]] = t
             return out
 
+        width = R if c or self.U_buf.shape[1] else 0  # (the buffer at capacity once it is used)
         return {**own, prefix + "U": pad(src["U"], self.out_features, R), prefix + "S": pad(src["S"], R, R),
                 prefix + "V": pad(src["V"], self.in_features, R),
-                prefix + "U_buf": pad(src["U_buf"], self.out_features, R),
-                prefix + "V_buf": pad(src["V_buf"], self.in_features, R),
+                prefix + "U_buf": pad(src["U_buf"], self.out_features, width),
+                prefix + "V_buf": pad(src["V_buf"], self.in_features, width),
                 prefix + "live": torch.tensor([r, c], dtype=torch.int64)}
 
     def _check_loaded_shapes(self, prefix: str, src: dict) -> None:

@@ -219,6 +219,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         for p in (layer.U, layer.V):  # (their rule states: K's under U, L's under V; made here, so
             self.state[p]             # that every rank of a data-parallel run orders them alike)
         self.state[layer.S]["r_init"] = layer.rank
+        if self.settings.buffer:
+            layer.reserve_buffer()  # (fixed capacity: the buffer's shape fixed from now on)
         if not self.settings.budgeted:  # a budget has no τ (its state would give a tolerance optimizer τ = 0)
             self.state[layer.S]["tau"] = self.settings.tau
         if getattr(layer, "_grad_owner", None) is None and layer.S.requires_grad:  # what release() gives back

@@ -196,14 +196,19 @@ def materialise(opt) -> None:
     and shape a trained one saves, so ``dcp.load`` into it restores all of it. Bit for bit the
     same training: the rules take a zero moment as an absent one (m = μ·0 + g = g, and Adam's
     (1 − β)·g and counts), and a moment restarts as zeros, not by removal (:mod:`._batched`)."""
-    rule = opt.settings.rule.name
-    momentum = opt.settings.rule.hyper().get("momentum", 0.0)
+    cfg = opt.settings
+    rule = cfg.rule.name
+    momentum = cfg.rule.hyper().get("momentum", 0.0)
+    # moments="reset" starts K's and L's afresh at every augmentation: none are kept between steps
+    # (S's are, between augmentations, with update_every > 1)
+    kept = {id(m.S) for m in opt.layers.values()} if cfg.update_every > 1 else set()
+    held = kept if cfg.moments_used == "reset" else set(opt._factor_ids)
     for group in opt.param_groups:
         for p in group["params"]:
-            if not p.requires_grad:
+            factor = id(p) in opt._factor_ids
+            if not p.requires_grad or (factor and id(p) not in held):
                 continue
             st = opt.state[p]
-            factor = id(p) in opt._factor_ids
             dt = work_dtype(p.dtype) if factor else p.dtype
             adam = rule in ("adam", "adamw") or (rule == "muon" and not factor)  # (Muon's dense: AdamW)
             keys = ("m", "v") if adam else ("m",) if rule == "muon" or momentum else ()
