@@ -4,10 +4,10 @@ What is measured
     ``rankwise.models.gpt(width=64, context=16, depth=2)`` converted at rank 8, with exact-shape
     factors (``capacity=None``) and with fixed-capacity factors (``capacity="auto"``: twice the
     rank), the model compiled with ``torch.compile`` (default dynamo settings, the backend given),
-    trained `--steps` steps (default 30) by ``rankwise.DLRT`` (Adam, ``tau``) on the bundled bytes
-    corpus, the optimizer in eager mode. Printed per layout: the distinct ranks seen, the unique
-    graphs dynamo compiled, its recompiles and graph breaks, and the wall time (compilation
-    included), side by side in one run.
+    trained `--steps` steps (default 30) by ``rankwise.DLRT`` (Adam, ``--tau`` 0.3, ``--lr`` 1e-2:
+    the ranks move) on random byte windows, the optimizer in eager mode. Printed per layout: the
+    distinct ranks seen, the unique graphs dynamo compiled, its graph breaks, and the wall time
+    (compilation included), side by side in one run.
 
 How to run
     .venv/bin/python benchmarks/compile_ranks.py                      # inductor, about 2 min on 2 cores
@@ -60,8 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument("--tau", type=float, default=0.05)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--tau", type=float, default=0.3)
+    ap.add_argument("--lr", type=float, default=1e-2)
     a = ap.parse_args()
     print(f"torch {torch.__version__}, backend {a.backend}, {a.steps} DLRT steps, tau {a.tau}")
     print(f"{'layout':<16}{'distinct ranks':>15}{'graphs':>8}{'breaks':>8}{'seconds':>9}")

@@ -36,6 +36,7 @@ from . import _closure, _shard, _step
 from . import _integrators as bug
 from . import functional as F
 from ._budget import tail_share
+from ._readback import ReadBack
 from ._replicas import _all_finite_flag, core_slot
 from ._rules import State, foreach_update, weight_scale
 
@@ -337,14 +338,22 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
             for chunk in _chunks(key, names)]
 
 
-def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False) -> bool:
+def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool:
     """Augment and truncate every layer with gradients (module docstring). Returns False if the
     step was skipped (non-finite values; nothing written). With a `closure`, two-pass BUG: the
     closure is evaluated again at the augmented point (:func:`_second_pass`). A layer whose
-    fixed-width augmentation failed sends the whole step, before anything is written, to a
+    fixed-width augmentation failed sends the whole step, before anything is written, to one
     retry with room for every new direction and no padding (`full`; one more host read)."""
+    full = opt.implementation == "exact"
+    while (done := _attempt(opt, loss, closure, full)) is None:
+        full = True  # (at full width a failure is an overflow: never a second retry)
+    return done
+
+
+def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
+    """One try of :func:`augmenting_step` at fixed width (or `full`): True (committed), False
+    (skipped), None (a fixed-width augmentation failed: nothing written, try again at full)."""
     cfg = opt.settings
-    full = full or opt.implementation == "exact"
     todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
     groups = _groups(opt, todo, closure is not None, full)
     device = groups[0].layers[0].U.device if groups else next(
@@ -353,46 +362,20 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False
     if closure is not None:
         second = _second_pass(opt, groups, closure, loss, device, full)
         if second is None:
-            return augmenting_step(opt, loss, closure, full=True)
+            return None
         if second is False:
             return False
         ok_in = ok_in & second
     for g in groups:
         ok_in = ok_in & g.grads_finite.to(device)
     skipped = opt._skipped if opt._skipped is not None else torch.zeros((), device=device)
-    # the one device→host transfer of the step
-    parts = [ok_in.double().reshape(1), skipped.double().reshape(1).to(device)]
-    for g in groups:
-        parts += [g.plan.finite.double().to(device), g.plan.failed.double().to(device),
-                  g.plan.k.double().to(device), g.plan.new.double().to(device)]
-        if g.ranks is not None:
-            parts.append(g.ranks.double().to(device))
-        if cfg.budgeted:
-            parts.append(g.plan.s.double().flatten().to(device))
-        if cfg.budgeted and cfg.truncation.data_aware:
-            parts.append(g.scores.double().flatten().to(device))
-    host = torch.cat(parts).cpu().tolist()
-    ok_inputs, n_skipped = host[0] > 0, int(host[1])
-    pos = 2
-    for g in groups:
-        L, k = len(g.names), g.plan.s.shape[-1]
-        g.finite = [v > 0 for v in host[pos:pos + L]]
-        g.failed = [v > 0 for v in host[pos + L:pos + 2 * L]]
-        g.k = [int(v) for v in host[pos + 2 * L:pos + 3 * L]]
-        g.new = [int(v) for v in host[pos + 3 * L:pos + 4 * L]]
-        pos += 4 * L
-        if g.ranks is not None:
-            g.r1 = [int(v) for v in host[pos:pos + L]]
-            pos += L
-        else:
-            g.r1 = list(g.r)
-        if cfg.budgeted:
-            g.spectra = [torch.tensor(host[pos + i * k:pos + i * k + g.k[i]], dtype=torch.float64)
-                         for i in range(L)]
-            pos += L * k
-        if cfg.budgeted and cfg.truncation.data_aware:
-            g.score_lists = [host[pos + i * k:pos + i * k + g.k[i]] for i in range(L)]
-            pos += L * k
+    read = ReadBack.read(ok_in, skipped, groups, spectra=cfg.budgeted,
+                         scores=cfg.budgeted and cfg.truncation.data_aware, device=device)
+    ok_inputs, n_skipped = read.ok, read.skipped
+    for g, got in zip(groups, read.groups, strict=True):
+        g.finite, g.failed, g.k, g.new = got.finite, got.failed, got.k, got.new
+        g.r1 = got.ranks if got.ranks is not None else list(g.r)
+        g.spectra, g.score_lists = got.spectra, got.scores
     overflow = "non-finite augmented core (overflow in the update)"
     bad = None
     if not ok_inputs:  # (sharded: the averaged factor gradients are on their owner only)
@@ -408,7 +391,7 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None, *, full: bool = False
                       if code == 2 else None)
         failed = code == 1
     if failed and not full:
-        return augmenting_step(opt, loss, closure, full=True)
+        return None
     bad = overflow if failed else bad
     opt._skipped = None
     if n_skipped:
