@@ -6,9 +6,11 @@ r"""The optimizer's step, batched over layer groups, with one host read.
 optimizer-state layout form a group: their factors, gradients and moments are stacked,
 zero-padded to the group's largest rank and buffer, and integrated by the pure functions of
 :mod:`._step` (rule, augment, core, SVD, tolerance ranks), so the number of groups is bounded
-by shapes × buckets, not by distinct ranks. Then every layer's new rank, its core size and
-the finiteness flags (and, under a :class:`Budget`, the spectra) reach the host in **one**
-transfer; the host cuts each layer's new factors and moments from the group's and writes
+by shapes × buckets, not by distinct ranks. How the new ranks are chosen is the optimizer's
+truncation strategy's (:mod:`._truncation`: on the device, from the host, what a layer keeps).
+Then every layer's new rank, its core size and the finiteness flags (and, under a
+:class:`Budget`, the spectra) reach the host in **one** transfer, one typed record
+(:class:`._readback.ReadBack`); the host cuts each layer's new factors and moments from the group's and writes
 them back, with one ``torch._foreach_copy_`` per kind where a layer's shapes did not change.
 A layer whose fixed-width augmentation failed (its Cholesky factorisation; not expected after
 the eigen filter) or, with SDLRT's buffer, that needs more new directions than its group made
@@ -35,7 +37,6 @@ from ..linalg import work_dtype
 from . import _closure, _shard, _step
 from . import _integrators as bug
 from . import functional as F
-from ._budget import tail_share
 from ._readback import ReadBack
 from ._replicas import _all_finite_flag, core_slot
 from ._rules import State, foreach_update, weight_scale
@@ -238,20 +239,15 @@ class _Group:
         self.padded = x.pad is not None
         self.hp, self.core_hp = opt._hp_of(first.S), opt._core_hp(first.S)  # (a group is one param group)
         width = _width(self.states) if cfg.buffer and not full else None
-        self.tolerance = None
-        if not cfg.budgeted and cfg.adaptive:
-            dev, caps = f.U.device, [opt._rank_cap(m) for m in layers]
-            taus = [st["tau"] for st in self.states]
-            self.tolerance = F.Ranks(torch.tensor(taus, dtype=torch.float64, device=dev),
-                                     torch.tensor([min(cfg.min_rank, c) for c in caps], device=dev),
-                                     torch.tensor(caps, device=dev))
+        self.plan_device = f.U.device
+        self.tolerance = opt.strategy.on_device(opt, self)  # (the numbers for ranks chosen on the device)
         self.two: F.TwoPass | None = None
         if two_pass:  # the second phase (finish_two_pass) takes the S rule at the augmented point
             self.two = F.augment(x, opt.rule, self.hp, reorth=reorth, width=width, robust=full)
             return
         self.planned = F.plan(x, opt.rule, self.hp, self.core_hp, reorth=reorth, width=width, robust=full,
                               ranks=self.tolerance)
-        self._sensitivity()
+        opt.strategy.reorder(self)
 
     @property
     def plan(self) -> _step.GroupPlan:
@@ -265,24 +261,11 @@ class _Group:
     def grads_finite(self) -> Tensor:
         return (self.two or self.planned).grads_finite
 
-    def _sensitivity(self) -> None:
-        """The data-aware budget: the directions in the order of their smoothed sensitivity
-        scores (:func:`.functional.by_sensitivity`), the smoothed values and scores kept."""
-        b = self.opt.settings.truncation
-        if not (self.opt.settings.budgeted and b.data_aware):
-            return
-        prev = [st.get("sensitivity") for st in self.states]
-        dt = self.planned.plan.s.dtype
-        previous = None if prev[0] is None else tuple(_stack([p[j] for p in prev], dt) for j in (0, 1))
-        cost = torch.tensor([m.out_features + m.in_features for m in self.layers], device=self.plan.s.device)
-        self.planned, self.smoothed, self.scores = F.by_sensitivity(self.planned, previous, cost,
-                                                                    beta1=b.beta1, beta2=b.beta2)
-
     def finish_two_pass(self, G: Tensor) -> None:
         """Two-pass BUG's second phase (:func:`.functional.finish`) on the core gradients G
         (L, ku, kv) measured at the augmented point."""
         self.planned = F.finish(self.two, G, self.opt.rule, self.core_hp, ranks=self.tolerance)
-        self._sensitivity()
+        self.opt.strategy.reorder(self)
 
 
 CPU_CHUNK = 2**19
@@ -353,7 +336,6 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool:
 def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
     """One try of :func:`augmenting_step` at fixed width (or `full`): True (committed), False
     (skipped), None (a fixed-width augmentation failed: nothing written, try again at full)."""
-    cfg = opt.settings
     todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
     groups = _groups(opt, todo, closure is not None, full)
     device = groups[0].layers[0].U.device if groups else next(
@@ -369,8 +351,8 @@ def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
     for g in groups:
         ok_in = ok_in & g.grads_finite.to(device)
     skipped = opt._skipped if opt._skipped is not None else torch.zeros((), device=device)
-    read = ReadBack.read(ok_in, skipped, groups, spectra=cfg.budgeted,
-                         scores=cfg.budgeted and cfg.truncation.data_aware, device=device)
+    read = ReadBack.read(ok_in, skipped, groups, spectra=opt.strategy.spectra, scores=opt.strategy.scores,
+                         device=device)
     ok_inputs, n_skipped = read.ok, read.skipped
     for g, got in zip(groups, read.groups, strict=True):
         g.finite, g.failed, g.k, g.new = got.finite, got.failed, got.k, got.new
@@ -399,18 +381,7 @@ def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
                        "changed nothing")
     if bad is not None:
         return opt._nonfinite(bad)
-    if cfg.budgeted:
-        spectra, scores = {}, {}
-        for g in groups:
-            for i, n in enumerate(g.names):
-                spectra[n] = g.spectra[i]
-                if cfg.truncation.data_aware:
-                    scores[n] = g.score_lists[i]
-        spectra = {n: spectra[n] for n in opt.layers if n in spectra}
-        ranks = opt._budget_ranks(spectra, scores=scores if cfg.truncation.data_aware else None)
-        for g in groups:
-            g.r1 = [ranks[n] for n in g.names]
-            g.tails = [tail_share(spectra[n], ranks[n]) for n in g.names]
+    opt.strategy.from_host(opt, groups)
     for g in groups:
         for st, e in zip(g.states, g.new, strict=True):
             st["new_directions"] = e
@@ -544,17 +515,8 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
         new = None if cfg.moments_used == "reset" else t.states[key]
         _put_rule_states(opt, layers, key, new, shapes[key])
     for i, st in enumerate(states):
-        if cfg.budgeted:
-            st["tail"] = g.tails[i]
-        if cfg.budgeted and cfg.truncation.data_aware:
-            st["sensitivity"] = [t_[i, :r1[i]].clone() for t_ in g.smoothed]
-        elif opt.feedback is not None:
-            st["tau"] = opt.feedback(st["tau"], r1[i], st["r_init"], cfg.tau)
+        opt.strategy.after_commit(opt, g, i, st)
         st["augmentations"] = st.get("augmentations", 0) + 1
-
-
-def _copy_into(dst: list[Tensor], src: Tensor) -> None:
-    torch._foreach_copy_(dst, list(src.unbind(0)))
 
 
 def _core_hp(opt: AugmentedBUG, layers: list, dt: torch.dtype) -> dict:

@@ -23,6 +23,7 @@ from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedba
 from ._replicas import Replicas
 from ._rules import restart
 from ._settings import Settings, pop_rule, settings_doc, settings_from
+from ._truncation import strategy
 
 
 def _split_groups(params: list[Tensor], groups: list[dict] | None, layers: dict[str, AbstractLowRankLayer],
@@ -170,6 +171,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         model, ddp = _unwrap_ddp(model, settings, process_group)
         self.ddp = ddp  # averages every .grad (G_K, G_S, G_L in factor mode) during the backward
         self.settings = settings
+        self.strategy = strategy(settings)  # how the step chooses ranks (:mod:`._truncation`)
         self.process_group = process_group
         self._model = weakref.ref(model)
         self._token = object()  # the layers' mark that this optimizer trains them (release, finalizer)
@@ -228,8 +230,8 @@ class AugmentedBUG(torch.optim.Optimizer):
         layer._grad_owner = self._token
 
     # what a pickled optimizer carries beside torch's defaults, state and param groups
-    _PICKLED = ("implementation", "settings", "process_group", "_released", "_warned_world", "layers",
-                "planner", "_owned", "ddp")
+    _PICKLED = ("implementation", "settings", "strategy", "process_group", "_released", "_warned_world",
+                "layers", "planner", "_owned", "ddp")
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save({"model": model, "opt": opt})``, ``copy.deepcopy``) with its model,
@@ -251,6 +253,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             return
         model = state.pop("_model")
         super().__setstate__(state)
+        if "strategy" not in self.__dict__:  # (pickled before the strategy was kept)
+            self.strategy = strategy(self.settings)
         self._model, self._token, self.dp = weakref.ref(model), object(), None
         self._group_by_id, self._skipped = None, None
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
