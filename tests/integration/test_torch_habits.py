@@ -260,9 +260,10 @@ def test_several_processes_without_a_process_group_warn_once(monkeypatch):
     assert len(said) == 1 and "process_group=torch.distributed.group.WORLD" in str(said[0].message)
 
 
-def test_fsdp_is_refused_by_name(monkeypatch):
-    """Case 2 / FSDP: a model holding a module sharded by fully_shard (an FSDPModule) is refused
-    in one line (the sharded class is stood in for: fully_shard needs a process group)."""
+def test_fsdp_over_exact_shapes_is_refused_by_name(monkeypatch):
+    """Case 2 / FSDP: a model holding a module sharded by fully_shard (an FSDPModule) over exact-shape
+    factors is refused in one line naming `capacity` (the sharded class is stood in for: fully_shard
+    needs a process group); over fixed-capacity factors it trains (tests/integration/test_fsdp.py)."""
     from torch.distributed import fsdp
 
     from rankwise.lowrank import _optim
@@ -274,7 +275,7 @@ def test_fsdp_is_refused_by_name(monkeypatch):
 
     monkeypatch.setattr(_optim, "fsdp_classes", lambda: (Sharded,))
     m = nn.Sequential(LowRankLinear(4, 4, 2), Sharded(4, 4))
-    with pytest.raises(ValueError, match=r"does not support FSDP yet \(module '1'"):
+    with pytest.raises(ValueError, match=r"\(FSDP2\) needs fixed-capacity factors: layer '0'"):
         DLRT(m, 0.1, tau=0.1)
 
 

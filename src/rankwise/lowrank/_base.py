@@ -330,8 +330,9 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         if self.capacity is not None and self.U_buf.shape[1] != self.capacity:
             b = self._live[1]
             U_buf, V_buf = self.U_buf[:, :b].clone(), self.V_buf[:, :b].clone()
-            self.U_buf = self.U.new_zeros(self.out_features, self.capacity)
-            self.V_buf = self.U.new_zeros(self.in_features, self.capacity)
+            kw = {"dtype": self.U.dtype, "device": self.U.device}  # (plain tensors also under FSDP2)
+            self.U_buf = torch.zeros(self.out_features, self.capacity, **kw)
+            self.V_buf = torch.zeros(self.in_features, self.capacity, **kw)
             self.U_buf[:, :b], self.V_buf[:, :b] = U_buf, V_buf
 
     @torch.no_grad()

@@ -178,9 +178,9 @@ def inputs_finite(opt: AugmentedBUG, loss, device: torch.device) -> Tensor:
     tensors = [p.grad for p in _dense_params(opt)]
     if loss is not None:
         tensors.append(torch.as_tensor(loss).detach().reshape(1))
-    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for t in tensors:
-        by_device[t.device].append(t)
+    by_device: dict[tuple, list[Tensor]] = defaultdict(list)
+    for t in tensors:  # (FSDP2's DTensor gradients apart from plain tensors: torch's ops take one kind)
+        by_device[(t.device, hasattr(t, "full_tensor"))].append(t)
     flag = torch.ones((), dtype=torch.bool, device=device)
     for ts in by_device.values():
         flag = flag & _all_finite_flag(ts, device)

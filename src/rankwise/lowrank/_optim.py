@@ -7,6 +7,7 @@ gradient modes, dense parameters, optimizer-state transport and SDLRT's τ feedb
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import warnings
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from . import _batched, _closure, _dp, _shard, _state
+from . import _batched, _closure, _dp, _fsdp, _shard, _state
 from ._base import AbstractLowRankLayer, factor_changes, fsdp_classes, layer_of
 from ._budget import Planner
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
@@ -105,6 +106,35 @@ def _checked(model: nn.Module, lr: float, settings: Settings | None, kwargs: dic
     return settings
 
 
+def _check_fsdp(model: nn.Module, settings: Settings, process_group) -> bool:
+    """Is `model` sharded by FSDP2 (``fully_shard``) in a form the step can train? Its low-rank
+    layers must be at a fixed capacity (FSDP2 shards each parameter once, when it wraps it), the
+    steps single-pass and augmenting every time (U's and V's gradients in every backward); refused
+    by name otherwise, and FSDP1 and ``process_group=`` with it."""
+    fsdp = fsdp_classes()
+    wrapped = next((n for n, m in model.named_modules() if fsdp and isinstance(m, fsdp)), None)
+    if wrapped is None:
+        return False
+    where = repr(wrapped or "<root>")
+    if type(model.get_submodule(wrapped)).__name__.startswith("FullyShardedDataParallel"):
+        raise ValueError(f"DLRT/SDLRT does not support FSDP1 (module {where}): shard with FSDP2's "
+                         "torch.distributed.fsdp.fully_shard over fixed-capacity factors instead")
+    if process_group is not None:
+        raise ValueError("give an FSDP2-sharded model or `process_group`, not both: FSDP2 already averages "
+                         "the gradients")
+    loose = next((n for n, m in model.named_modules()
+                  if isinstance(m, AbstractLowRankLayer) and m.capacity is None), None)
+    if loose is not None:
+        raise ValueError("DLRT/SDLRT under fully_shard (FSDP2) needs fixed-capacity factors: layer "
+                         f"{loose!r} has none; convert with rankwise.to_low_rank(model, ..., "
+                         "capacity='auto') before fully_shard")
+    if settings.update_every > 1 or not settings.single_pass:
+        what = "update_every > 1" if settings.update_every > 1 else "two-pass BUG (single_pass=False)"
+        raise ValueError(f"{what} is not supported under fully_shard (FSDP2) yet: train with update_every=1 "
+                         "and single_pass=True, or with DDP")
+    return True
+
+
 def _ddp_class() -> type:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -170,6 +200,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         settings = _checked(model, lr, settings, kwargs, process_group)
         model, ddp = _unwrap_ddp(model, settings, process_group)
         self.ddp = ddp  # averages every .grad (G_K, G_S, G_L in factor mode) during the backward
+        self.fsdp = _check_fsdp(model, settings, process_group)  # FSDP2: the step on gathered layers
         self.settings = settings
         self.strategy = strategy(settings)  # how the step chooses ranks (:mod:`._truncation`)
         self.process_group = process_group
@@ -231,7 +262,7 @@ class AugmentedBUG(torch.optim.Optimizer):
 
     # what a pickled optimizer carries beside torch's defaults, state and param groups
     _PICKLED = ("implementation", "settings", "strategy", "process_group", "_released", "_warned_world",
-                "layers", "planner", "_owned", "ddp")
+                "layers", "planner", "_owned", "ddp", "fsdp")
 
     def __getstate__(self) -> dict:
         """Pickled (``torch.save({"model": model, "opt": opt})``, ``copy.deepcopy``) with its model,
@@ -426,7 +457,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if self._released:
             raise RuntimeError(f"this {type(self).__name__} was released (release()): its layers are back in "
                                "plain autograd mode; build a new optimizer to train them again")
-        if not self._warned_world and self.dp is None and self.ddp is None:
+        if not self._warned_world and self.dp is None and self.ddp is None and not self.fsdp:
             self._warned_world = True
             _closure.warn_without_group(self)
         if factor_changes() != self._seen_changes:  # someone else replaced factors since our last step
@@ -448,11 +479,13 @@ class AugmentedBUG(torch.optim.Optimizer):
                                       loss, first=True):
                 ok = self._nonfinite("non-finite loss or gradient on a data-parallel rank")
             elif augment:
-                ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
+                with self._placement():
+                    ok = _batched.augmenting_step(self, loss, closure if two_pass else None)
                 if ok:
                     _batched.dense_step(self)
             else:
-                ok = _batched.core_step(self, loss)
+                with self._placement():
+                    ok = _batched.core_step(self, loss)
             if ok:
                 self._hp()["global_step"] += 1
                 every = self.settings.check_every
@@ -464,6 +497,11 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._set_modes()
             self._seen_changes = factor_changes()
         return loss
+
+    def _placement(self):
+        """Where the step's layers live: FSDP2-sharded layers gathered whole for the step
+        (:func:`._fsdp.gathered`); otherwise the layers themselves."""
+        return _fsdp.gathered(self) if self.fsdp else contextlib.nullcontext()
 
     _step_supports_amp_scaling = True  # torch.amp.GradScaler (:func:`._closure.amp_unscale`)
 
@@ -577,11 +615,9 @@ def _check_unwrapped(model: nn.Module, after: bool = False) -> None:
                          "every gradient it reads)")
     fsdp = fsdp_classes()
     wrapped = next((n for n, m in model.named_modules() if fsdp and isinstance(m, fsdp)), None)
-    if wrapped is not None:
-        when = " after the optimizer was built (its parameters are new ones)" if after else ""
-        raise ValueError(f"DLRT/SDLRT does not support FSDP yet (module {wrapped or '<root>'!r} was sharded "
-                         f"by fully_shard / FullyShardedDataParallel{when}): use process_group= data "
-                         "parallelism, which shards the integrator's work by layer")
+    if wrapped is not None and after:
+        raise ValueError(f"module {wrapped or '<root>'!r} was sharded by fully_shard after the optimizer was "
+                         "built (its parameters are new ones): call fully_shard first, then build DLRT/SDLRT")
 
 
 _HOOKED = False

@@ -28,6 +28,7 @@ def _all_finite_flag(tensors: list[Tensor], device: torch.device) -> Tensor:
     if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
     norms = torch._foreach_norm(tensors, float("inf"))
+    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # (FSDP2's DTensor shards)
     return torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all()
 
 

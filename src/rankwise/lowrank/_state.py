@@ -213,8 +213,8 @@ def materialise(opt) -> None:
             adam = rule in ("adam", "adamw") or (rule == "muon" and not factor)  # (Muon's dense: AdamW)
             keys = ("m", "v") if adam else ("m",) if rule == "muon" or momentum else ()
             for k in keys:
-                if st.get(k) is None:
-                    st[k] = torch.zeros(p.shape, dtype=dt, device=p.device)
+                if st.get(k) is None:  # (like the parameter: a DTensor shard under FSDP2)
+                    st[k] = torch.zeros_like(p, dtype=dt, memory_format=torch.contiguous_format)
             if adam:
                 for k in ("step", "m_from", "v_from"):
                     st.setdefault(k, 0)
