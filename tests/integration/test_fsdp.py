@@ -186,3 +186,25 @@ def test_mixed_precision_keeps_the_padded_columns_at_zero(fsdp_runs):
         assert got["zero_tail"] and any(got["below"])  # (a padded column to look at)
         assert all(torch.isfinite(torch.tensor(got["losses"])))
         assert got["losses"][-1] < got["losses"][0]
+
+
+def test_the_pretraining_example_runs_and_resumes_at_another_world_size(tmp_path):
+    """``examples/pretrain_fsdp.py`` as the docs run it (tiny): two torchrun workers with a DCP
+    checkpoint every 2 steps, then one process resuming from the newest checkpoint."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = str(Path(__file__).parents[2] / "examples" / "pretrain_fsdp.py")
+    tiny = ["--width", "32", "--depth", "1", "--context", "16", "--batch", "2", "--every", "2",
+            "--ckpt", str(tmp_path / "ckpt")]
+    cmd, env = rankwise.dist.local_torchrun(2, "x", [])
+    cmd = [*cmd[:len(cmd) - 1 - cmd[::-1].index("-m")], script, "--steps", "4", *tiny]
+    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "step 4: loss" in two.stdout
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2", "step_4"]
+    one = subprocess.run([sys.executable, script, "--steps", "5", *tiny], capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert f"resumed from {tmp_path / 'ckpt' / 'step_4'}" in one.stdout and "step 5: loss" in one.stdout

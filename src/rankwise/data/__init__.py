@@ -3,6 +3,8 @@
 from ._bbc import load_bbc_news as load_bbc_news
 from ._bbc import stratified_split as stratified_split
 from ._bbc import subsample as subsample
+from ._bytes import load_bbc_text as load_bbc_text
+from ._bytes import random_windows as random_windows
 from ._digits import DigitsSplit as DigitsSplit
 from ._digits import load_digits as load_digits
 from ._files import load_cifar as load_cifar
