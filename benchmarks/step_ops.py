@@ -23,6 +23,7 @@ How to run
     .venv/bin/python benchmarks/step_ops.py --tau 0.05 --lr 3e-3 --after 8 [--implementation exact]
     .venv/bin/python benchmarks/step_ops.py --process-group sharded
     .venv/bin/python benchmarks/step_ops.py --two-pass
+    .venv/bin/python benchmarks/step_ops.py --tau 0.05 --lr 3e-3 --after 8 --capacity auto
     .venv/bin/python benchmarks/step_ops.py --tau 0.05 --lr 3e-3 --after 8 --by-op   # where the ops go
 """
 
@@ -40,13 +41,13 @@ from rankwise.models import gpt
 
 
 def counts(depth: int, cls, after: int = 1, tau: float = 1e-3, lr: float = 1e-3, by_op: bool = False,
-           **kw) -> tuple:
+           capacity=None, **kw) -> tuple:
     """(low-rank layers, optimizer ops, optimizer host reads, host reads of the whole step,
     kernel ops, distinct ranks), counted after `after` steps; with `by_op` the counted step's
     kernel ops by name instead (a Counter)."""
     torch.manual_seed(0)
     m = gpt(width=128, depth=depth, context=16)
-    rankwise.to_low_rank(m, rank=16)
+    rankwise.to_low_rank(m, rank=16, capacity=capacity)
     opt = cls(m, lr, tau=tau, optimizer="adam", **kw)
     x = torch.randint(0, 256, (2, 17))
 
@@ -90,6 +91,8 @@ def main(argv=None) -> None:
     p.add_argument("--process-group", choices=("none", "replicated", "sharded"), default="none",
                    help="data parallel over a one-process gloo group")
     p.add_argument("--two-pass", action="store_true", help="two-pass BUG (single_pass=False)")
+    p.add_argument("--capacity", default=None,
+                   help="fixed-capacity factors (an int, or 'auto': twice the rank; default exact shapes)")
     a = p.parse_args(argv)
     extra = {"single_pass": False} if a.two_pass else {}
     if a.process_group != "none":
@@ -98,6 +101,8 @@ def main(argv=None) -> None:
         dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
         extra.update(process_group=dist.group.WORLD, data_parallel=a.process_group)
     extra["implementation"] = a.implementation
+    if a.capacity is not None:
+        extra["capacity"] = a.capacity if a.capacity == "auto" else int(a.capacity)
     if a.grid == "fine":
         from rankwise.lowrank import _step
 

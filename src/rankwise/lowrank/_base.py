@@ -79,6 +79,30 @@ def _swap_data(p: nn.Parameter, new: Tensor) -> None:
     p.data = new
 
 
+@torch.no_grad()
+def write_fixed(layers: list[AbstractLowRankLayer], U: list[Tensor], S: list[Tensor], V: list[Tensor],
+                U_buf: list[Tensor], V_buf: list[Tensor]) -> None:
+    """``set_factors`` of many fixed-capacity layers at once, in a few ``_foreach`` ops: each layer's
+    U (out, r), S (r, r), V (in, r) and buffer U_buf (out, b), V_buf (in, b) into the first columns
+    of its tensors, zeros after them; its live rank and buffer width to [r, b]."""
+    _CHANGES[0] += 1
+    for m, ub in zip(layers, U_buf, strict=True):
+        if ub.shape[1]:
+            m.reserve_buffer()
+    pairs = [(getattr(m, k), new) for k, news in (("U", U), ("S", S), ("V", V))
+             for m, new in zip(layers, news, strict=True)]
+    pairs += [(buf, new) for m, ub, vb in zip(layers, U_buf, V_buf, strict=True) if m.U_buf.shape[1]
+              for buf, new in ((m.U_buf, ub), (m.V_buf, vb))]
+    torch._foreach_zero_([dst for dst, _ in pairs])
+    torch._foreach_copy_([dst[:new.shape[0], :new.shape[1]] for dst, new in pairs], [new for _, new in pairs])
+    live = torch.tensor([[s.shape[0], ub.shape[1]] for s, ub in zip(S, U_buf, strict=True)],
+                        dtype=torch.int64)
+    torch._foreach_copy_([m.live for m in layers], list(live.to(layers[0].live.device).unbind(0)))
+    for m, s, ub in zip(layers, S, U_buf, strict=True):
+        m._set_live(s.shape[0], ub.shape[1])
+        m.U.grad = m.S.grad = m.V.grad = None
+
+
 class NotAParameter(TypeError, KeyError):
     """Raised where torch code takes a low-rank module's dense weight view (``weight``, an
     attention's ``in_proj_weight``) for a parameter (to prune, re-parametrise, replace or delete

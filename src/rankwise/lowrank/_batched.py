@@ -37,6 +37,7 @@ from ..linalg import work_dtype
 from . import _closure, _shard, _step
 from . import _integrators as bug
 from . import functional as F
+from ._base import write_fixed
 from ._readback import ReadBack
 from ._replicas import _all_finite_flag, core_slot
 from ._rules import State, foreach_update, weight_scale
@@ -157,15 +158,18 @@ def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]
                                                 for o, r in zip(old, rows, strict=True)):
             torch._foreach_copy_(old, rows)
             continue
+        held, live = [], []  # (fixed capacity: zeroed, then the live part copied in, two ops for all)
         for t, o, r, cap in zip(targets, old, rows, caps, strict=True):
             if cap is None:
                 t[k] = r.clone()
                 continue
             if o is None or tuple(o.shape) != cap or o.dtype != r.dtype:
                 o = t[k] = r.new_zeros(cap)
-            else:
-                o.zero_()
-            o[:r.shape[0], :r.shape[1]].copy_(r)
+            held.append(o)
+            live.append(r)
+        if held:
+            torch._foreach_zero_(held)
+            torch._foreach_copy_([o[:r.shape[0], :r.shape[1]] for o, r in zip(held, live, strict=True)], live)
 
 
 def _dense_params(opt: AugmentedBUG) -> list[Tensor]:
@@ -303,7 +307,9 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
     """The layers in `todo` as groups: one shape, rank bucket (or, `full`, one rank), buffer
     bucket, dtype, device, param group, optimizer-state layout (and, data parallel, owner), in
     CPU-sized chunks. A layer too wide to pad (twice its bucket plus its buffer's above its
-    smaller side) is grouped by its own rank."""
+    smaller side) is grouped by its own rank. At a fixed capacity the capacity is the bucket: the
+    layers of one shape and capacity form one group whatever their ranks (padded to the group's
+    largest), so the number of groups and of ops does not grow as the ranks spread."""
     cfg = opt.settings
     keyed: dict[tuple, list[str]] = defaultdict(list)
     for n in todo:
@@ -311,6 +317,8 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
         reorth = st.get("augmentations", 0) % 100 == 0 or work_dtype(m.U.dtype) != m.U.dtype
         r, b = m.rank, m.live_buffer()[0].shape[1] if cfg.buffer else 0
         R, B = _step.rank_bucket(r), _step.rank_bucket(b) if b else 0
+        if m.capacity is not None:  # (rank and buffer bucketed by the capacity: one group per shape)
+            R, B = m.capacity, m.capacity if cfg.buffer else 0
         if not full and min(m.out_features, m.in_features) >= 2 * R + B:
             r, b = R, B
         states = (*(_signature(opt.state[t]) for t in (m.U, m.V, m.S)), "sensitivity" in st)
@@ -505,7 +513,14 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
         for i in same:
             m = layers[i]
             m.U.grad = m.S.grad = m.V.grad = None
-    for i in (i for i in range(L) if r1[i] != g.r[i] or b1[i] != g.b[i]):
+    changed = [i for i in range(L) if r1[i] != g.r[i] or b1[i] != g.b[i]]
+    fixed = [i for i in changed if layers[i].capacity is not None]
+    if fixed:  # (into the same tensors, all layers in a few foreach ops)
+        write_fixed([layers[i] for i in fixed], [UP[i, :, :r1[i]] for i in fixed],
+                    [S1[i, :r1[i], :r1[i]] for i in fixed], [VQ[i, :, :r1[i]] for i in fixed],
+                    [UP[i, :, r1[i]:r1[i] + b1[i]] for i in fixed],
+                    [VQ[i, :, r1[i]:r1[i] + b1[i]] for i in fixed])
+    for i in (i for i in changed if layers[i].capacity is None):
         r, b = r1[i], b1[i]
         layers[i].set_factors(UP[i, :, :r].clone(), S1[i, :r, :r].clone(), VQ[i, :, :r].clone(),
                               UP[i, :, r:r + b].clone(), VQ[i, :, r:r + b].clone())
