@@ -82,7 +82,8 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = str(func)
-            if name.startswith(("c10d.", "_c10d_functional.")) and "wait" not in name:
+            collective = any(k in name for k in GATHER + SCATTER + REDUCE)  # (not wait, wrap, ...)
+            if name.startswith(("c10d.", "_c10d_functional.")) and collective:
                 ts = [a for a in args if isinstance(a, torch.Tensor)]
                 ts += [t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
                 most = max((t.numel() * t.element_size() for t in ts), default=0)
