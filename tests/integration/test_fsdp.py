@@ -99,7 +99,35 @@ def _world(rank: int, folder: str) -> dict:
     got["resumed"] = _train("sdlrt-adam", rank, 2, folder, resume=True)
     got["refused"] = _refusals()
     got["mixed"] = _mixed_precision(rank)
+    got["empty"] = _an_empty_shard(rank)
     return got
+
+
+def _an_empty_shard(rank: int) -> list[float]:
+    """A dense head with one output: its bias (1,) leaves rank 1 an empty shard (the finiteness check
+    of the gradients once failed there: an infinity norm of nothing)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = rankwise.to_low_rank(nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 1)).double(),
+                                 rank=2, capacity=6, include=["0"])
+    fully_shard(model[0])
+    fully_shard(model)
+    opt = rankwise.SDLRT(model, 0.1, tau=0.1)
+    X, Y = _data()
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = ((model(X[rank::2]) - Y[rank::2, :1]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def test_a_rank_with_an_empty_shard_steps_with_the_others(fsdp_runs):
+    for run in fsdp_runs[0]:
+        assert len(run["empty"]) == 3 and all(torch.isfinite(torch.tensor(run["empty"])))
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,18 @@ def _all_finite_flag(tensors: list[Tensor], device: torch.device) -> Tensor:
     """A device bool: every tensor finite (max-abs by ``_foreach_norm(inf)``: never overflows)."""
     if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
+    sharded = [t for t in tensors if hasattr(t, "full_tensor")]
+    if sharded:  # FSDP2's DTensor shards: each rank checks its own (some may be empty), then all agree
+        local = [t.to_local() for t in sharded]
+        local = [t for t in local if t.numel()]
+        norms = torch._foreach_norm(local, float("inf")) if local else []
+        ok = torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all() if norms else \
+            torch.ones((), dtype=torch.bool, device=device)
+        vote = ok.to(torch.float64).reshape(1)
+        torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN,
+                                     group=sharded[0].device_mesh.get_group())
+        return vote[0] > 0
     norms = torch._foreach_norm(tensors, float("inf"))
-    norms = [n.full_tensor() if hasattr(n, "full_tensor") else n for n in norms]  # (FSDP2's DTensor shards)
     return torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all()
 
 
