@@ -22,6 +22,15 @@ CASES = {  # name: (preset, keyword arguments, DDP needs find_unused_parameters)
 }
 
 
+def _share(rank: int | None, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole batch (`rank` None), or rank `rank`'s contiguous share of it among `world`."""
+    X, Y = _data()
+    if rank is None:
+        return X, Y
+    per = len(X) // world
+    return X[rank * per:(rank + 1) * per], Y[rank * per:(rank + 1) * per]
+
+
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     X = torch.randn(64, 12, generator=g, dtype=torch.float64)
@@ -46,12 +55,10 @@ def _train(case: str, rank: int | None, world: int) -> dict:
     `rank` of `world` on its contiguous share. Losses (the whole batch's), ranks, final weights, and
     whether any parameter's shape or storage changed."""
     name, kw, unused = CASES[case]
-    X, Y = _data()
+    X, Y = _share(rank, world)
     model = _model()
     layers = [m for m in model.modules() if isinstance(m, rankwise.lowrank.LowRankLinear)]
     if rank is not None:
-        per = len(X) // world
-        X, Y = X[rank * per:(rank + 1) * per], Y[rank * per:(rank + 1) * per]
         net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
     else:
         net = model
@@ -142,11 +149,8 @@ def _dcp_train(rank: int | None, world: int, folder: str, resume: bool) -> list:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    X, Y = _data()
+    X, Y = _share(rank, world)
     model = _model()
-    if rank is not None:
-        per = len(X) // world
-        X, Y = X[rank * per:(rank + 1) * per], Y[rank * per:(rank + 1) * per]
     net = model if rank is None else nn.parallel.DistributedDataParallel(model)
     opt = rankwise.SDLRT(net, 0.5, tau=0.1, optimizer="adam")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.distributed import run_world
-from tests.integration.test_ddp import _data, _model, _preset
+from tests.integration.test_ddp import _data, _model, _preset, _share
 from torch import nn
 
 import rankwise
@@ -46,12 +46,10 @@ def _train(case: str, rank: int | None, world: int, folder: str | None = None, r
     from torch.distributed.fsdp import fully_shard
 
     name, kw = CASES[case]
-    X, Y = _data()
+    X, Y = _share(rank, world)
     model = _model()
     layers = [m for m in model.modules() if isinstance(m, rankwise.lowrank.LowRankLinear)]
     if rank is not None:
-        per = len(X) // world
-        X, Y = X[rank * per:(rank + 1) * per], Y[rank * per:(rank + 1) * per]
         for m in layers:
             fully_shard(m)
         fully_shard(model)
