@@ -210,7 +210,10 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
 
     The rank changes during training. ``state_dict()`` stores the factors at their current
     shapes, and ``load_state_dict()`` resizes this layer's factors to the incoming shapes, so a
-    freshly built layer loads a checkpoint of any rank.
+    freshly built layer loads a checkpoint of any rank. At a fixed :attr:`capacity` R
+    (:meth:`set_capacity`) U (out, R), S (R, R), V (in, R) keep their shapes and storage instead,
+    the live rank r in the buffer ``live`` = [r, b], columns beyond it zero; the forward and the
+    integrator use :meth:`factors` (the live columns).
     """
 
     grad_mode: GradMode = "full"  # (a layer pickled before the attribute existed)
