@@ -82,6 +82,25 @@ def test_a_fixed_capacity_run_resumes_bitwise_from_its_state_dicts():
     assert first + rest == straight
 
 
+def test_tensors_loaded_in_place_without_load_state_dict_are_refused_at_the_next_step():
+    """dcp.load writes into model.state_dict()'s tensors; without load_state_dict the host's live
+    ranks are stale and the forward runs at the wrong rank: the step refuses, changing nothing."""
+    make = PRESETS["sdlrt-adam"]
+    _, trained, _ = _run(6, make, 6)  # its ranks moved from 2
+    model = _model(6)
+    opt = make(model)
+    with torch.no_grad():  # (what dcp.load does: copy into the tensors of model.state_dict())
+        for k, t in model.state_dict().items():
+            t.copy_(trained.state_dict()[k])
+    before = [t.clone() for t in model.state_dict().values()]
+    X, Y = _data()
+    loss = ((model(X) - Y) ** 2).mean()
+    loss.backward()
+    with pytest.raises(RuntimeError, match=r"layer '0': its saved live rank .* without load_state_dict"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.state_dict().values(), strict=True))
+
+
 def test_state_dicts_move_between_layouts_and_capacities():
     torch.manual_seed(0)
     x = torch.randn(5, 20, dtype=torch.float64)

@@ -359,8 +359,10 @@ def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
     for g in groups:
         ok_in = ok_in & g.grads_finite.to(device)
     skipped = opt._skipped if opt._skipped is not None else torch.zeros((), device=device)
+    fixed = [n for n in todo if opt.layers[n].capacity is not None]
     read = ReadBack.read(ok_in, skipped, groups, spectra=opt.strategy.spectra, scores=opt.strategy.scores,
-                         device=device)
+                         device=device, live=[opt.layers[n].live for n in fixed])
+    _check_live(opt, fixed, read.live)
     ok_inputs, n_skipped = read.ok, read.skipped
     for g, got in zip(groups, read.groups, strict=True):
         g.finite, g.failed, g.k, g.new = got.finite, got.failed, got.k, got.new
@@ -397,6 +399,20 @@ def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
     if sharded:  # the owners send their layers' results to every rank
         opt.dp.share(todo, opt.state)
     return True
+
+
+def _check_live(opt: AugmentedBUG, names: list[str], saved: list[tuple[int, int]]) -> None:
+    """A fixed-capacity layer whose saved ``live`` [rank, buffer] is not what the host holds had its
+    tensors written in place behind its back (``dcp.load`` into ``model.state_dict()`` without
+    ``load_state_dict``): its forward ran at the wrong rank. Refused before anything is written."""
+    for n, got in zip(names, saved, strict=True):
+        if got != tuple(opt.layers[n]._live):
+            raise RuntimeError(
+                f"layer {n!r}: its saved live rank and buffer {list(got)} differ from the ones it computes "
+                f"with {list(opt.layers[n]._live)}: its tensors were written in place (e.g. "
+                "torch.distributed.checkpoint.load into model.state_dict()) without load_state_dict; finish "
+                "the load with set_state_dict / model.load_state_dict (or call layer.sync_live()); no "
+                "weight was changed")
 
 
 def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device: torch.device, full: bool):

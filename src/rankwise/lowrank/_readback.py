@@ -33,6 +33,7 @@ class ReadBack:
     ok: bool
     skipped: int
     groups: list[GroupRead]
+    live: list[tuple[int, int]]  # the fixed-capacity layers' saved [rank, buffer] (``layer.live``)
 
     @staticmethod
     def _layout(g, spectra: bool, scores: bool) -> list[tuple[str, Tensor | None]]:
@@ -47,13 +48,16 @@ class ReadBack:
 
     @classmethod
     def read(cls, ok: Tensor, skipped: Tensor, groups: list, *, spectra: bool, scores: bool,
-             device: torch.device) -> ReadBack:
-        """Pack every field as float64 on `device`, read them to the host in one transfer, unpack."""
+             device: torch.device, live: list[Tensor] = ()) -> ReadBack:
+        """Pack every field as float64 on `device`, read them to the host in one transfer, unpack.
+        `live`: the ``live`` buffers ([rank, buffer], int64) of fixed-capacity layers."""
         layouts = [cls._layout(g, spectra, scores) for g in groups]
         parts = [ok.double().reshape(1).to(device), skipped.double().reshape(1).to(device)]
+        parts += [t.double().reshape(2).to(device) for t in live]
         parts += [t.double().flatten().to(device) for lay in layouts for _, t in lay]
         host = torch.cat(parts).cpu().tolist()  # (the one device→host transfer of the step)
-        pos, out = 2, []
+        lives = [(int(host[2 + 2 * i]), int(host[3 + 2 * i])) for i in range(len(live))]
+        pos, out = 2 + 2 * len(live), []
         for lay in layouts:
             fields: dict = {}
             for name, t in lay:
@@ -69,4 +73,4 @@ class ReadBack:
                 else:
                     fields[name] = [int(v) for v in values]
             out.append(GroupRead(**fields))
-        return cls(host[0] > 0, int(host[1]), out)
+        return cls(host[0] > 0, int(host[1]), out, lives)
