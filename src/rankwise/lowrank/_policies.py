@@ -57,17 +57,6 @@ class Tolerance:
     def __post_init__(self) -> None:
         check_unit_interval(_real("tau", self.tau), "tau")
 
-    @staticmethod
-    def ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
-              size: Tensor | None = None) -> Tensor:
-        """Each layer's new rank from its augmented core's singular values s (L, k), on the
-        device (no host read): the smallest rank whose tail is ≤ τ‖s‖, capped at the numerical
-        rank and clamped (:func:`rankwise.lowrank._step.tolerance_ranks`). τ, bounds and the
-        cores' sizes per layer (L,); returns (L,) int64."""
-        from ._step import tolerance_ranks
-
-        return tolerance_ranks(s, tau, min_rank, max_rank, size)
-
 
 @dataclass(frozen=True, repr=False)
 class Budget:
