@@ -16,6 +16,7 @@ rank are the same as the ring's, (n − 1) messages sent and received.
 from __future__ import annotations
 
 import struct
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -41,16 +42,20 @@ def exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], gro
 
 def all_gather_fixed(payload: bytes, size: int, group) -> list[bytes | None]:
     """Every rank's `payload` (at most `size` bytes, this rank's included), each received from
-    its sender directly (:func:`exchange`, never relayed); a peer's message whose length field
-    exceeds `size` comes back as ``None``."""
+    its sender directly (:func:`exchange`, never relayed). A message is its length, the payload
+    padded to `size`, and a CRC-32 of both: a peer's message whose length field exceeds `size`, or
+    that arrived short (gloo fills a receive buffer only as far as the sender sent; the buffers
+    start zeroed, so a short message never exposes old memory and fails its check), comes back as
+    ``None``."""
     if len(payload) > size:
         raise ValueError(f"message of {len(payload)} bytes exceeds its bound of {size}")
-    buf = bytearray(4 + size)
+    buf = bytearray(4 + size + 4)
     buf[:4] = struct.pack("<I", len(payload))
     buf[4:4 + len(payload)] = payload
+    buf[-4:] = struct.pack("<I", zlib.crc32(buf[:-4]))
     mine = torch.frombuffer(buf, dtype=torch.uint8)
     me, n = dist.get_rank(group), dist.get_world_size(group)
-    out = {p: torch.empty_like(mine) for p in range(n) if p != me}
+    out = {p: torch.zeros_like(mine) for p in range(n) if p != me}
     received, sent = exchange({p: mine for p in out}, out, group)
     for w in (*received.values(), *sent):
         w.wait()
@@ -58,7 +63,8 @@ def all_gather_fixed(payload: bytes, size: int, group) -> list[bytes | None]:
     for p in range(n):
         raw = (mine if p == me else out[p]).numpy().tobytes()
         m = struct.unpack_from("<I", raw)[0]
-        got.append(raw[4:4 + m] if m <= size else None)
+        whole = struct.unpack_from("<I", raw, len(raw) - 4)[0] == zlib.crc32(raw[:-4])
+        got.append(raw[4:4 + m] if m <= size and whole else None)
     return got
 
 
