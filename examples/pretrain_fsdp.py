@@ -35,6 +35,8 @@ def text_stream(path: str | None) -> torch.Tensor:
     """Byte tokens of a text file, or of the bundled BBC News training split."""
     if path is None:
         return rankwise.data.load_bbc_text().train
+    if not Path(path).is_file():
+        raise SystemExit(f"{path}: no such file")
     data = Path(path).read_bytes()
     if len(data) < 1000:
         raise SystemExit(f"{path}: {len(data)} bytes is too short to train on")

@@ -371,26 +371,15 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             raise ValueError(f"a fixed-capacity layer (capacity {R}) holds a square core of rank <= {R}; "
                              f"got S {tuple(S.shape)} (raise the capacity with set_capacity, a rare, "
                              "explicit event)")
-        b = self._live[1] if U_buf is None else U_buf.shape[1]
-        if b > R:
-            raise ValueError(f"a buffer of {b} columns exceeds this layer's capacity {R}")
-        def into(dst: Tensor, new: Tensor) -> None:
-            if new.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
-                new = new.clone()  # (a view of `dst` itself: zeroing first would lose it)
-            dst.zero_()
-            dst[tuple(slice(0, n) for n in new.shape)].copy_(new)
-
-        for p, new in ((self.U, U), (self.S, S), (self.V, V)):
-            into(p, new)
-            p.grad = None
-        if U_buf is not None:
-            if b:
-                self.reserve_buffer()
-            if self.U_buf.shape[1]:
-                into(self.U_buf, U_buf)
-                into(self.V_buf, V_buf)
-        self._set_live(r, b)
-        self.live.copy_(torch.tensor([r, b], dtype=torch.int64))
+        if U_buf is None:  # (the buffer kept as it is)
+            U_buf, V_buf = self.live_buffer()
+        if U_buf.shape[1] > R:
+            raise ValueError(f"a buffer of {U_buf.shape[1]} columns exceeds this layer's capacity {R}")
+        mine = {t.untyped_storage().data_ptr() for t in (self.U, self.S, self.V, self.U_buf, self.V_buf)}
+        # (a view of this layer's own tensors would be zeroed before it is copied: copy it first)
+        U, S, V, U_buf, V_buf = (t.clone() if t.untyped_storage().data_ptr() in mine else t
+                                 for t in (U, S, V, U_buf, V_buf))
+        write_fixed([self], [U], [S], [V], [U_buf], [V_buf])
 
     def _set_live(self, r: int, b: int) -> None:
         """The host's live rank and buffer width, and the rank as the size of an empty meta tensor

@@ -38,6 +38,7 @@ from . import _closure, _shard, _step
 from . import _integrators as bug
 from . import functional as F
 from ._base import write_fixed
+from ._fsdp import is_dtensor
 from ._readback import ReadBack
 from ._replicas import _all_finite_flag, core_slot
 from ._rules import State, foreach_update, weight_scale
@@ -184,7 +185,7 @@ def inputs_finite(opt: AugmentedBUG, loss, device: torch.device) -> Tensor:
         tensors.append(torch.as_tensor(loss).detach().reshape(1))
     by_device: dict[tuple, list[Tensor]] = defaultdict(list)
     for t in tensors:  # (FSDP2's DTensor gradients apart from plain tensors: torch's ops take one kind)
-        by_device[(t.device, hasattr(t, "full_tensor"))].append(t)
+        by_device[(t.device, is_dtensor(t))].append(t)
     flag = torch.ones((), dtype=torch.bool, device=device)
     for ts in by_device.values():
         flag = flag & _all_finite_flag(ts, device)

@@ -126,8 +126,10 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
     for name, value in (("rank", rank), ("max_rank", max_rank)):
         if value is not None:
             check_rank(value, name)
-    if capacity is not None and capacity != "auto":
-        check_rank(capacity, "capacity")
+    fixed = capacity is None or capacity == "auto" or (isinstance(capacity, int) and not isinstance(capacity, bool)
+                                                       and capacity >= 1)
+    if not fixed:
+        raise ValueError(f"`capacity` must be an int >= 1 or 'auto'; got {capacity!r}")
     # a one-shot iterator (e.g. a generator) would be used up by the first module name
     include = include if include is None or isinstance(include, str) else list(include)
     exclude = exclude if exclude is None or isinstance(exclude, str) else list(exclude)

@@ -21,13 +21,14 @@ from torch import Tensor, nn
 from ..linalg import work_dtype
 from . import _dp, _shard
 from ._base import AbstractLowRankLayer
+from ._fsdp import is_dtensor
 
 
 def _all_finite_flag(tensors: list[Tensor], device: torch.device) -> Tensor:
     """A device bool: every tensor finite (max-abs by ``_foreach_norm(inf)``: never overflows)."""
     if not tensors:
         return torch.ones((), dtype=torch.bool, device=device)
-    sharded = [t for t in tensors if hasattr(t, "full_tensor")]
+    sharded = [t for t in tensors if is_dtensor(t)]
     if sharded:  # FSDP2's DTensor shards: each rank checks its own (some may be empty), then all agree
         local = [t.to_local() for t in sharded]
         local = [t for t in local if t.numel()]
