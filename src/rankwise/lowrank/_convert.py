@@ -126,9 +126,8 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
     for name, value in (("rank", rank), ("max_rank", max_rank)):
         if value is not None:
             check_rank(value, name)
-    fixed = capacity is None or capacity == "auto" or (isinstance(capacity, int) and not isinstance(capacity, bool)
-                                                       and capacity >= 1)
-    if not fixed:
+    whole = isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1
+    if not (capacity is None or capacity == "auto" or whole):
         raise ValueError(f"`capacity` must be an int >= 1 or 'auto'; got {capacity!r}")
     # a one-shot iterator (e.g. a generator) would be used up by the first module name
     include = include if include is None or isinstance(include, str) else list(include)
