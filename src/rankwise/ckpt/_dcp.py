@@ -1,30 +1,41 @@
-"""torch.distributed.checkpoint storage on 2-D coded fragments spread over n folders.
+"""torch.distributed.checkpoint storage on a 2-D code across the ranks: each rank keeps its own row
+and column, on its own disk.
 
-Each rank gathers the items it writes into one blob (in plan order, tensors with ``torch.save``),
-encodes the blob with :class:`Code2D` (n = number of locations) and writes fragment i, plus a
-copy of the commitment, to location i. The DCP metadata (small) is replicated to every location
-as JSON with its fields written out (:mod:`rankwise.ckpt._dcp_meta`; nothing is unpickled when
-reading), and a reader accepts it only when a quorum of the locations holds the same bytes
-(n − ⌊(n − 1)/3⌋, which the t ≤ ⌊(n − 1)/3⌋ bad locations cannot reach and the honest ones
-always do). The metadata names each blob's commitment root; a read decodes each needed blob
-from any k = n − t locations whose fragment verifies against that commitment: up to t deleted,
-corrupted or rewritten locations are tolerated.
+``dcp.save`` / ``dcp.async_save`` / ``dcp.load`` with :class:`CodedStorageWriter` /
+:class:`CodedStorageReader` store sharded (FSDP2, DTensor) and replicated state alike. The ranks'
+serialised shares, laid end to end, are one checkpoint m coded by :class:`Code2D` with n = the
+world size (:mod:`._phases`: the encode crosses ranks on a gloo group of its own). Rank i writes
+only ``PATH/rank{i}/``:
 
-Files, in every location (:mod:`._store`): ``.metadata.rwck`` and, per writing rank r,
-``__{r}.frag.rwck`` and ``__{r}.commit.rwck``; all sealed and written atomically.
+- ``fragment.rwck``: its row C[i, :] and column R[:, i] of the extended grid (2|m|/k bytes);
+- ``.metadata.rwck``: the DCP metadata as JSON with every field written out (nothing is
+  unpickled when reading; :mod:`._dcp_meta`) and the commitment; the same bytes on every rank,
+  written after the fragment.
+
+Loading at the same world size reads each rank's own folder: the ranks agree on the metadata
+(a quorum of n − ⌊(n − 1)/3⌋ identical copies), check their fragments, rebuild a lost or damaged
+one from 2|m|/k bytes of their peers' symbols (written back to its folder), and each rank
+receives, verified, only the rows of m that hold the items it loads. Loading at another world
+size, or in one process, reads every ``rank*`` folder under PATH it can reach and decodes
+from any k that verify (saved at 4, loaded at 2 or 1 on a shared or copied folder).
+
+Without a process group, ``CodedStorageWriter(PATH, t=1, n=4)`` writes all n folders itself.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import io
 import logging
 import os
+import re
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -36,44 +47,41 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import _dcp_meta, _store
+from .. import _io
+from . import _dcp_meta, _phases, _store
 from ._code2d import Code2D, NotEnoughSymbols
-from ._format import Commitment, Fragment
+from ._format import METADATA, Commitment, Fragment, seal
+from ._transport import Transport
 
 log = logging.getLogger(__name__)
 
-def _locations(locations) -> list[Path]:
-    locs = [Path(p) for p in locations]
-    _distinct(locs)
-    return locs
+FRAGMENT, META = "fragment.rwck", ".metadata.rwck"
+_FOLDER = re.compile(r"rank(0|[1-9][0-9]{0,2})")
+_SIDE: list = []  # [(the default group, its gloo side group)]: one per process group
 
 
-def _distinct(locs: list[Path]) -> None:
-    """Refuse locations that are one folder under two names (the same spelling, a symbolic link
-    to another location, ``a`` and ``./a``): the existing ones are compared by identity (device
-    and inode), the others by their resolved path. Two names for one folder would hold one
-    fragment where the code counts two, so fewer than t losses could make the data unreadable."""
-    seen: dict[object, Path] = {}
-    for loc in locs:
-        try:
-            st = os.stat(loc)
-            key: object = (st.st_dev, st.st_ino)
-        except OSError:
-            key = loc.resolve()
-        if key in seen:
-            raise ValueError(f"storage locations must be distinct folders; {seen[key]} and {loc} are the "
-                             "same folder")
-        seen[key] = loc
+def folder(rank: int) -> str:
+    return f"rank{rank}"
 
 
-def _subfolders(roots: list[Path], checkpoint_id) -> list[Path]:
-    if checkpoint_id is None:
-        return roots
-    sub = Path(checkpoint_id)
-    if sub.is_absolute() or ".." in sub.parts:
-        raise ValueError(f"checkpoint_id must be a relative name inside every location; "
-                         f"got {checkpoint_id!r}")
-    return [r / sub for r in roots]
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def side_group():
+    """A gloo group over every rank, made once per default process group (collectively, so on
+    every rank at the same point: the writers and readers make it when they are built) and used
+    by every coded save and load: an asynchronous save's messages never meet training's."""
+    world = dist.group.WORLD
+    for pg, side in _SIDE:
+        if pg is world:
+            return side
+    _SIDE.clear()
+    side = dist.new_group(backend="gloo")
+    _SIDE.append((world, side))
+    return side
 
 
 def _weights_only(chunk: io.BytesIO, fqn: str) -> io.BytesIO:
@@ -101,116 +109,257 @@ def _done(value) -> Future:
     return fut
 
 
-class CodedStorageWriter(StorageWriter):
-    """DCP ``StorageWriter``: every rank's data as 2-D coded fragments over ``locations``
-    (n = len(locations) folders, any k = n − t of which suffice to read; 3t < n)."""
+def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[memoryview, list, list[tuple[int, int]]]:
+    """This rank's items as one share: non-tensor entries' bytes, then each tensor ``torch.save``d
+    -> (the share, the items in that order, each item's (offset, length))."""
+    buf = io.BytesIO()
+    items = ([i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+             + [i for i in plan.items if i.type != WriteItemType.BYTE_IO])
+    spans = []
+    for item in items:
+        data = planner.resolve_data(item)
+        offset = buf.tell()
+        if item.type == WriteItemType.BYTE_IO:
+            buf.write(data.getbuffer())
+        else:
+            t = data.detach().cpu()
+            if t.untyped_storage().nbytes() != t.nbytes:
+                t = t.clone()  # a view would serialise its whole base storage
+            torch.save(t, buf)
+        spans.append((offset, buf.tell() - offset))
+    return buf.getbuffer(), items, spans
 
-    def __init__(self, locations, *, t: int, hash: str = "blake3") -> None:
+
+class CodedStorageWriter(StorageWriter):
+    """DCP ``StorageWriter``: the state as a 2-D code over the n ranks (any k = n − t of them
+    restore it; a lost one is rebuilt from its peers), rank i writing ``path/rank{i}`` only.
+
+    `path`: the checkpoint's folder on each rank's own disk (``dcp.save(checkpoint_id=...)``
+    replaces it). `t`: losses tolerated (3t < n). `n`: only without a process group (or with a
+    world of one): one process then writes all n folders. ``stats`` after a save: bytes sent and
+    seconds."""
+
+    def __init__(self, path: str | os.PathLike, *, t: int = 1, n: int | None = None,
+                 hash: str = "blake3") -> None:
         super().__init__()
-        self._roots = self.locations = _locations(locations)
-        self.code = Code2D(len(self.locations), t, hash=hash)  # validates n, t
-        self.rank, self.is_coordinator = 0, True
+        self.path = Path(path)
+        self.rank, world = _world()
+        if world > 1:
+            if n not in (None, world):
+                raise ValueError(f"n={n}, but the world has {world} ranks: a coded checkpoint has one "
+                                 "party per rank (leave n out)")
+            n = world
+        elif n is None:
+            raise ValueError("without a process group one process writes every party's folder: give n "
+                             "(the number of parties, ≥ 3t + 1)")
+        self.code = Code2D(n, t, hash=hash)  # validates n and t: a world below 4 ranks is refused here
+        self.group = side_group() if world > 1 else None
+        self.stats: dict[str, Any] = {}
+        self._folders: contextlib.ExitStack | None = None
+        self._fds: dict[int, int] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """A ``checkpoint_id`` (a relative name) selects that subfolder of every location."""
-        self.locations = _subfolders(self._roots, checkpoint_id)
+        """A ``checkpoint_id`` is the checkpoint's folder (as for ``FileSystemWriter``)."""
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank") or 0)
         if kwargs.get("use_collectives") is False:
-            raise ValueError("CodedStorageWriter needs use_collectives=True (one metadata for all ranks)")
+            raise ValueError("CodedStorageWriter needs use_collectives=True (the code spans the ranks)")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        for loc in self.locations:
-            loc.mkdir(parents=True, exist_ok=True)
-        _distinct(self.locations)  # now that they all exist: by identity
-        return dataclasses.replace(plan, storage_data=self.rank)
+        """Open (and make) this rank's folders now, never through a link: the save writes through
+        these descriptors, so a link swapped in afterwards cannot redirect it."""
+        self._close()
+        self._folders = contextlib.ExitStack()
+        mine = [self.rank] if self.group is not None else list(range(self.code.n))
+        seen: dict[tuple[int, int], int] = {}
+        for i in mine:
+            fd = self._folders.enter_context(_store.opened_folder(self.path, folder(i), create=True))
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) in seen:  # pragma: no cover - opened_folder refuses links
+                raise ValueError(f"{self.path}: rank{seen[(st.st_dev, st.st_ino)]} and rank{i} are one folder")
+            seen[(st.st_dev, st.st_ino)] = i
+            self._fds[i] = fd
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=i) for i, p in enumerate(plans)]
+        return plans
+
+    def _close(self) -> None:
+        if self._folders is not None:
+            self._folders.close()
+        self._folders, self._fds = None, {}
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        owner = plan.storage_data if plan.storage_data is not None else self.rank
-        buf, spans = io.BytesIO(), []
-        items = ([i for i in plan.items if i.type == WriteItemType.BYTE_IO]
-                 + [i for i in plan.items if i.type != WriteItemType.BYTE_IO])
-        for item in items:
-            data = planner.resolve_data(item)
-            offset = buf.tell()
-            if item.type == WriteItemType.BYTE_IO:
-                buf.write(data.getbuffer())
+        t0 = time.perf_counter()
+        try:
+            share, items, spans = _serialise(plan, planner)
+            doc = _dcp_meta.share_doc(items, spans, plan.planner_data)
+            t1 = time.perf_counter()
+            if self.group is None:
+                disp = self.code.encode(share)
+                frags, com, docs, starts = disp.fragments, disp.commitment, [doc], [0]
+                sent = 0
             else:
-                t = data.detach().cpu()
-                if t.untyped_storage().nbytes() != t.nbytes:
-                    t = t.clone()  # a view would serialise its whole base storage
-                torch.save(t, buf)
-            spans.append((item.index, offset, buf.tell() - offset))
-        disp = self.code.encode(buf.getvalue())
-        root = disp.commitment.root  # ties the metadata to exactly this save's fragments
-        results = [WriteResult(index=i, size_in_bytes=n, storage_data=(owner, off, n, root))
-                   for i, off, n in spans]
-        for loc, frag in zip(self.locations, disp.fragments, strict=True):
-            _store.write(_store.dcp_fragment(loc, owner), frag)
-            _store.write(_store.dcp_commitment(loc, owner), disp.commitment)
-        return _done(results)
+                tp = Transport(self.group)
+                frag, com, docs, starts = _phases.encode_across(self.code, tp, share, doc)
+                frags, sent = [frag], sum(tp.sent.values())
+            t2 = time.perf_counter()
+            body = seal(METADATA, _dcp_meta.encode_file(_dcp_meta.merged(docs, starts, com.root), com.to_bytes()))
+            for frag in frags:  # the fragment first: the metadata (with the commitment) commits it
+                _store.write(FRAGMENT, frag, dir_fd=self._fds[frag.index])
+                _io.write_atomic(META, body, dir_fd=self._fds[frag.index])
+        finally:
+            self._close()
+        self.stats = {"share_bytes": len(share), "data_len": com.data_len, "bytes_sent": sent,
+                      "serialise_s": t1 - t0, "encode_s": t2 - t1, "write_s": time.perf_counter() - t2}
+        me = 0 if self.group is None else self.rank
+        return _done([WriteResult(index=item.index, size_in_bytes=length,
+                                  storage_data=(me, starts[me] + off, length, com.root))
+                      for item, (off, length) in zip(items, spans, strict=True)])
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
-        metadata.storage_meta = StorageMeta()
-        body = _dcp_meta.encode(metadata)
-        for loc in self.locations:
-            _store.write_metadata(loc / _store.DCP_METADATA, body)
+        """Nothing left to write: every rank wrote the metadata with its fragment."""
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return False
 
 
-class CodedStorageReader(StorageReader):
-    """DCP ``StorageReader`` for :class:`CodedStorageWriter` checkpoints: decodes every blob from
-    any k of the n ``locations`` (missing or corrupted ones are skipped and logged)."""
+def _read_folder(fd: int, com: Commitment | None) -> tuple[bytes | None, Fragment | None, str | None]:
+    """A rank folder's metadata body and (given the commitment) fragment; what failed, if anything."""
+    body = frag = None
+    why = None
+    try:
+        body = _store.read_metadata(META, dir_fd=fd)
+    except (OSError, ValueError, MemoryError) as e:
+        why = f"metadata: {e}"
+    if com is not None:
+        try:
+            frag = _store.read_fragment(FRAGMENT, com, dir_fd=fd)
+        except (OSError, ValueError, MemoryError) as e:
+            why = f"fragment: {e}"
+    return body, frag, why
 
-    def __init__(self, locations, *, hash: str = "blake3") -> None:
+
+def _commitment_of(body: bytes) -> tuple[Metadata, Commitment]:
+    md, raw = _dcp_meta.decode_file(body)
+    com = Commitment.from_bytes(raw)
+    roots = {sd[3] for sd in (md.storage_data or {}).values()}
+    if roots - {com.root}:
+        raise ValueError("coded DCP metadata names another commitment than the one it holds")
+    return md, com
+
+
+class CodedStorageReader(StorageReader):
+    """DCP ``StorageReader`` for :class:`CodedStorageWriter` checkpoints (see the module
+    docstring). ``skipped``: folders or parts left out and why; ``stats``: bytes per phase,
+    whether this rank was repaired, seconds."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
         super().__init__()
-        self._roots = self.locations = _locations(locations)
-        self.hash = hash
+        self.path = Path(path)
+        self.rank, world = _world()
+        self.group = side_group() if world > 1 else None
+        self.collective = False
         self.storage_data: dict = {}
         self.skipped: dict[str, str] = {}
+        self.stats: dict[str, Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """A ``checkpoint_id`` (a relative name) selects that subfolder of every location."""
-        self.locations = _subfolders(self._roots, checkpoint_id)
+        """A ``checkpoint_id`` is the checkpoint's folder (as for ``FileSystemReader``)."""
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """The metadata that a quorum of the n locations holds byte for byte (see the module
-        docstring); decoded from JSON, never unpickled. Locations that disagree are logged."""
-        _distinct(self.locations)  # one folder under two names would count its metadata twice
-        n = len(self.locations)
-        quorum = n - (n - 1) // 3
-        held: dict[bytes, list[Path]] = {}
-        problems = []
-        for loc in self.locations:
+    def _skip(self, where: str, why: str) -> None:
+        self.skipped[where] = why
+        log.warning("coded DCP read: skipping %s: %s", where, why)
+
+    def read_metadata(self) -> Metadata:
+        """The metadata a quorum of the ranks (or, read alone, of the folders) holds byte for byte."""
+        self.skipped, self.stats = {}, {}
+        self._tp = None
+        if self.group is not None:
+            with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
+                body, _, why = _read_folder(fd, None)
+            if why:
+                self._skip(folder(self.rank), why)
+            tp = Transport(self.group)
+            agreed, holders = _phases.agree(tp, body, _store.MAX_METADATA)
+            if agreed is not None:
+                md, com = _commitment_of(agreed)
+                if com.n == tp.size:
+                    self.collective, self._tp, self.com, self._md_body = True, tp, com, agreed
+                    self._repair_metadata = self.rank not in holders
+                    self.code = Code2D(com.n, com.t, hash=com.hash)
+                    return md
+        self.collective = False
+        return self._read_alone()
+
+    def _read_alone(self) -> Metadata:
+        """Every ``rank*`` folder under the path, each counted once (a folder reached under two
+        names, through a link, is one party), the metadata a quorum of them holds, and the blob
+        decoded from any k fragments that verify."""
+        found: dict[tuple[int, int], tuple[int, bytes | None, int]] = {}
+        stack = contextlib.ExitStack()
+        with stack:
             try:
-                body = _store.read_metadata(loc / _store.DCP_METADATA)
+                names = sorted(os.listdir(self.path))
             except OSError as e:
-                problems.append(f"{loc}: {e.strerror or e}")
-                continue
-            except (ValueError, MemoryError) as e:
-                problems.append(f"{loc}: {e}")
-                continue
-            held.setdefault(body, []).append(loc)
-        agreed = [body for body, locs in held.items() if len(locs) >= quorum]
-        for body, locs in held.items():
-            if body not in agreed:
-                problems.append(f"{', '.join(map(str, locs))}: metadata differs from the other locations'")
-        if problems:
-            self.skipped.update({"metadata": "; ".join(problems)})
-            log.warning("coded DCP metadata: %s", "; ".join(problems))
-        if not agreed:
-            raise FileNotFoundError(f"no coded DCP metadata that {quorum} of the {n} locations agree on: "
-                                    + "; ".join(problems or ["the locations disagree"]))
-        return _dcp_meta.decode(agreed[0])
+                raise FileNotFoundError(f"no coded checkpoint at {self.path}: {e.strerror or e}") from None
+            for name in names:
+                if not _FOLDER.fullmatch(name):
+                    continue
+                try:
+                    fd = stack.enter_context(_store.opened_folder(self.path, name))
+                except (OSError, ValueError) as e:
+                    self._skip(name, str(e))
+                    continue
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) in found:
+                    self._skip(name, f"the same folder as rank{found[(st.st_dev, st.st_ino)][0]}")
+                    continue
+                body, _, why = _read_folder(fd, None)
+                if why:
+                    self._skip(name, why)
+                found[(st.st_dev, st.st_ino)] = (int(name[4:]), body, fd)
+            tally: dict[bytes, int] = {}
+            for _, body, _ in found.values():
+                if body is not None:
+                    tally[body] = tally.get(body, 0) + 1
+            agreed = None
+            for body, votes in sorted(tally.items(), key=lambda kv: -kv[1]):
+                try:
+                    md, com = _commitment_of(body)
+                except ValueError:
+                    continue
+                if votes >= com.n - (com.n - 1) // 3:
+                    agreed = body
+                    break
+            if agreed is None:
+                raise FileNotFoundError(f"no coded DCP metadata that a quorum of the folders under {self.path} "
+                                        f"agree on (skipped: {self.skipped})")
+            self.com = com
+            self.code = Code2D(com.n, com.t, hash=com.hash)
+            frags = []
+            for index, _, fd in found.values():
+                _, frag, why = _read_folder(fd, com)
+                if frag is not None:
+                    frags.append(frag)
+                else:
+                    self._skip(folder(index), why or "no fragment")
+            rejected: list[int] = []
+            try:
+                self._blob = memoryview(self.code.retrieve(frags, com, rejected=rejected))
+            except NotEnoughSymbols as e:
+                raise RuntimeError(f"the coded checkpoint at {self.path} cannot be decoded: {e} "
+                                   f"(skipped: {self.skipped})") from None
+            finally:
+                for pos in rejected:
+                    self._skip(folder(frags[pos].index), "fragment does not match the commitment")
+        return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
@@ -222,46 +371,56 @@ class CodedStorageReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
-    def _blob(self, owner: int, root: bytes) -> bytes:
-        """Rank ``owner``'s blob, from the fragments whose commitment is the one the metadata
-        names (a location holding another save's files is skipped, not trusted)."""
-        com: Commitment | None = None
-        frags: list[tuple[Path, Fragment]] = []
+    def _recover(self, plan: LoadPlan):
+        """Collective: check, repair (and write back), then fetch the rows this plan reads ->
+        a function (offset, length) -> bytes of m."""
+        t0 = time.perf_counter()
+        tp, com, code = self._tp, self.com, self.code
+        with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
+            if self._repair_metadata:
+                _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)
+            _, frag, why = _read_folder(fd, com)
+            if why:
+                self._skip(folder(self.rank), why)
+            t1 = time.perf_counter()
+            lines, rebuilt, holders = _phases.check_and_repair(code, tp, com, frag)
+            t2 = time.perf_counter()
+            if rebuilt is not None:
+                _store.write(FRAGMENT, rebuilt, dir_fd=fd)
+        R = code.k * com.block_size
+        need: set[int] = set()
+        for req in plan.items:
+            _, start, length, _ = self.storage_data[req.storage_index]
+            need.update(range(start // R, (start + max(length, 1) - 1) // R + 1))
+        t3 = time.perf_counter()
+        rows = _phases.fetch_rows(code, tp, com, lines, holders, need)
+        self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "repaired": rebuilt is not None,
+                      "rows": sorted(need), "check_s": t1 - t0 + 0.0, "repair_s": t2 - t1,
+                      "retrieve_s": time.perf_counter() - t3}
 
-        def skip(loc: Path, why: str) -> None:
-            self.skipped[f"{loc}/{owner}"] = why
-            log.warning("coded DCP read: skipping %s for rank %d's data: %s", loc, owner, why)
+        def span(start: int, length: int) -> bytes:
+            parts, pos = [], start
+            while pos < start + length:
+                a, o = divmod(pos, R)
+                take = min(R - o, start + length - pos)
+                parts.append(rows[a][o:o + take])
+                pos += take
+            return b"".join(parts)
 
-        for loc in self.locations:
-            try:
-                c = _store.read_commitment(_store.dcp_commitment(loc, owner))
-                if c.root != root:
-                    raise ValueError("its commitment belongs to another save")
-                com = c
-                frags.append((loc, _store.read_fragment(_store.dcp_fragment(loc, owner), c)))
-            except (OSError, ValueError, MemoryError) as e:
-                skip(loc, str(e))
-        if com is None:
-            raise RuntimeError(f"rank {owner}'s data cannot be decoded: no location holds the commitment "
-                               f"the metadata names (skipped: {self.skipped})")
-        rejected: list[int] = []  # fragments that fail the commitment: their locations are named
-        code = Code2D(com.n, com.t, hash=com.hash)
-        try:
-            return code.retrieve([f for _, f in frags], com, rejected=rejected)
-        except NotEnoughSymbols as e:
-            err = e
-        finally:
-            for pos in rejected:
-                skip(frags[pos][0], "fragment does not match the commitment (corrupted or foreign)")
-        raise RuntimeError(f"rank {owner}'s data cannot be decoded: {err} (skipped: {self.skipped})") from err
+        return span
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        blobs: dict[int, memoryview] = {}
+        if self.collective:
+            span = self._recover(plan)
+        else:
+            blob = self._blob
+
+            def span(start: int, length: int) -> bytes:
+                return bytes(blob[start:start + length])
+
         for req in plan.items:
-            owner, offset, length, root = self.storage_data[req.storage_index]
-            if owner not in blobs:
-                blobs[owner] = memoryview(self._blob(owner, root))
-            chunk = io.BytesIO(blobs[owner][offset:offset + length].tobytes())
+            _, start, length, _ = self.storage_data[req.storage_index]
+            chunk = io.BytesIO(span(start, length))
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, _weights_only(chunk, req.storage_index.fqn))
                 continue

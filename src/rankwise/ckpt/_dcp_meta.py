@@ -109,3 +109,72 @@ def _ints(xs) -> list[int]:
     if not isinstance(xs, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in xs):
         raise ValueError(f"expected a list of ints; got {xs!r}")
     return xs
+
+
+# ------------------------------------------------------------------ built by every rank
+def share_doc(items: list, spans: list[tuple[int, int]], planner_data: Any) -> bytes:
+    """What one rank wrote: its plan's items (name, chunk, properties) with each item's
+    `(offset, length)` inside its share, and its planner's data; JSON, exchanged at save time so
+    that every rank writes the same metadata (:func:`merged`)."""
+    rows = []
+    for item, (offset, length) in zip(items, spans, strict=True):
+        idx, td = item.index, item.tensor_data
+        tensor = None
+        if td is not None:
+            p = td.properties
+            tensor = {"dtype": str(p.dtype), "layout": str(p.layout), "requires_grad": bool(p.requires_grad),
+                      "memory_format": str(p.memory_format), "pin_memory": bool(p.pin_memory),
+                      "size": list(td.size), "chunk": [list(td.chunk.offsets), list(td.chunk.sizes)]}
+        rows.append([idx.fqn, None if idx.offset is None else list(idx.offset), idx.index, tensor,
+                     int(offset), int(length)])
+    if planner_data is not None and not isinstance(planner_data, dict):
+        raise TypeError(f"coded DCP metadata: planner_data is a {type(planner_data).__name__}, not a dict")
+    planner = None if planner_data is None else {str(k): _plain(v, f"planner_data[{k!r}]")
+                                                  for k, v in planner_data.items()}
+    return json.dumps({"items": rows, "planner_data": planner}, separators=(",", ":")).encode()
+
+
+def merged(docs: list[bytes], starts: list[int], root: bytes) -> Metadata:
+    """The DCP metadata of a save from every rank's :func:`share_doc` (rank order, as DCP's
+    global plan orders chunks), rank r's share starting at ``starts[r]`` of the checkpoint whose
+    commitment root is `root`: storage data ``(rank, offset, length, root)`` per item."""
+    entries: dict[str, Any] = {}
+    storage: dict[MetadataIndex, tuple] = {}
+    planner: dict[str, Any] | None = None
+    for rank, (doc, start) in enumerate(zip(docs, starts, strict=True)):
+        d = json.loads(doc.decode("utf-8"))
+        for fqn, offset, index, tensor, off, length in d["items"]:
+            key = MetadataIndex(fqn=fqn, offset=None if offset is None else torch.Size(offset), index=index)
+            storage[key] = (rank, start + off, length, root)
+            if tensor is None:
+                entries[fqn] = BytesStorageMetadata()
+                continue
+            md = entries.setdefault(fqn, TensorStorageMetadata(
+                properties=TensorProperties(dtype=_DTYPES[tensor["dtype"]], layout=_LAYOUTS[tensor["layout"]],
+                                            requires_grad=tensor["requires_grad"],
+                                            memory_format=_FORMATS[tensor["memory_format"]],
+                                            pin_memory=tensor["pin_memory"]),
+                size=torch.Size(tensor["size"]), chunks=[]))
+            md.chunks.append(ChunkStorageMetadata(offsets=torch.Size(tensor["chunk"][0]),
+                                                  sizes=torch.Size(tensor["chunk"][1])))
+        if d["planner_data"] is not None:
+            planner = {**{k: _tuples(v) for k, v in d["planner_data"].items()}, **(planner or {})}
+    return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
+                    storage_meta=StorageMeta())
+
+
+def encode_file(md: Metadata, commitment: bytes) -> bytes:
+    """A rank folder's metadata file body: :func:`encode` with the commitment's bytes."""
+    doc = json.loads(encode(md))
+    doc["commitment"] = commitment.hex()
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def decode_file(body: bytes) -> tuple[Metadata, bytes]:
+    """The metadata and commitment bytes of :func:`encode_file` (``ValueError`` if malformed)."""
+    try:
+        doc = json.loads(body.decode("utf-8"))
+        com = bytes.fromhex(doc.pop("commitment"))
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as e:
+        raise ValueError(f"coded DCP metadata is malformed: {type(e).__name__}: {e}") from None
+    return decode(json.dumps(doc).encode("utf-8")), com
