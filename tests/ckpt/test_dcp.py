@@ -1,7 +1,9 @@
-"""CodedStorageWriter / CodedStorageReader under torch.distributed.checkpoint."""
+"""CodedStorageWriter / CodedStorageReader under torch.distributed.checkpoint: one 2-D code across
+the ranks, rank i's row and column in PATH/rank{i}."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -13,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distributed import run_world
-from rankwise.ckpt import CodedStorageReader, CodedStorageWriter, read_commitment
+from rankwise.ckpt import Code2D, CodedStorageReader, CodedStorageWriter, _dcp, _dcp_meta, _format, _store
 
 
 def _sd(seed: int) -> dict:
@@ -38,32 +40,46 @@ def _quiet():
         yield
 
 
-def test_single_process_round_trip_tolerates_t_lost_locations(tmp_path):
-    locs = [tmp_path / f"disk{i}" for i in range(5)]  # n = 5, t = 1
+def _metadata(folder: Path) -> tuple:
+    return _dcp_meta.decode_file(_store.read_metadata(folder / _dcp.META))
+
+
+def _commitment(folder: Path) -> _format.Commitment:
+    return _format.Commitment.from_bytes(_metadata(folder)[1])
+
+
+def test_one_process_writes_n_folders_and_reads_past_t_lost_or_damaged_ones(tmp_path):
+    ck = tmp_path / "ck"
     sd = _sd(0)
-    dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
-    frags = sum((loc / "__0.frag.rwck").stat().st_size for loc in locs)
-    m = read_commitment(locs[0] / "__0.commit.rwck").data_len
-    shutil.move(locs[1], tmp_path / "away")  # a lost location
-    got = _fresh(sd)
-    dcp.load(got, storage_reader=CodedStorageReader(locs))
-    assert _same(got, sd)
-    k = 4
+    dcp.save(sd, storage_writer=CodedStorageWriter(ck, t=1, n=5))
+    assert sorted(os.listdir(ck)) == [f"rank{i}" for i in range(5)]
+    frags = sum((ck / f"rank{i}" / _dcp.FRAGMENT).stat().st_size for i in range(5))
+    m, k = _commitment(ck / "rank0").data_len, 4
     assert 2 * 5 / k * m <= frags < 2 * 5 / k * m + 5 * (2 * k * k + 100)  # 2n/k = 2.5×, not 5 replicas
-
-    frag = locs[3] / "__0.frag.rwck"  # and, instead, a corrupted one
-    shutil.move(tmp_path / "away", locs[1])
-    b = bytearray(frag.read_bytes())
-    b[100] ^= 1
-    frag.write_bytes(bytes(b))
+    shutil.move(ck / "rank1", tmp_path / "away")  # a lost folder
     got = _fresh(sd)
-    reader = CodedStorageReader(locs)
-    dcp.load(got, storage_reader=reader)
-    assert _same(got, sd) and any("disk3" in k for k in reader.skipped)
+    dcp.load(got, storage_reader=CodedStorageReader(ck))
+    assert _same(got, sd)
 
-    shutil.rmtree(locs[4])  # two bad locations > t = 1: a clear error, no wrong data
+    shutil.move(tmp_path / "away", ck / "rank1")  # and, instead, a damaged fragment
+    frag = ck / "rank3" / _dcp.FRAGMENT
+    b = bytearray(frag.read_bytes())
+    b[200] ^= 1
+    frag.write_bytes(bytes(b))
+    got, reader = _fresh(sd), CodedStorageReader(ck)
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, sd) and "does not match the commitment" in reader.skipped["rank3"]
+
+    shutil.rmtree(ck / "rank4")  # two bad folders > t = 1: a clear error, no wrong data
     with pytest.raises(CheckpointException, match="cannot be decoded"):
-        dcp.load(_fresh(sd), storage_reader=CodedStorageReader(locs))
+        dcp.load(_fresh(sd), storage_reader=CodedStorageReader(ck))
+
+
+def test_a_world_below_four_ranks_or_a_missing_n_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="give n"):
+        CodedStorageWriter(tmp_path, t=1)
+    with pytest.raises(ValueError, match="3t < n"):
+        CodedStorageWriter(tmp_path, t=1, n=3)
 
 
 class _Planted:
@@ -77,102 +93,157 @@ class _Planted:
 
 
 def test_non_tensor_entries_load_with_weights_only_and_planted_objects_never_run(tmp_path):
-    locs = [tmp_path / f"disk{i}" for i in range(4)]
     sd = {**_sd(0), "meta": {"epoch": 3, "name": "run", "lrs": [0.1, 0.01]}}
-    dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+    dcp.save(sd, storage_writer=CodedStorageWriter(tmp_path / "a", t=1, n=4))
     got = {**_fresh(sd), "meta": {"epoch": 0, "name": "", "lrs": [0.0, 0.0]}}
-    dcp.load(got, storage_reader=CodedStorageReader(locs))
+    dcp.load(got, storage_reader=CodedStorageReader(tmp_path / "a"))
     assert got["meta"] == {"epoch": 3, "name": "run", "lrs": [0.1, 0.01]} and _same(got, sd)
 
-    marker = tmp_path / "ran"
-    other = [tmp_path / f"other{i}" for i in range(4)]  # a writer that stored an object
-    dcp.save({**_sd(0), "meta": _Planted(str(marker))}, storage_writer=CodedStorageWriter(other, t=1))
+    marker = tmp_path / "ran"  # a writer that stored an object
+    dcp.save({**_sd(0), "meta": _Planted(str(marker))},
+             storage_writer=CodedStorageWriter(tmp_path / "b", t=1, n=4))
     assert not marker.exists()
     with pytest.raises(CheckpointException, match=r"DCP entry 'meta' is a non-tensor value that "
                                                   r"torch.load\(weights_only=True\) refuses"):
-        dcp.load({**_fresh(sd), "meta": None}, storage_reader=CodedStorageReader(other))
+        dcp.load({**_fresh(sd), "meta": None}, storage_reader=CodedStorageReader(tmp_path / "b"))
     assert not marker.exists()  # DCP's default planner would have run it (weights_only=False)
 
 
-def test_checkpoint_id_selects_a_subfolder(tmp_path):
-    locs = [tmp_path / f"disk{i}" for i in range(4)]
-    dcp.save(_sd(1), checkpoint_id="step_1", storage_writer=CodedStorageWriter(locs, t=1))
-    dcp.save(_sd(2), checkpoint_id="step_2", storage_writer=CodedStorageWriter(locs, t=1))
+def test_checkpoint_id_is_the_checkpoint_folder(tmp_path):
+    w = CodedStorageWriter(tmp_path / "unused", t=1, n=4)
+    dcp.save(_sd(1), checkpoint_id=tmp_path / "step_1", storage_writer=w)
+    dcp.save(_sd(2), checkpoint_id=tmp_path / "step_2", storage_writer=w)
     got = _fresh(_sd(1))
-    dcp.load(got, checkpoint_id="step_1", storage_reader=CodedStorageReader(locs))
-    assert _same(got, _sd(1)) and (locs[0] / "step_2" / ".metadata.rwck").exists()
-    with pytest.raises(ValueError, match="relative"):
-        dcp.save(_sd(1), checkpoint_id="/abs", storage_writer=CodedStorageWriter(locs, t=1))
+    dcp.load(got, checkpoint_id=tmp_path / "step_1", storage_reader=CodedStorageReader(tmp_path / "x"))
+    assert _same(got, _sd(1)) and not (tmp_path / "unused").exists()
 
 
-def _dcp_ranks(rank: int, root: str):
-    locs = [Path(root) / f"disk{i}" for i in range(4)]
-    # same key = the same (replicated) tensor to DCP, written once; per-rank data needs own keys
-    sd = {"model": _sd(0)["model"], f"mine{rank}": torch.full((3,), float(rank)), "step": 5}
-    dcp.save(sd, storage_writer=CodedStorageWriter(locs, t=1))
+def test_a_resealed_metadata_in_any_folder_is_outvoted(tmp_path):
+    """Round 5: a commitment re-sealed in the last location (its root kept, a field changed, the
+    file's checksum recomputed) made every load fail, though the same file in location 0 was
+    skipped. Here each folder's copy is one vote; a changed copy anywhere is a minority."""
+    ck = tmp_path / "ck"
+    sd = _sd(0)
+    dcp.save(sd, storage_writer=CodedStorageWriter(ck, t=1, n=4))
+    for bad in (0, 3):
+        md, raw = _metadata(ck / f"rank{bad}")
+        com = _format.Commitment.from_bytes(raw)
+        forged = _format.Commitment(com.n, com.t, com.data_len + 1, com.block_size, com.hash, com.codec,
+                                    com.line_roots, com.root)  # the root kept, a field changed
+        body = _dcp_meta.encode_file(md, forged.to_bytes())
+        saved = (ck / f"rank{bad}" / _dcp.META).read_bytes()
+        _store.write_metadata(ck / f"rank{bad}" / _dcp.META, body)  # sealed anew
+        got, reader = _fresh(sd), CodedStorageReader(ck)
+        dcp.load(got, storage_reader=reader)
+        assert _same(got, sd)
+        (ck / f"rank{bad}" / _dcp.META).write_bytes(saved)
+
+
+def test_a_folder_linked_to_another_is_counted_once(tmp_path):
+    """Round 5: a location replaced by a link to another made the reader refuse the whole set;
+    it is one party (the link is skipped) and the other k decode."""
+    ck = tmp_path / "ck"
+    sd = _sd(0)
+    dcp.save(sd, storage_writer=CodedStorageWriter(ck, t=1, n=4))
+    shutil.rmtree(ck / "rank2")
+    (ck / "rank2").symlink_to(ck / "rank0", target_is_directory=True)
+    got, reader = _fresh(sd), CodedStorageReader(ck)
+    dcp.load(got, storage_reader=reader)
+    assert _same(got, sd) and "symbolic link" in reader.skipped["rank2"]
+
+
+def test_writes_go_to_the_folders_opened_when_the_plan_was_made(tmp_path, monkeypatch):
+    """Round 5: a folder swapped for a link between the plan's check and the write must not
+    redirect the write (it left n − 1 distinct fragments)."""
+    ck, elsewhere = tmp_path / "ck", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    real = _dcp._serialise
+
+    def swap_then_serialise(plan, planner):
+        os.rename(ck / "rank1", tmp_path / "moved")
+        (ck / "rank1").symlink_to(elsewhere, target_is_directory=True)
+        return real(plan, planner)
+
+    monkeypatch.setattr(_dcp, "_serialise", swap_then_serialise)
+    dcp.save(_sd(0), storage_writer=CodedStorageWriter(ck, t=1, n=4))
+    assert os.listdir(elsewhere) == []
+    assert sorted(os.listdir(tmp_path / "moved")) == [_dcp.META, _dcp.FRAGMENT]
+
+
+def _shares(rank: int) -> dict:
+    """Replicated (the model: DCP writes each tensor once) and per-rank entries of unequal sizes."""
+    torch.manual_seed(0)
+    return {"model": nn.Linear(64, 48).state_dict(),
+            f"mine{rank}": torch.full((700 * (rank + 1),), float(rank)), "step": 5}
+
+
+def _zeros(sd: dict) -> dict:
+    return {k: (0 if k == "step" else {n: torch.zeros_like(v) for n, v in v.items()} if isinstance(v, dict)
+                else torch.zeros_like(v)) for k, v in sd.items()}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return all((a[k] == b[k]) if k == "step" else
+               all(torch.equal(a[k][n], b[k][n]) for n in a[k]) if isinstance(a[k], dict) else
+               torch.equal(a[k], b[k]) for k in b)
+
+
+def _four_ranks(rank: int, root: str):
     import torch.distributed as dist
 
+    ck, bg = Path(root) / "ck", Path(root) / "bg"
+    sd = _shares(rank)
+    w = CodedStorageWriter(ck, t=1)
+    dcp.save(sd, storage_writer=w)
+    dcp.async_save(sd, storage_writer=CodedStorageWriter(bg, t=1)).result()
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(locs[2])
+        shutil.copytree(ck / "rank2", Path(root) / "rank2_before")
+        shutil.rmtree(ck / "rank2")  # a replaced machine: its disk wiped
     dist.barrier()
-    got = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, f"mine{rank}": torch.zeros(3),
-           "step": 0}
-    dcp.load(got, storage_reader=CodedStorageReader(locs))
-    return bool(torch.equal(got[f"mine{rank}"], sd[f"mine{rank}"]) and got["step"] == 5
-                and all(torch.equal(got["model"][k], sd["model"][k]) for k in sd["model"]))
-
-
-def test_multi_rank_round_trip_with_a_lost_location(tmp_path):
-    assert run_world(_dcp_ranks, 2, tmp_path, str(tmp_path)) == [True, True]
-
-
-def test_interrupted_overwrite_reads_the_save_the_metadata_names(tmp_path):
-    """Save A to 4 locations; an overwrite by B reaches only location 0 (a crash): the reader
-    must skip location 0's foreign files and decode A from the other three (k = 3)."""
-    locs = [tmp_path / f"disk{i}" for i in range(4)]
-    a, b = _sd(1), _sd(2)
-    dcp.save(a, storage_writer=CodedStorageWriter(locs, t=1))
-    other = [tmp_path / f"b{i}" for i in range(4)]
-    dcp.save(b, storage_writer=CodedStorageWriter(other, t=1))
-    for name in ("__0.frag.rwck", "__0.commit.rwck"):
-        shutil.copy(other[0] / name, locs[0] / name)
-    got = _fresh(a)
-    reader = CodedStorageReader(locs)
+    got, reader = _zeros(sd), CodedStorageReader(ck)
     dcp.load(got, storage_reader=reader)
-    assert _same(got, a) and "another save" in reader.skipped[f"{locs[0]}/0"]
+    got_bg = _zeros(sd)
+    dcp.load(got_bg, storage_reader=CodedStorageReader(bg))
+    return _equal(got, sd) and _equal(got_bg, sd), reader.collective, reader.stats
 
 
-def test_dcp_async_save_with_the_coded_writer(tmp_path):
-    """``dcp.async_save`` stages the state and writes through CodedStorageWriter in the
-    background; the result loads with a location lost."""
-    locs = [tmp_path / f"disk{i}" for i in range(4)]
-    sd = _sd(3)
-    fut = dcp.async_save(sd, storage_writer=CodedStorageWriter(locs, t=1))
-    fut.result()
-    shutil.rmtree(locs[2])
-    got = _fresh(sd)
-    dcp.load(got, storage_reader=CodedStorageReader(locs))
-    assert _same(got, sd)
+def _two_ranks(rank: int, root: str):
+    sd = {**_shares(0), **_shares(1), **_shares(2), **_shares(3)}
+    got = _zeros(sd)
+    reader = CodedStorageReader(Path(root) / "ck")
+    dcp.load(got, storage_reader=reader)
+    return _equal(got, sd), reader.collective
 
 
-def test_locations_that_are_one_folder_are_refused_by_identity(tmp_path):
-    """Issue 41, attack 2: one location a symbolic link to another was accepted (the path strings
-    differ), so both wrote one folder: 3 distinct fragments for n = 4, and no further location
-    could be lost."""
-    locs = [tmp_path / f"disk{i}" for i in range(4)]
-    locs[0].mkdir()
-    (tmp_path / "alias").symlink_to(locs[0], target_is_directory=True)
-    with pytest.raises(ValueError, match=r"distinct folders; .*disk0 and .*alias are the same folder"):
-        CodedStorageWriter([locs[0], tmp_path / "alias", locs[2], locs[3]], t=1)
-    with pytest.raises(ValueError, match="are the same folder"):  # spelled apart, not yet made
-        CodedStorageWriter([locs[1], tmp_path / "x" / ".." / "disk1", locs[2], locs[3]], t=1)
-    # a link made after the writer was built is caught when the save makes the folders
-    writer = CodedStorageWriter([locs[0], tmp_path / "late", locs[2], locs[3]], t=1)
-    locs[2].mkdir()
-    (tmp_path / "late").symlink_to(locs[2], target_is_directory=True)
-    with pytest.raises(CheckpointException, match="are the same folder"):
-        dcp.save(_sd(0), storage_writer=writer)
-    # and a reader would count one folder's metadata twice towards its quorum
-    with pytest.raises(ValueError, match="are the same folder"):
-        CodedStorageReader([locs[0], locs[2], tmp_path / "late", locs[3]])
+def test_four_ranks_code_their_shares_rebuild_a_wiped_rank_from_2m_over_k_and_load_at_two_and_one(tmp_path):
+    out = run_world(_four_ranks, 4, tmp_path, str(tmp_path), timeout=240)
+    ck = tmp_path / "ck"
+    assert all(ok and collective for ok, collective, _ in out)
+    com = _commitment(ck / "rank0")
+    # the encode across ranks gives the bytes one process gives for the same checkpoint
+    code = Code2D(4, 1)
+    frags = [_store.read_fragment(ck / f"rank{i}" / _dcp.FRAGMENT, com) for i in range(4)]
+    m = code.retrieve(frags, com)
+    ref = code.encode(m)
+    assert ref.commitment.root == com.root
+    assert all(bytes(f.row) == bytes(r.row) and bytes(f.col) == bytes(r.col)
+               for f, r in zip(frags, ref.fragments, strict=True))
+    # rank 2 was rebuilt into its folder, byte for byte, from k helpers' symbols: 2|m|/k
+    for name in (_dcp.FRAGMENT, _dcp.META):
+        assert (ck / "rank2" / name).read_bytes() == (tmp_path / "rank2_before" / name).read_bytes()
+    stats = [s for _, _, s in out]
+    assert [s["repaired"] for s in stats] == [False, False, True, False]
+    k, B = 3, com.block_size
+    received = stats[2]["received"]["repair"]
+    assert received == k * code.symbols_size(2, B)
+    assert 0 <= 2 * k * B - 2 * com.data_len / k < 2 * k  # the payload: k helpers' two blocks
+    assert received - 2 * k * B < 0.05 * received  # the Merkle paths and headers
+    # each rank received only the rows holding its items (|m|/k each), not the whole checkpoint
+    assert all(s["received"]["retrieve"] < len(s["rows"]) * k * B + 1000 for s in stats)
+    # saved at 4, loaded at 2 and at 1 (each reading every folder: another world size)
+    assert run_world(_two_ranks, 2, tmp_path, str(tmp_path)) == [(True, False), (True, False)]
+    sd = {**_shares(0), **_shares(3)}
+    got = _zeros(sd)
+    dcp.load(got, storage_reader=CodedStorageReader(ck))
+    assert _equal(got, sd)

@@ -179,7 +179,8 @@ class CodedStorageWriter(StorageWriter):
             fd = self._folders.enter_context(_store.opened_folder(self.path, folder(i), create=True))
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) in seen:  # pragma: no cover - opened_folder refuses links
-                raise ValueError(f"{self.path}: rank{seen[(st.st_dev, st.st_ino)]} and rank{i} are one folder")
+                raise ValueError(f"{self.path}: rank{seen[(st.st_dev, st.st_ino)]} and rank{i} are one "
+                                 "folder")
             seen[(st.st_dev, st.st_ino)] = i
             self._fds[i] = fd
         return plan
@@ -207,7 +208,8 @@ class CodedStorageWriter(StorageWriter):
                 frag, com, docs, starts = _phases.encode_across(self.code, tp, share, doc)
                 frags, sent = [frag], sum(tp.sent.values())
             t2 = time.perf_counter()
-            body = seal(METADATA, _dcp_meta.encode_file(_dcp_meta.merged(docs, starts, com.root), com.to_bytes()))
+            md = _dcp_meta.merged(docs, starts, com.root)
+            body = seal(METADATA, _dcp_meta.encode_file(md, com.to_bytes()))
             for frag in frags:  # the fragment first: the metadata (with the commitment) commits it
                 _store.write(FRAGMENT, frag, dir_fd=self._fds[frag.index])
                 _io.write_atomic(META, body, dir_fd=self._fds[frag.index])
@@ -339,8 +341,8 @@ class CodedStorageReader(StorageReader):
                     agreed = body
                     break
             if agreed is None:
-                raise FileNotFoundError(f"no coded DCP metadata that a quorum of the folders under {self.path} "
-                                        f"agree on (skipped: {self.skipped})")
+                raise FileNotFoundError(f"no coded DCP metadata that a quorum of the folders under "
+                                        f"{self.path} agree on (skipped: {self.skipped})")
             self.com = com
             self.code = Code2D(com.n, com.t, hash=com.hash)
             frags = []
@@ -394,7 +396,8 @@ class CodedStorageReader(StorageReader):
             need.update(range(start // R, (start + max(length, 1) - 1) // R + 1))
         t3 = time.perf_counter()
         rows = _phases.fetch_rows(code, tp, com, lines, holders, need)
-        self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "repaired": rebuilt is not None,
+        self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "control": dict(tp.control),
+                      "repaired": rebuilt is not None,
                       "rows": sorted(need), "check_s": t1 - t0 + 0.0, "repair_s": t2 - t1,
                       "retrieve_s": time.perf_counter() - t3}
 

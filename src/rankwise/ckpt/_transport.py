@@ -31,8 +31,8 @@ class Transport:
     must not interleave with training's collectives on the default group).
 
     ``rank``/``size`` are this rank's index and the group's size; ``sent``/``received`` count
-    bytes per phase name (set ``phase`` before a phase's messages), fixed-size messages with
-    their 8 bytes of framing included."""
+    the payload bytes of :meth:`swap` per phase name (set ``phase`` before a phase's messages),
+    ``control`` the bytes each rank sent in :meth:`gather` (votes, flags: framing included)."""
 
     def __init__(self, group) -> None:
         self.group = group
@@ -40,13 +40,13 @@ class Transport:
         self.phase = "other"
         self.sent: dict[str, int] = {}
         self.received: dict[str, int] = {}
+        self.control: dict[str, int] = {}
 
     def gather(self, payload: bytes, size: int) -> list[bytes | None]:
         """Every rank's `payload` (≤ `size` bytes; this rank's included); a peer's malformed
         message (short, overlong, failing its CRC) is ``None`` (:func:`._wire.all_gather_fixed`)."""
         got = _wire.all_gather_fixed(payload, size, self.group)
-        self.sent[self.phase] = self.sent.get(self.phase, 0) + (8 + size) * (self.size - 1)
-        self.received[self.phase] = self.received.get(self.phase, 0) + (8 + size) * (self.size - 1)
+        self.control[self.phase] = self.control.get(self.phase, 0) + (8 + size) * (self.size - 1)
         return got
 
     def swap(self, sends: dict[int, object], recvs: dict[int, np.ndarray]) -> None:
