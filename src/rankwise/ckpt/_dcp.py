@@ -28,7 +28,6 @@ import contextlib
 import io
 import logging
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -48,20 +47,15 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import _io
-from . import _dcp_meta, _phases, _store
+from . import _dcp_meta, _layout, _phases, _store
 from ._code2d import Code2D, NotEnoughSymbols
-from ._format import METADATA, Commitment, Fragment, seal
+from ._format import METADATA, Commitment, seal
 from ._transport import Transport
 
 log = logging.getLogger(__name__)
 
-FRAGMENT, META = "fragment.rwck", ".metadata.rwck"
-_FOLDER = re.compile(r"rank(0|[1-9][0-9]{0,2})")
+FRAGMENT, META, folder = _layout.FRAGMENT, _layout.META, _layout.folder
 _SIDE: list = []  # [(the default group, its gloo side group)]: one per process group
-
-
-def folder(rank: int) -> str:
-    return f"rank{rank}"
 
 
 def _world() -> tuple[int, int]:
@@ -209,10 +203,9 @@ class CodedStorageWriter(StorageWriter):
                 frags, sent = [frag], sum(tp.sent.values())
             t2 = time.perf_counter()
             md = _dcp_meta.merged(docs, starts, com.root)
-            body = seal(METADATA, _dcp_meta.encode_file(md, com.to_bytes()))
+            body = _dcp_meta.encode_file(md, com.to_bytes())
             for frag in frags:  # the fragment first: the metadata (with the commitment) commits it
-                _store.write(FRAGMENT, frag, dir_fd=self._fds[frag.index])
-                _io.write_atomic(META, body, dir_fd=self._fds[frag.index])
+                _layout.write_party(self._fds[frag.index], frag, body)
         finally:
             self._close()
         self.stats = {"share_bytes": len(share), "data_len": com.data_len, "bytes_sent": sent,
@@ -230,29 +223,8 @@ class CodedStorageWriter(StorageWriter):
         return False
 
 
-def _read_folder(fd: int, com: Commitment | None) -> tuple[bytes | None, Fragment | None, str | None]:
-    """A rank folder's metadata body and (given the commitment) fragment; what failed, if anything."""
-    body = frag = None
-    why = None
-    try:
-        body = _store.read_metadata(META, dir_fd=fd)
-    except (OSError, ValueError, MemoryError) as e:
-        why = f"metadata: {e}"
-    if com is not None:
-        try:
-            frag = _store.read_fragment(FRAGMENT, com, dir_fd=fd)
-        except (OSError, ValueError, MemoryError) as e:
-            why = f"fragment: {e}"
-    return body, frag, why
-
-
 def _commitment_of(body: bytes) -> tuple[Metadata, Commitment]:
-    md, raw = _dcp_meta.decode_file(body)
-    com = Commitment.from_bytes(raw)
-    roots = {sd[3] for sd in (md.storage_data or {}).values()}
-    if roots - {com.root}:
-        raise ValueError("coded DCP metadata names another commitment than the one it holds")
-    return md, com
+    return _dcp_meta.decode_file(body)[0], _layout.commitment_of(body)
 
 
 class CodedStorageReader(StorageReader):
@@ -285,7 +257,7 @@ class CodedStorageReader(StorageReader):
         self._tp = None
         if self.group is not None:
             with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
-                body, _, why = _read_folder(fd, None)
+                body, _, why = _layout.read_party(fd, None)
             if why:
                 self._skip(folder(self.rank), why)
             tp = Transport(self.group)
@@ -301,66 +273,26 @@ class CodedStorageReader(StorageReader):
         return self._read_alone()
 
     def _read_alone(self) -> Metadata:
-        """Every ``rank*`` folder under the path, each counted once (a folder reached under two
-        names, through a link, is one party), the metadata a quorum of them holds, and the blob
-        decoded from any k fragments that verify."""
-        found: dict[tuple[int, int], tuple[int, bytes | None, int]] = {}
-        stack = contextlib.ExitStack()
-        with stack:
-            try:
-                names = sorted(os.listdir(self.path))
-            except OSError as e:
-                raise FileNotFoundError(f"no coded checkpoint at {self.path}: {e.strerror or e}") from None
-            for name in names:
-                if not _FOLDER.fullmatch(name):
-                    continue
-                try:
-                    fd = stack.enter_context(_store.opened_folder(self.path, name))
-                except (OSError, ValueError) as e:
-                    self._skip(name, str(e))
-                    continue
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) in found:
-                    self._skip(name, f"the same folder as rank{found[(st.st_dev, st.st_ino)][0]}")
-                    continue
-                body, _, why = _read_folder(fd, None)
-                if why:
-                    self._skip(name, why)
-                found[(st.st_dev, st.st_ino)] = (int(name[4:]), body, fd)
-            tally: dict[bytes, int] = {}
-            for _, body, _ in found.values():
-                if body is not None:
-                    tally[body] = tally.get(body, 0) + 1
-            agreed = None
-            for body, votes in sorted(tally.items(), key=lambda kv: -kv[1]):
-                try:
-                    md, com = _commitment_of(body)
-                except ValueError:
-                    continue
-                if votes >= com.n - (com.n - 1) // 3:
-                    agreed = body
-                    break
-            if agreed is None:
-                raise FileNotFoundError(f"no coded DCP metadata that a quorum of the folders under "
-                                        f"{self.path} agree on (skipped: {self.skipped})")
-            self.com = com
-            self.code = Code2D(com.n, com.t, hash=com.hash)
-            frags = []
-            for index, _, fd in found.values():
-                _, frag, why = _read_folder(fd, com)
-                if frag is not None:
-                    frags.append(frag)
-                else:
-                    self._skip(folder(index), why or "no fragment")
-            rejected: list[int] = []
-            try:
-                self._blob = memoryview(self.code.retrieve(frags, com, rejected=rejected))
-            except NotEnoughSymbols as e:
-                raise RuntimeError(f"the coded checkpoint at {self.path} cannot be decoded: {e} "
-                                   f"(skipped: {self.skipped})") from None
-            finally:
-                for pos in rejected:
-                    self._skip(folder(frags[pos].index), "fragment does not match the commitment")
+        """Every party's folder under the path (:func:`._layout.scan`) and the checkpoint decoded
+        from any k fragments that verify."""
+        found = _layout.scan(self.path)
+        for where, why in found.skipped.items():
+            self._skip(where, why)
+        if found.body is None or found.com is None:
+            raise FileNotFoundError(f"no coded DCP metadata that a quorum of the folders under "
+                                    f"{self.path} agree on (skipped: {self.skipped})")
+        md, com = _commitment_of(found.body)
+        self.com, self.code = com, Code2D(com.n, com.t, hash=com.hash)
+        frags = list(found.fragments.values())
+        rejected: list[int] = []
+        try:
+            self._blob = memoryview(self.code.retrieve(frags, com, rejected=rejected))
+        except NotEnoughSymbols as e:
+            raise RuntimeError(f"the coded checkpoint at {self.path} cannot be decoded: {e} "
+                               f"(skipped: {self.skipped})") from None
+        finally:
+            for pos in rejected:
+                self._skip(folder(frags[pos].index), "fragment does not match the commitment")
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
@@ -381,7 +313,7 @@ class CodedStorageReader(StorageReader):
         with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
             if self._repair_metadata:
                 _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)
-            _, frag, why = _read_folder(fd, com)
+            _, frag, why = _layout.read_party(fd, com)
             if why:
                 self._skip(folder(self.rank), why)
             t1 = time.perf_counter()

@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-FORMAT = "rankwise-dcp-metadata/1"
+from ._layout import FORMAT
+
 _DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
 _LAYOUTS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.layout)}
 _FORMATS = {str(x): x for x in vars(torch).values() if isinstance(x, torch.memory_format)}
