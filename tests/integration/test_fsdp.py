@@ -37,10 +37,12 @@ def _bytes(model: nn.Module, opt) -> int:
     return total
 
 
-def _train(case: str, rank: int | None, world: int, folder: str | None = None, resume: bool = False) -> dict:
+def _train(case: str, rank: int | None, world: int, folder: str | None = None, resume: bool = False,
+           coded: bool = False) -> dict:
     """`case` for STEPS steps, in one process (`rank` None) on the whole batch or as rank `rank` of
     `world` under fully_shard (each low-rank layer, then the root) on its share; with `folder`, a
-    DCP checkpoint after 3 steps (or, `resume`, the last STEPS − 3 steps from it)."""
+    DCP checkpoint after 3 steps (or, `resume`, the last STEPS − 3 steps from it), `coded`: through
+    rankwise's coded storage (each rank its row and column in ``folder/rank{i}``)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -71,12 +73,12 @@ def _train(case: str, rank: int | None, world: int, folder: str | None = None, r
     todo = range(STEPS)
     if folder is not None and resume:
         sd = state()
-        dcp.load(sd, checkpoint_id=folder)
+        dcp.load(sd, checkpoint_id=folder, storage_reader=_coded_reader(folder) if coded else None)
         set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         todo = range(3, STEPS)
     for step in todo:
         if folder is not None and not resume and step == 3:
-            dcp.save(state(), checkpoint_id=folder)
+            dcp.save(state(), checkpoint_id=folder, storage_writer=_coded_writer(folder) if coded else None)
         loss = opt.step(closure).detach().clone()
         if rank is not None:
             torch.distributed.all_reduce(loss)
@@ -89,6 +91,43 @@ def _train(case: str, rank: int | None, world: int, folder: str | None = None, r
     out["zero_tail"] = all(not _local(t).narrow(1, m.rank, m.capacity - m.rank).any()
                            for m in layers for t in (m.U, m.V))
     return out
+
+
+def _coded_writer(folder: str):
+    from rankwise.ckpt import CodedStorageWriter
+
+    return CodedStorageWriter(folder, t=1)
+
+
+def _coded_reader(folder: str):
+    from rankwise.ckpt import CodedStorageReader
+
+    return CodedStorageReader(folder)
+
+
+def _lose_a_disk(rank: int, folder: str) -> dict:
+    """Four ranks save a coded checkpoint of their shards after 3 steps and train on; rank 2's disk
+    is wiped; the group resumes from the checkpoint (rank 2 rebuilt from its peers' symbols)."""
+    import shutil
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    run = _train("sdlrt-adam", rank, 4, folder, coded=True)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(Path(folder) / "rank2")
+    dist.barrier()
+    return {"run": run, "resumed": _train("sdlrt-adam", rank, 4, folder, resume=True, coded=True),
+            "rebuilt": (Path(folder) / "rank2" / "fragment.rwck").exists()}
+
+
+def test_fsdp2_state_resumes_bitwise_after_losing_a_ranks_disk(tmp_path):
+    out = run_world(_lose_a_disk, 4, tmp_path, str(tmp_path / "ckpt"), timeout=300.0)
+    for got in out:
+        assert got["resumed"]["losses"] == got["run"]["losses"][3:]
+        assert got["resumed"]["ranks"] == got["run"]["ranks"][3:]
+        assert got["rebuilt"]
 
 
 def _world(rank: int, folder: str) -> dict:
