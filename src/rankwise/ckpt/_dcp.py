@@ -134,9 +134,9 @@ class CodedStorageWriter(StorageWriter):
     seconds."""
 
     def __init__(self, path: str | os.PathLike, *, t: int = 1, n: int | None = None,
-                 hash: str = "blake3") -> None:
+                 hash: str = "blake3", transport: type[Transport] = Transport) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path, self.transport = Path(path), transport
         self.rank, world = _world()
         if world > 1:
             if n not in (None, world):
@@ -198,7 +198,7 @@ class CodedStorageWriter(StorageWriter):
                 frags, com, docs, starts = disp.fragments, disp.commitment, [doc], [0]
                 sent = 0
             else:
-                tp = Transport(self.group)
+                tp = self.transport(self.group)
                 frag, com, docs, starts = _phases.encode_across(self.code, tp, share, doc)
                 frags, sent = [frag], sum(tp.sent.values())
             t2 = time.perf_counter()
@@ -230,17 +230,20 @@ def _commitment_of(body: bytes) -> tuple[Metadata, Commitment]:
 class CodedStorageReader(StorageReader):
     """DCP ``StorageReader`` for :class:`CodedStorageWriter` checkpoints (see the module
     docstring). ``skipped``: folders or parts left out and why; ``stats``: bytes per phase,
-    whether this rank was repaired, seconds."""
+    whether this rank was repaired, seconds; ``reported``/``bad``: whose symbols or rows failed.
+    `transport`: the :class:`._transport.Transport` class (tests inject faults through it)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, transport: type[Transport] = Transport) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path, self.transport = Path(path), transport
         self.rank, world = _world()
         self.group = side_group() if world > 1 else None
         self.collective = False
         self.storage_data: dict = {}
         self.skipped: dict[str, str] = {}
         self.stats: dict[str, Any] = {}
+        self.reported: dict[int, list[int]] = {}  # after a load: rank -> the ranks that found its data bad
+        self.bad: list[int] = []  # the ranks more than t ranks reported
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A ``checkpoint_id`` is the checkpoint's folder (as for ``FileSystemReader``)."""
@@ -260,7 +263,7 @@ class CodedStorageReader(StorageReader):
                 body, _, why = _layout.read_party(fd, None)
             if why:
                 self._skip(folder(self.rank), why)
-            tp = Transport(self.group)
+            tp = self.transport(self.group)
             agreed, holders = _phases.agree(tp, body, _store.MAX_METADATA)
             if agreed is not None:
                 md, com = _commitment_of(agreed)
@@ -317,7 +320,7 @@ class CodedStorageReader(StorageReader):
             if why:
                 self._skip(folder(self.rank), why)
             t1 = time.perf_counter()
-            lines, rebuilt, holders = _phases.check_and_repair(code, tp, com, frag)
+            lines, rebuilt, holders, bad = _phases.check_and_repair(code, tp, com, frag)
             t2 = time.perf_counter()
             if rebuilt is not None:
                 _store.write(FRAGMENT, rebuilt, dir_fd=fd)
@@ -327,7 +330,12 @@ class CodedStorageReader(StorageReader):
             _, start, length, _ = self.storage_data[req.storage_index]
             need.update(range(start // R, (start + max(length, 1) - 1) // R + 1))
         t3 = time.perf_counter()
-        rows = _phases.fetch_rows(code, tp, com, lines, holders, need)
+        bad_rows: set[int] = set()
+        try:
+            rows, bad_rows = _phases.fetch_rows(code, tp, com, lines, holders, need)
+        finally:  # (every rank reports, also one whose retrieval failed: the others wait for it)
+            self.reported = _phases.report(tp, bad | bad_rows)
+        self.bad = sorted(p for p, by in self.reported.items() if len(by) > com.t)
         self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "control": dict(tp.control),
                       "repaired": rebuilt is not None,
                       "rows": sorted(need), "check_s": t1 - t0 + 0.0, "repair_s": t2 - t1,

@@ -161,21 +161,22 @@ def _flag(tp, on: bool) -> list[int]:
 
 
 def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None
-                     ) -> tuple[Lines | None, Fragment | None, list[int]]:
+                     ) -> tuple[Lines | None, Fragment | None, list[int], set[int]]:
     """Verify this rank's fragment; rebuild every rank's that is missing or bad from its peers.
 
     Returns this rank's verified :class:`Lines` (``None`` when its fragment could not be
-    rebuilt), the rebuilt fragment when this rank was repaired (the caller writes it back), and
-    the ranks that hold a verified fragment afterwards."""
+    rebuilt), the rebuilt fragment when this rank was repaired (the caller writes it back), the
+    ranks that hold a verified fragment afterwards, and the helpers whose symbols failed."""
     lines = code.verified_lines(frag, com) if frag is not None else None
     tp.phase = "check"
     good = _flag(tp, lines is not None)
     failed = [p for p in range(code.n) if p not in good]
     if not failed:
-        return lines, None, good
+        return lines, None, good, set()
     tp.phase = "repair"
     rebuilt: Fragment | None = None
     symbols: list[RepairSymbols] = []
+    bad: set[int] = set()
     rounds = [good[:code.k], good[code.k:]]  # k helpers; the rest only if symbols fail
     for helpers in rounds:
         if not helpers:
@@ -191,25 +192,31 @@ def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None
                 symbols.append(RepairSymbols.from_bytes(buf.tobytes()))
             except (ValueError, struct.error):
                 log.warning("repair of rank %d: helper %d sent symbols that do not parse", tp.rank, j)
+                bad.add(j)
         if tp.rank in failed and rebuilt is None:
-            try:
-                rebuilt = code.repair(tp.rank, symbols, com)
-            except NotEnoughSymbols as e:
-                log.warning("repair of rank %d: %s", tp.rank, e)
+            good_symbols, failing = code.verified_symbols(tp.rank, symbols, com)
+            bad.update(failing)
+            if len(good_symbols) >= code.k:
+                rebuilt = code.rebuild(tp.rank, good_symbols, com)
+            else:
+                log.warning("repair of rank %d: %s", tp.rank,
+                            NotEnoughSymbols(len(good_symbols), code.k, sorted(bad)))
         if not _flag(tp, tp.rank in failed and rebuilt is None):
             break
     if rebuilt is not None:
         lines = code.lines(rebuilt, com.block_size)
+    if bad:
+        log.warning("repair of rank %d: bad symbols from helpers %s", tp.rank, sorted(bad))
     tp.phase = "check"
-    return lines, rebuilt, _flag(tp, lines is not None)
+    return lines, rebuilt, _flag(tp, lines is not None), bad
 
 
 def fetch_rows(code: Code2D, tp, com: Commitment, lines: Lines | None, holders: list[int],
-               need: set[int]) -> dict[int, memoryview]:
+               need: set[int]) -> tuple[dict[int, memoryview], set[int]]:
     """The verified rows C[a, :] = M[a, :] for every a in `need` (a < k), sent by their holders
     directly; when one is missing or fails its root, every holder's row is requested and the
-    needed rows are decoded from any k that verify. Raises ``NotEnoughSymbols`` on a rank that
-    cannot get k verified rows (the others finish)."""
+    needed rows are decoded from any k that verify. Also returns the holders whose rows failed.
+    Raises ``NotEnoughSymbols`` on a rank that cannot get k verified rows (the others finish)."""
     tp.phase = "retrieve"
     n, k, R = code.n, code.k, code.k * com.block_size
     own = None if lines is None else np.concatenate(lines.row[:k])
@@ -220,6 +227,7 @@ def fetch_rows(code: Code2D, tp, com: Commitment, lines: Lines | None, holders: 
     recvs = {a: np.zeros(R, np.uint8) for a in need if a in holders and a != tp.rank}
     tp.swap(sends, recvs)
     rows: dict[int, memoryview] = {}
+    bad: set[int] = set()
     if own is not None:
         rows[tp.rank] = memoryview(own)
     for a, buf in recvs.items():
@@ -227,10 +235,11 @@ def fetch_rows(code: Code2D, tp, com: Commitment, lines: Lines | None, holders: 
             rows[a] = memoryview(buf)
         else:
             log.warning("rank %d: row %d from rank %d does not match the commitment", tp.rank, a, a)
+            bad.add(a)
     missing = {a for a in need if a not in rows}
     decoders = _flag(tp, bool(missing))
     if not decoders:
-        return {a: rows[a] for a in need}
+        return {a: rows[a] for a in need}, bad
     # second round: every holder sends its row to each decoder that did not get it in the first
     sent_before = {p: (wants[p] if tp.rank < k else set()) for p in range(n)}
     sends = ({p: own for p in decoders if p != tp.rank and tp.rank not in sent_before[p]}
@@ -239,12 +248,29 @@ def fetch_rows(code: Code2D, tp, com: Commitment, lines: Lines | None, holders: 
             if missing else {})
     tp.swap(sends, more)
     if not missing:
-        return {a: rows[a] for a in need}
+        return {a: rows[a] for a in need}, bad
     for h, buf in more.items():
         if code.verify_row(h, buf, com):
             rows[h] = memoryview(buf)
+        else:
+            bad.add(h)
     if len(rows) < k:
         raise NotEnoughSymbols(len(rows), k, [], "retrieve", "rows")
     idx = sorted(rows)[:k]
     M = code.decode_rows(np.stack([np.frombuffer(rows[i], np.uint8) for i in idx]), idx, k * R)
-    return {a: M[a * R:(a + 1) * R] for a in need}
+    return {a: M[a * R:(a + 1) * R] for a in need}, bad
+
+
+def report(tp, bad: set[int]) -> dict[int, list[int]]:
+    """Every rank's list of peers whose symbols or rows failed -> rank -> the ranks that
+    reported it. Only a target sees its helpers' symbols, so a rank is to be named bad only when
+    more than t ranks reported it (t lying reporters cannot name an honest rank)."""
+    tp.phase = "report"
+    n = tp.size
+    out: dict[int, list[int]] = {}
+    for r, v in enumerate(tp.gather(bytes(1 if p in bad else 0 for p in range(n)), n)):
+        if v is not None and len(v) == n:
+            for p in range(n):
+                if v[p] and p != r:
+                    out.setdefault(p, []).append(r)
+    return out
