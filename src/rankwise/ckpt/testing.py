@@ -1,14 +1,16 @@
 """Test doubles for the checkpoint layer: a rank that sends its peers bad data.
 
-Fault injection lives here, not in the production classes: the tests and ``rankwise ckpt demo``
-use these to show that a lying rank is named and excluded.
+Fault injection goes through the one interface the ranks talk through (:class:`._transport.Transport`),
+never through overridden phases: the tests and ``rankwise ckpt demo`` use these to show that a lying
+rank is named and excluded.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from ._checkpointer import CodedCheckpointer
-from ._code2d import Lines
-from ._format import Fragment
+from ._transport import Transport
 
 
 def flip(blob: bytes, at: int) -> bytes:
@@ -18,13 +20,21 @@ def flip(blob: bytes, at: int) -> bytes:
     return bytes(b)
 
 
+class LyingTransport(Transport):
+    """A rank whose repair symbols and rows are corrupted (one bit at the end of each message, of
+    the expected size): what its peers must detect, name and exclude."""
+
+    lie_in = ("repair", "retrieve")
+
+    def swap(self, sends: dict[int, Any], recvs: dict) -> None:
+        if self.phase in self.lie_in:
+            sends = {p: flip(bytes(memoryview(b).cast("B")), len(memoryview(b).cast("B")) - 1)
+                     for p, b in sends.items()}
+        super().swap(sends, recvs)
+
+
 class LyingCheckpointer(CodedCheckpointer):
-    """A :class:`CodedCheckpointer` whose repair symbols and retrieval rows are corrupted (one
-    bit each, in messages of the expected size): what its peers must detect, name and exclude."""
+    """A :class:`CodedCheckpointer` whose rank talks through :class:`LyingTransport`."""
 
-    def _helper_payload(self, lines: Lines, target: int) -> list:
-        payload = b"".join(bytes(p) for p in super()._helper_payload(lines, target))
-        return [flip(payload, len(payload) - 1)]  # in the row block: a valid header, a bad symbol
-
-    def _row_payload(self, frag: Fragment) -> bytes:
-        return flip(super()._row_payload(frag), 7)
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(transport=LyingTransport, **kwargs)
