@@ -232,6 +232,7 @@ class CodedCheckpointer:
                                state_bytes=len(template["state"]), skipped=skipped, reported=reader.reported,
                                bad_helpers=reader.bad, data_len=reader.com.data_len,
                                block_size=reader.com.block_size,
+                               helpers=st.get("helpers", []),
                                repair_bytes_received=st.get("received", {}).get("repair", 0),
                                repair_bytes_sent=st.get("sent", {}).get("repair", 0),
                                retrieve_bytes_received=st.get("received", {}).get("retrieve", 0),

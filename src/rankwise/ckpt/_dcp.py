@@ -320,10 +320,10 @@ class CodedStorageReader(StorageReader):
             if why:
                 self._skip(folder(self.rank), why)
             t1 = time.perf_counter()
-            lines, rebuilt, holders, bad = _phases.check_and_repair(code, tp, com, frag)
+            checked = _phases.check_and_repair(code, tp, com, frag)
             t2 = time.perf_counter()
-            if rebuilt is not None:
-                _store.write(FRAGMENT, rebuilt, dir_fd=fd)
+            if checked.rebuilt is not None:
+                _store.write(FRAGMENT, checked.rebuilt, dir_fd=fd)
         R = code.k * com.block_size
         need: set[int] = set()
         for req in plan.items:
@@ -332,12 +332,12 @@ class CodedStorageReader(StorageReader):
         t3 = time.perf_counter()
         bad_rows: set[int] = set()
         try:
-            rows, bad_rows = _phases.fetch_rows(code, tp, com, lines, holders, need)
+            rows, bad_rows = _phases.fetch_rows(code, tp, com, checked.lines, checked.holders, need)
         finally:  # (every rank reports, also one whose retrieval failed: the others wait for it)
-            self.reported = _phases.report(tp, bad | bad_rows)
+            self.reported = _phases.report(tp, checked.bad | bad_rows)
         self.bad = sorted(p for p, by in self.reported.items() if len(by) > com.t)
         self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "control": dict(tp.control),
-                      "repaired": rebuilt is not None,
+                      "repaired": checked.rebuilt is not None, "helpers": checked.helpers,
                       "rows": sorted(need), "check_s": t1 - t0 + 0.0, "repair_s": t2 - t1,
                       "retrieve_s": time.perf_counter() - t3}
 

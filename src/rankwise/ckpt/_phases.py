@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -160,23 +161,34 @@ def _flag(tp, on: bool) -> list[int]:
     return [p for p, v in enumerate(tp.gather(b"\x01" if on else b"\x00", 1)) if v == b"\x01"]
 
 
-def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None
-                     ) -> tuple[Lines | None, Fragment | None, list[int], set[int]]:
-    """Verify this rank's fragment; rebuild every rank's that is missing or bad from its peers.
+@dataclass
+class Checked:
+    """What :func:`check_and_repair` leaves: this rank's verified `lines` (``None`` when its
+    fragment could not be rebuilt), the `rebuilt` fragment when it was repaired (the caller writes
+    it back), the ranks that hold a verified fragment afterwards (`holders`), the helpers whose
+    symbols reached this rank (`helpers`) and those whose symbols failed (`bad`)."""
 
-    Returns this rank's verified :class:`Lines` (``None`` when its fragment could not be
-    rebuilt), the rebuilt fragment when this rank was repaired (the caller writes it back), the
-    ranks that hold a verified fragment afterwards, and the helpers whose symbols failed."""
+    lines: Lines | None
+    rebuilt: Fragment | None
+    holders: list[int]
+    helpers: list[int] = field(default_factory=list)
+    bad: set[int] = field(default_factory=set)
+
+
+def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None) -> Checked:
+    """Verify this rank's fragment; rebuild every rank's that is missing or bad from its peers
+    (k helpers: the lowest-numbered good ranks; the others only when symbols fail)."""
     lines = code.verified_lines(frag, com) if frag is not None else None
     tp.phase = "check"
     good = _flag(tp, lines is not None)
     failed = [p for p in range(code.n) if p not in good]
     if not failed:
-        return lines, None, good, set()
+        return Checked(lines, None, good)
     tp.phase = "repair"
     rebuilt: Fragment | None = None
     symbols: list[RepairSymbols] = []
     bad: set[int] = set()
+    used: list[int] = []
     rounds = [good[:code.k], good[code.k:]]  # k helpers; the rest only if symbols fail
     for helpers in rounds:
         if not helpers:
@@ -187,6 +199,7 @@ def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None
         size = code.symbols_size(tp.rank, com.block_size)
         recvs = {j: np.zeros(size, np.uint8) for j in helpers} if tp.rank in failed else {}
         tp.swap(sends, recvs)
+        used += list(recvs)
         for j, buf in recvs.items():
             try:
                 symbols.append(RepairSymbols.from_bytes(buf.tobytes()))
@@ -208,7 +221,7 @@ def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None
     if bad:
         log.warning("repair of rank %d: bad symbols from helpers %s", tp.rank, sorted(bad))
     tp.phase = "check"
-    return lines, rebuilt, _flag(tp, lines is not None), bad
+    return Checked(lines, rebuilt, _flag(tp, lines is not None), used, bad)
 
 
 def fetch_rows(code: Code2D, tp, com: Commitment, lines: Lines | None, holders: list[int],

@@ -185,7 +185,8 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
             if pid_file.exists() and pid_file.read_text():
                 pid = int(pid_file.read_text())
                 os.kill(pid, signal.SIGKILL)
-                shutil.rmtree(run / "store" / f"rank{kill_rank}")  # the machine's disk is gone too
+                for step in (run / "store").glob("step_*"):  # the machine's disk is gone too
+                    shutil.rmtree(step / f"rank{kill_rank}", ignore_errors=True)
                 killed.update(pid=pid, at=time.perf_counter())
                 return
             time.sleep(0.05)
@@ -203,10 +204,10 @@ def run_demo(workdir: str | Path, *, nproc: int = 4, steps: int = 40, every: int
     result = dict(
         nproc=nproc, steps=steps, every=every, kill_rank=kill_rank, kill_step=kill_step,
         restored_step=victim["step"], repaired=victim["repaired"], state_bytes=victim["state_bytes"],
-        block_size=victim["block_size"], k=k, helpers=victim["helpers"],
+        checkpoint_bytes=victim["data_len"], block_size=victim["block_size"], k=k, helpers=victim["helpers"],
         repair_bytes_per_helper={h: stats[h]["repair_bytes_sent"] for h in victim["helpers"]},
         repair_bytes_total=victim["repair_bytes_received"],
-        repair_payload_formula=2 * d * victim["state_bytes"] / k**2,
+        repair_payload_formula=2 * d * victim["data_len"] / k**2,
         repair_payload_measured=2 * d * victim["block_size"],
         repair_seconds=victim["repair_seconds"], retrieve_seconds=victim["retrieve_seconds"],
         retrieve_bytes_received=victim["retrieve_bytes_received"],
