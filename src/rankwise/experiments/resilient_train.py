@@ -74,14 +74,14 @@ def run_resilient(workdir: str | Path, *, nproc: int = 4, every: int = 10, timeo
     killed: dict = {}
 
     def watch() -> None:
-        victim_dir = store / f"rank{VICTIM}"
-        while run.poll() is None:
-            steps = sorted(victim_dir.glob("step_*")) if victim_dir.is_dir() else []
+        while run.poll() is None:  # the victim's folders of complete steps: step_*/rank{VICTIM}
+            steps = sorted(p.parent for p in store.glob(f"step_*/rank{VICTIM}/.metadata.rwck"))
             pid = _worker_pid(VICTIM) if steps else None
             if pid is not None:
                 os.kill(pid, signal.SIGKILL)
-                shutil.rmtree(victim_dir, ignore_errors=True)  # the machine's disk is gone too
-                killed.update(pid=pid, after=steps[-1].name)
+                for step in store.glob("step_*"):  # the machine's disk is gone too
+                    shutil.rmtree(step / f"rank{VICTIM}", ignore_errors=True)
+                killed.update(pid=pid, after=steps[-1].parent.name)
                 return
             time.sleep(0.05)
 
