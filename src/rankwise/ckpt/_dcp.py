@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -104,8 +104,9 @@ def _done(value) -> Future:
 
 
 def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[memoryview, list, list[tuple[int, int]]]:
-    """This rank's items as one share: non-tensor entries' bytes, then each tensor ``torch.save``d
-    -> (the share, the items in that order, each item's (offset, length))."""
+    """This rank's items as one share: non-tensor entries' bytes (as the planner gives them), then
+    each tensor chunk's raw bytes, C order (its dtype and sizes are in the metadata) -> (the
+    share, the items in that order, each item's (offset, length))."""
     buf = io.BytesIO()
     items = ([i for i in plan.items if i.type == WriteItemType.BYTE_IO]
              + [i for i in plan.items if i.type != WriteItemType.BYTE_IO])
@@ -116,10 +117,9 @@ def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[memoryview, list, 
         if item.type == WriteItemType.BYTE_IO:
             buf.write(data.getbuffer())
         else:
-            t = data.detach().cpu()
-            if t.untyped_storage().nbytes() != t.nbytes:
-                t = t.clone()  # a view would serialise its whole base storage
-            torch.save(t, buf)
+            t = data.detach().cpu().contiguous()
+            if t.numel():
+                buf.write(t.reshape(-1).view(torch.uint8).numpy())
         spans.append((offset, buf.tell() - offset))
     return buf.getbuffer(), items, spans
 
@@ -301,6 +301,9 @@ class CodedStorageReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
+        self.chunks = {MetadataIndex(fqn, c.offsets): (m.properties.dtype, c.sizes)
+                       for fqn, m in metadata.state_dict_metadata.items()
+                       if isinstance(m, TensorStorageMetadata) for c in m.chunks}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -341,14 +344,17 @@ class CodedStorageReader(StorageReader):
                       "rows": sorted(need), "check_s": t1 - t0 + 0.0, "repair_s": t2 - t1,
                       "retrieve_s": time.perf_counter() - t3}
 
-        def span(start: int, length: int) -> bytes:
-            parts, pos = [], start
+        def span(start: int, length: int):
+            a, o = divmod(start, R)
+            if o + length <= R:  # within one row: a view of it
+                return rows[a][o:o + length]
+            out, pos = bytearray(length), start
             while pos < start + length:
                 a, o = divmod(pos, R)
                 take = min(R - o, start + length - pos)
-                parts.append(rows[a][o:o + take])
+                out[pos - start:pos - start + take] = rows[a][o:o + take]
                 pos += take
-            return b"".join(parts)
+            return out
 
         return span
 
@@ -358,16 +364,22 @@ class CodedStorageReader(StorageReader):
         else:
             blob = self._blob
 
-            def span(start: int, length: int) -> bytes:
-                return bytes(blob[start:start + length])
+            def span(start: int, length: int) -> bytearray:
+                return bytearray(blob[start:start + length])
 
         for req in plan.items:
             _, start, length, _ = self.storage_data[req.storage_index]
-            chunk = io.BytesIO(span(start, length))
             if req.type == LoadItemType.BYTE_IO:
+                chunk = io.BytesIO(span(start, length))
                 planner.load_bytes(req, _weights_only(chunk, req.storage_index.fqn))
                 continue
-            t = torch.load(chunk, map_location="cpu", weights_only=True)
+            dtype, sizes = self.chunks[MetadataIndex(req.storage_index.fqn, req.storage_index.offset)]
+            if length != sizes.numel() * dtype.itemsize:
+                raise RuntimeError(f"{req.storage_index}: {length} bytes stored for a {dtype} chunk of "
+                                   f"{tuple(sizes)}")
+            raw = span(start, length)
+            t = (torch.frombuffer(raw, dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8))
+            t = t.view(dtype).reshape(sizes)
             for dim, (o, n) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                 t = t.narrow(dim, o, n)
             target = planner.resolve_tensor(req).detach()
