@@ -85,7 +85,14 @@ def _one(rank: int, n: int, base: Path, mib: int, repeat: int) -> dict:
         return {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}, "step": 0}
 
     r = {"save_plain": _timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(plain)), repeat)}
-    r["save_coded"] = _timed(lambda: dcp.save(sd, storage_writer=CodedStorageWriter(coded, t=1)), repeat)
+    writers: list = []
+
+    def save_coded() -> None:
+        writers.append(CodedStorageWriter(coded, t=1))
+        dcp.save(sd, storage_writer=writers[-1])
+
+    r["save_coded"] = _timed(save_coded, repeat)
+    r["save_parts"] = {k: v for k, v in writers[-1].stats.items() if k.endswith("_s")}
     r["copy"] = _timed(lambda: {k: v.clone() for k, v in sd["model"].items()}, repeat)
     blocked, total = [], []
     for _ in range(repeat + 1):
@@ -121,6 +128,7 @@ def _one(rank: int, n: int, base: Path, mib: int, repeat: int) -> dict:
 
     r["load_plain"] = _timed(load_plain, repeat)
     r["load_coded"] = _timed(load_coded, repeat)
+    r["load_parts"] = {k: v for k, v in stats[-1].items() if k.endswith("_s")}
     r["load_repair"] = _timed(wipe_and_load, repeat)
     st = stats[-1]
     r["repaired"] = st["repaired"]
@@ -158,6 +166,16 @@ def main() -> None:
               f"| {r['async_total']:.3f} | {r['load_plain']:.3f} | {r['load_coded']:.3f} "
               f"| {r['load_coded'] / r['load_plain']:.2f} | {r['load_repair']:.3f} "
               f"| {v['repair_received']:,} / {formula:,.0f} = {v['repair_received'] / formula:.4f} |")
+    print("\nwhere a rank's time goes (the slowest rank per part, the last timed run; seconds)\n")
+    print("| MiB | save: serialise | encode (exchange, extend, hash) | write (fsync) "
+          "| load: read + verify own fragment | repair | fetch + verify rows | whole read_data |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mib in sizes:
+        sp = {k: max(res[r][mib]["save_parts"][k] for r in range(a.nproc)) for k in res[0][mib]["save_parts"]}
+        lp = {k: max(res[r][mib]["load_parts"].get(k, 0.0) for r in range(a.nproc))
+              for k in ("check_s", "repair_s", "retrieve_s", "read_s")}
+        print(f"| {mib} | {sp['serialise_s']:.3f} | {sp['encode_s']:.3f} | {sp['write_s']:.3f} "
+              f"| {lp['check_s']:.3f} | {lp['repair_s']:.3f} | {lp['retrieve_s']:.3f} | {lp['read_s']:.3f} |")
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
 

@@ -359,6 +359,7 @@ class CodedStorageReader(StorageReader):
         return span
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        t0 = time.perf_counter()
         if self.collective:
             span = self._recover(plan)
         else:
@@ -388,6 +389,7 @@ class CodedStorageReader(StorageReader):
                                    f"expected {tuple(target.size())}")
             target.copy_(t)
             planner.commit_tensor(req, target)
+        self.stats["read_s"] = time.perf_counter() - t0
         return _done(None)
 
     @classmethod
