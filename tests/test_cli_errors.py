@@ -60,7 +60,7 @@ def test_ckpt_user_errors_are_one_line(tmp_path):
     msg = _one_line_error(run_cli("ckpt", "verify", tmp_path / "nowhere"), "ckpt verify")
     assert "does not exist" in msg
     msg = _one_line_error(run_cli("ckpt", "inspect", tmp_path), "ckpt inspect", code=1)
-    assert "no commitment.rwck" in msg
+    assert "no rank{i} folders in" in msg
     (tmp_path / "empty.bin").write_bytes(b"")
     msg = _one_line_error(run_cli("ckpt", "encode", tmp_path / "empty.bin", "--n", 4, "--t", 1,
                                   "--out", tmp_path / "e"), "ckpt encode")
@@ -142,21 +142,27 @@ def test_bad_choice_is_one_line_with_the_value():
 
 
 # --------------------------------------------------------------------------- overwrites
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
 def test_encode_refuses_an_existing_checkpoint_and_force_leaves_no_stale_workers(tmp_path):
     folder, _ = _encoded(tmp_path, n=7, t=2)
-    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    before = _files(folder)
     src = tmp_path / "other.bin"
     data = random.Random(1).randbytes(20_000)
     src.write_bytes(data)
     msg = _one_line_error(run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder),
                           "ckpt encode", code=1)
-    assert "--force" in msg
-    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # untouched
+    assert "--force" in msg and "already holds a coded checkpoint" in msg
+    assert _files(folder) == before  # untouched
     (folder / "notes.txt").write_text("mine")
+    (folder / "rank0" / "notes.txt").write_text("mine too")
     r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder, "--force")
     assert r.exit_code == 0, r
-    assert sorted(p.name for p in folder.iterdir()) == [
-        "commitment.rwck", "notes.txt", "worker0.rwck", "worker1.rwck", "worker2.rwck", "worker3.rwck"]
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", "rank0", "rank1", "rank2", "rank3"]
+    assert sorted(p.name for p in (folder / "rank0").iterdir()) == [".metadata.rwck", "fragment.rwck",
+                                                                    "notes.txt"]
     assert run_cli("ckpt", "verify", folder).exit_code == 0
     out = tmp_path / "back.bin"
     assert run_cli("ckpt", "retrieve", folder, "--out", out).exit_code == 0
@@ -175,11 +181,11 @@ def test_retrieve_refuses_to_overwrite_without_force(tmp_path):
 
 def test_repair_leaves_a_valid_fragment_alone(tmp_path):
     folder, _ = _encoded(tmp_path)
-    f = folder / "worker3.rwck"
-    mtime = f.stat().st_mtime_ns
+    files = [folder / "rank3" / name for name in ("fragment.rwck", ".metadata.rwck")]
+    mtimes = [f.stat().st_mtime_ns for f in files]
     r = run_cli("ckpt", "repair", folder, "--worker", 3)
     assert r.exit_code == 0 and "nothing to repair" in r.output
-    assert f.stat().st_mtime_ns == mtime
+    assert [f.stat().st_mtime_ns for f in files] == mtimes
 
 
 def test_inspect_notices_a_commitment_of_another_encoding(tmp_path):
@@ -187,7 +193,9 @@ def test_inspect_notices_a_commitment_of_another_encoding(tmp_path):
     other = tmp_path / "o.bin"
     other.write_bytes(random.Random(9).randbytes(30_000))
     assert run_cli("ckpt", "encode", other, "--n", 7, "--t", 2, "--out", tmp_path / "o").exit_code == 0
-    (folder / "commitment.rwck").write_bytes((tmp_path / "o" / "commitment.rwck").read_bytes())
+    for i in range(7):  # every worker's metadata (the commitment with it) is the other encoding's
+        meta = (tmp_path / "o" / "rank0" / ".metadata.rwck").read_bytes()
+        (folder / f"rank{i}" / ".metadata.rwck").write_bytes(meta)
     r = run_cli("ckpt", "inspect", folder)
     assert r.exit_code == 0
     assert "problems: none" not in r.output
@@ -301,7 +309,7 @@ def test_map_runs_reports_progress_within_runs(processes):
 # --------------------------------------------------------------------------- found in review
 def test_encode_force_reads_its_input_before_replacing_the_folder(tmp_path):
     folder, _ = _encoded(tmp_path)
-    src = folder / "worker0.rwck"  # the input is one of the files --force replaces
+    src = folder / "rank0" / "fragment.rwck"  # the input is one of the files --force replaces
     data = src.read_bytes()
     r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder, "--force")
     assert r.exit_code == 0, r
@@ -335,8 +343,8 @@ def test_retrieve_refuses_to_replace_something_that_is_not_a_file(tmp_path):
 
 def test_an_unreadable_fragment_counts_as_missing(tmp_path):
     folder, data = _encoded(tmp_path)
-    (folder / "worker1.rwck").unlink()
-    (folder / "worker1.rwck").mkdir()  # not a file: that worker is bad, the rest still retrieve
+    (folder / "rank1" / "fragment.rwck").unlink()
+    (folder / "rank1" / "fragment.rwck").mkdir()  # not a file: that worker is bad, the rest still retrieve
     r = run_cli("ckpt", "verify", folder)
     assert r.exit_code == 1 and "is a folder, not a regular file" in " ".join(r.output.split())
     out = tmp_path / "x.bin"
@@ -391,13 +399,18 @@ def test_thread_and_process_counts_are_capped(args):
 
 
 def test_force_deletes_only_what_the_command_writes(tmp_path):
-    # ckpt encode: a user's worker_notes.rwck is not a fragment
-    folder, _ = _encoded(tmp_path)
-    (folder / "worker_notes.rwck").write_text("mine")
+    # ckpt encode: a user's rank_notes/ is no rank folder, nor is rank007/ (only rank{i} are); the
+    # stale rank4…6 of the earlier 7-worker checkpoint go
+    folder, _ = _encoded(tmp_path)  # n = 7
+    for name in ("rank_notes", "rank007"):
+        (folder / name).mkdir()
+        (folder / name / "fragment.rwck").write_text("mine")
     src = tmp_path / "y.bin"
     src.write_bytes(random.Random(2).randbytes(5000))
     assert run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", folder, "--force").exit_code == 0
-    assert (folder / "worker_notes.rwck").read_text() == "mine"
+    for name in ("rank_notes", "rank007"):
+        assert (folder / name / "fragment.rwck").read_text() == "mine"
+    assert not (folder / "rank4").exists() and not (folder / "rank6").exists()
     # train: a user's file named like a TensorBoard log is not one
     out = tmp_path / "run"
     out.mkdir()

@@ -67,8 +67,8 @@ def test_ckpt_encode_into_a_folder_another_encode_holds_is_refused(tmp_path):
     assert list(out.iterdir()) == [] and not _HELD
     r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", out)  # free again: it works
     assert r.exit_code == 0, r
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["commitment.rwck", "worker0.rwck", "worker1.rwck", "worker2.rwck", "worker3.rwck"]
+    assert sorted(p.name for p in out.iterdir()) == ["rank0", "rank1", "rank2", "rank3"]
+    assert sorted(p.name for p in (out / "rank3").iterdir()) == [".metadata.rwck", "fragment.rwck"]
 
 
 def test_train_reads_the_resume_mark_only_after_taking_the_lock(tmp_path, monkeypatch):
@@ -102,7 +102,8 @@ def test_ckpt_encode_on_a_full_disk_is_one_line_and_the_rerun_works(tmp_path, mo
 
     monkeypatch.setattr(_store, "write", fills_up)
     msg = _one_line_error(run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", out), "ckpt encode", 1)
-    assert "no space left on device writing" in msg and "worker1.rwck" in msg and "internal error" not in msg
+    assert "no space left on device writing" in msg and "rank1/fragment.rwck" in msg
+    assert "internal error" not in msg
     assert written and not out.exists()  # the fragment it wrote is gone, and the folder it made
     monkeypatch.setattr(_store, "write", real)
     r = run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", out)  # no --force needed
@@ -158,7 +159,7 @@ def test_ckpt_repair_checks_the_folder_is_writable_before_the_work(tmp_path, mon
 
     src, out = _checkpoint_file(tmp_path), tmp_path / "frags"
     assert run_cli("ckpt", "encode", src, "--n", 4, "--t", 1, "--out", out).exit_code == 0
-    (out / "worker2.rwck").unlink()
+    (out / "rank2" / "fragment.rwck").unlink()
     monkeypatch.setattr(_ckpt, "unwritable_folder",  # (root writes anywhere: chmod cannot show it)
                         lambda folder: f"{folder} is not writable (Permission denied)")
     monkeypatch.setattr(Code2D, "repair", lambda *a, **k: pytest.fail("repaired before the check"))

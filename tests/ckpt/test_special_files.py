@@ -55,15 +55,20 @@ def test_read_regular_reads_a_regular_file_or_a_link_to_one(tmp_path):
         read_regular(tmp_path / "missing", 10)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_ckpt_verify_reports_a_special_worker_file_and_retrieve_still_decodes(tmp_path, kind):
+def _encoded(tmp_path: Path, cli: list[str]) -> tuple[Path, bytes]:
     data = os.urandom(20_000)
     (tmp_path / "ck.bin").write_bytes(data)
     folder = tmp_path / "d"
-    cli = [sys.executable, "-m", "rankwise"]
     subprocess.run([*cli, "ckpt", "encode", str(tmp_path / "ck.bin"), "--n", "4", "--t", "1", "--out",
                     str(folder)], check=True, capture_output=True, timeout=120)
-    _plant(folder / "worker2.rwck", kind)
+    return folder, data
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_ckpt_verify_reports_a_special_worker_file_and_retrieve_still_decodes(tmp_path, kind):
+    cli = [sys.executable, "-m", "rankwise"]
+    folder, data = _encoded(tmp_path, cli)
+    _plant(folder / "rank2" / "fragment.rwck", kind)
     r = subprocess.run([*cli, "ckpt", "verify", str(folder)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
     assert "2" in r.stdout and SAID[kind].split(",")[0] in " ".join(r.stdout.split()), r.stdout
@@ -74,14 +79,25 @@ def test_ckpt_verify_reports_a_special_worker_file_and_retrieve_still_decodes(tm
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_ckpt_verify_refuses_a_special_commitment_in_one_line(tmp_path, kind):
-    folder = tmp_path / "d"
-    folder.mkdir()
-    _plant(folder / "commitment.rwck", kind)
-    r = subprocess.run([sys.executable, "-m", "rankwise", "ckpt", "verify", str(folder)], capture_output=True,
-                       text=True, timeout=60)
+def test_a_special_metadata_file_costs_one_vote_and_in_every_worker_a_one_line_refusal(tmp_path, kind):
+    """In one worker's folder it costs that worker's vote (verify says so; the other three are a
+    quorum and retrieve decodes); in every worker's folder no metadata has a quorum: one line."""
+    cli = [sys.executable, "-m", "rankwise"]
+    folder, data = _encoded(tmp_path, cli)
+    _plant(folder / "rank1" / ".metadata.rwck", kind)
+    r = subprocess.run([*cli, "ckpt", "verify", str(folder)], capture_output=True, text=True, timeout=60)
+    said = " ".join(r.stdout.split())
+    assert r.returncode == 1 and "internal error" not in r.stderr, r.stderr
+    assert "fragment ok; metadata:" in said and SAID[kind].split(",")[0] in said, r.stdout
+    r = subprocess.run([*cli, "ckpt", "retrieve", str(folder), "--out", str(tmp_path / "out.bin")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and (tmp_path / "out.bin").read_bytes() == data, r.stderr
+    for i in (0, 2, 3):
+        _plant(folder / f"rank{i}" / ".metadata.rwck", kind)
+    r = subprocess.run([*cli, "ckpt", "verify", str(folder)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert SAID[kind].split(",")[0] in r.stderr and "internal error" not in r.stderr
+    assert "no coded checkpoint in" in r.stderr and SAID[kind].split(",")[0] in r.stderr
+    assert "internal error" not in r.stderr
 
 
 def _restore_with_planted(rank: int, store: str, which: str, kind: str):

@@ -1,32 +1,46 @@
 """``rankwise ckpt``: encode, verify, repair, retrieve and inspect 2-D coded checkpoints.
 
-Overwrites: ``encode`` refuses an output folder that already holds a coded checkpoint
-(``--force`` replaces it: the old commitment is removed first, then fragments are written,
-stale ``worker{i}.rwck`` beyond the new n are deleted, and the commitment is written last);
-``retrieve`` refuses an existing ``--out`` file without ``--force``; ``repair`` rewrites only
-a worker whose fragment is missing or does not match the commitment (``--force`` rebuilds a
-valid one too); ``demo`` refuses a ``--workdir`` that holds an earlier demo without ``--force``
-and never deletes anything else there.
+A coded checkpoint is a folder with one folder per worker (party) i, ``rank{i}/``, holding the
+worker's fragment (``fragment.rwck``) and the checkpoint's metadata with the commitment
+(``.metadata.rwck``, the same in every folder): :mod:`rankwise.ckpt._layout`. ``encode`` writes
+one from a file; ``dcp.save`` with :class:`rankwise.ckpt.CodedStorageWriter` writes one too, which
+``verify``, ``repair``, ``retrieve`` (the checkpoint's raw bytes) and ``inspect`` read alike. The
+metadata a quorum of the folders hold byte for byte is the checkpoint's. These five commands
+never import torch.
+
+Overwrites: ``encode`` refuses an output folder that already holds a coded checkpoint (a
+``rank{i}`` folder with a metadata file); ``--force`` replaces it: every old metadata file is
+removed first (an interrupted run never leaves a mix that looks complete), then each worker's
+fragment and metadata are written, and stale ``rank{i}`` folders beyond the new n that hold
+nothing but those two files are deleted (nothing else is); ``retrieve`` refuses an existing
+``--out`` file without ``--force``; ``repair`` rewrites only a worker whose fragment is missing
+or does not match the commitment (a matching fragment whose metadata is missing or differs gets
+the metadata alone; ``--force`` rebuilds a valid fragment too); ``demo`` refuses a ``--workdir``
+that holds an earlier demo without ``--force`` and never deletes anything else there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from .._checks import code_geometry_problem
 from ._common import (
+    FULL_DISK,
     Command,
     Force,
     UserError,
     check_new_file,
     check_range,
     claim_output_dir,
-    full_disk_cleaned,
     lock_output,
     new_app,
     unwritable_folder,
@@ -35,70 +49,181 @@ from ._common import (
 app = new_app("2-D coded checkpoints: any k = n − t workers restore, any worker is rebuilt "
               "from two small symbols of each of k peers.")
 console = Console()
-Folder = Annotated[Path, typer.Argument(help="Folder with commitment.rwck and worker{i}.rwck, or a step "
-                                        "folder STORE/rank{i}/step_* of a CodedCheckpointer store (`rankwise "
-                                        "train --checkpoint-dir STORE`): worker i is rank i.",
-                                        metavar="FOLDER", show_default=False)]
-CODED_OUTPUTS = (r"commitment\.rwck", r"worker\d+\.rwck")  # regexes
+Folder = Annotated[Path, typer.Argument(
+    help="A coded checkpoint: the folder with one folder rank{i} per worker i (its fragment.rwck and "
+    ".metadata.rwck), written by `rankwise ckpt encode` or by dcp.save with "
+    "rankwise.ckpt.CodedStorageWriter.", metavar="FOLDER", show_default=False)]
 
 
-COMMITMENT = "commitment.rwck"  # = rankwise.ckpt._store.COMMITMENT_FILE (importing that imports torch)
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
 
 
-V1Ok = Annotated[bool, typer.Option(
-    "--v1-not-tamper-evident", help="Read a folder whose commitment has format 1 anyway: its root does "
-    "not bind n, t, the data length or the block size, so a rewritten header (e.g. the data cut short) "
-    "is not detected.")]
+def _party_number(name: str) -> int:
+    return int(name[4:]) if name[4:].isdigit() else -1
 
 
-def _open(folder: Path, *, v1_ok: bool = True, pinned: bytes | None = None):
-    """(code, commitment, found fragments, problems, ``(store, step)`` for a checkpointer step
-    folder else None) of a folder, or a one-line UserError. A folder with no commitment is
-    refused before the codec (and torch) is imported; one whose commitment has format 1 unless
-    `v1_ok`; one whose root is not `pinned` (``--root``) before any worker file is read. A step
-    folder of a ``CodedCheckpointer`` store (``STORE/rank{i}/step_*``, e.g. from ``rankwise train
-    --checkpoint-dir``) is read as one checkpoint whose worker i is
-    ``STORE/rank{i}/step_*/fragment.rwck``."""
+def _no_checkpoint(folder: Path, s) -> UserError:
+    """The refusal of a folder where no metadata has a quorum, naming what was found there."""
+    names = sorted({*(f"rank{i}" for i in s.parties), *s.skipped}, key=_party_number)
+    if not names:
+        return UserError(f"no rank{{i}} folders in {folder}; is this a coded checkpoint (written by "
+                         "`rankwise ckpt encode`, or by dcp.save with CodedStorageWriter)?", 1)
+    why = "; ".join(f"{name}: {s.skipped[name]}" for name in names if name in s.skipped)
+    return UserError(_one_line(
+        f"no coded checkpoint in {folder}: no metadata that a quorum of its {len(names)} rank folders "
+        f"hold alike" + (f" ({why[:600]}{'…' if len(why) > 600 else ''})" if why else "")), 1)
+
+
+def _open(folder: Path, *, pinned: bytes | None = None):
+    """``(code, scan)`` of a coded checkpoint folder (:func:`rankwise.ckpt._layout.scan`), or a
+    one-line UserError: a folder that is not one, or where no metadata has a quorum, or whose
+    commitment is inconsistent (its fields do not hash to its root) or of format 1 (whose root
+    binds no header field), is refused; so is one whose root is not `pinned` (``--root``), before
+    any fragment is read. Imports the codec (numpy), never torch."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
-    if not (folder / COMMITMENT).exists():
-        raise UserError(f"no {COMMITMENT} in {folder}; is this a folder written by `rankwise ckpt "
-                        "encode`?", 1)
-    from ..ckpt import Code2D, _store, load_commitment, load_fragments
+    from ..ckpt import Code2D, _layout
 
-    try:
-        com = load_commitment(folder)
-        code = Code2D(com.n, com.t, hash=com.hash)
-        code._check(com)  # its fields hash to its root, its block size fits its length
-    except FileNotFoundError as e:
-        raise UserError(f"{e}; is this a folder written by `rankwise ckpt encode`?", 1) from e
-    except ValueError as e:
-        raise UserError(f"{folder}: {e}", 1) from e
-    if pinned is not None and com.root != pinned:
-        raise UserError(f"{folder}'s commitment has root {com.root.hex()}, not the --root given; "
-                        "the commitment was replaced", 1)
-    if com.version < 2 and not v1_ok:
-        raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
-                        "header (n, t, data length, block size): a rewritten header is not detected. "
-                        "Re-encode the data to upgrade, or pass --v1-not-tamper-evident to read it anyway", 1)
-    in_store = _store.store_step(folder)
-    if in_store is None:
-        found, problems = load_fragments(folder, com)
-    else:  # a checkpointer step: worker i is rank i's fragment
-        store, step = in_store
-        found, problems = load_fragments(folder, com, where=lambda i: _store.step_fragment(store, i, step))
-    return code, com, found, problems, in_store
+    for fragments in ((False, True) if pinned is not None else (True,)):
+        try:
+            s = _layout.scan(folder, fragments=fragments)
+        except FileNotFoundError as e:
+            raise UserError(_one_line(e), 1) from None
+        except (TypeError, IndexError, KeyError, AttributeError) as e:  # (_layout.commitment_of reads
+            # storage_data outside its checks: a malformed entry escapes as these)
+            raise UserError(_one_line(f"{folder}: coded checkpoint metadata is malformed: "
+                                      f"{type(e).__name__}: {e}"), 1) from None
+        if s.com is None:
+            raise _no_checkpoint(folder, s)
+        com = s.com
+        if com.version < 2:
+            raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
+                            "header (n, t, data length, block size): it is not read (re-encode the data)", 1)
+        try:
+            code = Code2D(com.n, com.t, hash=com.hash)
+            code._check(com)  # its fields hash to its root, its block size fits its length
+        except ValueError as e:
+            raise UserError(_one_line(f"{folder}: {e}"), 1) from None
+        if pinned is not None and com.root != pinned:
+            raise UserError(f"{folder}'s commitment has root {com.root.hex()}, not the --root given; "
+                            "the commitment was replaced", 1)
+    return code, s
 
 
-def _check(code, com, found: dict, problems: dict) -> dict[int, str]:
-    """Every worker's status against the commitment: "ok" or what is wrong."""
-    status = {}
+def _status(code, s) -> tuple[dict[int, str], set[int]]:
+    """Every worker's status ("ok" or what is wrong) and the workers whose fragments match the
+    commitment. A matching fragment beside metadata that is missing, unreadable or not the
+    quorum's is not "ok" either (that worker lost its vote: ``repair`` rewrites its metadata)."""
+    from ..ckpt import _layout
+
+    com = s.com
+    status: dict[int, str] = {}
+    good: set[int] = set()
     for i in range(com.n):
-        if i in found:
-            status[i] = "ok" if code.verify(found[i], com) else "does not match the commitment"
+        name, frag = _layout.folder(i), s.fragments.get(i)
+        why = s.skipped.get(name)
+        if frag is not None:
+            if code.verify(frag, com):
+                good.add(i)
+                status[i] = "ok" if why is None else f"fragment ok; {why}"
+            else:
+                status[i] = "does not match the commitment" + ("" if why is None else f"; {why}")
+        elif i not in s.parties:
+            status[i] = why or f"missing (no {name} folder)"
+        elif not os.path.lexists(s.parties[i] / _layout.FRAGMENT):
+            status[i] = f"missing (no {_layout.FRAGMENT})"
         else:
-            status[i] = problems.get(i, "missing")
-    return status
+            status[i] = why or "missing"
+    return status, good
+
+
+def _others(s) -> list[str]:
+    """The folders `scan` left out that are no worker of this checkpoint (beyond its n, say)."""
+    from ..ckpt import _layout
+
+    mine = {_layout.folder(i) for i in range(s.com.n)}
+    return [f"{name} ({why})" for name, why in sorted(s.skipped.items(), key=lambda kv: _party_number(kv[0]))
+            if name not in mine]
+
+
+# --------------------------------------------------------------------------- encode
+def _real_folder(parent: Path, name: str) -> bool | None:
+    """True: ``parent/name`` is a real folder; False: it is something else (a link, a file);
+    None: nothing is there."""
+    try:
+        st = os.lstat(parent / name)
+    except FileNotFoundError:
+        return None
+    return stat.S_ISDIR(st.st_mode)
+
+
+def _rank_folders(out: Path) -> list[str]:
+    """The real ``rank{i}`` folders in `out` (the names :func:`._layout.scan` reads), by i."""
+    from ..ckpt import _layout
+
+    names = [p.name for p in out.iterdir() if _layout._FOLDER.fullmatch(p.name)]
+    return sorted((n for n in names if _real_folder(out, n)), key=_party_number)
+
+
+def _unlink(fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
+
+
+def _drop_metadata(out: Path) -> None:
+    """Remove the metadata of every rank folder in `out` (first, under ``--force``): until the
+    new metadata is written, the folder holds no checkpoint that looks complete."""
+    from ..ckpt import _layout, _store
+
+    for name in _rank_folders(out):
+        with _store.opened_folder(out, name) as fd:
+            if _layout.META in os.listdir(fd):
+                try:
+                    _unlink(fd, _layout.META)
+                except OSError as e:  # (a folder in its place)
+                    raise UserError(f"--out {out}: cannot remove {name}/{_layout.META} ({e.strerror}); "
+                                    "remove it, or choose another --out", 1) from None
+                os.fsync(fd)
+
+
+def _drop_stale(out: Path, n: int) -> tuple[list[str], list[str]]:
+    """Delete the rank folders ``rank{i}``, i >= n, that hold nothing but a fragment and
+    metadata (an earlier, larger checkpoint's). Anything else stays. Returns the folders
+    deleted and what could not be (each with why): their metadata is gone already, so they
+    cost nothing but space."""
+    from ..ckpt import _layout, _store
+
+    dropped, kept = [], []
+    for name in _rank_folders(out):
+        if _party_number(name) < n:
+            continue
+        try:
+            with _store.opened_folder(out) as top, _store.opened_folder(top, name, where=out) as fd:
+                if not set(os.listdir(fd)) <= {_layout.FRAGMENT, _layout.META}:
+                    continue
+                for f in (_layout.FRAGMENT, _layout.META):
+                    _unlink(fd, f)
+                os.rmdir(name, dir_fd=top)
+                os.fsync(top)
+            dropped.append(name)
+        except (OSError, ValueError) as e:
+            kept.append(f"{name} ({getattr(e, 'strerror', None) or e})")
+    return dropped, kept
+
+
+def _undo(out: Path, touched: list[tuple[str, bool]]) -> None:
+    """Remove what an encode that failed wrote: each touched worker's fragment and metadata,
+    and the rank folders it created (when empty)."""
+    from ..ckpt import _layout, _store
+
+    for name, created in touched:
+        with contextlib.suppress(OSError, ValueError):
+            with _store.opened_folder(out, name) as fd:
+                for f in (_layout.META, _layout.FRAGMENT):
+                    _unlink(fd, f)
+            if created:
+                os.rmdir(out / name)
 
 
 @app.command("encode", cls=Command)
@@ -107,12 +232,13 @@ def encode_cmd(
                                          show_default=False)],
     n: Annotated[int, typer.Option("--n", help="Number of workers (3t < n <= 255).")],
     t: Annotated[int, typer.Option("--t", help="Workers that may be lost (t >= 1, 3t < n).")],
-    out: Annotated[Path, typer.Option(help="Output folder (created if missing).")],
+    out: Annotated[Path, typer.Option(help="Output folder (created if missing): worker i's fragment and "
+                                      "the metadata go to rank{i}/ in it.")],
     hash: Annotated[str, typer.Option(help="Merkle hash: blake3 or sha256.")] = "blake3",
     backend: Annotated[str, typer.Option(help="auto, isal or numpy.")] = "auto",
     force: Force = False,
 ) -> None:
-    """Write one fragment file per worker and the commitment."""
+    """Write one folder rank{i} per worker: its fragment and the metadata with the commitment."""
     if not file.is_file():
         raise UserError(f"FILE {file} " + ("is not a file" if file.exists() else "does not exist"))
     if (problem := code_geometry_problem(n, t)) is not None:
@@ -123,34 +249,68 @@ def encode_cmd(
         raise UserError(f"--backend must be auto, isal or numpy; got {backend!r}")
     if file.stat().st_size == 0:
         raise UserError(f"FILE {file} is empty; there is nothing to encode")
-    from ..ckpt import Code2D, save_dispersal
+    from ..ckpt import Code2D, _layout, _store
 
     code = Code2D(n, t, hash=hash, backend=backend)
-    data = file.read_bytes()  # before --force may delete it (FILE could be one of the outputs)
+    data = file.read_bytes()  # before --force may replace it (FILE could be one of the outputs)
     # one encode at a time in --out (a second is refused, not interleaved); the folder itself is
-    # locked: it holds exactly the fragments and the commitment
+    # locked: it holds the rank folders only
     lock_output(out, lock_file=False)
-    # the old commitment goes first, so an interrupted --force leaves an incomplete folder
-    claim_output_dir(out, produced=CODED_OUTPUTS, force=force, what="coded checkpoint")
+    ranks = _rank_folders(out)
+    old = [f"{name}/{_layout.META}" for name in ranks
+           if os.path.lexists(out / name / _layout.META)]
+    if old and not force:
+        shown = ", ".join(old[:3]) + (" …" if len(old) > 3 else "")
+        raise UserError(f"--out {out} already holds a coded checkpoint ({shown}); pass --force to replace "
+                        "it, or choose another --out", 1)
+    for i in range(n):
+        if _real_folder(out, _layout.folder(i)) is False:
+            what = "a symbolic link" if (out / _layout.folder(i)).is_symlink() else "not a folder"
+            raise UserError(f"--out {out}: {_layout.folder(i)} in it is {what}; worker {i}'s fragment goes "
+                            "into a real folder of that name: remove it or choose another --out", 1)
+    if (problem := unwritable_folder(out)) is not None:
+        raise UserError(f"--out {out}: {problem}; choose another --out", 1)
     t0 = time.perf_counter()
     with console.status(f"encoding {len(data):,} bytes"):
         disp = code.encode(data)
+    com = disp.commitment
+    body = _layout.file_metadata(len(data), com)
     from rich.progress import track
 
-    with full_disk_cleaned(out, CODED_OUTPUTS):  # (a full disk: the fragments written so far go)
-        save_dispersal(out, disp, progress=lambda fs: track(fs, description="writing fragments",
-                                                            console=console, transient=True))
-    com = disp.commitment
+    touched: list[tuple[str, bool]] = []
+    try:
+        if force:
+            _drop_metadata(out)  # first: an interrupted --force leaves no complete-looking mix
+        for frag in track(disp.fragments, description="writing fragments", console=console, transient=True):
+            name = _layout.folder(frag.index)
+            touched.append((name, _real_folder(out, name) is None))
+            with _store.opened_folder(out, name, create=True) as fd:
+                _layout.write_party(fd, frag, body)
+    except (OSError, _store.StoreError) as e:
+        _undo(out, touched)
+        where = out / touched[-1][0] if touched else out
+        if isinstance(e, OSError) and e.filename is not None and os.sep not in str(e.filename):
+            where = where / str(e.filename)
+        if isinstance(e, OSError) and e.errno in FULL_DISK:
+            raise UserError(f"no space left on device writing {where} ({e.strerror or 'disk full'}); what "
+                            f"this run wrote in --out {out} was removed: free some space or choose another "
+                            "--out, then rerun", 1) from None
+        raise UserError(_one_line(f"cannot write {where}: {getattr(e, 'strerror', None) or e}; what this run "
+                                  f"wrote in --out {out} was removed"), 1) from None
+    dropped, kept = _drop_stale(out, n) if force else ([], [])
     stored = sum(len(f.row) + len(f.col) for f in disp.fragments)
-    console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out} "
+    console.print(f"{n} fragments of {2 * code.k * com.block_size:,} bytes in {out}/rank{{0…{n - 1}}} "
                   f"(stored {stored / len(data):.2f}× the data; backend {code.backend}; "
-                  f"{time.perf_counter() - t0:.2f} s); commitment root {com.root.hex()} (keep it to check "
-                  "the folder later: `retrieve --root`)")
+                  f"{time.perf_counter() - t0:.2f} s)"
+                  + (f"; removed the stale {', '.join(dropped)}" if dropped else "")
+                  + (f"; could not remove the stale {', '.join(kept)}" if kept else "")
+                  + f"; commitment root {com.root.hex()} (keep it to check the folder later: "
+                  "`verify --root`, `retrieve --root`)")
 
 
-Root = Annotated[str | None, typer.Option(help="The commitment root `encode` printed (hex): a folder whose "
-                                               "commitment has another root is refused before any worker "
-                                               "file is read (a commitment forged whole).")]
+Root = Annotated[str | None, typer.Option(help="The commitment root `encode` printed (hex): a checkpoint "
+                                               "whose commitment has another root is refused before any "
+                                               "fragment is read (a commitment forged whole).")]
 
 
 def _pinned(root: str | None) -> bytes | None:
@@ -167,112 +327,150 @@ def _pinned(root: str | None) -> bytes | None:
 
 
 @app.command("verify", cls=Command)
-def verify_cmd(folder: Folder, v1: V1Ok = False, root: Root = None) -> None:
-    """Check every fragment against the commitment; exit 1 if any is missing or bad."""
+def verify_cmd(folder: Folder, root: Root = None) -> None:
+    """Check every worker's fragment (and metadata) against the commitment; exit 1 if any is
+    missing or bad."""
     from rich.table import Table
 
-    code, com, found, problems, _ = _open(folder, v1_ok=v1, pinned=_pinned(root))
-    status = _check(code, com, found, problems)
+    code, s = _open(folder, pinned=_pinned(root))
+    status, _ = _status(code, s)
     table = Table("worker", "status")
-    for i, s in status.items():
-        table.add_row(str(i), s)
+    for i, st in status.items():
+        table.add_row(str(i), escape(st))
     console.print(table)
-    if any(s != "ok" for s in status.values()):
+    if others := _others(s):
+        console.print(escape("not workers of this checkpoint: " + "; ".join(others)))
+    if any(st != "ok" for st in status.values()):
         raise typer.Exit(1)
 
 
 @app.command("repair", cls=Command)
 def repair_cmd(folder: Folder,
-               worker: Annotated[int, typer.Option(help="The worker to rebuild (0 to n−1).")],
+               worker: Annotated[int, typer.Option(help="The worker to rebuild (0 to n−1): its folder "
+                                                   "rank{i} is made if missing.")],
                force: Annotated[bool, typer.Option("--force", help="Rebuild the worker's fragment even "
                                                    "if the present one is valid.")] = False,
-               v1: V1Ok = False, root: Root = None) -> None:
+               root: Root = None) -> None:
     """Rebuild one worker's fragment from its peers' repair symbols (deletes nothing)."""
-    code, com, found, _, in_store = _open(folder, v1_ok=v1, pinned=_pinned(root))
-    from ..ckpt import NotEnoughSymbols, _store, fragment_path
+    code, s = _open(folder, pinned=_pinned(root))
+    from .. import _io
+    from ..ckpt import NotEnoughSymbols, _layout, _store
+    from ..ckpt._format import METADATA, seal
 
+    com = s.com
     if not 0 <= worker < com.n:
         raise UserError(f"--worker must be in 0 … {com.n - 1} for this {com.n}-worker checkpoint; "
                         f"got {worker}")
-    if worker in found and code.verify(found[worker], com) and not force:
+    name = _layout.folder(worker)
+    present = s.fragments.get(worker)
+    valid = present is not None and code.verify(present, com)
+    why = s.skipped.get(name)  # (beside a fragment that was read: what is wrong with the metadata)
+    if valid and why is None and not force:
         console.print(f"worker {worker}'s fragment is present and matches the commitment; nothing to "
                       "repair (--force rebuilds it anyway)")
         return
     # where the fragment goes must accept it: checked before the work, not after
-    target = (folder if in_store is None else
-              in_store[0].joinpath(*_store.step_parts(worker, in_store[1])))
-    if (problem := unwritable_folder(target)) is not None:
+    target = folder / name
+    problem = unwritable_folder(target)
+    if problem is None and _real_folder(folder, name) is not None:
+        try:
+            with _store.opened_folder(folder, name):
+                pass
+        except (_store.StoreError, OSError) as e:
+            problem = _one_line(getattr(e, "strerror", None) or e)
+    if problem is not None:
         raise UserError(f"cannot write worker {worker}'s fragment: {problem}; nothing was repaired (fix "
                         "that, or copy the checkpoint somewhere writable and repair the copy)", 1)
-    helpers = [f for i, f in sorted(found.items()) if i != worker and code.verify(f, com)]
-    syms = [code.helper_symbols(f, worker) for f in helpers[:code.k]]
+    if valid and not force:  # the fragment is good: its metadata alone is rewritten
+        try:
+            with _store.opened_folder(folder, name) as fd:
+                _io.write_atomic(_layout.META, seal(METADATA, s.body), dir_fd=fd)
+        except (_store.StoreError, OSError) as e:
+            raise UserError(_one_line(f"cannot write worker {worker}'s metadata: "
+                                      f"{getattr(e, 'strerror', None) or e}"), 1) from None
+        console.print(escape(f"worker {worker}'s fragment matches the commitment; rewrote its metadata "
+                             f"(was: {why})"))
+        return
+    syms = []
+    for j in sorted(s.fragments):  # the first k other workers whose fragments verify help
+        if len(syms) == code.k:
+            break
+        lines = code.verified_lines(s.fragments[j], com) if j != worker else None
+        if lines is not None:
+            syms.append(code.helper_symbols(lines, worker))
     try:
         frag = code.repair(worker, syms, com)
     except NotEnoughSymbols as e:
         raise UserError(f"cannot repair worker {worker}: {e}", 1) from e
-    if in_store is not None:  # the rank's step folder (real), and its commitment copy if it lacks one
-        store, step = in_store
-        try:
-            with _store.opened_folder(store, *_store.step_parts(worker, step), create=True) as fd:
-                _store.write(_store.STEP_FRAGMENT, frag, dir_fd=fd)
-                if not _store.holds(_store.STEP_COMMITMENT, com, dir_fd=fd):
-                    _store.write(_store.STEP_COMMITMENT, com, dir_fd=fd)
-        except (_store.StoreError, OSError) as e:  # (a link, a file in the folder's place, no permission)
-            raise UserError(f"cannot write worker {worker}'s fragment: {e}", 1) from e
-    else:
-        _store.write(fragment_path(folder, worker), frag)
-    payload, wire = sum(s.nbytes for s in syms), sum(s.wire_bytes for s in syms)
-    console.print(f"rebuilt worker {worker} from {len(syms)} helpers: read {payload:,} payload bytes "
-                  f"({wire:,} with Merkle paths); full retrieval reads {com.data_len:,}")
+    try:
+        with _store.opened_folder(folder, name, create=True) as fd:
+            _layout.write_party(fd, frag, s.body)
+    except (_store.StoreError, OSError) as e:  # (a link, a file in the folder's place, a full disk)
+        raise UserError(_one_line(f"cannot write worker {worker}'s fragment: "
+                                  f"{getattr(e, 'strerror', None) or e}"), 1) from None
+    payload, wire = sum(x.nbytes for x in syms), sum(x.wire_bytes for x in syms)
+    console.print(f"rebuilt worker {worker} ({folder / name}) from {len(syms)} helpers: read {payload:,} "
+                  f"payload bytes ({wire:,} with Merkle paths); full retrieval reads {com.data_len:,}")
 
 
 @app.command("retrieve", cls=Command)
 def retrieve_cmd(folder: Folder,
-                 out: Annotated[Path, typer.Option(help="The file to write the data to.")],
+                 out: Annotated[Path, typer.Option(help="The file to write the data to (a checkpoint of "
+                                                   "dcp.save: its raw bytes).")],
                  force: Annotated[bool, typer.Option("--force", help="Overwrite --out if it exists.")]
                  = False,
-                 root: Root = None, v1: V1Ok = False) -> None:
+                 root: Root = None) -> None:
     """Decode the original file from any k valid fragments."""
     pinned = _pinned(root)
     check_new_file(out, force=force)
-    code, com, found, _, _ = _open(folder, v1_ok=v1, pinned=pinned)
+    code, s = _open(folder, pinned=pinned)
     from .. import _io
     from ..ckpt import NotEnoughSymbols
 
+    frags = [s.fragments[i] for i in sorted(s.fragments)]  # systematic workers first
+    rejected: list[int] = []
     try:
-        data = code.retrieve(list(found.values()), com)
+        data = code.retrieve(frags, s.com, rejected=rejected)
     except NotEnoughSymbols as e:
         raise UserError(f"cannot retrieve from {folder}: {e}", 1) from e
-    _io.write_atomic(out, data)
-    console.print(f"wrote {len(data):,} bytes to {out}")
+    left_out = sorted({frags[pos].index for pos in rejected} | (set(range(s.com.n)) - set(s.fragments)))
+    try:
+        _io.write_atomic(out, data)
+    except OSError as e:
+        raise UserError(f"--out {out}: cannot write it ({e.strerror or e})", 1) from None
+    console.print(f"wrote {len(data):,} bytes to {out}"
+                  + (f" (left out workers {left_out}: `verify` says why)" if left_out else ""))
 
 
 @app.command("inspect", cls=Command)
 def inspect_cmd(folder: Folder, root: Root = None) -> None:
-    """Show the commitment and whether each fragment matches it (exit 0 either way; `verify`
-    exits 1 on a problem)."""
-    code, com, found, problems, in_store = _open(folder, pinned=_pinned(root))
-    status = _check(code, com, found, problems)
-    bad = {i: s for i, s in status.items() if s != "ok"}
-    if in_store is not None:
-        console.print(f"a CodedCheckpointer step: worker i is {in_store[0]}/rank{{i}}/{folder.name}/"
-                      "fragment.rwck")
+    """Show the commitment, the metadata and whether each worker's fragment matches (exit 0
+    either way; `verify` exits 1 on a problem)."""
+    import json
+
+    code, s = _open(folder, pinned=_pinned(root))
+    com = s.com
+    status, good = _status(code, s)
+    bad = {i: st for i, st in status.items() if st != "ok"}
+    doc = json.loads(s.body)
+    entries = doc.get("state_dict_metadata") or {}
+    what = ("a file, `rankwise ckpt encode`" if entries == {"file": {"kind": "bytes"}}
+            else "dcp.save with CodedStorageWriter")
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "
                   f"block {com.block_size:,} bytes, hash {com.hash}, codec {com.codec}, "
-                  f"format {com.version}, root {com.root.hex()}")
-    if com.version < 2:
-        console.print(f"[yellow]format {com.version}: the root does not bind the header (n, t, data length, "
-                      "block size), so a rewritten header is not detected; verify, repair and retrieve "
-                      "refuse it without --v1-not-tamper-evident[/yellow]")
-    console.print(f"fragments present: {sorted(found)}; matching the commitment: "
-                  f"{sorted(i for i, s in status.items() if s == 'ok')}")
-    console.print("problems: " + ("; ".join(f"worker {i}: {s}" for i, s in bad.items()) if bad else "none"))
-    if 0 < len(bad) <= com.t:
-        console.print(f"{len(bad)} of {com.n} workers need repair (up to t={com.t} can be rebuilt): "
-                      "`rankwise ckpt repair FOLDER --worker I`")
-    elif len(bad) > com.t:
-        console.print(f"[red]{len(bad)} of {com.n} workers are bad, more than t={com.t}: "
-                      "the data cannot be retrieved[/red]")
+                  f"root {com.root.hex()}")
+    console.print(f"metadata: {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} ({what})")
+    console.print(f"fragments present: {sorted(s.fragments)}; matching the commitment: {sorted(good)}")
+    console.print(escape("problems: " + ("; ".join(f"worker {i}: {st}" for i, st in bad.items()) if bad
+                                         else "none")))
+    if others := _others(s):
+        console.print(escape("not workers of this checkpoint: " + "; ".join(others)))
+    if len(good) < code.k:
+        console.print(f"[red]only {len(good)} of {com.n} fragments match the commitment, fewer than "
+                      f"k={code.k}: the data cannot be retrieved[/red]")
+    elif bad:
+        console.print(f"{len(bad)} of {com.n} workers need repair (any worker is rebuilt while k={code.k} "
+                      "match): `rankwise ckpt repair FOLDER --worker I`")
 
 
 @app.command("demo", cls=Command)
