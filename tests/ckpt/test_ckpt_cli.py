@@ -161,7 +161,7 @@ def test_a_format_1_commitment_is_refused(tmp_path):
     for args in (("verify",), ("inspect",), ("retrieve", "--out", tmp_path / "out.bin"),
                  ("repair", "--worker", 1)):
         r = run_cli("ckpt", args[0], folder, *args[1:])
-        assert r.exit_code == 1 and "has format 1" in r.stderr and r.stderr.count("\n") == 1, r
+        assert r.exit_code == 1 and "format-1 commitment" in r.stderr and r.stderr.count("\n") == 1, r
     assert not (tmp_path / "out.bin").exists()
 
 
@@ -300,6 +300,7 @@ def test_encode_force_drops_the_old_metadata_first_and_only_our_stale_folders(tm
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt", *(f"rank{i}" for i in (0, 1, 2, 3, 5))]
     assert sorted(p.name for p in (folder / "rank5").iterdir()) == [FRAGMENT, "notes.txt"]
     r = run_cli("ckpt", "verify", folder)
-    assert r.exit_code == 0 and "rank5 (party 5 of a checkpoint of 4)" in r.output, r
+    text = " ".join(r.output.split())
+    assert r.exit_code == 0 and "rank5 (" in text and "party 5 of a checkpoint of 4)" in text, r
     assert run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "back.bin").exit_code == 0
     assert (tmp_path / "back.bin").read_bytes() == new

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import _io
 from . import _store
 from ._format import METADATA, Commitment, Fragment, seal
 
@@ -41,10 +42,13 @@ def commitment_of(body: bytes) -> Commitment:
         raw = bytes.fromhex(doc["commitment"])
         if doc.get("format") != FORMAT:
             raise ValueError(f"not {FORMAT}")
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as e:
+        roots = {bytes.fromhex(sd[1][3]) for sd in doc.get("storage_data") or []}
+    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"coded checkpoint metadata is malformed: {type(e).__name__}: {e}") from None
     com = Commitment.from_bytes(raw)
-    roots = {bytes.fromhex(sd[1][3]) for sd in doc.get("storage_data") or []}
+    if com.version < 2:
+        raise ValueError(f"coded checkpoint metadata holds a format-{com.version} commitment, whose root "
+                         "does not bind its header; not read")
     if roots - {com.root}:
         raise ValueError("coded checkpoint metadata names another commitment than the one it holds")
     return com
@@ -63,8 +67,6 @@ def write_party(fd: int, fragment: Fragment, body: bytes) -> None:
     """A party's folder (its descriptor, :func:`._store.opened_folder`): the fragment, then the
     metadata (sealed), each atomically."""
     _store.write(FRAGMENT, fragment, dir_fd=fd)
-    from .. import _io
-
     _io.write_atomic(META, seal(METADATA, body), dir_fd=fd)
 
 
@@ -83,6 +85,11 @@ def read_party(fd: int, com: Commitment | None) -> tuple[bytes | None, Fragment 
         except (OSError, ValueError, MemoryError) as e:
             why = f"fragment: {getattr(e, 'strerror', None) or e}"
     return body, frag, why
+
+
+def _note(s: Scan, where: str, why: str) -> None:
+    """Record why `where` (or part of it) was left out, keeping earlier reasons."""
+    s.skipped[where] = f"{s.skipped[where]}; {why}" if where in s.skipped else why
 
 
 @dataclass
@@ -131,34 +138,37 @@ def scan(path: str | os.PathLike, *, fragments: bool = True) -> Scan:
             fds[party], s.parties[party] = fd, s.path / name
             body, _, why = read_party(fd, None)
             if why:
-                s.skipped[name] = why
+                _note(s, name, why)
             if body is not None:
                 bodies[party] = body
-        tally: dict[bytes, int] = {}
-        for body in bodies.values():
-            tally[body] = tally.get(body, 0) + 1
-        for body, votes in sorted(tally.items(), key=lambda kv: -kv[1]):
+        tally: dict[bytes, list[int]] = {}
+        for party, body in bodies.items():
+            tally.setdefault(body, []).append(party)
+        for body, voters in sorted(tally.items(), key=lambda kv: -len(kv[1])):
             try:
                 com = commitment_of(body)
-            except ValueError:
+            except ValueError as e:
+                for party in voters:
+                    _note(s, folder(party), f"metadata: {e}")
                 continue
-            if votes >= com.n - (com.n - 1) // 3:
+            # only the checkpoint's own parties vote for it (folders beyond its n are not its parties)
+            if sum(p < com.n for p in voters) >= com.n - (com.n - 1) // 3:
                 s.body, s.com = body, com
                 break
         for party, body in bodies.items():
             if s.body is not None and body != s.body:
-                s.skipped[folder(party)] = "its metadata differs from the quorum's"
+                _note(s, folder(party), "its metadata differs from the quorum's")
         if s.com is None or not fragments:
             return s
         for party, fd in fds.items():
             if party >= s.com.n:
-                s.skipped[folder(party)] = f"party {party} of a checkpoint of {s.com.n}"
+                _note(s, folder(party), f"party {party} of a checkpoint of {s.com.n}")
                 continue
             _, frag, why = read_party(fd, s.com)
             if frag is None:
-                s.skipped[folder(party)] = why or "no fragment"
+                _note(s, folder(party), why or "no fragment")
             elif frag.index != party:
-                s.skipped[folder(party)] = f"holds party {frag.index}'s fragment"
+                _note(s, folder(party), f"holds party {frag.index}'s fragment")
             else:
                 s.fragments[party] = frag
     return s
