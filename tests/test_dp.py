@@ -5,6 +5,7 @@ is named."""
 from __future__ import annotations
 
 import hashlib
+import io
 from pathlib import Path
 
 import numpy as np
@@ -87,9 +88,9 @@ def _train(case: str, rank: int = 0, world: int = 1, group=None, data_parallel: 
     buffers = [t.detach().numpy().copy() for m in model if isinstance(m, rankwise.LowRankLinear)
                for t in (m.U_buf, m.V_buf)]
     moments = [st[k].numpy().copy() for st in states for k in ("m", "v") if torch.is_tensor(st.get(k))]
-    from rankwise.ckpt._serial import serialize
-
-    digest = hashlib.blake2b(serialize({"model": model.state_dict(), "opt": opt.state_dict()})).hexdigest()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    digest = hashlib.blake2b(buf.getvalue()).hexdigest()
     return dict(losses=losses, ranks=ranks, weights=weights, last=model[4].weight.detach(), digest=digest,
                 taus=list(opt.taus().values()), sent=sent, formula=formula, buffers=buffers, moments=moments,
                 owners=opt.owners())

@@ -179,7 +179,7 @@ def _save_wipe_restore(rank: int, store: str, device: str):
     ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, 1)
     dist.barrier()
     if rank == 2:
-        shutil.rmtree(Path(store) / "rank2")
+        shutil.rmtree(Path(store) / "step_0000000001" / "rank2")
     dist.barrier()
     state, step = ck.restore()
     torch.manual_seed(1)

@@ -20,12 +20,8 @@ _LAZY: dict[str, str] = {
     "Commitment": "_format",
     "Fragment": "_format",
     "RepairSymbols": "_format",
-    "fragment_path": "_store",
-    "load_commitment": "_store",
-    "load_fragments": "_store",
     "read_commitment": "_store",
     "read_fragment": "_store",
-    "save_dispersal": "_store",
 }
 
 __all__ = sorted(_LAZY)
@@ -41,12 +37,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from ._format import Commitment as Commitment
     from ._format import Fragment as Fragment
     from ._format import RepairSymbols as RepairSymbols
-    from ._store import fragment_path as fragment_path
-    from ._store import load_commitment as load_commitment
-    from ._store import load_fragments as load_fragments
     from ._store import read_commitment as read_commitment
     from ._store import read_fragment as read_fragment
-    from ._store import save_dispersal as save_dispersal
 
 
 def __getattr__(name: str) -> Any:
