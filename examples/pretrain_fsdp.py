@@ -9,9 +9,13 @@ Every projection of the model is factorised at compression 0.5 with fixed-capaci
 ``fully_shard``, and DLRT trains the factors with the Muon rule (``rule=rankwise.Muon()``; the norms,
 embedding and head with AdamW, Muon's recipe). Each rank draws its own random windows of the text
 (any UTF-8 file read as bytes, or the bundled BBC News). Every ``--every`` steps the model and the
-optimizer (ranks, moments, τ) go to ``--ckpt/step_N`` through DCP; started again with the same
-``--ckpt`` the run resumes from the newest one — saved at 2 ranks, it loads at 1 or 4 as well. The
-same script runs on one process without torchrun. Prints the loss and the layers' ranks on rank 0.
+optimizer (ranks, moments, τ) go to ``--ckpt/step_N`` through DCP: on 4 or more ranks as a coded
+checkpoint (:class:`rankwise.ckpt.CodedStorageWriter`, t = 1: each rank writes its row and column
+to ``step_N/rank{i}`` on its own disk; a lost or wiped rank is rebuilt from its peers when the group
+resumes), on fewer with DCP's own ``FileSystemWriter``. Started again with the same ``--ckpt`` the
+run resumes from the newest one — at the same or another world size (a coded checkpoint read by
+another world size reads every ``rank{i}`` folder it can reach, any 3 of 4 suffice). The same
+script runs on one process without torchrun. Prints the loss and the layers' ranks on rank 0.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import fully_shard
 
 import rankwise
+from rankwise.ckpt import CodedStorageReader, CodedStorageWriter
 from rankwise.models import llama
 
 
@@ -73,13 +78,19 @@ def main() -> None:
     opt = rankwise.DLRT(model, a.lr, tau=0.05, rule=rankwise.Muon())
 
     start, folder = 0, Path(a.ckpt)
+    coded = distributed and dist.get_world_size() >= 4  # a 2-D code needs n ≥ 3t + 1 ranks
+
+    def is_coded(p: Path) -> bool:
+        return any(p.glob("rank*/.metadata.rwck"))
+
     saved = sorted((int(p.name.split("_")[1]), p) for p in folder.glob("step_*")
-                   if (p / ".metadata").exists())
+                   if (p / ".metadata").exists() or is_coded(p))
     if saved:
         start, path = saved[-1]
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(path))
+        reader = CodedStorageReader(path) if is_coded(path) else None
+        dcp.load(state, checkpoint_id=str(path), storage_reader=reader)
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         if rank == 0:
             print(f"resumed from {path}")
@@ -104,7 +115,9 @@ def main() -> None:
                   f"{max(m.rank for m in layers)} (capacity {max(m.capacity for m in layers)})", flush=True)
         if (step + 1) % a.every == 0:
             model_sd, optim_sd = get_state_dict(model, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder / f"step_{step + 1}"))
+            path = folder / f"step_{step + 1}"
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
+                     storage_writer=CodedStorageWriter(path, t=1) if coded else None)
     if distributed:
         dist.destroy_process_group()
 

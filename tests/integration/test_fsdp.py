@@ -254,8 +254,10 @@ def test_mixed_precision_keeps_the_padded_columns_at_zero(fsdp_runs):
 
 
 def test_the_pretraining_example_runs_and_resumes_at_another_world_size(tmp_path):
-    """``examples/pretrain_fsdp.py`` as the docs run it (tiny): two torchrun workers with a DCP
-    checkpoint every 2 steps, then one process resuming from the newest checkpoint."""
+    """``examples/pretrain_fsdp.py`` as the docs run it (tiny): four torchrun workers with a coded
+    DCP checkpoint every 2 steps; rank 2's folder of the newest is wiped; one process resumes from it
+    (reading the three folders left)."""
+    import shutil
     import subprocess
     import sys
     from pathlib import Path
@@ -263,12 +265,14 @@ def test_the_pretraining_example_runs_and_resumes_at_another_world_size(tmp_path
     script = str(Path(__file__).parents[2] / "examples" / "pretrain_fsdp.py")
     tiny = ["--width", "32", "--depth", "1", "--context", "16", "--batch", "2", "--every", "2",
             "--ckpt", str(tmp_path / "ckpt")]
-    cmd, env = rankwise.dist.local_torchrun(2, "x", [])
+    cmd, env = rankwise.dist.local_torchrun(4, "x", [])
     cmd = [*cmd[:len(cmd) - 1 - cmd[::-1].index("-m")], script, "--steps", "4", *tiny]
-    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-2000:]
-    assert "step 4: loss" in two.stdout
+    four = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert four.returncode == 0, four.stderr[-2000:]
+    assert "step 4: loss" in four.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "step_4").iterdir()) == [f"rank{i}" for i in range(4)]
+    shutil.rmtree(tmp_path / "ckpt" / "step_4" / "rank2")
     one = subprocess.run([sys.executable, script, "--steps", "5", *tiny], capture_output=True, text=True,
                          timeout=300)
     assert one.returncode == 0, one.stderr[-2000:]
