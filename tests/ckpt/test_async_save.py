@@ -238,11 +238,6 @@ def _one_rank_fails_its_background_save(rank: int, store: str):
     return dict(timeout=timeout, side=side, error=error, waited=waited)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/rankwise/ckpt/_dcp.py side_group() makes the group of every coded save and load with "
-    "dist.new_group(backend='gloo') and no timeout, so it gets torch's default (30 min), not the "
-    "training group's: when one rank's background save fails, its peers wait 30 min in the save's "
-    "collectives (pass timeout=rankwise.dist.group_timeout() to new_group)"))
 def test_a_background_save_failing_on_one_rank_frees_the_others_within_the_group_timeout(world, tmp_path):
     """The save's group inherits the training group's timeout (4 s here), not torch's default
     30 min: the ranks waiting for the failed one get an error in seconds. (Checked first on the

@@ -210,12 +210,6 @@ def _extras_bytes(n: int) -> int:
     return total
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "src/rankwise/ckpt/_checkpointer.py stores the serialised state (and each rank's extras) as a "
-    "`bytes` value in the DCP state dict; DCP's planner torch.saves every non-tensor value with "
-    "pickle protocol 2, which pickles bytes as a latin-1 str (each byte >= 0x80 two bytes): the "
-    "coded checkpoint m is ~1.3-1.5x the state, so each rank stores and a repair moves ~0.9x the "
-    "state instead of 2/3 (n = 4)"))
 def test_the_coded_checkpoint_is_the_state_and_extras_not_an_inflated_copy(four):
     """|m| is the serialised state plus every rank's extras (and a few kB of framing per entry),
     so a rank stores, and a rebuilt rank receives, about 2/k of it: less than a replica."""
@@ -273,12 +267,6 @@ def test_false_reports_neither_roll_back_nor_name_honest_ranks(four):
         assert f["stats"]["retrieve_bytes_received"] <= 3 * R  # its claim cost no one a row more
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rankwise.ckpt._code2d.NotEnoughSymbols (raised by _phases.fetch_rows on a rank that cannot get "
-    "k verified rows) does not survive pickling: its __init__ takes (have, need, bad_helpers, ...) "
-    "but Exception pickles only args=(message,). DCP's load all-gathers every rank's exception with "
-    "all_gather_object, so unpickling raises TypeError on every rank instead of CheckpointException, "
-    "and CodedCheckpointer.restore (which catches only CheckpointException) never tries step 20"))
 def test_restore_falls_back_to_an_older_step_when_the_newest_cannot_be_retrieved(four):
     """Issue 41, attack 4: step 20, intact on every disk, is restored when step 25 (held by a
     quorum, but with two bad fragments > t) cannot be retrieved."""

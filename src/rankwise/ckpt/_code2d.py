@@ -40,6 +40,10 @@ class NotEnoughSymbols(Exception):
         super().__init__(f"{what} needs {need} verified {unit}; got {have}"
                          + (f" (bad symbols from helpers {bad_helpers})" if bad_helpers else ""))
         self.have, self.need, self.bad_helpers = have, need, bad_helpers
+        self._args = (have, need, bad_helpers, what, unit)
+
+    def __reduce__(self):  # (DCP gathers a rank's exception to every rank with pickle)
+        return type(self), self._args
 
 
 @dataclass(frozen=True)

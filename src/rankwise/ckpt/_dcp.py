@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .. import _io
+from ..dist import group_timeout
 from . import _dcp_meta, _layout, _phases, _store
 from ._code2d import Code2D, NotEnoughSymbols
 from ._format import METADATA, Commitment, seal
@@ -73,7 +74,7 @@ def side_group():
         if pg is world:
             return side
     _SIDE.clear()
-    side = dist.new_group(backend="gloo")
+    side = dist.new_group(backend="gloo", timeout=group_timeout())  # not torch's 30 min
     _SIDE.append((world, side))
     return side
 
@@ -317,8 +318,6 @@ class CodedStorageReader(StorageReader):
         t0 = time.perf_counter()
         tp, com, code = self._tp, self.com, self.code
         with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
-            if self._repair_metadata:
-                _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)
             _, frag, why = _layout.read_party(fd, com)
             if why:
                 self._skip(folder(self.rank), why)
@@ -327,6 +326,8 @@ class CodedStorageReader(StorageReader):
             t2 = time.perf_counter()
             if checked.rebuilt is not None:
                 _store.write(FRAGMENT, checked.rebuilt, dir_fd=fd)
+            if checked.lines is not None and self._repair_metadata:  # (a folder with metadata is complete)
+                _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)
         R = code.k * com.block_size
         need: set[int] = set()
         for req in plan.items:
