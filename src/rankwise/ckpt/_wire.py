@@ -1,4 +1,5 @@
-"""Fixed-format byte exchange between ranks: what :class:`CodedCheckpointer` sends its peers.
+"""Fixed-format byte exchange between ranks: what a coded checkpoint's ranks send each other
+(through :class:`._transport.Transport`).
 
 Nothing received from a peer is unpickled: every message is a byte tensor of a size every rank
 knows in advance (from the code's geometry, or from the verified commitment), parsed with
@@ -23,9 +24,7 @@ import torch.distributed as dist
 
 from ..dist import global_rank
 
-TEXT_BYTES = 400  # an error or status message (longer ones are cut)
 MAX_VOTES = 16  # checkpoint steps one rank reports (its newest)
-MAX_PER_RANK = 1 << 20  # a rank's per-rank extras (RNG states: ~10 KB)
 
 
 def exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], group
@@ -68,31 +67,6 @@ def all_gather_fixed(payload: bytes, size: int, group) -> list[bytes | None]:
     return got
 
 
-def broadcast_direct(tensor: torch.Tensor, root: int, group) -> None:
-    """`tensor` from rank `root` of `group` to every other rank, sent by the root to each one
-    directly (:func:`exchange`; ``dist.broadcast`` relays through a tree)."""
-    me, n = dist.get_rank(group), dist.get_world_size(group)
-    if me == root:
-        _, sent = exchange({p: tensor for p in range(n) if p != me}, {}, group)
-        for w in sent:
-            w.wait()
-    else:
-        received, _ = exchange({}, {root: tensor}, group)
-        received[root].wait()
-
-
-def text(s: str | None) -> bytes:
-    """A short message (``None``: empty), cut to :data:`TEXT_BYTES` bytes of UTF-8."""
-    return b"" if s is None else s.encode("utf-8")[:TEXT_BYTES]
-
-
-def untext(b: bytes | None) -> str | None:
-    """The message of :func:`text` (``None`` for empty); a malformed one is named as such."""
-    if b is None:
-        return "(malformed message)"
-    return b.decode("utf-8", "replace") or None
-
-
 def votes(steps: dict[int, bytes], digest: int) -> bytes:
     """A rank's newest :data:`MAX_VOTES` (step, commitment root) pairs."""
     items = sorted(steps.items(), reverse=True)[:MAX_VOTES]
@@ -109,11 +83,3 @@ def unvotes(b: bytes | None, digest: int) -> dict[int, bytes]:
 
 def votes_size(digest: int) -> int:
     return MAX_VOTES * (8 + digest)
-
-
-def bitmap(members: list[int], n: int) -> bytes:
-    return bytes(1 if i in members else 0 for i in range(n))
-
-
-def unbitmap(b: bytes) -> list[int]:
-    return [i for i, x in enumerate(b) if x]
