@@ -97,7 +97,8 @@ def open_regular(path: str | os.PathLike, *, dir_fd: int | None = None,
 
 
 def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = None, exact: int | None = None,
-                 head: tuple[int, Callable[[bytes], None]] | None = None) -> bytes:
+                 head: tuple[int, Callable[[bytes], None]] | None = None, mutable: bool = False
+                 ) -> bytes | bytearray:
     """The bytes of `path`, which must be a regular file (links are followed to one) of at
     most `limit` bytes. Opened without blocking, so a FIFO, a device (``/dev/zero``) or a socket
     is refused at once instead of hanging or reading without end; a file over `limit` (a 1 TiB
@@ -105,7 +106,8 @@ def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = No
     problem for those, ``OSError`` when the file cannot be opened or read. With `dir_fd`, `path`
     is a name in that open folder. `exact`: the size the file must have (any other is refused
     before anything is read); `head` = (n, check): the first n bytes are read and given to
-    `check` (which raises ``ValueError`` naming what is wrong) before the rest is allocated."""
+    `check` (which raises ``ValueError`` naming what is wrong) before the rest is allocated.
+    `mutable`: return the ``bytearray`` read into (no copy: for large files) instead of ``bytes``."""
     with open_regular(path, dir_fd=dir_fd) as (fd, size):
         if size > limit:
             raise ValueError(f"{path} is {size:,} bytes, more than the {limit:,} it can hold")
@@ -123,4 +125,4 @@ def read_regular(path: str | os.PathLike, limit: int, *, dir_fd: int | None = No
             got += n
         if os.read(fd, 1):
             raise ValueError(f"{path} grew while it was read (beyond {size:,} bytes)")
-        return bytes(buf)
+        return buf if mutable else bytes(buf)

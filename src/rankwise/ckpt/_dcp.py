@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
@@ -107,22 +108,26 @@ def _done(value) -> Future:
 def _serialise(plan: SavePlan, planner: SavePlanner) -> tuple[memoryview, list, list[tuple[int, int]]]:
     """This rank's items as one share: non-tensor entries' bytes (as the planner gives them), then
     each tensor chunk's raw bytes, C order (its dtype and sizes are in the metadata) -> (the
-    share, the items in that order, each item's (offset, length))."""
-    buf = io.BytesIO()
+    share, the items in that order, each item's (offset, length)). One buffer of the share's
+    size, each tensor copied into it once."""
     items = ([i for i in plan.items if i.type == WriteItemType.BYTE_IO]
              + [i for i in plan.items if i.type != WriteItemType.BYTE_IO])
-    spans = []
+    parts = []
     for item in items:
         data = planner.resolve_data(item)
-        offset = buf.tell()
         if item.type == WriteItemType.BYTE_IO:
-            buf.write(data.getbuffer())
+            parts.append(np.frombuffer(data.getbuffer(), dtype=np.uint8))
         else:
             t = data.detach().cpu().contiguous()
-            if t.numel():
-                buf.write(t.reshape(-1).view(torch.uint8).numpy())
-        spans.append((offset, buf.tell() - offset))
-    return buf.getbuffer(), items, spans
+            parts.append(t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8))
+    spans, at = [], 0
+    for part in parts:
+        spans.append((at, part.size))
+        at += part.size
+    share = np.empty(at, np.uint8)
+    for part, (offset, length) in zip(parts, spans, strict=True):
+        share[offset:offset + length] = part
+    return memoryview(share), items, spans
 
 
 class CodedStorageWriter(StorageWriter):

@@ -52,14 +52,15 @@ def read_fragment(path: str | Path, com: Commitment | None = None, *, dir_fd: in
     :func:`._format.check_fragment_head`). Without `com`, any size (for files you wrote).
     ``ValueError`` otherwise or if it does not parse."""
     if com is None:
-        return Fragment.from_bytes(_io.read_regular(path, sys.maxsize, dir_fd=dir_fd))
+        return Fragment.from_bytes(_io.read_regular(path, sys.maxsize, dir_fd=dir_fd, mutable=True))
     line = (com.n - com.t) * com.block_size
 
     def check(first: bytes) -> None:
         _format.check_fragment_head(first, line)
 
     size = _format.fragment_size(line)  # (k = n − t blocks in each line)
-    blob = _io.read_regular(path, size, dir_fd=dir_fd, exact=size, head=(_format.FRAGMENT_HEAD, check))
+    blob = _io.read_regular(path, size, dir_fd=dir_fd, exact=size, head=(_format.FRAGMENT_HEAD, check),
+                            mutable=True)  # (the fragment's lines are views of it: no copy)
     return Fragment.from_bytes(blob)
 
 
