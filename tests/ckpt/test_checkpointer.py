@@ -193,7 +193,7 @@ def test_each_rank_stores_about_2m_over_k(four):
     for r in out:
         s = r["saved"]
         m, frag, meta = s["data_len"], r["folder"][FRAGMENT], r["folder"][META]
-        assert s["op"] == "save" and s["step"] == 3 and s["state_bytes"] <= m
+        assert s["op"] == "save" and s["step"] == 3 and (s["state_bytes"] or 0) <= m  # (rank 0 writes it)
         assert s["data_len"] == out[0]["saved"]["data_len"] and meta == out[0]["folder"][META]
         assert 2 * m / k <= frag < 2 * m / k + 2 * k + 200  # block rounding, header
         assert meta < 0.05 * m
@@ -298,7 +298,8 @@ def test_restart_with_another_world_size_fails_the_same_way_on_every_rank(four):
     root, _ = four
     out = run_world(_restore_five, 5, root, str(root / "five"), timeout=120)
     assert all(isinstance(r, str) for r in out), out
-    assert len({r.splitlines()[0] for r in out}) == 1 and "could be retrieved" in out[0], out
+    assert len({r.splitlines()[0] for r in out}) == 1, out
+    assert "saved by 4 ranks and this world has 5" in out[0], out
 
 
 def _seven(rank: int, store: str):

@@ -148,11 +148,7 @@ def planted(tmp_path_factory):
 
 @pytest.mark.parametrize("which, kind", [
     *PLANTED[:5],
-    pytest.param("metadata", "folder", marks=pytest.mark.xfail(strict=True, reason=(
-        "CodedStorageReader._recover writes the agreed metadata back over the rank's .metadata.rwck "
-        "(_io.write_atomic) and lets its OSError (IsADirectoryError: a folder in the file's place) "
-        "propagate on that rank alone, between check_and_repair and fetch_rows: its peers wait in "
-        "fetch_rows until the group times out and the step is lost on every rank"))),
+    ("metadata", "folder"),
 ])
 def test_a_special_file_on_one_rank_neither_hangs_nor_stops_a_restore(planted, which, kind):
     for r in planted:

@@ -26,13 +26,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from ..dist import group_timeout
 from . import _layout, _store, _wire
 from ._dcp import CodedStorageReader, CodedStorageWriter, side_group
 from ._transport import Transport
 
 log = logging.getLogger(__name__)
-_STEP = re.compile(r"step_([0-9]{10})")
+_STEP = re.compile(r"step_([0-9]{10,20})")
+STEP_LIMIT = 2**64  # steps are below this
+
+
+def step_of(name: str) -> int | None:
+    """The step of a folder named exactly ``step_{s:010d}`` (ASCII digits, s < 2⁶⁴), else None."""
+    m = _STEP.fullmatch(name)
+    if m is None:
+        return None
+    s = int(m.group(1))
+    return s if s < STEP_LIMIT and name == f"step_{s:010d}" else None
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,11 @@ class Restored:
 
     def __iter__(self):
         return iter((self.state, self.step))
+
+
+def _last_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[-1][:300] if text else ""
 
 
 def _tensor(obj: Any) -> torch.Tensor:
@@ -122,14 +139,21 @@ class CodedCheckpointer:
         self.hash, self.keep, self.weights_only = hash, keep, weights_only
         self.transport = transport
         self.root_dir = Path(store_dir)
-        self.group = side_group()  # DCP's own collectives and the code's: never training's group
+        self.group = side_group()  # the code's collectives: never training's group
+        # the step scan's own time bound (before the restore's first collective): a quarter of the
+        # group's timeout, at most 60 s, so a rank on a slow disk still votes in time
+        self.scan_seconds = min(60.0, group_timeout().total_seconds() / 4)
         self.per_rank: Any = None
         self._stats: dict[str, Any] = {}
         self._executor: ThreadPoolExecutor | None = None
         self._pending: Future | None = None
 
     def _step_dir(self, step: int) -> Path:
-        return self.root_dir / f"step_{step:010d}"
+        return self.root_dir / self._step_name(step)
+
+    @staticmethod
+    def _step_name(step: int) -> str:
+        return f"step_{step:010d}"
 
     # ------------------------------------------------------------------ save
     def save(self, state: Any, step: int, *, per_rank: Any = None, blocking: bool = True) -> Future | None:
@@ -139,10 +163,12 @@ class CodedCheckpointer:
         ``blocking=False`` serialises the state to host memory (a snapshot: training may change
         the originals as soon as it returns) and returns a ``concurrent.futures.Future`` while a
         background thread codes and writes it; one save is in flight at a time."""
-        if not isinstance(step, int) or step < 0:
-            raise ValueError(f"`step` must be a non-negative int; got {step!r}")
+        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < STEP_LIMIT:
+            raise ValueError(f"`step` must be an int in [0, 2**64); got {step!r}")
         t0 = time.perf_counter()
-        sd = {"state": _tensor(state), f"per_rank/{self.rank}": _tensor(per_rank)}
+        sd = {f"per_rank/{self.rank}": _tensor(per_rank)}
+        if self.rank == 0:  # written once (every rank holds the same state)
+            sd["state"] = _tensor(state)
         self.wait()
         if blocking:
             self._save(sd, step, t0, 0.0)
@@ -156,10 +182,17 @@ class CodedCheckpointer:
     def _save(self, sd: dict, step: int, t0: float, blocked: float) -> None:
         import torch.distributed.checkpoint as dcp
 
-        writer = CodedStorageWriter(self._step_dir(step), t=self.t, hash=self.hash, transport=self.transport)
-        dcp.save(sd, storage_writer=writer, process_group=self.group)
+        writer = CodedStorageWriter(self.root_dir, t=self.t, hash=self.hash, transport=self.transport,
+                                    inner=(self._step_name(step),))
+        # no_dist: DCP's own coordination would exchange (pickled, relayed) plans; the coded
+        # storage exchanges what it needs itself, in fixed formats over direct pairs
+        try:
+            dcp.save(sd, storage_writer=writer, no_dist=True)
+        except CheckpointException as e:  # (a BaseException: `except Exception` would not see it)
+            raise RuntimeError(f"coded save of step {step} failed: {_last_line(e)}") from e
         self._prune(step)
-        self._stats = dict(op="save", step=step, state_bytes=sd["state"].numel(), blocked_seconds=blocked,
+        self._stats = dict(op="save", step=step, state_bytes=sd["state"].numel() if "state" in sd else None,
+                           blocked_seconds=blocked,
                            seconds=time.perf_counter() - t0, **writer.stats)
 
     def wait(self) -> None:
@@ -176,33 +209,42 @@ class CodedCheckpointer:
             self._executor = None
 
     def _local_steps(self) -> dict[int, bytes]:
-        """Step -> SHA-256 of this rank's metadata, for the newest `keep` + 4 complete steps here."""
+        """Step -> SHA-256 of this rank's metadata, for the newest `keep` + 4 complete steps here,
+        read within `scan_seconds` (a rank on a slow disk votes with what it read in time)."""
         try:
             names = os.listdir(self.root_dir)
         except OSError:
             return {}
-        steps = sorted((int(m.group(1)) for x in names if (m := _STEP.fullmatch(x))), reverse=True)
+        steps = sorted((s for x in names if (s := step_of(x)) is not None), reverse=True)
         out: dict[int, bytes] = {}
+        deadline = time.monotonic() + self.scan_seconds
         for s in steps[:self.keep + 4]:
-            try:
-                with _store.opened_folder(self._step_dir(s), _layout.folder(self.rank)) as fd:
+            if time.monotonic() > deadline:
+                log.warning("checkpoint scan: stopped after %.0f s; steps not read: %s", self.scan_seconds,
+                            [x for x in steps[:self.keep + 4] if x not in out and x < s] + [s])
+                break
+            try:  # (neither the step folder nor the rank folder may be a link)
+                names = (self._step_name(s), _layout.folder(self.rank))
+                with _store.opened_folder(self.root_dir, *names) as fd:
                     out[s] = hashlib.sha256(_store.read_metadata(_layout.META, dir_fd=fd)).digest()
             except (OSError, ValueError):
                 continue
         return out
 
     def _prune(self, newest: int) -> None:
-        """Remove this rank's folders of all but the newest `keep` steps (never through a link)."""
+        """Remove this rank's folders of all but the newest `keep` steps, through the step folder's
+        descriptor (never through a link); what cannot be removed is logged."""
         steps = sorted((s for s in self._local_steps() if s <= newest), reverse=True)
         for s in steps[self.keep:]:
-            d = self._step_dir(s)
             try:
-                with _store.opened_folder(d) as fd:
+                with _store.opened_folder(self.root_dir, self._step_name(s)) as fd:
                     shutil.rmtree(_layout.folder(self.rank), dir_fd=fd)
                 with contextlib.suppress(OSError):
-                    os.rmdir(d)  # the last rank's folder gone (a shared disk)
-            except (OSError, ValueError) as e:
-                log.warning("checkpoint store: could not remove %s/%s: %s", d, _layout.folder(self.rank), e)
+                    os.rmdir(self._step_dir(s))  # the last rank's folder gone (a shared disk)
+            except (OSError, ValueError, RecursionError) as e:
+                why = type(e).__name__ if isinstance(e, RecursionError) else e
+                log.warning("checkpoint store: could not remove %s/%s: %s", self._step_dir(s),
+                            _layout.folder(self.rank), why)
 
     # ------------------------------------------------------------------ restore
     def restore(self) -> Restored | None:
@@ -211,8 +253,6 @@ class CodedCheckpointer:
         retrieved (``Restored.skipped``); ``None`` when no rank holds any step (a fresh start).
         Raises when steps exist but none has a quorum, or none can be retrieved."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
         self.wait()
         t0 = time.perf_counter()
         tp = self.transport(self.group)
@@ -238,15 +278,32 @@ class CodedCheckpointer:
         for step in candidates:
             keys = ["state", f"per_rank/{self.rank}"]
             template: dict[str, Any] = dict.fromkeys(keys)  # (made at their sizes by the planner)
-            reader = CodedStorageReader(self._step_dir(step), transport=self.transport)
-            try:
-                dcp.load(template, storage_reader=reader, planner=_from_metadata(keys),
-                         process_group=self.group)
-            except CheckpointException as e:
-                why = str(e).strip().splitlines()[-1][:300]
+            reader = CodedStorageReader(self.root_dir, transport=self.transport,
+                                        inner=(self._step_name(step),))
+            why = None
+            try:  # (no_dist: see save; the ranks agree on the outcome below, over the transport)
+                dcp.load(template, storage_reader=reader, planner=_from_metadata(keys), no_dist=True)
+            except (Exception, CheckpointException) as e:  # any failure of this rank's load is voted on
+                why = f"{type(e).__name__}: {_last_line(e)}"
+            tp.phase = "outcome"
+            votes = tp.gather(b"\x00" if why is None else b"\x01", 1)
+            com = getattr(reader, "com", None)
+            if com is not None and com.n != self.n:  # (every rank read the same metadata)
+                raise RuntimeError(f"restore: step {step} was saved by {com.n} ranks and this world has "
+                                   f"{self.n}; CodedCheckpointer restores at the world size it saved with "
+                                   "(dcp.load with a CodedStorageReader reads it at any world size)")
+            failed = [r for r, v in enumerate(votes) if v != b"\x00"]
+            if len(failed) > self.t:  # more than t voices: the step is given up on every rank
+                why = why or f"ranks {failed} could not retrieve it"
                 log.error("restore: step %d cannot be retrieved (%s); trying the next older step", step, why)
                 skipped.append((step, why))
                 continue
+            if why is not None:  # up to t ranks failing cannot roll the others back: this one fails alone
+                raise RuntimeError(f"restore of step {step} failed on this rank ({why}); its peers "
+                                   "restored it")
+            if failed:
+                log.error("restore: ranks %s could not retrieve step %d (at most t=%d: not a fall-back)",
+                          failed, step, self.t)
             state = _object(template["state"], self.weights_only)
             self.per_rank = _object(template[keys[1]], True)
             flag = b"\x01" if reader.stats.get("repaired") else b"\x00"

@@ -28,6 +28,7 @@ import contextlib
 import io
 import logging
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -140,9 +141,11 @@ class CodedStorageWriter(StorageWriter):
     seconds."""
 
     def __init__(self, path: str | os.PathLike, *, t: int = 1, n: int | None = None,
-                 hash: str = "blake3", transport: type[Transport] = Transport) -> None:
+                 hash: str = "blake3", transport: type[Transport] = Transport,
+                 inner: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.path, self.transport = Path(path), transport
+        self.root, self.inner, self.transport = Path(path), tuple(inner), transport
+        self.path = self.root.joinpath(*self.inner)
         self.rank, world = _world()
         if world > 1:
             if n not in (None, world):
@@ -161,7 +164,8 @@ class CodedStorageWriter(StorageWriter):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A ``checkpoint_id`` is the checkpoint's folder (as for ``FileSystemWriter``)."""
         if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+            self.root, self.inner = Path(checkpoint_id), ()
+            self.path = self.root
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -170,20 +174,38 @@ class CodedStorageWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Open (and make) this rank's folders now, never through a link: the save writes through
-        these descriptors, so a link swapped in afterwards cannot redirect it."""
+        these descriptors, so a link swapped in afterwards cannot redirect it. A link or file planted
+        at a rank folder's name is removed (the entry, never what it points to); a folder that still
+        cannot be opened costs this rank's files only (logged; it takes part in the encode and is
+        rebuilt like a lost rank at the next load)."""
         self._close()
         self._folders = contextlib.ExitStack()
+        self.write_errors: dict[int, str] = {}
         mine = [self.rank] if self.group is not None else list(range(self.code.n))
-        seen: dict[tuple[int, int], int] = {}
-        for i in mine:
-            fd = self._folders.enter_context(_store.opened_folder(self.path, folder(i), create=True))
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) in seen:  # pragma: no cover - opened_folder refuses links
-                raise ValueError(f"{self.path}: rank{seen[(st.st_dev, st.st_ino)]} and rank{i} are one "
-                                 "folder")
-            seen[(st.st_dev, st.st_ino)] = i
-            self._fds[i] = fd
+        try:
+            with _store.opened_folder(self.root, *self.inner, create=True) as parent:
+                for i in mine:
+                    try:
+                        self._fds[i] = self._open_party(parent, folder(i))
+                    except (OSError, ValueError) as e:
+                        self.write_errors[i] = str(e)
+        except (OSError, ValueError) as e:
+            self.write_errors.update(dict.fromkeys(mine, str(e)))
+        for i, why in self.write_errors.items():
+            log.error("coded DCP save: %s cannot be written (%s); this rank's files are skipped",
+                      self.path / folder(i), why)
         return plan
+
+    def _open_party(self, parent: int, name: str) -> int:
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=parent)
+            log.warning("coded DCP save: removed the non-folder entry at %s", self.path / name)
+        return self._folders.enter_context(_store.opened_folder(parent, name, create=True,
+                                                                where=self.path))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         return plans
@@ -211,7 +233,13 @@ class CodedStorageWriter(StorageWriter):
             md = _dcp_meta.merged(docs, starts, com.root)
             body = _dcp_meta.encode_file(md, com.to_bytes())
             for frag in frags:  # the fragment first: the metadata (with the commitment) commits it
-                _layout.write_party(self._fds[frag.index], frag, body)
+                if frag.index not in self._fds:
+                    continue
+                try:
+                    _layout.write_party(self._fds[frag.index], frag, body)
+                except OSError as e:  # (costs this rank's files only, as a lost disk would)
+                    self.write_errors[frag.index] = str(e)
+                    log.error("coded DCP save: writing %s failed: %s", self.path / folder(frag.index), e)
         finally:
             self._close()
         self.stats = {"share_bytes": len(share), "data_len": com.data_len, "bytes_sent": sent,
@@ -239,9 +267,11 @@ class CodedStorageReader(StorageReader):
     whether this rank was repaired, seconds; ``reported``/``bad``: whose symbols or rows failed.
     `transport`: the :class:`._transport.Transport` class (tests inject faults through it)."""
 
-    def __init__(self, path: str | os.PathLike, *, transport: type[Transport] = Transport) -> None:
+    def __init__(self, path: str | os.PathLike, *, transport: type[Transport] = Transport,
+                 inner: tuple[str, ...] = ()) -> None:
         super().__init__()
-        self.path, self.transport = Path(path), transport
+        self.root, self.inner, self.transport = Path(path), tuple(inner), transport
+        self.path = self.root.joinpath(*self.inner)
         self.rank, world = _world()
         self.group = side_group() if world > 1 else None
         self.collective = False
@@ -254,7 +284,13 @@ class CodedStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         """A ``checkpoint_id`` is the checkpoint's folder (as for ``FileSystemReader``)."""
         if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+            self.root, self.inner = Path(checkpoint_id), ()
+            self.path = self.root
+
+    def _close_folder(self) -> None:
+        if getattr(self, "_folder", None) is not None:
+            self._folder.close()
+        self._folder, self._fd = None, None
 
     def _skip(self, where: str, why: str) -> None:
         self.skipped[where] = why
@@ -265,8 +301,16 @@ class CodedStorageReader(StorageReader):
         self.skipped, self.stats = {}, {}
         self._tp = None
         if self.group is not None:
-            with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
-                body, _, why = _layout.read_party(fd, None)
+            body = None
+            self._close_folder()
+            self._folder = contextlib.ExitStack()  # kept open: the load reads and writes what the vote read
+            self._fd = None
+            try:  # (a bad folder costs this rank's data only: it still takes part in every phase)
+                self._fd = self._folder.enter_context(
+                    _store.opened_folder(self.root, *self.inner, folder(self.rank), create=True))
+                body, _, why = _layout.read_party(self._fd, None)
+            except (OSError, ValueError) as e:
+                why = str(e)
             if why:
                 self._skip(folder(self.rank), why)
             tp = self.transport(self.group)
@@ -279,6 +323,7 @@ class CodedStorageReader(StorageReader):
                     self.code = Code2D(com.n, com.t, hash=com.hash)
                     return md
         self.collective = False
+        self._close_folder()
         return self._read_alone()
 
     def _read_alone(self) -> Metadata:
@@ -322,17 +367,28 @@ class CodedStorageReader(StorageReader):
         a function (offset, length) -> bytes of m."""
         t0 = time.perf_counter()
         tp, com, code = self._tp, self.com, self.code
-        with _store.opened_folder(self.path, folder(self.rank), create=True) as fd:
-            _, frag, why = _layout.read_party(fd, com)
+        try:
+            fd, frag, why = self._fd, None, None
+            try:  # (the folder the vote read, through its descriptor: a link swapped in since costs nothing)
+                if fd is not None:
+                    _, frag, why = _layout.read_party(fd, com)
+            except (OSError, ValueError) as e:
+                why = str(e)
             if why:
                 self._skip(folder(self.rank), why)
             t1 = time.perf_counter()
             checked = _phases.check_and_repair(code, tp, com, frag)
             t2 = time.perf_counter()
-            if checked.rebuilt is not None:
-                _store.write(FRAGMENT, checked.rebuilt, dir_fd=fd)
-            if checked.lines is not None and self._repair_metadata:  # (a folder with metadata is complete)
-                _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)
+            try:
+                if fd is not None and checked.rebuilt is not None:
+                    _store.write(FRAGMENT, checked.rebuilt, dir_fd=fd)
+                if fd is not None and checked.lines is not None and self._repair_metadata:
+                    _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)  # (after the fragment)
+            except OSError as e:  # the state is restored in memory; the disk refused the write-back
+                log.error("coded DCP read: could not write rank %d's rebuilt files back: %s", self.rank, e)
+                self._skip(folder(self.rank), f"write-back: {e}")
+        finally:
+            self._close_folder()
         R = code.k * com.block_size
         need: set[int] = set()
         for req in plan.items:

@@ -116,9 +116,15 @@ def encode_across(code: Code2D, tp, share, doc: bytes
     rows = [[x[j * d:(j + 1) * d] for j in range(n)] for x in leaves]
     cols = [[x[(n + j) * d:(n + j + 1) * d] for j in range(n)] for x in leaves]
     if bad := code.crossing_mismatches(rows, cols):
-        blamed = sorted({r for cell in bad for r in cell})
-        raise RuntimeError(f"coded save: ranks {blamed} disagree about blocks of the grid {bad[:4]}; "
-                           "nothing was committed")
+        peers: dict[int, set[int]] = {}
+        for i, j in bad:
+            peers.setdefault(i, set()).add(j)
+            peers.setdefault(j, set()).add(i)
+        # a rank that disagrees with more than t peers is the liar (t liars cannot make an honest
+        # rank disagree with more than t others); below that, every rank in a mismatch is named
+        blamed = sorted(r for r, ps in peers.items() if len(ps) > code.t) or sorted(peers)
+        raise RuntimeError(f"coded save: rank(s) {blamed} disagree with their peers about blocks of the "
+                           f"grid {bad[:4]}; nothing was committed")
     return frag, code.commitment_from_leaves(at[-1], rows, cols), docs, at[:-1]
 
 
@@ -210,7 +216,10 @@ def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None) -
             good_symbols, failing = code.verified_symbols(tp.rank, symbols, com)
             bad.update(failing)
             if len(good_symbols) >= code.k:
-                rebuilt = code.rebuild(tp.rank, good_symbols, com)
+                try:
+                    rebuilt = code.rebuild(tp.rank, good_symbols, com)
+                except RuntimeError as e:  # (a saver forged a block only this rank's lines hold)
+                    log.error("repair of rank %d: %s; this rank decodes from its peers' rows", tp.rank, e)
             else:
                 log.warning("repair of rank %d: %s", tp.rank,
                             NotEnoughSymbols(len(good_symbols), code.k, sorted(bad)))
