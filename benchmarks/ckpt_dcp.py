@@ -168,7 +168,8 @@ def main() -> None:
               f"| {v['repair_received']:,} / {formula:,.0f} = {v['repair_received'] / formula:.4f} |")
     print("\nwhere a rank's time goes (the slowest rank per part, the last timed run; seconds)\n")
     print("| MiB | save: serialise | encode (exchange, extend, hash) | write (fsync) "
-          "| load: read + verify own fragment | repair | fetch + verify rows | whole read_data |")
+          "| load: read own fragment | check it (both lines) and repair | fetch + verify rows "
+          "| whole read_data |")
     print("|---|---|---|---|---|---|---|---|")
     for mib in sizes:
         sp = {k: max(res[r][mib]["save_parts"][k] for r in range(a.nproc)) for k in res[0][mib]["save_parts"]}
