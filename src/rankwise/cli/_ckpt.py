@@ -522,7 +522,7 @@ def demo_cmd(
     t = Table(title=f"coded checkpoints under torchrun: {nproc} workers, k = {r['k']}", show_header=False)
     t.add_row("killed", f"rank {r['kill_rank']} at step {r['kill_step']} (SIGKILL, store wiped)")
     t.add_row("restored from step", str(r["restored_step"]))
-    t.add_row("checkpoint |m|", f"{r['state_bytes']:,} B")
+    t.add_row("checkpoint |m| (state, every rank's RNG, framing)", f"{r['checkpoint_bytes']:,} B")
     for h, b in r["repair_bytes_per_helper"].items():
         t.add_row(f"repair bytes from rank {h}", f"{b:,} B")
     t.add_row("repair bytes total (with Merkle paths)", f"{r['repair_bytes_total']:,} B")
