@@ -224,14 +224,16 @@ class CodedStorageWriter(StorageWriter):
             if self.group is None:
                 disp = self.code.encode(share)
                 frags, com, docs, starts = disp.fragments, disp.commitment, [doc], [0]
+                B = com.block_size
+                leaves = [self.code.lines(f, B).row_tree[0] for f in frags]
                 sent = 0
             else:
                 tp = self.transport(self.group)
-                frag, com, docs, starts = _phases.encode_across(self.code, tp, share, doc)
+                frag, com, docs, starts, leaves = _phases.encode_across(self.code, tp, share, doc)
                 frags, sent = [frag], sum(tp.sent.values())
             t2 = time.perf_counter()
             md = _dcp_meta.merged(docs, starts, com.root)
-            body = _dcp_meta.encode_file(md, com.to_bytes())
+            body = _dcp_meta.encode_file(md, com.to_bytes(), b"".join(b"".join(r) for r in leaves))
             for frag in frags:  # the fragment first: the metadata (with the commitment) commits it
                 if frag.index not in self._fds:
                     continue
@@ -321,6 +323,7 @@ class CodedStorageReader(StorageReader):
                     self.collective, self._tp, self.com, self._md_body = True, tp, com, agreed
                     self._repair_metadata = self.rank not in holders
                     self.code = Code2D(com.n, com.t, hash=com.hash)
+                    self.leaves = _phases.leaf_matrix(self.code, com, _dcp_meta.leaves_of(agreed))
                     return md
         self.collective = False
         self._close_folder()
@@ -377,44 +380,47 @@ class CodedStorageReader(StorageReader):
             if why:
                 self._skip(folder(self.rank), why)
             t1 = time.perf_counter()
-            checked = _phases.check_and_repair(code, tp, com, frag)
+            checked = _phases.present_and_repair(code, tp, com, self.leaves, frag)
             t2 = time.perf_counter()
             try:
                 if fd is not None and checked.rebuilt is not None:
                     _store.write(FRAGMENT, checked.rebuilt, dir_fd=fd)
-                if fd is not None and checked.lines is not None and self._repair_metadata:
+                whole = (checked.verified or checked.rebuilt) is not None
+                if fd is not None and whole and self._repair_metadata:
                     _io.write_atomic(META, seal(METADATA, self._md_body), dir_fd=fd)  # (after the fragment)
             except OSError as e:  # the state is restored in memory; the disk refused the write-back
                 log.error("coded DCP read: could not write rank %d's rebuilt files back: %s", self.rank, e)
                 self._skip(folder(self.rank), f"write-back: {e}")
         finally:
             self._close_folder()
-        R = code.k * com.block_size
+        B = com.block_size
         need: set[int] = set()
         for req in plan.items:
             _, start, length, _ = self.storage_data[req.storage_index]
-            need.update(range(start // R, (start + max(length, 1) - 1) // R + 1))
+            need.update(range(start // B, (start + max(length, 1) - 1) // B + 1))
         t3 = time.perf_counter()
-        bad_rows: set[int] = set()
+        bad_blocks: set[int] = set()
+        own = checked.rebuilt or checked.verified
         try:
-            rows, bad_rows = _phases.fetch_rows(code, tp, com, checked.lines, checked.holders, need)
+            blocks, bad_blocks = _phases.fetch_blocks(code, tp, com, self.leaves,
+                                                      None if own is None else own.row, checked.holders, need)
         finally:  # (every rank reports, also one whose retrieval failed: the others wait for it)
-            self.reported = _phases.report(tp, checked.bad | bad_rows)
+            self.reported = _phases.report(tp, checked.bad | bad_blocks)
         self.bad = sorted(p for p, by in self.reported.items() if len(by) > com.t)
         self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "control": dict(tp.control),
                       "repaired": checked.rebuilt is not None, "helpers": checked.helpers,
-                      "rows": sorted(need), "check_s": t1 - t0 + 0.0, "repair_s": t2 - t1,
+                      "blocks": sorted(need), "check_s": t1 - t0, "repair_s": t2 - t1,
                       "retrieve_s": time.perf_counter() - t3}
 
         def span(start: int, length: int):
-            a, o = divmod(start, R)
-            if o + length <= R:  # within one row: a view of it
-                return rows[a][o:o + length]
+            b, o = divmod(start, B)
+            if o + length <= B:  # within one block: a view of it
+                return memoryview(blocks[b])[o:o + length]
             out, pos = bytearray(length), start
             while pos < start + length:
-                a, o = divmod(pos, R)
-                take = min(R - o, start + length - pos)
-                out[pos - start:pos - start + take] = rows[a][o:o + take]
+                b, o = divmod(pos, B)
+                take = min(B - o, start + length - pos)
+                out[pos - start:pos - start + take] = memoryview(blocks[b])[o:o + take]
                 pos += take
             return out
 

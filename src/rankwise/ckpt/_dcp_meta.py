@@ -164,10 +164,12 @@ def merged(docs: list[bytes], starts: list[int], root: bytes) -> Metadata:
                     storage_meta=StorageMeta())
 
 
-def encode_file(md: Metadata, commitment: bytes) -> bytes:
-    """A rank folder's metadata file body: :func:`encode` with the commitment's bytes."""
+def encode_file(md: Metadata, commitment: bytes, leaves: bytes = b"") -> bytes:
+    """A rank folder's metadata file body: :func:`encode` with the commitment's bytes and the
+    n×n leaf hashes of the grid (row-major; checked against the commitment when read)."""
     doc = json.loads(encode(md))
     doc["commitment"] = commitment.hex()
+    doc["leaves"] = leaves.hex()
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -176,6 +178,15 @@ def decode_file(body: bytes) -> tuple[Metadata, bytes]:
     try:
         doc = json.loads(body.decode("utf-8"))
         com = bytes.fromhex(doc.pop("commitment"))
+        doc.pop("leaves", None)
     except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as e:
         raise ValueError(f"coded DCP metadata is malformed: {type(e).__name__}: {e}") from None
     return decode(json.dumps(doc).encode("utf-8")), com
+
+
+def leaves_of(body: bytes) -> bytes:
+    """The leaf hashes :func:`encode_file` stored (``ValueError`` if there are none)."""
+    try:
+        return bytes.fromhex(json.loads(body.decode("utf-8"))["leaves"])
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"coded DCP metadata holds no leaf hashes: {type(e).__name__}: {e}") from None

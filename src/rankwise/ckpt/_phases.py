@@ -14,12 +14,14 @@ fragment i: the row C[i, :] and the column R[:, i] of the extended grid P = G M 
 - :func:`agree`: the bytes (metadata with the commitment) that a quorum of ranks holds; a rank
   without them (a wiped disk) receives them from the holders and keeps the first copy that
   hashes to the agreed digest.
-- :func:`check_and_repair`: each rank verifies its fragment; a rank whose fragment is missing or
-  fails is rebuilt from two blocks of k helpers (2|m|/k bytes in all), more helpers only when
-  symbols fail their Merkle paths.
-- :func:`fetch_rows`: each rank receives the systematic rows C[a, :] = M[a, :] that hold its
-  items (|m|/k bytes each), verifies each against the commitment, and, when one is missing or
-  bad, decodes from any k verified rows.
+- :func:`present_and_repair`: each rank checks the 2k blocks of its fragment against the leaf
+  hashes of the grid (kept in the metadata, bound to the commitment: :func:`leaf_matrix`); a rank
+  whose fragment is missing or bad is rebuilt from two blocks of each of k helpers (2|m|/k bytes
+  in all), more helpers only when blocks fail.
+- :func:`fetch_blocks`: each rank receives the blocks M[a, c] (|m|/k² bytes each) that hold its
+  items from the ranks holding their rows, checks each against its leaf hash, and decodes a
+  missing or bad one from any k verified blocks of its column.
+- :func:`report`: who found whose blocks bad.
 
 Every phase ends the same way on every rank that follows it (decisions are taken from messages
 all ranks received alike), so one bad rank costs its own vote, symbols or rows, not the phase.
@@ -34,7 +36,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ._code2d import Code2D, Lines, NotEnoughSymbols
+from . import _merkle
+from ._code2d import Code2D, NotEnoughSymbols
 from ._format import Commitment, Fragment, RepairSymbols
 
 log = logging.getLogger(__name__)
@@ -48,10 +51,12 @@ def _bounds(lengths: list[int]) -> list[int]:
 
 
 def encode_across(code: Code2D, tp, share, doc: bytes
-                  ) -> tuple[Fragment, Commitment, list[bytes], list[int]]:
+                  ) -> tuple[Fragment, Commitment, list[bytes], list[int], list[list[bytes]]]:
     """This rank's fragment of the checkpoint whose rank-r share is every rank's `share` (bytes-like),
     the commitment every rank computes alike, every rank's `doc` (a description the caller writes
-    with the fragment: its items' names and places) and where each rank's share starts in m.
+    with the fragment: its items' names and places), where each rank's share starts in m, and the
+    leaf hashes of every block of P (``leaves[i][j]`` = leaf of P[i, j], cross-checked: kept in the
+    metadata, they let a reader verify single blocks).
     Raises ``RuntimeError`` on every rank when a rank's sizes are malformed or two ranks'
     lines disagree about a block."""
     n, k, me = code.n, code.k, tp.rank
@@ -125,7 +130,7 @@ def encode_across(code: Code2D, tp, share, doc: bytes
         blamed = sorted(r for r, ps in peers.items() if len(ps) > code.t) or sorted(peers)
         raise RuntimeError(f"coded save: rank(s) {blamed} disagree with their peers about blocks of the "
                            f"grid {bad[:4]}; nothing was committed")
-    return frag, code.commitment_from_leaves(at[-1], rows, cols), docs, at[:-1]
+    return frag, code.commitment_from_leaves(at[-1], rows, cols), docs, at[:-1], rows
 
 
 def digest(body: bytes) -> bytes:
@@ -169,118 +174,16 @@ def _flag(tp, on: bool) -> list[int]:
 
 @dataclass
 class Checked:
-    """What :func:`check_and_repair` leaves: this rank's verified `lines` (``None`` when its
-    fragment could not be rebuilt), the `rebuilt` fragment when it was repaired (the caller writes
-    it back), the ranks that hold a verified fragment afterwards (`holders`), the helpers whose
-    symbols reached this rank (`helpers`) and those whose symbols failed (`bad`)."""
+    """What :func:`present_and_repair` leaves: the `rebuilt` fragment when this rank was repaired
+    (the caller writes it back), the ranks that hold a verified fragment afterwards (`holders`),
+    the helpers whose blocks reached this rank (`helpers`), those whose blocks failed (`bad`), and
+    this rank's fragment when it verified (`verified`)."""
 
-    lines: Lines | None
     rebuilt: Fragment | None
     holders: list[int]
     helpers: list[int] = field(default_factory=list)
     bad: set[int] = field(default_factory=set)
-
-
-def check_and_repair(code: Code2D, tp, com: Commitment, frag: Fragment | None) -> Checked:
-    """Verify this rank's fragment; rebuild every rank's that is missing or bad from its peers
-    (k helpers: the lowest-numbered good ranks; the others only when symbols fail)."""
-    lines = code.verified_lines(frag, com) if frag is not None else None
-    tp.phase = "check"
-    good = _flag(tp, lines is not None)
-    failed = [p for p in range(code.n) if p not in good]
-    if not failed:
-        return Checked(lines, None, good)
-    tp.phase = "repair"
-    rebuilt: Fragment | None = None
-    symbols: list[RepairSymbols] = []
-    bad: set[int] = set()
-    used: list[int] = []
-    rounds = [good[:code.k], good[code.k:]]  # k helpers; the rest only if symbols fail
-    for helpers in rounds:
-        if not helpers:
-            break
-        sends: dict[int, bytes] = {}
-        if tp.rank in helpers and lines is not None:
-            sends = {i: code.helper_symbols(lines, i).to_bytes() for i in failed}
-        size = code.symbols_size(tp.rank, com.block_size)
-        recvs = {j: np.zeros(size, np.uint8) for j in helpers} if tp.rank in failed else {}
-        tp.swap(sends, recvs)
-        used += list(recvs)
-        for j, buf in recvs.items():
-            try:
-                symbols.append(RepairSymbols.from_bytes(buf.tobytes()))
-            except (ValueError, struct.error):
-                log.warning("repair of rank %d: helper %d sent symbols that do not parse", tp.rank, j)
-                bad.add(j)
-        if tp.rank in failed and rebuilt is None:
-            good_symbols, failing = code.verified_symbols(tp.rank, symbols, com)
-            bad.update(failing)
-            if len(good_symbols) >= code.k:
-                try:
-                    rebuilt = code.rebuild(tp.rank, good_symbols, com)
-                except RuntimeError as e:  # (a saver forged a block only this rank's lines hold)
-                    log.error("repair of rank %d: %s; this rank decodes from its peers' rows", tp.rank, e)
-            else:
-                log.warning("repair of rank %d: %s", tp.rank,
-                            NotEnoughSymbols(len(good_symbols), code.k, sorted(bad)))
-        if not _flag(tp, tp.rank in failed and rebuilt is None):
-            break
-    if rebuilt is not None:
-        lines = code.lines(rebuilt, com.block_size)
-    if bad:
-        log.warning("repair of rank %d: bad symbols from helpers %s", tp.rank, sorted(bad))
-    tp.phase = "check"
-    return Checked(lines, rebuilt, _flag(tp, lines is not None), used, bad)
-
-
-def fetch_rows(code: Code2D, tp, com: Commitment, lines: Lines | None, holders: list[int],
-               need: set[int]) -> tuple[dict[int, memoryview], set[int]]:
-    """The verified rows C[a, :] = M[a, :] for every a in `need` (a < k), sent by their holders
-    directly; when one is missing or fails its root, every holder's row is requested and the
-    needed rows are decoded from any k that verify. Also returns the holders whose rows failed.
-    Raises ``NotEnoughSymbols`` on a rank that cannot get k verified rows (the others finish)."""
-    tp.phase = "retrieve"
-    n, k, R = code.n, code.k, code.k * com.block_size
-    own = None if lines is None else np.concatenate(lines.row[:k])
-    asked = tp.gather(bytes(1 if a in need else 0 for a in range(k)), k)
-    wants = [set() if v is None else {a for a in range(min(k, len(v))) if v[a]} for v in asked]
-    sends = ({p: own for p in range(n) if tp.rank in wants[p] and p != tp.rank}
-             if own is not None and tp.rank < k else {})
-    recvs = {a: np.zeros(R, np.uint8) for a in need if a in holders and a != tp.rank}
-    tp.swap(sends, recvs)
-    rows: dict[int, memoryview] = {}
-    bad: set[int] = set()
-    if own is not None:
-        rows[tp.rank] = memoryview(own)
-    for a, buf in recvs.items():
-        if code.verify_row(a, buf, com):
-            rows[a] = memoryview(buf)
-        else:
-            log.warning("rank %d: row %d from rank %d does not match the commitment", tp.rank, a, a)
-            bad.add(a)
-    missing = {a for a in need if a not in rows}
-    decoders = _flag(tp, bool(missing))
-    if not decoders:
-        return {a: rows[a] for a in need}, bad
-    # second round: every holder sends its row to each decoder that did not get it in the first
-    sent_before = {p: (wants[p] if tp.rank < k else set()) for p in range(n)}
-    sends = ({p: own for p in decoders if p != tp.rank and tp.rank not in sent_before[p]}
-             if own is not None else {})
-    more = ({h: np.zeros(R, np.uint8) for h in holders if h != tp.rank and h not in recvs}
-            if missing else {})
-    tp.swap(sends, more)
-    if not missing:
-        return {a: rows[a] for a in need}, bad
-    for h, buf in more.items():
-        if code.verify_row(h, buf, com):
-            rows[h] = memoryview(buf)
-        else:
-            bad.add(h)
-    if len(rows) < k:
-        raise NotEnoughSymbols(len(rows), k, [], "retrieve", "rows")
-    idx = sorted(rows)[:k]
-    M = code.decode_rows(np.stack([np.frombuffer(rows[i], np.uint8) for i in idx]), idx, k * R)
-    return {a: M[a * R:(a + 1) * R] for a in need}, bad
+    verified: Fragment | None = None  # this rank's fragment, when it verified
 
 
 def report(tp, bad: set[int]) -> dict[int, list[int]]:
@@ -296,3 +199,146 @@ def report(tp, bad: set[int]) -> dict[int, list[int]]:
                 if v[p] and p != r:
                     out.setdefault(p, []).append(r)
     return out
+
+
+# ---------------------------------------------------------------------- block-level load
+def leaf_matrix(code: Code2D, com: Commitment, raw: bytes) -> list[list[bytes]]:
+    """The n×n leaf hashes of P from their bytes (row-major), checked against every committed line
+    root (``ValueError`` otherwise): bound to the commitment, they verify single blocks."""
+    n, d = code.n, len(com.root)
+    if len(raw) != n * n * d:
+        raise ValueError(f"coded checkpoint metadata: {len(raw)} bytes of leaf hashes where n={n} needs "
+                         f"{n * n * d}")
+    L = [[raw[(i * n + j) * d:(i * n + j + 1) * d] for j in range(n)] for i in range(n)]
+    h = code._h
+    for i in range(n):
+        column = [L[j][i] for j in range(n)]
+        if (_merkle.levels_from_leaves(h, L[i])[-1][0] != com.line_roots[i]
+                or _merkle.levels_from_leaves(h, column)[-1][0] != com.line_roots[n + i]):
+            raise ValueError("coded checkpoint metadata: its leaf hashes do not give the committed line "
+                             "roots")
+    return L
+
+
+def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], frag: Fragment | None
+                       ) -> Checked:
+    """The check: each rank hashes the 2k blocks of its fragment against their leaf hashes (no
+    line is extended); then the repair of every rank whose fragment is missing or bad: k helpers
+    (the lowest-numbered good ranks; the others only when blocks fail) each send P[target, j] and
+    P[j, target] (2|m|/k² bytes), computed from their lines; the target checks each block against
+    its leaf hash."""
+    tp.phase = "check"
+    me, B, h, k = tp.rank, com.block_size, code._h, code.k
+    ok = frag is not None and len(frag.row) == k * B and len(frag.col) == k * B and all(
+        _merkle.leaf(h, frag.row[c * B:(c + 1) * B]) == L[me][c]
+        and _merkle.leaf(h, frag.col[c * B:(c + 1) * B]) == L[c][me] for c in range(k))
+    if frag is not None and not ok:
+        log.warning("rank %d: its fragment does not match the commitment; rebuilding it", me)
+        frag = None
+    good = _flag(tp, ok)
+    failed = [p for p in range(code.n) if p not in good]
+    if not failed:
+        return Checked(None, good, verified=frag)
+    tp.phase = "repair"
+    rebuilt: Fragment | None = None
+    pairs: dict[int, RepairSymbols] = {}
+    bad: set[int] = set()
+    used: list[int] = []
+    for helpers in (good[:code.k], good[code.k:]):  # k helpers; the rest only if blocks fail
+        if not helpers:
+            break
+        sends: dict[int, np.ndarray] = {}
+        if me in helpers and frag is not None:
+            row, col = code._line(frag.row, B), code._line(frag.col, B)
+            sends = {i: np.concatenate([col[i], row[i]]) for i in failed}  # P[i, me], P[me, i]
+        recvs = {j: np.zeros(2 * B, np.uint8) for j in helpers} if me in failed else {}
+        tp.swap(sends, recvs)
+        used += list(recvs)
+        for j, buf in recvs.items():
+            col_block, row_block = buf[:B], buf[B:]
+            if _merkle.leaf(h, col_block) == L[me][j] and _merkle.leaf(h, row_block) == L[j][me]:
+                pairs[j] = RepairSymbols(j, me, memoryview(col_block), (), memoryview(row_block), ())
+            else:
+                bad.add(j)
+        if me in failed and rebuilt is None and len(pairs) >= code.k:
+            try:
+                rebuilt = code.rebuild(me, pairs, com)
+            except RuntimeError as e:  # (a saver forged a block only this rank's lines hold)
+                log.error("repair of rank %d: %s; this rank decodes from its peers' blocks", me, e)
+        if not _flag(tp, me in failed and rebuilt is None):
+            break
+    if bad:
+        log.warning("repair of rank %d: bad blocks from helpers %s", me, sorted(bad))
+    tp.phase = "check"
+    return Checked(rebuilt, _flag(tp, frag is not None or rebuilt is not None), used, bad, frag)
+
+
+def fetch_blocks(code: Code2D, tp, com: Commitment, L: list[list[bytes]], row, holders: list[int],
+                 need: set[int]) -> tuple[dict[int, np.ndarray], set[int]]:
+    """The verified blocks M[a, c] (block number b = a·k + c of m) in `need`: each from the rank
+    holding row a, checked against its leaf hash; a block that is missing or fails is decoded
+    from any k verified blocks P[j, c] of its column, which every holder sends from its row.
+    `row`: this rank's row C[rank, :] (k·B bytes) or ``None``. Also returns the ranks whose
+    blocks failed. Raises ``NotEnoughSymbols`` on a rank that cannot get k verified blocks of a
+    column (the others finish)."""
+    tp.phase = "retrieve"
+    n, k, B, me, h = code.n, code.k, com.block_size, tp.rank, code._h
+    mine = None if row is None else np.frombuffer(row, np.uint8)
+
+    def block(c: int) -> np.ndarray:
+        return mine[c * B:(c + 1) * B]
+
+    asked = tp.gather(bytes(1 if b in need else 0 for b in range(k * k)), k * k)
+    wants = [set() if v is None or len(v) != k * k else {b for b in range(k * k) if v[b]} for v in asked]
+    sends: dict[int, np.ndarray] = {}
+    if mine is not None and me < k:
+        for p in range(n):
+            cs = sorted(b % k for b in wants[p] if b // k == me)
+            if p != me and cs:
+                sends[p] = np.concatenate([block(c) for c in cs])
+    order = {a: sorted(b % k for b in need if b // k == a) for a in {b // k for b in need}
+             if a != me and a in holders}
+    recvs = {a: np.zeros(len(cs) * B, np.uint8) for a, cs in order.items()}
+    tp.swap(sends, recvs)
+    got: dict[int, np.ndarray] = {}
+    bad: set[int] = set()
+    for b in need:
+        a, c = divmod(b, k)
+        if a == me and mine is not None and _merkle.leaf(h, block(c)) == L[a][c]:
+            got[b] = block(c)
+    for a, cs in order.items():
+        for i, c in enumerate(cs):
+            blk = recvs[a][i * B:(i + 1) * B]
+            if _merkle.leaf(h, blk) == L[a][c]:
+                got[a * k + c] = blk
+            else:
+                bad.add(a)
+    missing = need - set(got)
+    columns = sorted({b % k for b in missing})
+    asked = tp.gather(bytes(1 if c in columns else 0 for c in range(k)), k)
+    wants2 = [set() if v is None or len(v) != k else {c for c in range(k) if v[c]} for v in asked]
+    if not any(wants2):
+        return got, bad
+    sends = ({p: np.concatenate([block(c) for c in sorted(wants2[p])]) for p in range(n)
+              if p != me and wants2[p]} if mine is not None else {})
+    more = {j: np.zeros(len(columns) * B, np.uint8) for j in holders if j != me} if columns else {}
+    tp.swap(sends, more)
+    for c in columns:  # column c of P: an RS codeword of M[:, c]
+        blocks: dict[int, np.ndarray] = {}
+        if mine is not None and _merkle.leaf(h, block(c)) == L[me][c]:
+            blocks[me] = block(c)
+        for j, buf in more.items():
+            blk = buf[columns.index(c) * B:(columns.index(c) + 1) * B]
+            if _merkle.leaf(h, blk) == L[j][c]:
+                blocks[j] = blk
+            else:
+                bad.add(j)
+        if len(blocks) < k:
+            raise NotEnoughSymbols(len(blocks), k, sorted(bad), "retrieve", f"blocks of column {c}")
+        idx = sorted(blocks)[:k]
+        M = code.decode_rows(np.stack([blocks[j] for j in idx]), idx, k * B)
+        for b in missing:
+            a, cc = divmod(b, k)
+            if cc == c:
+                got[b] = np.frombuffer(M, np.uint8)[a * B:(a + 1) * B]
+    return got, bad
