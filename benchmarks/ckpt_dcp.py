@@ -168,7 +168,7 @@ def main() -> None:
               f"| {v['repair_received']:,} / {formula:,.0f} = {v['repair_received'] / formula:.4f} |")
     print("\nwhere a rank's time goes (the slowest rank per part, the last timed run; seconds)\n")
     print("| MiB | save: serialise | encode (exchange, extend, hash) | write (fsync) "
-          "| load: read own fragment | check it (both lines) and repair | fetch + verify rows "
+          "| load: read own fragment | check its 2k blocks and repair | fetch + verify blocks "
           "| whole read_data |")
     print("|---|---|---|---|---|---|---|---|")
     for mib in sizes:
