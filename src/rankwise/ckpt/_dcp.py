@@ -9,13 +9,14 @@ only ``PATH/rank{i}/``:
 
 - ``fragment.rwck``: its row C[i, :] and column R[:, i] of the extended grid (2|m|/k bytes);
 - ``.metadata.rwck``: the DCP metadata as JSON with every field written out (nothing is
-  unpickled when reading; :mod:`._dcp_meta`) and the commitment; the same bytes on every rank,
-  written after the fragment.
+  unpickled when reading; :mod:`._dcp_meta`), the commitment and the n×n leaf hashes of the grid;
+  the same bytes on every rank, written after the fragment.
 
 Loading at the same world size reads each rank's own folder: the ranks agree on the metadata
-(a quorum of n − ⌊(n − 1)/3⌋ identical copies), check their fragments, rebuild a lost or damaged
-one from 2|m|/k bytes of their peers' symbols (written back to its folder), and each rank
-receives, verified, only the rows of m that hold the items it loads. Loading at another world
+(a quorum of n − ⌊(n − 1)/3⌋ identical copies), check their fragments against the grid's leaf
+hashes (kept in the metadata), rebuild a lost or damaged one from 2|m|/k bytes of their peers'
+blocks (written back to its folder), and each rank receives, verified, only the blocks of m that
+hold the items it loads. Loading at another world
 size, or in one process, reads every ``rank*`` folder under PATH it can reach and decodes
 from any k that verify (saved at 4, loaded at 2 or 1 on a shared or copied folder).
 
@@ -266,7 +267,7 @@ def _commitment_of(body: bytes) -> tuple[Metadata, Commitment]:
 class CodedStorageReader(StorageReader):
     """DCP ``StorageReader`` for :class:`CodedStorageWriter` checkpoints (see the module
     docstring). ``skipped``: folders or parts left out and why; ``stats``: bytes per phase,
-    whether this rank was repaired, seconds; ``reported``/``bad``: whose symbols or rows failed.
+    whether this rank was repaired, seconds; ``reported``/``bad``: whose blocks failed.
     `transport`: the :class:`._transport.Transport` class (tests inject faults through it)."""
 
     def __init__(self, path: str | os.PathLike, *, transport: type[Transport] = Transport,
@@ -366,7 +367,7 @@ class CodedStorageReader(StorageReader):
         return plans
 
     def _recover(self, plan: LoadPlan):
-        """Collective: check, repair (and write back), then fetch the rows this plan reads ->
+        """Collective: check, repair (and write back), then fetch the blocks this plan reads ->
         a function (offset, length) -> bytes of m."""
         t0 = time.perf_counter()
         tp, com, code = self._tp, self.com, self.code

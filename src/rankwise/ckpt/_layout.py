@@ -4,8 +4,8 @@ A checkpoint is a folder ``PATH`` holding one folder per party (rank) i, ``PATH/
 
 - ``fragment.rwck``: the party's row C[i, :] and column R[:, i] (:class:`._format.Fragment`);
 - ``.metadata.rwck``: sealed JSON: what the checkpoint holds (DCP's metadata, every field written
-  out: :mod:`._dcp_meta`) and the commitment's bytes; the same bytes in every folder, written
-  after the fragment (a folder with metadata is complete).
+  out: :mod:`._dcp_meta`), the commitment's bytes and the grid's leaf hashes; the same bytes in
+  every folder, written after the fragment (a folder with metadata is complete).
 
 ``dcp.save`` with :class:`rankwise.ckpt.CodedStorageWriter` writes it (each rank its own folder,
 on its own disk) and ``rankwise ckpt encode FILE`` too (one process, every folder: the file's
