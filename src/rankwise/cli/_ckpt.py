@@ -525,7 +525,7 @@ def demo_cmd(
     t.add_row("checkpoint |m| (state, every rank's RNG, framing)", f"{r['checkpoint_bytes']:,} B")
     for h, b in r["repair_bytes_per_helper"].items():
         t.add_row(f"repair bytes from rank {h}", f"{b:,} B")
-    t.add_row("repair bytes total (with Merkle paths)", f"{r['repair_bytes_total']:,} B")
+    t.add_row("repair bytes total (raw blocks)", f"{r['repair_bytes_total']:,} B")
     t.add_row("payload measured vs 2d|m|/k²",
               f"{r['repair_payload_measured']:,} vs {r['repair_payload_formula']:,.0f} B")
     t.add_row("repair time vs full retrieval",
