@@ -53,7 +53,7 @@ from .. import _io
 from ..dist import group_timeout
 from . import _dcp_meta, _layout, _phases, _store
 from ._code2d import Code2D, NotEnoughSymbols
-from ._format import METADATA, Commitment, seal
+from ._format import METADATA, Commitment, Fragment, seal
 from ._transport import Transport
 
 log = logging.getLogger(__name__)
@@ -268,11 +268,16 @@ class CodedStorageReader(StorageReader):
     """DCP ``StorageReader`` for :class:`CodedStorageWriter` checkpoints (see the module
     docstring). ``skipped``: folders or parts left out and why; ``stats``: bytes per phase,
     whether this rank was repaired, seconds; ``reported``/``bad``: whose blocks failed.
-    `transport`: the :class:`._transport.Transport` class (tests inject faults through it)."""
+    `transport`: the :class:`._transport.Transport` class (tests inject faults through it).
+    `scrub` (default): every load reads its rank's whole fragment and checks all its blocks, so a
+    damaged one is found and rebuilt now; ``scrub=False`` reads only the row blocks the ranks ask
+    for (a damaged block is decoded around where it is used, and stays on disk until a scrubbing
+    load or ``rankwise ckpt verify``)."""
 
     def __init__(self, path: str | os.PathLike, *, transport: type[Transport] = Transport,
-                 inner: tuple[str, ...] = ()) -> None:
+                 inner: tuple[str, ...] = (), scrub: bool = True) -> None:
         super().__init__()
+        self.scrub = scrub
         self.root, self.inner, self.transport = Path(path), tuple(inner), transport
         self.path = self.root.joinpath(*self.inner)
         self.rank, world = _world()
@@ -371,17 +376,29 @@ class CodedStorageReader(StorageReader):
         a function (offset, length) -> bytes of m."""
         t0 = time.perf_counter()
         tp, com, code = self._tp, self.com, self.code
+        rows: _layout.RowBlocks | None = None
         try:
             fd, frag, why = self._fd, None, None
             try:  # (the folder the vote read, through its descriptor: a link swapped in since costs nothing)
-                if fd is not None:
+                if fd is not None and self.scrub:
                     _, frag, why = _layout.read_party(fd, com)
+                elif fd is not None:
+                    rows = _layout.RowBlocks(fd, com)
             except (OSError, ValueError) as e:
                 why = str(e)
             if why:
                 self._skip(folder(self.rank), why)
             t1 = time.perf_counter()
-            checked = _phases.present_and_repair(code, tp, com, self.leaves, frag)
+
+            def load() -> Fragment | None:
+                try:
+                    return _layout.read_party(fd, com)[1]
+                except (OSError, ValueError):
+                    return None
+
+            checked = (_phases.present_and_repair(code, tp, com, self.leaves, frag) if self.scrub else
+                       _phases.present_and_repair(code, tp, com, self.leaves, None, present=rows is not None,
+                                                  load=load))
             t2 = time.perf_counter()
             try:
                 if fd is not None and checked.rebuilt is not None:
@@ -402,11 +419,17 @@ class CodedStorageReader(StorageReader):
         t3 = time.perf_counter()
         bad_blocks: set[int] = set()
         own = checked.rebuilt or checked.verified
+        row_block = (None if own is None else
+                     lambda c: np.frombuffer(own.row, np.uint8)[c * B:(c + 1) * B])
+        if row_block is None and rows is not None:
+            row_block = rows.block
         try:
-            blocks, bad_blocks = _phases.fetch_blocks(code, tp, com, self.leaves,
-                                                      None if own is None else own.row, checked.holders, need)
+            blocks, bad_blocks = _phases.fetch_blocks(code, tp, com, self.leaves, row_block,
+                                                      checked.holders, need)
         finally:  # (every rank reports, also one whose retrieval failed: the others wait for it)
             self.reported = _phases.report(tp, checked.bad | bad_blocks)
+            if rows is not None:
+                rows.close()
         self.bad = sorted(p for p, by in self.reported.items() if len(by) > com.t)
         self.stats = {"sent": dict(tp.sent), "received": dict(tp.received), "control": dict(tp.control),
                       "repaired": checked.rebuilt is not None, "helpers": checked.helpers,

@@ -172,3 +172,37 @@ def scan(path: str | os.PathLike, *, fragments: bool = True) -> Scan:
             else:
                 s.fragments[party] = frag
     return s
+
+
+class RowBlocks:
+    """A party's fragment opened for block reads: its size and header checked (nothing else read),
+    then row blocks C[i, c] read one at a time (``block(c)``, k of B bytes each; not verified: the
+    caller checks each against its leaf hash). Close with :meth:`close`."""
+
+    def __init__(self, fd: int, com: Commitment) -> None:
+        from ._format import FRAGMENT_HEAD, check_fragment_head, fragment_size
+
+        self.B = com.block_size
+        line = (com.n - com.t) * self.B
+        self._stack = contextlib.ExitStack()
+        try:
+            self._fd, size = self._stack.enter_context(_io.open_regular(FRAGMENT, dir_fd=fd))
+            if size != fragment_size(line):
+                raise ValueError(f"{FRAGMENT} is {size:,} bytes where {fragment_size(line):,} are expected")
+            check_fragment_head(os.pread(self._fd, FRAGMENT_HEAD, 0), line)
+        except BaseException:
+            self._stack.close()
+            raise
+        self._at = FRAGMENT_HEAD
+
+    def block(self, c: int):
+        import numpy as np
+
+        buf = bytearray(self.B)
+        got = os.preadv(self._fd, [buf], self._at + c * self.B)
+        if got != self.B:
+            raise ValueError(f"{FRAGMENT} shrank while it was read")
+        return np.frombuffer(buf, np.uint8)
+
+    def close(self) -> None:
+        self._stack.close()

@@ -220,25 +220,34 @@ def leaf_matrix(code: Code2D, com: Commitment, raw: bytes) -> list[list[bytes]]:
     return L
 
 
-def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], frag: Fragment | None
-                       ) -> Checked:
+def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], frag: Fragment | None,
+                       *, present: bool | None = None, load=None) -> Checked:
     """The check: each rank hashes the 2k blocks of its fragment against their leaf hashes (no
     line is extended); then the repair of every rank whose fragment is missing or bad: k helpers
     (the lowest-numbered good ranks; the others only when blocks fail) each send P[target, j] and
     P[j, target] (2|m|/k² bytes), computed from their lines; the target checks each block against
-    its leaf hash."""
+    its leaf hash.
+
+    Without the scrub (`present` given instead of `frag`: the fragment file's size and header are
+    right; `load` reads it whole when this rank must help a repair), a damaged fragment is not
+    found here: its blocks fail where they are used (:func:`fetch_blocks` decodes around them)."""
     tp.phase = "check"
     me, B, h, k = tp.rank, com.block_size, code._h, code.k
-    ok = frag is not None and len(frag.row) == k * B and len(frag.col) == k * B and all(
-        _merkle.leaf(h, frag.row[c * B:(c + 1) * B]) == L[me][c]
-        and _merkle.leaf(h, frag.col[c * B:(c + 1) * B]) == L[c][me] for c in range(k))
-    if frag is not None and not ok:
-        log.warning("rank %d: its fragment does not match the commitment; rebuilding it", me)
-        frag = None
+    if present is not None:
+        ok = present
+    else:
+        ok = frag is not None and len(frag.row) == k * B and len(frag.col) == k * B and all(
+            _merkle.leaf(h, frag.row[c * B:(c + 1) * B]) == L[me][c]
+            and _merkle.leaf(h, frag.col[c * B:(c + 1) * B]) == L[c][me] for c in range(k))
+        if frag is not None and not ok:
+            log.warning("rank %d: its fragment does not match the commitment; rebuilding it", me)
+            frag = None
     good = _flag(tp, ok)
     failed = [p for p in range(code.n) if p not in good]
     if not failed:
         return Checked(None, good, verified=frag)
+    if present and frag is None and me in good[:code.k] and load is not None:
+        frag = load()  # (a helper computes its blocks from its whole lines)
     tp.phase = "repair"
     rebuilt: Fragment | None = None
     pairs: dict[int, RepairSymbols] = {}
@@ -270,23 +279,26 @@ def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], 
     if bad:
         log.warning("repair of rank %d: bad blocks from helpers %s", me, sorted(bad))
     tp.phase = "check"
-    return Checked(rebuilt, _flag(tp, frag is not None or rebuilt is not None), used, bad, frag)
+    return Checked(rebuilt, _flag(tp, ok or rebuilt is not None), used, bad, frag)
 
 
-def fetch_blocks(code: Code2D, tp, com: Commitment, L: list[list[bytes]], row, holders: list[int],
+def fetch_blocks(code: Code2D, tp, com: Commitment, L: list[list[bytes]], row_block, holders: list[int],
                  need: set[int]) -> tuple[dict[int, np.ndarray], set[int]]:
     """The verified blocks M[a, c] (block number b = a·k + c of m) in `need`: each from the rank
     holding row a, checked against its leaf hash; a block that is missing or fails is decoded
     from any k verified blocks P[j, c] of its column, which every holder sends from its row.
-    `row`: this rank's row C[rank, :] (k·B bytes) or ``None``. Also returns the ranks whose
+    `row_block(c)`: block c of this rank's row C[rank, :], or ``None``. Also returns the ranks whose
     blocks failed. Raises ``NotEnoughSymbols`` on a rank that cannot get k verified blocks of a
     column (the others finish)."""
     tp.phase = "retrieve"
     n, k, B, me, h = code.n, code.k, com.block_size, tp.rank, code._h
-    mine = None if row is None else np.frombuffer(row, np.uint8)
+    mine = row_block
+    cache: dict[int, np.ndarray] = {}
 
     def block(c: int) -> np.ndarray:
-        return mine[c * B:(c + 1) * B]
+        if c not in cache:
+            cache[c] = row_block(c)
+        return cache[c]
 
     asked = tp.gather(bytes(1 if b in need else 0 for b in range(k * k)), k * k)
     wants = [set() if v is None or len(v) != k * k else {b for b in range(k * k) if v[b]} for v in asked]
