@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,8 +48,12 @@ class NotEnoughSymbols(Exception):
 
 @dataclass(frozen=True)
 class Dispersal:
+    """What :meth:`Code2D.encode` gives: the n fragments, the commitment, and the leaf hashes of
+    every block of P (``leaves[i][j]`` = leaf of P[i, j], computed once by the encode)."""
+
     fragments: list[Fragment]
     commitment: Commitment
+    leaves: list[list[bytes]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,7 @@ class Code2D:
         _parallel(column, range(n))
         frags = [Fragment(i, memoryview(P[i, :k].reshape(-1)), memoryview(R[i].reshape(-1)))
                  for i in range(n)]
-        return Dispersal(frags, self._commitment(len(mv), tuple(rows + cols)))
+        return Dispersal(frags, self._commitment(len(mv), tuple(rows + cols)), leaves)
 
     def encode_share(self, data: bytes | bytearray | memoryview, index: int, *,
                      out: np.ndarray | None = None) -> tuple[Fragment, bytes, bytes]:

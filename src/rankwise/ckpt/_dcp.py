@@ -224,9 +224,7 @@ class CodedStorageWriter(StorageWriter):
             t1 = time.perf_counter()
             if self.group is None:
                 disp = self.code.encode(share)
-                frags, com, docs, starts = disp.fragments, disp.commitment, [doc], [0]
-                B = com.block_size
-                leaves = [self.code.lines(f, B).row_tree[0] for f in frags]
+                frags, com, docs, starts, leaves = disp.fragments, disp.commitment, [doc], [0], disp.leaves
                 sent = 0
             else:
                 tp = self.transport(self.group)

@@ -96,25 +96,28 @@ def encode_across(code: Code2D, tp, share, doc: bytes
 
     col = np.zeros((k, B), np.uint8)  # R[:, me] = P[0..k−1, me]
     sends, recvs = {}, {}
+    row_line = col_line = None
     if me < k:  # P[me, :] from M's row; block i is rank i's column block
-        line = code._line(flat, B)
-        sends = {i: line[i] for i in range(n) if i != me}
-        col[me] = line[me]
+        row_line = code._line(flat, B)
+        sends = {i: row_line[i] for i in range(n) if i != me}
+        col[me] = row_line[me]
     recvs = {r: col[r] for r in range(k) if r != me}
     tp.swap(sends, recvs)
 
     sends, recvs = {}, {}
     if me < k:  # P[:, me] from the column; block j (a parity row) is rank j's row block
-        line = code._line(col.reshape(-1), B)
-        sends = {j: line[j] for j in range(k, n)}
+        col_line = code._line(col.reshape(-1), B)
+        sends = {j: col_line[j] for j in range(k, n)}
     else:
         recvs = {c: row[c] for c in range(k)}
     tp.swap(sends, recvs)
 
     frag = Fragment(me, memoryview(flat), memoryview(col.reshape(-1)))
-    lines = code.lines(frag, B)
-    d = len(lines.row_tree[0][0])
-    leaves = tp.gather(b"".join(lines.row_tree[0] + lines.col_tree[0]), 2 * n * d)
+    if row_line is None:  # (a parity rank's lines; a data rank extended both above)
+        row_line, col_line = code._line(flat, B), code._line(col.reshape(-1), B)
+    mine = [_merkle.leaf(code._h, b) for b in (*row_line, *col_line)]  # each block hashed once
+    d = len(mine[0])
+    leaves = tp.gather(b"".join(mine), 2 * n * d)
     if any(x is None or len(x) != 2 * n * d for x in leaves):
         raise RuntimeError(f"coded save: ranks {[p for p, x in enumerate(leaves) if x is None]} sent "
                            "malformed Merkle leaves")
@@ -244,10 +247,9 @@ def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], 
             frag = None
     good = _flag(tp, ok)
     failed = [p for p in range(code.n) if p not in good]
+    verified = frag if present is None else None  # (without the scrub nothing was checked)
     if not failed:
-        return Checked(None, good, verified=frag)
-    if present and frag is None and me in good[:code.k] and load is not None:
-        frag = load()  # (a helper computes its blocks from its whole lines)
+        return Checked(None, good, verified=verified)
     tp.phase = "repair"
     rebuilt: Fragment | None = None
     pairs: dict[int, RepairSymbols] = {}
@@ -257,9 +259,14 @@ def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], 
         if not helpers:
             break
         sends: dict[int, np.ndarray] = {}
-        if me in helpers and frag is not None:
-            row, col = code._line(frag.row, B), code._line(frag.col, B)
-            sends = {i: np.concatenate([col[i], row[i]]) for i in failed}  # P[i, me], P[me, i]
+        if me in helpers:
+            if frag is None and load is not None:
+                frag = load()  # (without the scrub: a helper reads its whole fragment now)
+            if frag is not None:
+                row, col = code._line(frag.row, B), code._line(frag.col, B)
+                sends = {i: np.concatenate([col[i], row[i]]) for i in failed}  # P[i, me], P[me, i]
+            else:  # unreadable after all: blocks that fail, so the targets ask the next helpers
+                sends = {i: np.zeros(2 * B, np.uint8) for i in failed}
         recvs = {j: np.zeros(2 * B, np.uint8) for j in helpers} if me in failed else {}
         tp.swap(sends, recvs)
         used += list(recvs)
@@ -279,7 +286,7 @@ def present_and_repair(code: Code2D, tp, com: Commitment, L: list[list[bytes]], 
     if bad:
         log.warning("repair of rank %d: bad blocks from helpers %s", me, sorted(bad))
     tp.phase = "check"
-    return Checked(rebuilt, _flag(tp, ok or rebuilt is not None), used, bad, frag)
+    return Checked(rebuilt, _flag(tp, ok or rebuilt is not None), used, bad, verified)
 
 
 def fetch_blocks(code: Code2D, tp, com: Commitment, L: list[list[bytes]], row_block, holders: list[int],
