@@ -118,6 +118,14 @@ def _four(rank: int, root: str) -> dict:
         out[damage] = _restore_record(ck, 3)
         out[damage]["rebuilt_identical"] = _files(mine) == before
 
+    # a replica that diverged: only rank 0's state is written, so the save compares digests first
+    try:
+        ck.save(_state(4 if rank == 2 else 3), 4)
+        out["diverged"] = None
+    except RuntimeError as e:
+        out["diverged"] = str(e)
+    out["diverged_left_nothing"] = not _step(store, 4).exists()
+
     # rank 1 serves corrupted rows (and would serve corrupted repair symbols)
     out["liar"] = _restore_record((LyingCheckpointer if rank == 1 else CodedCheckpointer)(
         t=1, store_dir=store), 3)
@@ -328,3 +336,11 @@ def test_n7_t2_a_lying_helper_is_detected_reported_and_excluded(tmp_path):
         assert r["stats"]["n"] == 7 and r["stats"]["k"] == 5
     assert out[3]["stats"]["helpers"] == [0, 1, 2, 4, 5, 6]  # k = 5; rank 6 once rank 5's symbols failed
     assert out[3]["stats"]["repair_bytes_received"] > 0
+
+
+def test_a_save_of_diverged_replicas_fails_on_every_rank_naming_them(four):
+    _, out = four
+    for r in out:
+        assert r["diverged"] is not None, r
+        assert "ranks grouped by state digest: [[0, 1, 3], [2]]" in r["diverged"]
+        assert r["diverged_left_nothing"]

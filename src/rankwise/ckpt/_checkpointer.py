@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -166,10 +167,12 @@ class CodedCheckpointer:
         if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < STEP_LIMIT:
             raise ValueError(f"`step` must be an int in [0, 2**64); got {step!r}")
         t0 = time.perf_counter()
+        blob = _tensor(state)
         sd = {f"per_rank/{self.rank}": _tensor(per_rank)}
         if self.rank == 0:  # written once (every rank holds the same state)
-            sd["state"] = _tensor(state)
+            sd["state"] = blob
         self.wait()
+        self._same_state(blob, step)
         if blocking:
             self._save(sd, step, t0, 0.0)
             return None
@@ -178,6 +181,20 @@ class CodedCheckpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rankwise-ckpt")
         self._pending = self._executor.submit(self._save, sd, step, t0, blocked)
         return self._pending
+
+    def _same_state(self, blob: torch.Tensor, step: int) -> None:
+        """Every rank's serialised state must be the same bytes (only rank 0's is written): the
+        ranks exchange a blake3 digest of theirs, and every rank raises alike, naming the groups,
+        when replicas diverged."""
+        tp = self.transport(self.group)
+        tp.phase = "digest"
+        got = tp.gather(blake3.blake3(blob.numpy()).digest(), 32)
+        if len(set(got)) > 1:
+            groups: dict[bytes | None, list[int]] = {}
+            for r, g in enumerate(got):
+                groups.setdefault(g, []).append(r)
+            raise RuntimeError(f"save(step={step}): the ranks hold different states (ranks grouped by "
+                               f"state digest: {sorted(groups.values())})")
 
     def _save(self, sd: dict, step: int, t0: float, blocked: float) -> None:
         import torch.distributed.checkpoint as dcp
