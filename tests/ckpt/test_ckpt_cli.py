@@ -304,3 +304,35 @@ def test_encode_force_drops_the_old_metadata_first_and_only_our_stale_folders(tm
     assert r.exit_code == 0 and "rank5 (" in text and "party 5 of a checkpoint of 4)" in text, r
     assert run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "back.bin").exit_code == 0
     assert (tmp_path / "back.bin").read_bytes() == new
+
+
+def test_encode_refuses_part_of_a_checkpoint_without_force(tmp_path):
+    """A rank folder holding a fragment but no metadata (an interrupted run's, or the user's) is
+    not overwritten without --force; --force replaces it."""
+    (tmp_path / "ck.bin").write_bytes(data := random.Random(10).randbytes(5_000))
+    folder = tmp_path / "d"
+    (folder / "rank1").mkdir(parents=True)
+    (folder / "rank1" / FRAGMENT).write_bytes(b"mine")
+    args = ("ckpt", "encode", tmp_path / "ck.bin", "--n", 4, "--t", 1, "--out", folder)
+    r = run_cli(*args)
+    assert r.exit_code == 1 and "rank1/fragment.rwck" in r.stderr and "--force" in r.stderr, r
+    assert sorted(p.name for p in folder.iterdir()) == ["rank1"]
+    assert (folder / "rank1" / FRAGMENT).read_bytes() == b"mine"
+    assert run_cli(*args, "--force").exit_code == 0
+    assert run_cli("ckpt", "retrieve", folder, "--out", tmp_path / "back.bin").exit_code == 0
+    assert (tmp_path / "back.bin").read_bytes() == data
+
+
+def test_inspect_of_metadata_whose_entries_are_no_mapping_is_not_an_internal_error(tmp_path):
+    import json
+
+    from rankwise.ckpt._format import METADATA, seal
+    from rankwise.ckpt._store import read_metadata
+
+    folder, _ = _encode(tmp_path, random.Random(11).randbytes(5_000))
+    doc = json.loads(read_metadata(folder / "rank0" / META))
+    doc["state_dict_metadata"] = 5
+    for i in range(4):
+        (folder / f"rank{i}" / META).write_bytes(seal(METADATA, json.dumps(doc).encode()))
+    r = run_cli("ckpt", "inspect", folder)
+    assert r.exit_code == 0 and "not a mapping" in r.output and "internal error" not in r.stderr, r

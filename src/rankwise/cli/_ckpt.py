@@ -8,15 +8,16 @@ one from a file; ``dcp.save`` with :class:`rankwise.ckpt.CodedStorageWriter` wri
 metadata a quorum of the folders hold byte for byte is the checkpoint's. These five commands
 never import torch.
 
-Overwrites: ``encode`` refuses an output folder that already holds a coded checkpoint (a
-``rank{i}`` folder with a metadata file); ``--force`` replaces it: every old metadata file is
-removed first (an interrupted run never leaves a mix that looks complete), then each worker's
-fragment and metadata are written, and stale ``rank{i}`` folders beyond the new n that hold
-nothing but those two files are deleted (nothing else is); ``retrieve`` refuses an existing
-``--out`` file without ``--force``; ``repair`` rewrites only a worker whose fragment is missing
-or does not match the commitment (a matching fragment whose metadata is missing or differs gets
-the metadata alone; ``--force`` rebuilds a valid fragment too); ``demo`` refuses a ``--workdir``
-that holds an earlier demo without ``--force`` and never deletes anything else there.
+Overwrites: ``encode`` refuses an output folder that already holds a coded checkpoint, or part
+of one (a ``rank{i}`` folder with a fragment or a metadata file); ``--force`` replaces it: every
+old metadata file is removed first (an interrupted run never leaves a mix that looks complete),
+then each worker's fragment and metadata are written, and stale ``rank{i}`` folders beyond the
+new n that hold nothing but those two files are deleted (nothing else is); ``retrieve`` refuses
+an existing ``--out`` file without ``--force``; ``repair`` rewrites only a worker whose fragment
+is missing or does not match the commitment (a matching fragment whose metadata is missing or
+differs gets the metadata alone; ``--force`` rebuilds a valid fragment too); ``demo`` refuses a
+``--workdir`` that holds an earlier demo without ``--force`` and never deletes anything else
+there.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def _no_checkpoint(folder: Path, s) -> UserError:
 
 def _open(folder: Path, *, pinned: bytes | None = None):
     """``(code, scan)`` of a coded checkpoint folder (:func:`rankwise.ckpt._layout.scan`), or a
-    one-line UserError: a folder that is not one, or where no metadata has a quorum, or whose
-    commitment is inconsistent (its fields do not hash to its root) or of format 1 (whose root
-    binds no header field), is refused; so is one whose root is not `pinned` (``--root``), before
-    any fragment is read. Imports the codec (numpy), never torch."""
+    one-line UserError: a folder that is not one, or where no metadata has a quorum (malformed
+    metadata, or a format-1 commitment, has none: :func:`._layout.commitment_of` refuses it), or
+    whose commitment is inconsistent (its fields do not hash to its root), is refused; so is one
+    whose root is not `pinned` (``--root``), before any fragment is read. Imports the codec
+    (numpy), never torch."""
     if not folder.is_dir():
         raise UserError(f"FOLDER {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     from ..ckpt import Code2D, _layout
@@ -90,16 +92,9 @@ def _open(folder: Path, *, pinned: bytes | None = None):
             s = _layout.scan(folder, fragments=fragments)
         except FileNotFoundError as e:
             raise UserError(_one_line(e), 1) from None
-        except (TypeError, IndexError, KeyError, AttributeError) as e:  # (_layout.commitment_of reads
-            # storage_data outside its checks: a malformed entry escapes as these)
-            raise UserError(_one_line(f"{folder}: coded checkpoint metadata is malformed: "
-                                      f"{type(e).__name__}: {e}"), 1) from None
         if s.com is None:
             raise _no_checkpoint(folder, s)
         com = s.com
-        if com.version < 2:
-            raise UserError(f"{folder}'s commitment has format {com.version}, whose root does not bind its "
-                            "header (n, t, data length, block size): it is not read (re-encode the data)", 1)
         try:
             code = Code2D(com.n, com.t, hash=com.hash)
             code._check(com)  # its fields hash to its root, its block size fits its length
@@ -178,13 +173,14 @@ def _drop_metadata(out: Path) -> None:
 
     for name in _rank_folders(out):
         with _store.opened_folder(out, name) as fd:
-            if _layout.META in os.listdir(fd):
-                try:
-                    _unlink(fd, _layout.META)
-                except OSError as e:  # (a folder in its place)
-                    raise UserError(f"--out {out}: cannot remove {name}/{_layout.META} ({e.strerror}); "
-                                    "remove it, or choose another --out", 1) from None
-                os.fsync(fd)
+            try:
+                os.unlink(_layout.META, dir_fd=fd)
+            except FileNotFoundError:
+                continue
+            except OSError as e:  # (a folder in its place)
+                raise UserError(f"--out {out}: cannot remove {name}/{_layout.META} ({e.strerror}); "
+                                "remove it, or choose another --out", 1) from None
+            os.fsync(fd)
 
 
 def _drop_stale(out: Path, n: int) -> tuple[list[str], list[str]]:
@@ -256,9 +252,9 @@ def encode_cmd(
     # one encode at a time in --out (a second is refused, not interleaved); the folder itself is
     # locked: it holds the rank folders only
     lock_output(out, lock_file=False)
-    ranks = _rank_folders(out)
-    old = [f"{name}/{_layout.META}" for name in ranks
-           if os.path.lexists(out / name / _layout.META)]
+    # an earlier checkpoint's files, or part of one's (an interrupted run's fragments): --force replaces them
+    old = [f"{name}/{f}" for name in _rank_folders(out) for f in (_layout.META, _layout.FRAGMENT)
+           if os.path.lexists(out / name / f)]
     if old and not force:
         shown = ", ".join(old[:3]) + (" …" if len(old) > 3 else "")
         raise UserError(f"--out {out} already holds a coded checkpoint ({shown}); pass --force to replace "
@@ -452,10 +448,13 @@ def inspect_cmd(folder: Folder, root: Root = None) -> None:
     com = s.com
     status, good = _status(code, s)
     bad = {i: st for i, st in status.items() if st != "ok"}
-    doc = json.loads(s.body)
-    entries = doc.get("state_dict_metadata") or {}
-    what = ("a file, `rankwise ckpt encode`" if entries == {"file": {"kind": "bytes"}}
-            else "dcp.save with CodedStorageWriter")
+    entries = json.loads(s.body).get("state_dict_metadata") or {}  # (a dict: commitment_of read it)
+    if not isinstance(entries, dict):  # (its commitment's checks do not cover this field)
+        entries, what = {}, "malformed: its state_dict_metadata is not a mapping"
+    elif entries == {"file": {"kind": "bytes"}}:
+        what = "a file, `rankwise ckpt encode`"
+    else:
+        what = "dcp.save with CodedStorageWriter"
     console.print(f"n={com.n} t={com.t} k={com.n - com.t} data {com.data_len:,} bytes, "
                   f"block {com.block_size:,} bytes, hash {com.hash}, codec {com.codec}, "
                   f"root {com.root.hex()}")
