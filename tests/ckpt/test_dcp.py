@@ -139,6 +139,20 @@ def test_a_resealed_metadata_in_any_folder_is_outvoted(tmp_path):
         (ck / f"rank{bad}" / _dcp.META).write_bytes(saved)
 
 
+def test_metadata_nested_deeper_than_the_stack_is_malformed_not_a_crash(tmp_path):
+    """Two folders' metadata (the first the reader tries) nested deeper than the interpreter's
+    stack: refused as malformed, so the load ends in the one clear error (two good copies < the
+    quorum of 3), not a RecursionError out of the scan."""
+    ck = tmp_path / "ck"
+    dcp.save(_sd(0), storage_writer=CodedStorageWriter(ck, t=1, n=4))
+    for i in (0, 1):
+        _store.write_metadata(ck / f"rank{i}" / _dcp.META, b"[" * 200_000)  # json.loads: RecursionError
+    reader = CodedStorageReader(ck)
+    with pytest.raises(CheckpointException, match="no coded DCP metadata that a quorum"):
+        dcp.load(_fresh(_sd(0)), storage_reader=reader)
+    assert "malformed: RecursionError" in reader.skipped["rank0"]
+
+
 def test_a_folder_linked_to_another_is_counted_once(tmp_path):
     """Round 5: a location replaced by a link to another made the reader refuse the whole set;
     it is one party (the link is skipped) and the other k decode."""

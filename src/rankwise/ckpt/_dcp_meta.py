@@ -100,7 +100,7 @@ def decode(blob: bytes) -> Metadata:
         planner = doc["planner_data"]
         planner = None if planner is None else {k: _tuples(v) for k, v in planner.items()}
         version = doc["version"]
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"coded DCP metadata is malformed: {type(e).__name__}: {e}") from None
     return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
                     storage_meta=StorageMeta(), version=version)
@@ -179,7 +179,7 @@ def decode_file(body: bytes) -> tuple[Metadata, bytes]:
         doc = json.loads(body.decode("utf-8"))
         com = bytes.fromhex(doc.pop("commitment"))
         doc.pop("leaves", None)
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, AttributeError, RecursionError) as e:
         raise ValueError(f"coded DCP metadata is malformed: {type(e).__name__}: {e}") from None
     return decode(json.dumps(doc).encode("utf-8")), com
 
@@ -188,5 +188,5 @@ def leaves_of(body: bytes) -> bytes:
     """The leaf hashes :func:`encode_file` stored (``ValueError`` if there are none)."""
     try:
         return bytes.fromhex(json.loads(body.decode("utf-8"))["leaves"])
-    except (KeyError, TypeError, ValueError, UnicodeDecodeError) as e:
+    except (KeyError, TypeError, ValueError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"coded DCP metadata holds no leaf hashes: {type(e).__name__}: {e}") from None

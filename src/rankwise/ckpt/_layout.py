@@ -43,7 +43,8 @@ def commitment_of(body: bytes) -> Commitment:
         if doc.get("format") != FORMAT:
             raise ValueError(f"not {FORMAT}")
         roots = {bytes.fromhex(sd[1][3]) for sd in doc.get("storage_data") or []}
-    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError, AttributeError,
+            RecursionError) as e:  # (JSON nested deeper than the interpreter's stack)
         raise ValueError(f"coded checkpoint metadata is malformed: {type(e).__name__}: {e}") from None
     com = Commitment.from_bytes(raw)
     if com.version < 2:
