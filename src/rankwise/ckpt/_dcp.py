@@ -31,6 +31,7 @@ import logging
 import os
 import stat
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,11 @@ from ._transport import Transport
 log = logging.getLogger(__name__)
 
 FRAGMENT, META, folder = _layout.FRAGMENT, _layout.META, _layout.folder
-_SIDE: list = []  # [(the default group, its gloo side group)]: one per process group
+# [(the default group, its gloo side group)] as weak references: torch's registry holds the
+# side group until ``destroy_process_group``, which must free it while the interpreter is alive
+# (a gloo group still referenced by a module global at interpreter exit aborted the process:
+# "terminate called without an active exception", 4 of 30 four-rank runs under load).
+_SIDE: list[tuple[weakref.ref, weakref.ref]] = []
 
 
 def _world() -> tuple[int, int]:
@@ -71,14 +76,15 @@ def _world() -> tuple[int, int]:
 def side_group():
     """A gloo group over every rank, made once per default process group (collectively, so on
     every rank at the same point: the writers and readers make it when they are built) and used
-    by every coded save and load: an asynchronous save's messages never meet training's."""
+    by every coded save and load: an asynchronous save's messages never meet training's. Only
+    torch's registry keeps it: ``destroy_process_group`` frees it."""
     world = dist.group.WORLD
     for pg, side in _SIDE:
-        if pg is world:
-            return side
+        if pg() is world and side() is not None:
+            return side()
     _SIDE.clear()
     side = dist.new_group(backend="gloo", timeout=group_timeout())  # not torch's 30 min
-    _SIDE.append((world, side))
+    _SIDE.append((weakref.ref(world), weakref.ref(side)))
     return side
 
 
