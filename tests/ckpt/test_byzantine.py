@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -362,8 +363,8 @@ def _fresh_side_group() -> None:
     from rankwise.ckpt import _dcp
 
     dist.barrier()
-    _dcp._SIDE[:] = [(dist.group.WORLD, dist.new_group(backend="gloo",
-                                                       timeout=timedelta(seconds=SIDE_TIMEOUT)))]
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=SIDE_TIMEOUT))
+    _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]
 
 
 def _world(rank: int, root: str, n: int, t: int, marker: str) -> dict:

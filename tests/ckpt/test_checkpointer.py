@@ -344,3 +344,32 @@ def test_a_save_of_diverged_replicas_fails_on_every_rank_naming_them(four):
         assert r["diverged"] is not None, r
         assert "ranks grouped by state digest: [[0, 1, 3], [2]]" in r["diverged"]
         assert r["diverged_left_nothing"]
+
+
+def _silent(rank: int, root: str) -> tuple:
+    import time
+
+    ck = CodedCheckpointer(t=1, store_dir=Path(root) / "silent", join_timeout=2.0)
+    ck.save(_state(3), 3)
+    if rank == 1:  # a data rank (k = 3: ranks 0–2 hold M's rows): alive, silent past the deadline
+        time.sleep(8)
+        try:
+            ck.restore()
+        except RuntimeError as e:
+            return ("late", str(e))
+        return ("restored",)
+    t0 = time.monotonic()
+    rec = _restore_record(ck, 3)
+    return ("ok", rec["ok"], rec["stats"]["absent"], time.monotonic() - t0)
+
+
+def test_a_silent_rank_costs_its_vote_only(tmp_path):
+    """A rank that stays alive but does not join a restore: after `join_timeout` (2 s here; the
+    group's timeout is 60 s) the three that joined restore the state bitwise without it (its row
+    decoded from their columns); joining later, it raises naming the ranks that went on."""
+    out = run_world(_silent, 4, tmp_path, str(tmp_path), timeout=120)
+    for r in (0, 2, 3):
+        tag, ok, absent, seconds = out[r]
+        assert (tag, ok, absent) == ("ok", True, [1])
+        assert seconds < 30  # not the group's 60 s timeout
+    assert out[1][0] == "late" and "joined after" in out[1][1] and "[0, 2, 3]" in out[1][1]

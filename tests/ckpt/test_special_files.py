@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -123,7 +124,8 @@ def _restore_with_planted(rank: int, root: str):
     out = {}
     for which, kind in PLANTED:
         dist.barrier()
-        _dcp._SIDE[:] = [(dist.group.WORLD, dist.new_group(backend="gloo", timeout=timedelta(seconds=10)))]
+        side = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
+        _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]
         store = Path(root) / f"{which}-{kind}"
         try:
             ck = CodedCheckpointer(t=1, store_dir=store)

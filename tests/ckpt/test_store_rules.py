@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import weakref
 from pathlib import Path
 
 import pytest
@@ -223,8 +224,8 @@ def _fresh_side_group() -> None:
     from rankwise.ckpt import _dcp
 
     dist.barrier()
-    _dcp._SIDE[:] = [(dist.group.WORLD, dist.new_group(backend="gloo",
-                                                       timeout=timedelta(seconds=SIDE_TIMEOUT)))]
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=SIDE_TIMEOUT))
+    _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]
 
 
 def _world(rank: int, root: str) -> dict:

@@ -11,7 +11,9 @@ next older step when a step cannot be retrieved. For sharded state (FSDP2) use `
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import functools
 import hashlib
 import io
 import logging
@@ -32,11 +34,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ..dist import group_timeout
 from . import _layout, _store, _wire
 from ._dcp import CodedStorageReader, CodedStorageWriter, side_group
-from ._transport import Transport
+from ._transport import Transport, attend
 
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"step_([0-9]{10,20})")
 STEP_LIMIT = 2**64  # steps are below this
+_ROUNDS: collections.Counter[str] = collections.Counter()  # restores per side group, for attend
 
 
 def step_of(name: str) -> int | None:
@@ -116,11 +119,14 @@ class CodedCheckpointer:
     - `weights_only`: passed to ``torch.load`` of the restored state.
     - `transport`: the :class:`._transport.Transport` class its ranks talk through (a lying one
       in tests: :class:`rankwise.ckpt.testing.LyingCheckpointer`).
+    - `join_timeout`: seconds a restore waits for every rank to join it (default: the process
+      group's timeout); the ranks that joined then restore without the others (a silent rank
+      costs its vote only: at most t may be missing), and a rank that joins later raises.
     """
 
     def __init__(self, *, t: int, store_dir: str | Path, process_group: dist.ProcessGroup | None = None,
                  hash: str = "blake3", keep: int = 2, weights_only: bool = True,
-                 transport: type[Transport] = Transport) -> None:
+                 transport: type[Transport] = Transport, join_timeout: float | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("CodedCheckpointer needs an initialised process group "
                                "(rankwise.dist.init_process_group() under torchrun)")
@@ -144,6 +150,9 @@ class CodedCheckpointer:
         # the step scan's own time bound (before the restore's first collective): a quarter of the
         # group's timeout, at most 60 s, so a rank on a slow disk still votes in time
         self.scan_seconds = min(60.0, group_timeout().total_seconds() / 4)
+        if join_timeout is not None and not join_timeout > 0:
+            raise ValueError(f"`join_timeout` must be > 0 seconds; got {join_timeout!r}")
+        self.join_timeout = group_timeout().total_seconds() if join_timeout is None else join_timeout
         self.per_rank: Any = None
         self._stats: dict[str, Any] = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -272,7 +281,17 @@ class CodedCheckpointer:
         import torch.distributed.checkpoint as dcp
         self.wait()
         t0 = time.perf_counter()
-        tp = self.transport(self.group)
+        _ROUNDS[self.group.group_name] += 1  # (every rank counts its restores alike)
+        absent = attend(self.group, f"{self.group.group_name}/restore{_ROUNDS[self.group.group_name]}",
+                        self.join_timeout)
+        if len(absent) > self.t:
+            raise RuntimeError(f"restore: ranks {sorted(absent)} did not join within "
+                               f"{self.join_timeout:g} s; at most t={self.t} may be missing")
+        if absent:
+            log.error("restore: ranks %s did not join within %g s; the others restore without them",
+                      sorted(absent), self.join_timeout)
+        transport = functools.partial(self.transport, absent=absent)
+        tp = transport(self.group)
         tp.phase = "vote"
         mine = _wire.votes(self._local_steps(), 32)
         held = [_wire.unvotes(b, 32) for b in tp.gather(mine, _wire.votes_size(32))]
@@ -295,7 +314,7 @@ class CodedCheckpointer:
         for step in candidates:
             keys = ["state", f"per_rank/{self.rank}"]
             template: dict[str, Any] = dict.fromkeys(keys)  # (made at their sizes by the planner)
-            reader = CodedStorageReader(self.root_dir, transport=self.transport,
+            reader = CodedStorageReader(self.root_dir, transport=transport,
                                         inner=(self._step_name(step),))
             why = None
             try:  # (no_dist: see save; the ranks agree on the outcome below, over the transport)
@@ -326,7 +345,8 @@ class CodedCheckpointer:
             flag = b"\x01" if reader.stats.get("repaired") else b"\x00"
             repaired = [r for r, v in enumerate(tp.gather(flag, 1)) if v == b"\x01"]
             st = reader.stats
-            self._stats = dict(op="restore", step=step, repaired=repaired, seconds=time.perf_counter() - t0,
+            self._stats = dict(op="restore", step=step, repaired=repaired, absent=sorted(absent),
+                               seconds=time.perf_counter() - t0,
                                state_bytes=template["state"].numel(), skipped=skipped,
                                reported=reader.reported,
                                bad_helpers=reader.bad, data_len=reader.com.data_len,

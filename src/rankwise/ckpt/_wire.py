@@ -39,13 +39,14 @@ def exchange(sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor], gro
     return dict(zip(recvs, works[len(sends):], strict=True)), works[:len(sends)]
 
 
-def all_gather_fixed(payload: bytes, size: int, group) -> list[bytes | None]:
+def all_gather_fixed(payload: bytes, size: int, group, absent: frozenset[int] = frozenset()
+                     ) -> list[bytes | None]:
     """Every rank's `payload` (at most `size` bytes, this rank's included), each received from
     its sender directly (:func:`exchange`, never relayed). A message is its length, the payload
     padded to `size`, and a CRC-32 of both: a peer's message whose length field exceeds `size`, or
     that arrived short (gloo fills a receive buffer only as far as the sender sent; the buffers
     start zeroed, so a short message never exposes old memory and fails its check), comes back as
-    ``None``."""
+    ``None``; so does an `absent` peer's (nothing is sent to or received from it)."""
     if len(payload) > size:
         raise ValueError(f"message of {len(payload)} bytes exceeds its bound of {size}")
     buf = bytearray(4 + size + 4)
@@ -54,12 +55,15 @@ def all_gather_fixed(payload: bytes, size: int, group) -> list[bytes | None]:
     buf[-4:] = struct.pack("<I", zlib.crc32(buf[:-4]))
     mine = torch.frombuffer(buf, dtype=torch.uint8)
     me, n = dist.get_rank(group), dist.get_world_size(group)
-    out = {p: torch.zeros_like(mine) for p in range(n) if p != me}
+    out = {p: torch.zeros_like(mine) for p in range(n) if p != me and p not in absent}
     received, sent = exchange({p: mine for p in out}, out, group)
     for w in (*received.values(), *sent):
         w.wait()
     got: list[bytes | None] = []
     for p in range(n):
+        if p in absent and p != me:
+            got.append(None)
+            continue
         raw = (mine if p == me else out[p]).numpy().tobytes()
         m = struct.unpack_from("<I", raw)[0]
         whole = struct.unpack_from("<I", raw, len(raw) - 4)[0] == zlib.crc32(raw[:-4])
