@@ -88,7 +88,7 @@ def _with_commitment(doc: dict, raw: bytes, *, roots: bool) -> dict:
     commitment's root too (a forgery consistent in itself)."""
     out = dict(doc, commitment=raw.hex())
     if roots:
-        root = Commitment.from_bytes(raw).root.hex()
+        root = raw[-64:-32].hex()  # (a sealed commitment ends with its 32-byte root and checksum)
         out["storage_data"] = [[key, [*where[:3], root]] for key, where in doc["storage_data"]]
     return out
 
@@ -139,7 +139,7 @@ def _restored(ck, expect: int) -> dict:
 # ---------------------------------------------------------------------- scenarios (one world each)
 def _bad_location(rank: int, store: Path, marker: str, t: int) -> dict:
     """Rank 0's folder of step 3 replaced, attack after attack, by what _attacks lists; then every
-    rank's step-3 metadata holding a format-1 commitment."""
+    rank's step-3 metadata holding a format-1 commitment (a format never read)."""
     import torch.distributed as dist
 
     from rankwise.ckpt import CodedCheckpointer
@@ -437,7 +437,7 @@ def test_a_format_1_checkpoint_is_never_read_and_the_restore_falls_back(worlds, 
         got = r["bad_location"]["format 1 checkpoint"]
         assert "error" not in got, got
         assert got["step"] == 2 and got["ok"], got
-        assert [s for s, _ in got["skipped"]] == [3] and "format-1" in got["skipped"][0][1], got
+        assert [s for s, _ in got["skipped"]] == [3] and "format version 1" in got["skipped"][0][1], got
 
 
 def test_one_lying_rank_is_reported_and_excluded_and_runs_no_code(worlds):
@@ -534,19 +534,27 @@ def test_a_rank_that_sends_a_pickle_in_place_of_its_plan_runs_no_code_on_its_pee
     assert not Path(f"{marker}-plan").exists(), "the coordinator unpickled rank 3's plan"
 
 
-@pytest.mark.parametrize("field", ["data_len", "block_size", "t", "hash", "codec", "version"])
+@pytest.mark.parametrize("field", ["data_len", "block_size", "t", "hash", "codec"])
 def test_every_header_field_is_bound_to_the_root(field):
     """Changing any field decoding uses, even by re-sealing the file, breaks the root (and
     recomputing the root gives another root, which the vote of the k honest ranks outweighs)."""
     code = Code2D(4, 1)
     c = code.encode(os.urandom(5000)).commitment
     changed = {"data_len": c.data_len - 1, "block_size": c.block_size + 1, "t": 2, "hash": "sha256",
-               "codec": "xor", "version": 1}[field]
+               "codec": "xor"}[field]
     forged = Commitment.from_bytes(_reseal(c, **{field: changed, "keep_root": True}))
     with pytest.raises(ValueError, match=r"inconsistent|this code is"):
         code._check(forged)
     recomputed = Commitment.from_bytes(_reseal(c, **{field: changed}))
     assert recomputed.root != c.root
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_a_commitment_of_another_format_version_is_refused_even_resealed(version):
+    c = Code2D(4, 1).encode(os.urandom(5000)).commitment
+    for keep in (True, False):
+        with pytest.raises(ValueError, match=f"format version {version}, this rankwise reads"):
+            Commitment.from_bytes(_reseal(c, version=version, keep_root=keep))
 
 
 # ---------------------------------------------------------------------- DCP storage, read alone

@@ -161,7 +161,7 @@ def test_a_format_1_commitment_is_refused(tmp_path):
     for args in (("verify",), ("inspect",), ("retrieve", "--out", tmp_path / "out.bin"),
                  ("repair", "--worker", 1)):
         r = run_cli("ckpt", args[0], folder, *args[1:])
-        assert r.exit_code == 1 and "format-1 commitment" in r.stderr and r.stderr.count("\n") == 1, r
+        assert r.exit_code == 1 and "format version 1" in r.stderr and r.stderr.count("\n") == 1, r
     assert not (tmp_path / "out.bin").exists()
 
 

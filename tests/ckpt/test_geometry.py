@@ -149,23 +149,21 @@ def test_a_fragment_is_sized_and_its_header_checked_before_its_body_is_read(tmp_
     assert all("fragment:" in found.skipped[f"rank{i}"] for i in (2, 3)), found.skipped
 
 
-def test_a_good_fragment_still_reads_in_every_version(tmp_path):
+def test_good_fragments_read_and_a_changed_size_fails_the_header_checksum(tmp_path):
     from rankwise.ckpt import Code2D
-    from rankwise.ckpt._format import FRAGMENT_VERSION
 
     data = os.urandom(5000)
     disp = Code2D(4, 1, hash="sha256").encode(data)
     body = _layout.file_metadata(len(data), disp.commitment)
-    for f in disp.fragments:  # versions 2 and 3 alternately
-        version = FRAGMENT_VERSION if f.index % 2 else 2
+    for f in disp.fragments:
         _store.write_metadata(tmp_path / f"rank{f.index}" / _layout.META, body)
-        (tmp_path / f"rank{f.index}" / _layout.FRAGMENT).write_bytes(f.to_bytes(version))
+        (tmp_path / f"rank{f.index}" / _layout.FRAGMENT).write_bytes(f.to_bytes())
     found = _layout.scan(tmp_path)
     assert found.skipped == {} and sorted(found.fragments) == [0, 1, 2, 3]
     assert all(bytes(found.fragments[i].row) == bytes(disp.fragments[i].row) for i in range(4))
     path = tmp_path / "rank1" / _layout.FRAGMENT
     header = bytearray(path.read_bytes())
-    header[10] ^= 1  # a size byte: the header checksum (version 3) catches it before the body
+    header[10] ^= 1  # a size byte: the header checksum catches it before the body
     path.write_bytes(bytes(header))
     assert "header checksum" in _layout.scan(tmp_path).skipped["rank1"]
 

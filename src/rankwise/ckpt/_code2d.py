@@ -70,7 +70,6 @@ class Lines:
     col_tree: list[list[bytes]]
 
 
-_WARNED_V1: set[bytes] = set()  # v1 commitments already warned about (once each)
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (the pid that made it, the pool)
@@ -287,11 +286,6 @@ class Code2D:
             raise ValueError(f"commitment is for n={com.n}, t={com.t}, hash={com.hash}, codec={com.codec}; "
                              f"this code is n={self.n}, t={self.t}, hash={self.hash_name}, codec={CODEC}")
         check_consistent(com)
-        if com.version < 2 and com.root not in _WARNED_V1:
-            _WARNED_V1.add(com.root)
-            log.warning("commitment format version %d: its root does not bind n, t, data_len, block_size, "
-                        "hash and codec, so a rewritten header is not tamper-evident (re-save to upgrade)",
-                        com.version)
 
     def verify(self, fragment: Fragment, commitment: Commitment) -> bool:
         """Do the fragment's row and column lines hash to the committed line roots?"""

@@ -4,15 +4,14 @@ Layout (little endian): magic ``b"RWCK"``, format version (u16), kind (u8: 1 fra
 2 commitment, 3 repair symbols, 4 DCP metadata), the body, then a SHA-256 of everything before
 it. A truncated, corrupted or foreign file raises ``ValueError`` naming the problem.
 
-Fragment files are version 3 (versions 1 and 2 are still read): header, the sizes, a SHA-256 of
-those two, then the row and the column. The checksum covers the header only; the row and the
+Fragment files (and repair symbols) are version 3: header, the sizes, a SHA-256 of those two,
+then the row and the column. The checksum covers the header only; the row and the
 column are hashed once, by the Merkle trees that every reader checks them against (the
 commitment's line roots), instead of a second time by a checksum over the same bytes.
 
 The SHA-256 catches accidents only: whoever writes a file can recompute it. What a bad party
-cannot forge is the commitment's root, which from version 2 binds every field decoding uses
-(see :func:`rankwise.ckpt._code2d.commitment_root`); version 1 files (roots over the line roots
-only) are still read.
+cannot forge is the commitment's root, which binds every field decoding uses
+(:func:`commitment_root`). Only these versions are read: earlier ones never left development.
 """
 
 from __future__ import annotations
@@ -24,13 +23,14 @@ from dataclasses import dataclass
 from . import _merkle
 
 MAGIC, VERSION = b"RWCK", 2
-READABLE = (1, 2)
+READABLE = (VERSION,)  # commitments and DCP metadata
 FRAGMENT_VERSION = 3  # fragment files and repair symbols: the checksum covers the header only
 FRAGMENT, COMMITMENT, SYMBOLS, METADATA = 1, 2, 3, 4
 _HEAD = struct.Struct("<4sHB")
 _SIZES = struct.Struct("<IQQ")  # a fragment's index, row length, column length
 _SYM = struct.Struct("<IIQBHH")  # repair symbols: helper, target, block size, digest size, path lengths
 _DIGEST = 32
+FRAGMENT_HEAD = _HEAD.size + _SIZES.size + _DIGEST  # what precedes a fragment's row
 
 
 def seal(kind: int, body: bytes, version: int = VERSION) -> bytes:
@@ -151,12 +151,9 @@ CODEC = "cauchy-gf256"
 
 def commitment_root(h, *, n: int, t: int, data_len: int, block_size: int, hash: str, codec: str,
                     line_roots: tuple[bytes, ...], version: int = VERSION) -> bytes:
-    """The commitment's root: version 2 hashes the header fields (version, n, t, data_len,
-    block_size, hash, codec) with the Merkle root of the 2n line roots; version 1 is that
-    Merkle root alone (not tamper-evident for the header)."""
+    """The commitment's root: the header fields (version, n, t, data_len, block_size, hash,
+    codec) hashed with the Merkle root of the 2n line roots."""
     top = _merkle.root(h, list(line_roots))
-    if version < 2:
-        return top
     head = struct.pack("<HHHQQ", version, n, t, data_len, block_size)
     names = b"".join(len(x).to_bytes(1, "little") + x for x in (hash.encode(), codec.encode()))
     return h(b"\x02rwck-commitment", head, names, top)
@@ -193,18 +190,15 @@ class Fragment:
     row: bytes
     col: bytes
 
-    def to_parts(self, version: int = FRAGMENT_VERSION) -> list:
-        """The file as a list of buffers, without concatenating the fragment's bytes:
-        ``b"".join(parts) == to_bytes(version)``. Version 3: header, sizes, their SHA-256, row,
-        column; version 2: header, sizes, row, column, a SHA-256 of all of it."""
+    def to_parts(self) -> list:
+        """The file as a list of buffers, without concatenating the fragment's bytes
+        (``b"".join(parts) == to_bytes()``): header, sizes, their SHA-256, row, column."""
         sizes = _SIZES.pack(self.index, len(self.row), len(self.col))
-        if version < FRAGMENT_VERSION:
-            return seal_parts(FRAGMENT, [sizes, self.row, self.col], version)
-        head = _HEAD.pack(MAGIC, version, FRAGMENT)
+        head = _HEAD.pack(MAGIC, FRAGMENT_VERSION, FRAGMENT)
         return [head, sizes, hashlib.sha256(head + sizes).digest(), self.row, self.col]
 
-    def to_bytes(self, version: int = FRAGMENT_VERSION) -> bytes:
-        return b"".join(self.to_parts(version))
+    def to_bytes(self) -> bytes:
+        return b"".join(self.to_parts())
 
     def file_size(self) -> int:
         """The length of :meth:`to_bytes`, without building it."""
@@ -212,66 +206,43 @@ class Fragment:
 
     @classmethod
     def from_bytes(cls, blob) -> Fragment:
-        """Parse a fragment file of any readable version. The row and the column are
-        memoryviews of `blob` (no copy) for version 3; the caller checks them against the
-        commitment."""
+        """Parse a fragment file. The row and the column are memoryviews of `blob` (no copy);
+        the caller checks them against the commitment."""
         mv = memoryview(blob).cast("B")
-        if len(mv) >= _HEAD.size:
-            magic, version, kind = _HEAD.unpack_from(mv)
-            if magic == MAGIC and version == FRAGMENT_VERSION:
-                if kind != FRAGMENT:
-                    raise ValueError(f"fragment: file holds kind {kind}, expected {FRAGMENT}")
-                return cls._from_v3(mv)
-        r = Reader(unseal(mv, FRAGMENT, "fragment"), "fragment")
-        index, nrow, ncol = r.unpack("IQQ")
-        row, col = r.take(nrow), r.take(ncol)
-        r.done()
-        return cls(index, row, col)
-
-    @classmethod
-    def _from_v3(cls, mv: memoryview) -> Fragment:
-        head = _HEAD.size + _SIZES.size
-        if len(mv) < head + _DIGEST:
-            raise ValueError(f"fragment: truncated ({len(mv)} bytes)")
-        if hashlib.sha256(mv[:head]).digest() != mv[head:head + _DIGEST]:
-            raise ValueError("fragment: header checksum mismatch (corrupted)")
+        check_fragment_head(mv[:FRAGMENT_HEAD], None)
         index, nrow, ncol = _SIZES.unpack_from(mv, _HEAD.size)
-        start = head + _DIGEST
+        start = FRAGMENT_HEAD
         if len(mv) != start + nrow + ncol:
             raise ValueError(f"fragment: {len(mv)} bytes where the header says {start + nrow + ncol} "
                              "(truncated or extended)")
         return cls(index, mv[start:start + nrow], mv[start + nrow:])
 
 
-FRAGMENT_HEAD = _HEAD.size + _SIZES.size + _DIGEST  # what precedes a fragment's row (any version)
-
-
 def fragment_size(line_bytes: int) -> int:
-    """The exact length of a fragment file whose row and column hold `line_bytes` each (every
-    readable version: the header, the sizes and a SHA-256, before the lines or after them)."""
+    """The exact length of a fragment file whose row and column hold `line_bytes` each."""
     return FRAGMENT_HEAD + 2 * line_bytes
 
 
-def check_fragment_head(first: bytes, line_bytes: int) -> None:
+def check_fragment_head(first: bytes, line_bytes: int | None) -> None:
     """Check the first :data:`FRAGMENT_HEAD` bytes of a fragment file whose lines should hold
-    `line_bytes` each, before its body is read: ``ValueError`` naming what is wrong (no rankwise
-    magic, another kind or version, a header checksum that fails (version 3), other sizes)."""
+    `line_bytes` each (any size when ``None``), before its body is read: ``ValueError`` naming
+    what is wrong (no rankwise magic, another kind or version, a header checksum that fails,
+    other sizes)."""
     mv = memoryview(first).cast("B")
     if len(mv) < FRAGMENT_HEAD:
         raise ValueError(f"fragment: truncated ({len(mv)} bytes)")
     magic, version, kind = _HEAD.unpack_from(mv)
     if magic != MAGIC:
         raise ValueError("fragment: not a rankwise checkpoint file (no rankwise magic at its start)")
-    if version not in (*READABLE, FRAGMENT_VERSION):
-        raise ValueError(f"fragment: format version {version}, this rankwise reads "
-                         f"{(*READABLE, FRAGMENT_VERSION)}")
     if kind != FRAGMENT:
         raise ValueError(f"fragment: file holds kind {kind}, expected {FRAGMENT}")
+    if version != FRAGMENT_VERSION:
+        raise ValueError(f"fragment: format version {version}, this rankwise reads {FRAGMENT_VERSION}")
     sizes = _HEAD.size + _SIZES.size
-    if version == FRAGMENT_VERSION and hashlib.sha256(mv[:sizes]).digest() != mv[sizes:FRAGMENT_HEAD]:
+    if hashlib.sha256(mv[:sizes]).digest() != mv[sizes:FRAGMENT_HEAD]:
         raise ValueError("fragment: header checksum mismatch (corrupted)")
     _, nrow, ncol = _SIZES.unpack_from(mv, _HEAD.size)
-    if nrow != line_bytes or ncol != line_bytes:
+    if line_bytes is not None and (nrow != line_bytes or ncol != line_bytes):
         raise ValueError(f"fragment: lines of {nrow:,} and {ncol:,} bytes where the commitment's geometry "
                          f"has {line_bytes:,}")
 

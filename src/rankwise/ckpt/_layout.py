@@ -46,10 +46,7 @@ def commitment_of(body: bytes) -> Commitment:
     except (KeyError, TypeError, ValueError, IndexError, UnicodeDecodeError, AttributeError,
             RecursionError) as e:  # (JSON nested deeper than the interpreter's stack)
         raise ValueError(f"coded checkpoint metadata is malformed: {type(e).__name__}: {e}") from None
-    com = Commitment.from_bytes(raw)
-    if com.version < 2:
-        raise ValueError(f"coded checkpoint metadata holds a format-{com.version} commitment, whose root "
-                         "does not bind its header; not read")
+    com = Commitment.from_bytes(raw)  # (only the format whose root binds its header is read)
     if roots - {com.root}:
         raise ValueError("coded checkpoint metadata names another commitment than the one it holds")
     return com

@@ -81,11 +81,9 @@ def write_metadata(path: str | Path, body: bytes) -> None:
 
 
 def read_metadata(path: str | Path, *, dir_fd: int | None = None) -> bytes:
-    """The body of :func:`write_metadata` (``ValueError`` if it is not one, e.g. the pickled
-    metadata of the first format, which is never read); `path` a name in `dir_fd` if given."""
+    """The body of :func:`write_metadata` (``ValueError`` naming the problem if it is not one);
+    `path` a name in `dir_fd` if given."""
     blob = _io.read_regular(path, MAX_METADATA, dir_fd=dir_fd)
-    if blob[:8] == b"RWDCPMD1":
-        raise ValueError("metadata of format 1 (pickled), which is not read")
     return bytes(unseal(blob, METADATA, "DCP metadata"))
 
 

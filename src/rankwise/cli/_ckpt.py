@@ -79,7 +79,7 @@ def _no_checkpoint(folder: Path, s) -> UserError:
 def _open(folder: Path, *, pinned: bytes | None = None):
     """``(code, scan)`` of a coded checkpoint folder (:func:`rankwise.ckpt._layout.scan`), or a
     one-line UserError: a folder that is not one, or where no metadata has a quorum (malformed
-    metadata, or a format-1 commitment, has none: :func:`._layout.commitment_of` refuses it), or
+    metadata, or a commitment of another format, has none: :func:`._layout.commitment_of` refuses it), or
     whose commitment is inconsistent (its fields do not hash to its root), is refused; so is one
     whose root is not `pinned` (``--root``), before any fragment is read. Imports the codec
     (numpy), never torch."""
