@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, init: str, args: dict, queue) -> None:
     from torch import nn
 
     import rankwise
-    from rankwise.lowrank import _optim
+    from rankwise.optim import _optim
 
     torch.set_num_threads(1)
     if world > 1:

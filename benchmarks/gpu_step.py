@@ -222,7 +222,7 @@ def main(argv=None) -> None:
     if a.implementation != "batched":
         import functools
 
-        from rankwise.lowrank._optim import AugmentedBUG
+        from rankwise.optim._optim import AugmentedBUG
 
         init = AugmentedBUG.__init__
         AugmentedBUG.__init__ = functools.partialmethod(init, implementation=a.implementation)

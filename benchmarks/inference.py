@@ -2,7 +2,7 @@
 
 What is measured
     For each model, one dense instance (default PyTorch initialisation) and its low-rank copy:
-    ``rankwise.to_low_rank`` with a rank per layer, then ``rankwise.lowrank.export`` (plain
+    ``rankwise.to_low_rank`` with a rank per layer, then ``rankwise.export`` (plain
     ``nn.Linear`` / ``nn.Conv2d`` pairs, ``merge="auto"``). Compression = 1 − stored params /
     dense params, counted on the actual modules (all parameters, biases included). The ranks
     give every compressed layer the same compression c' (r = (1−c')·in·out / (in+out), in =
@@ -47,8 +47,8 @@ import torch
 from torch import Tensor, nn
 
 import rankwise
-from rankwise.lowrank import export
 from rankwise.models import lenet, mlp, vgg
+from rankwise.nn import export
 
 SMALL_LAYER = 0.01  # layers with less than this fraction of the weights stay dense
 AGREE_TOL = 1e-4  # max |exported − rankwise| / max |rankwise|, float32

@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     if a.capacity is not None:
         extra["capacity"] = a.capacity if a.capacity == "auto" else int(a.capacity)
     if a.grid == "fine":
-        from rankwise.lowrank import _step
+        from rankwise.optim import _step
 
         _step.rank_bucket = _fine_bucket
     if a.by_op:

@@ -446,16 +446,8 @@ class _Phases:
     the duration of a ``with`` block (benchmark instrumentation only)."""
 
     def __init__(self, phases: dict[str, list[tuple[str, str]]] | None = None) -> None:
-        from rankwise.lowrank import (
-            _batched,
-            _closure,
-            _integrators,
-            _optim,
-            _replicas,
-            _shard,
-            _step,
-            functional,
-        )
+        from rankwise.optim import _batched, _closure, _integrators, _optim, _step, functional
+        from rankwise.optim.parallel import _replicas, _shard
 
         self.phases = PHASES if phases is None else phases
         self.modules = {"opt": _optim.AugmentedBUG, "optim": _optim, "bug": _integrators, "shard": _shard,
@@ -483,7 +475,7 @@ class _Phases:
         return timed
 
     def __enter__(self) -> _Phases:
-        from rankwise.lowrank import _settings
+        from rankwise.optim import _settings
 
         for phase, targets in self.phases.items():
             for where, attr in targets:

@@ -17,7 +17,7 @@ import time
 import torch
 
 import rankwise
-from rankwise.lowrank._base import AbstractLowRankLayer
+from rankwise.nn._base import AbstractLowRankLayer
 
 
 def main() -> None:

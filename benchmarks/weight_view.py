@@ -1,6 +1,6 @@
 """What the write-protected ``weight`` view costs foreign code that reads it.
 
-A low-rank layer's ``weight`` is a :class:`rankwise.lowrank._view.DenseView` (writes into it
+A low-rank layer's ``weight`` is a :class:`rankwise.nn._view.DenseView` (writes into it
 raise; reads return plain tensors). Measured side by side in one process, one thread, the two
 variants interleaved over 5 rounds (each the median of 7 repeats), reported as the median
 round: ``F.linear(x, layer.weight, layer.bias)`` (x 16 × 64, a 64 × 64 layer at rank 8)
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import rankwise
-from rankwise.lowrank import _attention, _base
+from rankwise.nn import _attention, _base
 
 
 def _median_us(fn, number: int) -> float:

@@ -12,10 +12,10 @@ import rankwise
 from rankwise import DLRT, SDLRT, LowRankLinear
 from rankwise._opcount import OpCounter, step_counts
 from rankwise.linalg import orth_complement_batched
-from rankwise.lowrank import _step
-from rankwise.lowrank._optim import AugmentedBUG
-from rankwise.lowrank._rules import adam, foreach_update, sgd
 from rankwise.models import gpt
+from rankwise.optim import _step
+from rankwise.optim._optim import AugmentedBUG
+from rankwise.optim.rules._rules import adam, foreach_update, sgd
 from reference_bug import choose_rank
 
 F64 = torch.float64
@@ -358,7 +358,7 @@ def test_sdlrt_with_momentum_narrows_its_augmentation(monkeypatch):
     """In float32 with momentum, ΔK lies mostly in span[U0, U_buf]: layers keep fewer new
     directions than their rank, and the next augmentation makes room for 2e + 4 < r of them,
     so Ū is narrower than [U0, U_buf] plus r new columns."""
-    from rankwise.lowrank import _step as step_mod
+    from rankwise.optim import _step as step_mod
 
     widths = []
     plan = step_mod.plan_group
@@ -570,7 +570,7 @@ class _SameShapes(nn.Module):
 
 
 def _groups_seen(monkeypatch) -> list:
-    from rankwise.lowrank import _batched
+    from rankwise.optim import _batched
 
     seen, orig = [], _batched._groups
 
@@ -654,9 +654,9 @@ def test_the_functional_step_is_a_truncated_projected_gradient_step_without_an_o
     """lowrank/functional.py alone (no optimizer object): two layers of one shape at ranks 3 and
     5, stacked and padded to 5; one SGD step gives, for each layer, the best rank-r1 approximation
     of W0 − lr·P_T(∇W) (P_T: the projection onto the tangent space at W0), computed densely."""
-    from rankwise.lowrank import functional as F
-    from rankwise.lowrank._batched import _stack
-    from rankwise.lowrank._integrators import Factors
+    from rankwise.optim import functional as F
+    from rankwise.optim._batched import _stack
+    from rankwise.optim._integrators import Factors
 
     g = torch.Generator().manual_seed(4)
     m, n, lr = 12, 10, 0.3

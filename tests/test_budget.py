@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from rankwise.lowrank._budget import RULES, allocate_ranks, budget_schedule, factor_cost
+from rankwise.nn._budget import RULES, allocate_ranks, budget_schedule, factor_cost
 
 SPECTRAL = [r for r in RULES if r != "uniform"]  # the rules that read the spectra
 

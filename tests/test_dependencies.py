@@ -32,7 +32,8 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_library_imports_and_trains_without_the_cli_extra():
     r = _run("""
         import torch
-        import rankwise, rankwise.lowrank, rankwise.ode, rankwise.ckpt, rankwise.dist, rankwise.linalg
+        import rankwise, rankwise.nn, rankwise.optim, rankwise.ode, rankwise.ckpt, rankwise.dist
+        import rankwise.linalg
         from rankwise.train import fit, accuracy, CodedCheckpoints
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

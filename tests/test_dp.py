@@ -273,7 +273,7 @@ def test_the_device_fingerprint_sees_every_single_bit_and_the_shape():
     """Every one of the 192 bits of a 2×3 float32 tensor, flipped alone, changes its entry's
     fingerprint and no other entry's; equal tensors, on any call, give equal fingerprints; the
     shape and the order of an entry's tensors count."""
-    from rankwise.lowrank._dp import device_fingerprints
+    from rankwise.optim.parallel._dp import device_fingerprints
 
     a, other = torch.randn(2, 3, dtype=torch.float32), torch.randn(3, dtype=torch.float64)
     ref = device_fingerprints([[a], [other]], a.device)

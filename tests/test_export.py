@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rankwise.lowrank import LowRankConv2d, LowRankLinear, export, to_low_rank
-from rankwise.lowrank._base import AbstractLowRankLayer
 from rankwise.models import lenet, mlp
+from rankwise.nn import LowRankConv2d, LowRankLinear, export, to_low_rank
+from rankwise.nn._base import AbstractLowRankLayer
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64

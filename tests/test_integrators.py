@@ -7,7 +7,7 @@ import torch
 
 from helpers import F64
 from rankwise.linalg import orth_complement, tail_rank, truncated_svd
-from rankwise.lowrank import _integrators as bug
+from rankwise.optim import _integrators as bug
 
 
 def _orth(m, r):

@@ -37,7 +37,7 @@ def test_conv_forward_and_grads_match_dense(stride, padding, dilation):
     W = layer.dense_weight()
     assert W.shape == (7, 3, 3, 2) and layer.V.shape == (3 * 3 * 2, 4)
     torch.testing.assert_close(layer(x), F.conv2d(x, W, layer.bias, stride, padding, dilation))
-    fn = lambda x, U, S, V, b: rankwise.lowrank._autograd.LowRankConv2dFn.apply(  # noqa: E731
+    fn = lambda x, U, S, V, b: rankwise.nn._autograd.LowRankConv2dFn.apply(  # noqa: E731
         x, U, S, V, b, False, layer.kernel_size, layer.stride, layer.padding, layer.dilation)
     args = [t.detach().clone().requires_grad_(True) for t in (x[:1], layer.U, layer.S, layer.V, layer.bias)]
     assert torch.autograd.gradcheck(fn, args, fast_mode=True)
@@ -45,7 +45,7 @@ def test_conv_forward_and_grads_match_dense(stride, padding, dilation):
 
 def test_linear_gradcheck():
     layer = LowRankLinear(6, 5, 3, dtype=F64)
-    fn = lambda x, U, S, V, b: rankwise.lowrank._autograd.LowRankLinearFn.apply(  # noqa: E731
+    fn = lambda x, U, S, V, b: rankwise.nn._autograd.LowRankLinearFn.apply(  # noqa: E731
         x, U, S, V, b, False)
     args = [t.detach().clone().requires_grad_(True)
             for t in (torch.randn(4, 6, dtype=F64), layer.U, layer.S, layer.V, layer.bias)]

@@ -1,4 +1,4 @@
-"""The Muon rule for the factors (`rankwise.Muon`, `rankwise.lowrank._rules.muon`) against
+"""The Muon rule for the factors (`rankwise.Muon`, `rankwise.optim.rules._rules.muon`) against
 torch.optim.Muon on plain matrices, its batched Newton–Schulz against one matrix at a time, and
 its AdamW on the dense parameters against torch.optim.AdamW. Its use inside DLRT/SDLRT is checked
 step by step against the float64 reference in tests/test_reference_step.py."""
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise.lowrank._rules import muon, newton_schulz
+from rankwise.optim.rules._rules import muon, newton_schulz
 
 
 def test_rule_matches_torch_muon():
@@ -75,7 +75,7 @@ def test_settings_round_trip_and_refusals():
     rule = rankwise.Muon(momentum=0.9, ns_steps=3)
     opt = rankwise.DLRT(nn.Sequential(rankwise.LowRankLinear(4, 4, 2)), 0.01, tau=0.1, rule=rule)
     assert opt.settings.rule == rule
-    assert rankwise.lowrank.Settings.from_dict(opt.settings.to_dict()).rule == rule
+    assert rankwise.Settings.from_dict(opt.settings.to_dict()).rule == rule
     with pytest.raises(ValueError, match="ns_steps"):
         rankwise.Muon(ns_steps=0)
     with pytest.raises(ValueError, match="momentum"):
@@ -86,7 +86,7 @@ def test_moments_auto_resets_under_muon_and_rotates_otherwise():
     """moments="auto" (the default) is issue 48's measured choice per rule: Muon's momentum
     restarts at every truncation (none is left in the K, L, S states after an augmenting step),
     Adam's and SGD's are carried into the new bases; an explicit value wins."""
-    S = rankwise.lowrank.Settings
+    S = rankwise.Settings
     tol = rankwise.Tolerance(0.1)
     assert S(truncation=tol).moments == "auto"
     assert S(truncation=tol, rule=rankwise.Muon()).moments_used == "reset"

@@ -7,7 +7,7 @@ from torch import nn
 import rankwise
 from helpers import F64, dense_grad, mse_closure, projector, rank3_problem, step_beside_torch
 from rankwise import DLRT, SDLRT, LowRankConv2d, LowRankLinear
-from rankwise.lowrank._rules import adam, sgd, transport
+from rankwise.optim.rules._rules import adam, sgd, transport
 
 BOTH = [True, False]  # single_pass
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from rankwise.lowrank._budget import layer_cost
+from rankwise.nn._budget import layer_cost
 from rankwise.peft import (
     AdapterConfig,
     adapter_budget,

@@ -67,7 +67,7 @@ def test_a_bad_checkpoint_folder_is_refused_before_out_is_created(tmp_path, case
 def test_batch_norm_is_refused_by_the_data_parallel_optimizer():
     from torch import nn
 
-    from rankwise.lowrank._dp import check_model
+    from rankwise.optim.parallel._dp import check_model
 
     with pytest.raises(ValueError, match="batch norm"):
         check_model(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))

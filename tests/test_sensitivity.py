@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise.lowrank import _sensitivity as sens
-from rankwise.lowrank._budget import allocate_ranks, layer_cost
-from rankwise.lowrank._integrators import augment, core_svd
+from rankwise.nn._budget import allocate_ranks, layer_cost
+from rankwise.optim import _sensitivity as sens
+from rankwise.optim._integrators import augment, core_svd
 
 F64 = torch.float64
 

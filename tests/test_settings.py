@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise.lowrank import Settings
-from rankwise.lowrank._settings import rule_from
+from rankwise.optim import Settings
+from rankwise.optim.rules._settings import rule_from
 
 
 def _model(seed: int = 0) -> nn.Module:

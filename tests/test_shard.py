@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from rankwise.lowrank._shard import _join, _split, assign_owners, layer_cost
+from rankwise.optim.parallel._shard import _join, _split, assign_owners, layer_cost
 
 
 def _makespan(costs: dict[str, float], owners: dict[str, int], world: int) -> float:

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import run_cli
-from rankwise.lowrank import LowRankConv2d, export, to_low_rank
 from rankwise.models import digit_cnn, vgg
+from rankwise.nn import LowRankConv2d, export, to_low_rank
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

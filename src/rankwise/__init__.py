@@ -17,69 +17,69 @@ __version__ = "0.1.0"
 
 # public name -> the module that defines it
 _LAZY: dict[str, str] = {
-    "DLRT": "rankwise.lowrank",
-    "AugmentedBUG": "rankwise.lowrank",
-    "Budget": "rankwise.lowrank",
-    "Feedback": "rankwise.lowrank",
-    "SeedFeedback": "rankwise.lowrank",
-    "Tolerance": "rankwise.lowrank",
-    "TwoSidedFeedback": "rankwise.lowrank",
-    "Sgd": "rankwise.lowrank",
-    "Adam": "rankwise.lowrank",
-    "AdamW": "rankwise.lowrank",
-    "Muon": "rankwise.lowrank",
-    "DenseEMA": "rankwise.lowrank",
-    "Settings": "rankwise.lowrank",
-    "SDLRT": "rankwise.lowrank",
-    "AbstractLowRankLayer": "rankwise.lowrank",
-    "LowRankConv2d": "rankwise.lowrank",
-    "LowRankLinear": "rankwise.lowrank",
-    "LowRankConv1D": "rankwise.lowrank",
-    "LowRankMultiheadAttention": "rankwise.lowrank",
-    "compression": "rankwise.lowrank",
-    "clip_grad_norm_": "rankwise.lowrank",
-    "grad_norm": "rankwise.lowrank",
-    "export": "rankwise.lowrank",
-    "stability_distance": "rankwise.lowrank",
-    "to_low_rank": "rankwise.lowrank",
+    "DLRT": "rankwise.optim",
+    "AugmentedBUG": "rankwise.optim",
+    "Budget": "rankwise.optim",
+    "Feedback": "rankwise.optim",
+    "SeedFeedback": "rankwise.optim",
+    "Tolerance": "rankwise.optim",
+    "TwoSidedFeedback": "rankwise.optim",
+    "Sgd": "rankwise.optim",
+    "Adam": "rankwise.optim",
+    "AdamW": "rankwise.optim",
+    "Muon": "rankwise.optim",
+    "DenseEMA": "rankwise.optim",
+    "Settings": "rankwise.optim",
+    "SDLRT": "rankwise.optim",
+    "AbstractLowRankLayer": "rankwise.nn",
+    "LowRankConv2d": "rankwise.nn",
+    "LowRankLinear": "rankwise.nn",
+    "LowRankConv1D": "rankwise.nn",
+    "LowRankMultiheadAttention": "rankwise.nn",
+    "compression": "rankwise.nn",
+    "clip_grad_norm_": "rankwise.optim",
+    "grad_norm": "rankwise.optim",
+    "export": "rankwise.nn",
+    "stability_distance": "rankwise.nn",
+    "to_low_rank": "rankwise.nn",
     "fit": "rankwise.train",
     "MemoryCount": "rankwise._memory",
     "training_memory": "rankwise._memory",
 }
 
-_SUBMODULES = frozenset({"lowrank", "ode", "ckpt", "peft", "models", "data", "train", "train_config", "dist",
-                         "linalg", "experiments", "cli"})
+_SUBMODULES = frozenset({"nn", "optim", "lowrank", "ode", "ckpt", "peft", "models", "data", "train",
+                         "train_config", "dist", "linalg", "experiments", "cli"})
 
 __all__ = sorted(_LAZY)
 
 if TYPE_CHECKING:  # what static tools and IDEs see
     from ._memory import MemoryCount as MemoryCount
     from ._memory import training_memory as training_memory
-    from .lowrank import DLRT as DLRT
-    from .lowrank import SDLRT as SDLRT
-    from .lowrank import AbstractLowRankLayer as AbstractLowRankLayer
-    from .lowrank import Adam as Adam
-    from .lowrank import AdamW as AdamW
-    from .lowrank import AugmentedBUG as AugmentedBUG
-    from .lowrank import Budget as Budget
-    from .lowrank import DenseEMA as DenseEMA
-    from .lowrank import Feedback as Feedback
-    from .lowrank import LowRankConv1D as LowRankConv1D
-    from .lowrank import LowRankConv2d as LowRankConv2d
-    from .lowrank import LowRankLinear as LowRankLinear
-    from .lowrank import LowRankMultiheadAttention as LowRankMultiheadAttention
-    from .lowrank import Muon as Muon
-    from .lowrank import SeedFeedback as SeedFeedback
-    from .lowrank import Settings as Settings
-    from .lowrank import Sgd as Sgd
-    from .lowrank import Tolerance as Tolerance
-    from .lowrank import TwoSidedFeedback as TwoSidedFeedback
-    from .lowrank import clip_grad_norm_ as clip_grad_norm_
-    from .lowrank import compression as compression
-    from .lowrank import export as export
-    from .lowrank import grad_norm as grad_norm
-    from .lowrank import stability_distance as stability_distance
-    from .lowrank import to_low_rank as to_low_rank
+    from .nn import AbstractLowRankLayer as AbstractLowRankLayer
+    from .nn import LowRankConv1D as LowRankConv1D
+    from .nn import LowRankConv2d as LowRankConv2d
+    from .nn import LowRankLinear as LowRankLinear
+    from .nn import LowRankMultiheadAttention as LowRankMultiheadAttention
+    from .nn import compression as compression
+    from .nn import export as export
+    from .nn import stability_distance as stability_distance
+    from .nn import to_low_rank as to_low_rank
+    from .optim import DLRT as DLRT
+    from .optim import SDLRT as SDLRT
+    from .optim import Adam as Adam
+    from .optim import AdamW as AdamW
+    from .optim import AugmentedBUG as AugmentedBUG
+    from .optim import Budget as Budget
+    from .optim import DenseEMA as DenseEMA
+    from .optim import Feedback as Feedback
+    from .optim import Muon as Muon
+    from .optim import SeedFeedback as SeedFeedback
+    from .optim import Settings as Settings
+    from .optim import Sgd as Sgd
+    from .optim import Tolerance as Tolerance
+    from .optim import TwoSidedFeedback as TwoSidedFeedback
+    from .optim import clip_grad_norm_ as clip_grad_norm_
+    from .optim import grad_norm as grad_norm
     from .train import fit as fit
 
 

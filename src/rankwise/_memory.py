@@ -33,7 +33,7 @@ class MemoryCount:
 def training_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryCount:
     """Count the bytes of `model`'s weights and gradients and of `optimizer`'s state (call it
     after a backward and a step to see gradients and state). See :class:`MemoryCount`."""
-    from .lowrank._base import AbstractLowRankLayer
+    from .nn._base import AbstractLowRankLayer
 
     seen: set[tuple[int, int]] = set()
 

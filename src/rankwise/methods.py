@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from torch import nn
 
-    from .lowrank import AugmentedBUG, Budget, Settings, Tolerance
+    from .optim import AugmentedBUG, Budget, Settings, Tolerance
 
 FEEDBACKS = ("seed", "two-sided")
 # the Settings fields a method may fix (the others are the command's)
@@ -201,8 +201,8 @@ def settings(name: str, truncation: Tolerance | Budget, *, omega: float = 0.8, t
     A method with a `feedback` has none under a :class:`rankwise.Budget`; one with an
     `allocation` replaces the budget's; a fixed-rank one (``adaptive=False``) keeps its ranks
     whatever the truncation asks, and is given ``Tolerance(0.0)``."""
-    from .lowrank import Budget, SeedFeedback, Tolerance, TwoSidedFeedback
-    from .lowrank._settings import pop_rule, rule_from, settings_from
+    from .optim import Budget, SeedFeedback, Tolerance, TwoSidedFeedback
+    from .optim.rules._settings import pop_rule, rule_from, settings_from
 
     method = _integrator(name)
     for key in (*METHOD_FIELDS, "feedback"):
@@ -236,7 +236,7 @@ def build(name: str, model: nn.Module, lr: float, truncation: Tolerance | Budget
           **kwargs: Any) -> AugmentedBUG:
     """The :class:`rankwise.AugmentedBUG` of method `name` for `model` (arguments as in
     :func:`settings`; `process_group` and `param_groups` as the optimizer takes them)."""
-    from .lowrank import AugmentedBUG
+    from .optim import AugmentedBUG
 
     return AugmentedBUG(model, lr, settings(name, truncation, omega=omega, tau_min=tau_min, **kwargs),
                         process_group=process_group, param_groups=param_groups)

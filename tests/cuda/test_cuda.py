@@ -216,7 +216,7 @@ def test_the_lm_gpu_protocol_trains_on_cuda(capsys):
 def test_replica_fingerprints_of_device_and_host_tensors():
     """The data-parallel replica check hashes the factors on the device and a host τ after one
     copy: repeatable, and a flipped bit on either side changes only its entry."""
-    from rankwise.lowrank._dp import device_fingerprints
+    from rankwise.optim.parallel._dp import device_fingerprints
 
     dev = torch.device(DEVICE)
     a, tau = torch.randn(4, 3, device=dev), torch.tensor(0.25, dtype=torch.float64)

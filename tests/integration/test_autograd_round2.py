@@ -12,7 +12,7 @@ from torch.func import functional_call, grad, hessian, jacfwd, jacrev, vmap
 
 from helpers import F64
 from rankwise import LowRankConv2d, LowRankLinear
-from rankwise.lowrank import LowRankConv1D, LowRankMultiheadAttention
+from rankwise.nn import LowRankConv1D, LowRankMultiheadAttention
 
 
 def _layer(kind: str):

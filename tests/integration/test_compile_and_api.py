@@ -117,7 +117,7 @@ def test_the_step_between_augmentations_compiles_without_graph_breaks():
     every core S and the dense parameters, no host read) traces into one graph."""
     import torch._dynamo as dynamo
 
-    from rankwise.lowrank import _batched
+    from rankwise.optim import _batched
 
     dynamo.reset()
     model = _mlp(4)

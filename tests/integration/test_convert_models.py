@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-from rankwise.lowrank import DLRT, LowRankLinear, compression, export, to_low_rank
-from rankwise.lowrank._attention import LowRankMultiheadAttention
-from rankwise.lowrank._hf import LowRankConv1D
+from rankwise.nn import LowRankLinear, compression, export, to_low_rank
+from rankwise.nn._attention import LowRankMultiheadAttention
+from rankwise.nn._hf import LowRankConv1D
+from rankwise.optim import DLRT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny SVDs: threads only wait on each other
 FULL = 10_000  # a rank above every layer's: the truncation keeps everything
@@ -377,7 +378,7 @@ def test_meta_gpt2_converts_at_rank(transformers):
 
 # ----------------------------------------------------------------------------- the new modules' plumbing
 def test_stability_distance_pairs_conv1d_and_attention_with_their_dense_shadows(transformers):
-    from rankwise.lowrank import stability_distance
+    from rankwise.nn import stability_distance
 
     for dense in (gpt2(transformers), nn.Sequential(nn.MultiheadAttention(16, 2), nn.Linear(16, 8))):
         with warnings.catch_warnings():

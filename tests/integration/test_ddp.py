@@ -57,7 +57,7 @@ def _train(case: str, rank: int | None, world: int) -> dict:
     name, kw, unused = CASES[case]
     X, Y = _share(rank, world)
     model = _model()
-    layers = [m for m in model.modules() if isinstance(m, rankwise.lowrank.LowRankLinear)]
+    layers = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
     if rank is not None:
         net = nn.parallel.DistributedDataParallel(model, find_unused_parameters=unused)
     else:

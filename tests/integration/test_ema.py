@@ -8,8 +8,8 @@ from torch import nn
 
 import rankwise
 from helpers import F64, mse_closure
-from rankwise.lowrank import LowRankLinear
-from rankwise.lowrank._average import DenseEMA, dense_parameters
+from rankwise.nn import LowRankLinear
+from rankwise.optim._average import DenseEMA, dense_parameters
 
 
 def _model() -> nn.Sequential:
@@ -111,7 +111,7 @@ def test_ema_of_a_converted_multihead_attention_and_gpt2():
     """Layers whose export renames their parameters (LowRankMultiheadAttention →
     nn.MultiheadAttention's in_proj_weight) are averaged through their dense export; GPT-2's
     Conv1D layers through their (in, out) dense weight."""
-    pytest.importorskip("rankwise.lowrank._attention")
+    pytest.importorskip("rankwise.nn._attention")
 
     class Attention(nn.Module):
         def __init__(self) -> None:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise.lowrank import LowRankLinear
+from rankwise.nn import LowRankLinear
 
 
 def _data():
@@ -152,7 +152,7 @@ model = rankwise.to_low_rank(net, rank=3, capacity=6)
 assert "torch._dynamo" not in sys.modules  # (the layers marked their rank sizes without importing it)
 from torch._dynamo.utils import counters
 compiled = torch.compile(model, backend="aot_eager")
-layers = [m for m in model if isinstance(m, rankwise.lowrank.LowRankLinear)]
+layers = [m for m in model if isinstance(m, rankwise.LowRankLinear)]
 opt = rankwise.DLRT(model, 0.1, tau=0.1)
 x, g = torch.randn(8, 16), torch.Generator().manual_seed(0)
 for r in (3, 5, 2, 6, 4, 1, 6, 3):  # every layer's rank, set as a truncation would (6: the capacity)

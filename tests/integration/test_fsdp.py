@@ -30,7 +30,7 @@ def _bytes(model: nn.Module, opt) -> int:
     """This rank's bytes of low-rank factors, their gradients and their optimizer state."""
     total = 0
     for m in model.modules():
-        if isinstance(m, rankwise.lowrank.LowRankLinear):
+        if isinstance(m, rankwise.LowRankLinear):
             for p in (m.U, m.S, m.V):
                 ts = [p, p.grad, *(v for v in opt.state[p].values() if torch.is_tensor(v))]
                 total += sum(_local(t).numel() * t.element_size() for t in ts if t is not None)
@@ -50,7 +50,7 @@ def _train(case: str, rank: int | None, world: int, folder: str | None = None, r
     name, kw = CASES[case]
     X, Y = _share(rank, world)
     model = _model()
-    layers = [m for m in model.modules() if isinstance(m, rankwise.lowrank.LowRankLinear)]
+    layers = [m for m in model.modules() if isinstance(m, rankwise.LowRankLinear)]
     if rank is not None:
         for m in layers:
             fully_shard(m)
@@ -228,7 +228,7 @@ def _mixed_precision(rank: int) -> dict:
     model = rankwise.to_low_rank(net, rank=2, capacity=10)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for m in model:
-        if isinstance(m, rankwise.lowrank.LowRankLinear):
+        if isinstance(m, rankwise.LowRankLinear):
             fully_shard(m, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     opt = rankwise.SDLRT(model, 0.5, tau=0.3, optimizer="adam")
@@ -240,7 +240,7 @@ def _mixed_precision(rank: int) -> dict:
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    layers = [m for m in model if isinstance(m, rankwise.lowrank.LowRankLinear)]
+    layers = [m for m in model if isinstance(m, rankwise.LowRankLinear)]
     tail = all(not _local(t).narrow(1, m.rank, m.capacity - m.rank).any() for m in layers for t in (m.U, m.V))
     return {"losses": losses, "zero_tail": tail, "below": [m.rank < m.capacity for m in layers]}
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from helpers import mse_closure
 from rankwise import SDLRT
-from rankwise.lowrank import LowRankLinear
+from rankwise.nn import LowRankLinear
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -66,7 +66,7 @@ def saved(tmp_path_factory):
     """A tiny converted GPT-2 saved with save_pretrained (one block), an input, and the model."""
     import warnings
 
-    from rankwise.lowrank import to_low_rank
+    from rankwise.nn import to_low_rank
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
@@ -90,7 +90,7 @@ def _copy(src, dst):
 
 
 def _load(folder):
-    from rankwise.lowrank import from_pretrained
+    from rankwise.nn import from_pretrained
 
     return from_pretrained(transformers.GPT2LMHeadModel, folder)
 
@@ -269,7 +269,7 @@ def test_the_replica_fingerprint_sees_sign_flipped_singular_pairs():
     """Flipping the signs of an even number of singular pairs (u_i, v_i → −u_i, −v_i) leaves the
     layer's function as it is but not its factors: the replicas differ. Each flipped float64
     moves its word by 2^63, so a weighted sum of words cancels in pairs; the mixed sum does not."""
-    from rankwise.lowrank._dp import device_fingerprints
+    from rankwise.optim.parallel._dp import device_fingerprints
 
     torch.manual_seed(0)
     U, S, V = torch.randn(6, 4, dtype=torch.float64), torch.diag(torch.rand(4, dtype=torch.float64)), \
@@ -292,7 +292,7 @@ def test_the_replica_fingerprint_sees_sign_flipped_singular_pairs():
     ([[1, 2], [1, 2], [1, 9], [1, 9]], r"ranks 0, 1 / 2, 3 hold different factors"),
 ])
 def test_a_diverged_replica_is_the_one_the_majority_disowns(rows, match):
-    from rankwise.lowrank._dp import PendingCheck
+    from rankwise.optim.parallel._dp import PendingCheck
 
     check = PendingCheck(["a", "b"], torch.tensor(rows), "at step 3")
     with pytest.raises(RuntimeError, match=r"replicas diverged at step 3: " + match):
@@ -302,7 +302,7 @@ def test_a_diverged_replica_is_the_one_the_majority_disowns(rows, match):
 
 # --------------------------------------------------------------------------- what peers send
 def test_plain_data_between_ranks_round_trips_without_pickle():
-    from rankwise.lowrank._shard import decode, encode
+    from rankwise.optim.parallel._shard import decode, encode
 
     value = {"a": ("__tensor__", 0, (3, 2), "float32"), 3: [1.5, float("inf"), None, True, "x"],
              "s": {"spectra": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
@@ -325,7 +325,7 @@ def test_plain_data_between_ranks_round_trips_without_pickle():
     (5).to_bytes(8, "little") + b"[" * 5,
 ])
 def test_a_peers_malformed_message_is_refused_naming_it(payload):
-    from rankwise.lowrank._shard import decode
+    from rankwise.optim.parallel._shard import decode
 
     with pytest.raises(ValueError, match=r"rank 3 sent a message that is not rankwise's exchange format"):
         decode(payload, "rank 3")

@@ -266,7 +266,7 @@ def test_fsdp_over_exact_shapes_is_refused_by_name(monkeypatch):
     needs a process group); over fixed-capacity factors it trains (tests/integration/test_fsdp.py)."""
     from torch.distributed import fsdp
 
-    from rankwise.lowrank import _optim
+    from rankwise.optim import _optim
 
     assert fsdp.FSDPModule in _optim.fsdp_classes()
 
@@ -330,7 +330,7 @@ def test_copies_start_in_plain_mode_and_ownership_is_kept():
     layer is left alone; layer_of still finds the factors after load_state_dict(assign=True)."""
     import copy
 
-    from rankwise.lowrank._base import layer_of
+    from rankwise.nn._base import layer_of
 
     X, Y = _data()
     m = _model()

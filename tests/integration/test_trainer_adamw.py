@@ -13,9 +13,10 @@ from torch import nn
 
 import rankwise
 from helpers import F64, step_beside_torch
-from rankwise.lowrank import DLRT, LowRankLinear, Settings
-from rankwise.lowrank._rules import adam, foreach_update
-from rankwise.lowrank._settings import AdamW
+from rankwise.nn import LowRankLinear
+from rankwise.optim import DLRT, Settings
+from rankwise.optim.rules._rules import adam, foreach_update
+from rankwise.optim.rules._settings import AdamW
 
 ROOT = Path(__file__).resolve().parents[2]
 

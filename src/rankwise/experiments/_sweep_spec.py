@@ -32,7 +32,7 @@ PAPER_TAUS = (0.1, 0.2, 0.25, 0.3, 0.4)
 # fine-tuning inside `epochs`; 4, the names of rankwise.methods (sdlrt: the seed feedback;
 # the two-sided one is sdlrt-two-sided)
 SPEC_VERSION = 4
-# rankwise.lowrank.ALLOCATION_RULES (a torch-free copy); "sensitivity" only while training
+# rankwise.nn.ALLOCATION_RULES (a torch-free copy); "sensitivity" only while training
 ALLOCATIONS = ("error-sqrt", "error", "energy", "uniform", "sensitivity")
 OPTIMIZERS = ("sgd", "adam")  # SGD with `momentum`, or Adam
 

@@ -39,9 +39,9 @@ from ..methods import COMMANDS
 def lowrank_optimizer(method: str, model, process_group=None):
     """The demo's integrator of `method` (:mod:`rankwise.methods`) for the factored `model`:
     τ = 0.2, the Adam rule at 0.01."""
-    from .. import lowrank, methods
+    from .. import methods, optim
 
-    return methods.build(method, model, 1e-2, lowrank.Tolerance(0.2), optimizer="adam",
+    return methods.build(method, model, 1e-2, optim.Tolerance(0.2), optimizer="adam",
                          process_group=process_group)
 
 
@@ -51,11 +51,11 @@ def _worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from .. import lowrank
     from ..ckpt import CodedCheckpointer
     from ..ckpt.testing import LyingCheckpointer
     from ..data import load_digits
     from ..dist import init_process_group, ordered_allreduce_hook
+    from ..nn import LowRankLinear, to_low_rank
     from ..train import Callback, CodedCheckpoints, fit
 
     torch.set_num_threads(1)
@@ -70,7 +70,7 @@ def _worker(args: argparse.Namespace) -> None:
         trained.register_comm_hook(None, ordered_allreduce_hook)  # bitwise-reproducible across restarts
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     else:  # DDP cannot see the factor gradients: the optimizer averages them (same layout on restart)
-        trained = lowrank.to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
+        trained = to_low_rank(model, rank=16, exclude=["4"], max_rank=32)
         opt = lowrank_optimizer(args.method, model, dist.group.WORLD)
     train, _ = load_digits(seed=0)
     X, y = train.tensors[0].flatten(1), train.tensors[1]
@@ -87,7 +87,7 @@ def _worker(args: argparse.Namespace) -> None:
         def on_step_end(self, loop) -> None:
             if rank == 0:
                 digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))
-                ranks = "/".join(str(m.rank) for m in model if isinstance(m, lowrank.LowRankLinear))
+                ranks = "/".join(str(m.rank) for m in model if isinstance(m, LowRankLinear))
                 with open(out / f"losses_attempt{attempt}.csv", "a") as log:
                     log.write(f"{loop.global_step},{loop.loss.hex()},{digest.hexdigest()[:16]},{ranks}\n")
             if attempt == 0 and rank == args.kill_rank and loop.global_step == args.kill_step:

@@ -22,7 +22,7 @@ from .lm_compare import LmRunSpec, _bits, projections, rank_for, run_one, spaced
 def analyse(model: torch.nn.Module, compression: float, rule: str = "error-sqrt") -> dict:
     """Per projection: shape, uniform rank, allocated rank and the relative truncation error
     ‖σ[r:]‖/‖σ‖ at each; totals over all projections (energy-weighted)."""
-    from rankwise.lowrank._budget import allocate_ranks
+    from rankwise.nn._budget import allocate_ranks
 
     proj = projections(model)
     spectra = {n: torch.linalg.svdvals(m.weight.detach().double()) for n, m in proj.items()}

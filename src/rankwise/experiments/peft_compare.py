@@ -142,7 +142,7 @@ def _adapters(model: nn.Module, spec: PeftRunSpec) -> tuple[nn.Module, torch.opt
     at LoRA r's trainable parameters (a budget, SDLRT's buffer counted), or for a method with a
     `cap` at the tolerance ``spec.tau`` from rank r, every rank capped at cap × r."""
     from .. import methods
-    from ..lowrank import Budget, Tolerance
+    from ..optim import Budget, Tolerance
     from ..peft import AdapterConfig, adapter_budget, get_adapter_model
 
     method, r = methods.get(spec.method), spec.rank

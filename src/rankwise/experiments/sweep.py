@@ -25,18 +25,10 @@ from torch import Tensor, nn
 
 from .. import methods
 from .._io import write_atomic
-from ..lowrank import (
-    ALLOCATION_RULES,
-    AbstractLowRankLayer,
-    AugmentedBUG,
-    Budget,
-    Tolerance,
-    compression,
-    stability_distance,
-    to_low_rank,
-)
 from ..methods import REGISTRY
 from ..models import DIGIT_CNN_MEAN, DIGIT_CNN_STD, digit_cnn, lenet, mlp, vgg
+from ..nn import ALLOCATION_RULES, AbstractLowRankLayer, compression, stability_distance, to_low_rank
+from ..optim import AugmentedBUG, Budget, Tolerance
 from ..train import Callback, Loop, accuracy, fit
 from . import _resume
 from ._stats import mean_sd, mean_std

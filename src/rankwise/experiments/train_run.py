@@ -22,8 +22,9 @@ from torch import Tensor, nn
 
 from .. import methods
 from .._io import write_atomic
-from ..lowrank import AugmentedBUG, Budget, Tolerance, compression, to_low_rank
 from ..models import get_model
+from ..nn import compression, to_low_rank
+from ..optim import AugmentedBUG, Budget, Tolerance
 from ..train import Callback, CodedCheckpoints, Loop, accuracy, fit
 from ..train_config import FORMAT_VERSION, RAMP_SHARE, TrainConfig
 

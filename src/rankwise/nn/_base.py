@@ -655,3 +655,10 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         fixed = "" if self.capacity is None else f", capacity={self.capacity}"
         return (f"in={self.in_features}, out={self.out_features}, rank={self.rank}, "
                 f"max_rank={self.max_rank}{fixed}, bias={self.bias is not None}")
+
+
+def check_model(model: object, fn: str) -> None:
+    """Refuse anything but an ``nn.Module`` (e.g. ``model.parameters()``) in one line."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn} takes the model (an nn.Module), not its parameters or a "
+                        f"{type(model).__name__}: call {fn}(model), not {fn}(model.parameters())")

@@ -15,20 +15,15 @@ from .._checks import check_rank
 from ..linalg import work_dtype
 from ._attention import PROJECTIONS, LowRankMultiheadAttention, dense_projections
 from ._attention import unsupported as attention_unsupported
-from ._base import AbstractLowRankLayer, fsdp_classes
+from ._base import AbstractLowRankLayer, check_model, fsdp_classes
+from ._budget import RULES, allocate_ranks
 from ._conv import LowRankConv2d
 from ._hf import LowRankConv1D, is_hf_conv1d
 from ._linear import LowRankLinear
+from ._metrics import compression
 
 Pattern = str | Iterable[str] | None
 LowRank = (AbstractLowRankLayer, LowRankMultiheadAttention)
-
-
-def check_model(model: object, fn: str) -> None:
-    """Refuse anything but an ``nn.Module`` (e.g. ``model.parameters()``) in one line."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"{fn} takes the model (an nn.Module), not its parameters or a "
-                        f"{type(model).__name__}: call {fn}(model), not {fn}(model.parameters())")
 
 
 def _matches(name: str, pattern: Pattern) -> bool:
@@ -72,7 +67,7 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
     - `target`: instead of `rank` / `tau`, the compression to reach
       (``rankwise.compression(model)["ratio"]`` after the call): the ranks are allocated
       model-wide from the layers' singular values, as DLRT's budget does
-      (``rankwise.lowrank._budget.allocate_ranks``), at least rank 1 per layer;
+      (``rankwise.nn._budget.allocate_ranks``), at least rank 1 per layer;
     - `allocation`: with a `target`, how (``"error-sqrt"``: directions by the relative error they
       remove per √(parameters); ``"error"``, ``"energy"``; ``"uniform"``: one rank for all).
     - `capacity`: store each converted layer's factors at a fixed capacity R, so that parameter
@@ -110,7 +105,6 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
             raise ValueError(f"`target` must be a compression in (0, 1); got {target!r}")
     elif rank is None and tau is None:
         raise ValueError("to_low_rank needs `rank` or `tau` (or both), or a `target` compression")
-    from ._budget import RULES
 
     if allocation not in RULES:
         raise ValueError(f"`allocation` must be one of {RULES}; got {allocation!r}")
@@ -447,7 +441,6 @@ def _rank_of(name: str, mod: nn.Module, ranks: dict[str, int], rank: int | None)
 def _fix_capacity(new: nn.Module, capacity: int | str, max_rank: int | None) -> None:
     """Every low-rank layer in `new` (a layer, or an attention's projections) at a fixed capacity:
     `capacity`, or ``"auto"``: twice its rank (capped by `max_rank`)."""
-    from ._base import AbstractLowRankLayer
 
     for m in new.modules():
         if isinstance(m, AbstractLowRankLayer):
@@ -491,9 +484,6 @@ def _target_ranks(model: nn.Module, targets: list, target: float, allocation: st
     """Ranks of the dense `targets` (by matrix: an attention's per projection) that bring the
     model's compression to `target` (``max_rank`` of :func:`to_low_rank` caps later growth, not
     these ranks)."""
-    from ._budget import allocate_ranks
-    from ._metrics import compression
-
     c = compression(model)
     weights = {k: w for name, mod in targets for k, w in _matrices(name, mod).items()}
     fixed = c["stored_params"] - sum(w.numel() for w in weights.values())  # biases, other layers

@@ -16,9 +16,9 @@ from torch import Tensor, nn
 
 from ..linalg import work_dtype
 from ._attention import LowRankMultiheadAttention
-from ._base import AbstractLowRankLayer
+from ._base import AbstractLowRankLayer, check_model
 from ._conv import LowRankConv2d
-from ._convert import check_model, own_rng
+from ._convert import own_rng
 from ._hf import LowRankConv1D, hf_conv1d
 from ._linear import LowRankLinear
 

@@ -7,8 +7,7 @@ from torch import nn
 
 from ..linalg import work_dtype
 from ._attention import PROJECTIONS, dense_projections
-from ._base import AbstractLowRankLayer
-from ._convert import check_model
+from ._base import AbstractLowRankLayer, check_model
 from ._hf import is_hf_conv1d
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ._base import AbstractLowRankLayer
-from ._export import export
+from ..nn._base import AbstractLowRankLayer
+from ..nn._export import export
 
 
 def dense_parameters(model: nn.Module, replaced: Collection[str] = ()) -> dict[str, Tensor]:

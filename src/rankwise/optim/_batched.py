@@ -28,23 +28,21 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from torch.optim import Optimizer
 
 from ..linalg import work_dtype
-from . import _closure, _shard, _step
+from ..nn._base import write_fixed
+from . import _closure, _step
 from . import _integrators as bug
 from . import functional as F
-from ._base import write_fixed
-from ._fsdp import is_dtensor
 from ._readback import ReadBack
-from ._replicas import _all_finite_flag, core_slot
-from ._rules import State, foreach_update, weight_scale
-
-if TYPE_CHECKING:
-    from ._optim import AugmentedBUG
+from .parallel import _shard
+from .parallel._fsdp import is_dtensor
+from .parallel._replicas import _all_finite_flag, core_slot
+from .rules._rules import State, foreach_update, weight_scale
 
 _MOMENTS = ("m", "v")
 
@@ -84,7 +82,7 @@ state is torch's, flat: K's rule state under U, L's under V, S's under S, beside
 counters (``r_init``, ``tau``, ``augmentations``, ...)."""
 
 
-def _rule_states(opt: AugmentedBUG, layers: list, key: str) -> list[State]:
+def _rule_states(opt: Optimizer, layers: list, key: str) -> list[State]:
     """The rule states of K (`key` ``"K"``: under U), L (under V) or S of `layers`; at a fixed
     capacity, each moment's live part (its storage is at the capacity, :func:`_capacity_shape`)."""
     out = []
@@ -111,7 +109,7 @@ def _capacity_shape(m, key: str) -> tuple[int, int] | None:
     return None if m.capacity is None else tuple(getattr(m, _HOLDER[key]).shape)
 
 
-def _put_rule_states(opt: AugmentedBUG, layers: list, key: str, new: State | None,
+def _put_rule_states(opt: Optimizer, layers: list, key: str, new: State | None,
                      shapes: list[tuple[int, ...]]) -> None:
     """Write a stacked rule state (None: reset, the entries removed) into each layer's state.
     At a fixed capacity an entry is never removed: a moment restarts as zeros (what the rules
@@ -173,12 +171,12 @@ def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]
             torch._foreach_copy_([o[:r.shape[0], :r.shape[1]] for o, r in zip(held, live, strict=True)], live)
 
 
-def _dense_params(opt: AugmentedBUG) -> list[Tensor]:
+def _dense_params(opt: Optimizer) -> list[Tensor]:
     return [p for g in opt.param_groups for p in g["params"]
             if id(p) not in opt._factor_ids and p.grad is not None]
 
 
-def inputs_finite(opt: AugmentedBUG, loss, device: torch.device) -> Tensor:
+def inputs_finite(opt: Optimizer, loss, device: torch.device) -> Tensor:
     """Device bool: the loss and every dense ``.grad`` are finite (layers' gradients: per group)."""
     tensors = [p.grad for p in _dense_params(opt)]
     if loss is not None:
@@ -192,7 +190,7 @@ def inputs_finite(opt: AugmentedBUG, loss, device: torch.device) -> Tensor:
     return flag
 
 
-def dense_step(opt: AugmentedBUG, ok: Tensor | None = None) -> None:
+def dense_step(opt: Optimizer, ok: Tensor | None = None) -> None:
     """The rule on every dense parameter with a gradient, in ``_foreach`` batches (by device,
     dtype and state layout). `ok` (a device bool, core steps): where False nothing changes."""
     name = opt.settings.rule.name
@@ -220,7 +218,7 @@ class _Group:
     every new direction and Householder QR where a Cholesky factorisation fails (the retry of
     a step whose fixed-width augmentation failed for some layer)."""
 
-    def __init__(self, opt: AugmentedBUG, names: list[str], reorth: bool, two_pass: bool = False,
+    def __init__(self, opt: Optimizer, names: list[str], reorth: bool, two_pass: bool = False,
                  full: bool = False) -> None:
         cfg = opt.settings
         self.opt, self.names, self.plan_two_pass = opt, names, two_pass
@@ -304,7 +302,7 @@ def _width(states: list[State]) -> int | None:
     return max(2 * e + 4 for e in seen)
 
 
-def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> list[_Group]:
+def _groups(opt: Optimizer, todo: list[str], two_pass: bool, full: bool) -> list[_Group]:
     """The layers in `todo` as groups: one shape, rank bucket (or, `full`, one rank), buffer
     bucket, dtype, device, param group, optimizer-state layout (and, data parallel, owner), in
     CPU-sized chunks. A layer too wide to pad (twice its bucket plus its buffer's above its
@@ -330,7 +328,7 @@ def _groups(opt: AugmentedBUG, todo: list[str], two_pass: bool, full: bool) -> l
             for chunk in _chunks(key, names)]
 
 
-def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool:
+def augmenting_step(opt: Optimizer, loss, closure=None) -> bool:
     """Augment and truncate every layer with gradients (module docstring). Returns False if the
     step was skipped (non-finite values; nothing written). With a `closure`, two-pass BUG: the
     closure is evaluated again at the augmented point (:func:`_second_pass`). A layer whose
@@ -342,7 +340,7 @@ def augmenting_step(opt: AugmentedBUG, loss, closure=None) -> bool:
     return done
 
 
-def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
+def _attempt(opt: Optimizer, loss, closure, full: bool) -> bool | None:
     """One try of :func:`augmenting_step` at fixed width (or `full`): True (committed), False
     (skipped), None (a fixed-width augmentation failed: nothing written, try again at full)."""
     todo = [n for n, m in opt.layers.items() if m.factor_grads()[0] is not None and m.S.grad is not None]
@@ -402,7 +400,7 @@ def _attempt(opt: AugmentedBUG, loss, closure, full: bool) -> bool | None:
     return True
 
 
-def _check_live(opt: AugmentedBUG, names: list[str], saved: list[tuple[int, int]]) -> None:
+def _check_live(opt: Optimizer, names: list[str], saved: list[tuple[int, int]]) -> None:
     """A fixed-capacity layer whose saved ``live`` [rank, buffer] is not what the host holds had its
     tensors written in place behind its back (``dcp.load`` into ``model.state_dict()`` without
     ``load_state_dict``): its forward ran at the wrong rank. Refused before anything is written."""
@@ -416,7 +414,7 @@ def _check_live(opt: AugmentedBUG, names: list[str], saved: list[tuple[int, int]
                 "weight was changed")
 
 
-def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device: torch.device, full: bool):
+def _second_pass(opt: Optimizer, groups: list[_Group], closure, loss, device: torch.device, full: bool):
     """Two-pass BUG's second evaluation, for every group at once: each layer is set to its
     augmented point (Ū, S̄(0), V̄) (the same weight; fill directions have zero rows), the closure
     runs again in core mode, and each group takes its S rule on the new core gradient
@@ -473,7 +471,7 @@ def _second_pass(opt: AugmentedBUG, groups: list[_Group], closure, loss, device:
     return torch.isfinite(torch.as_tensor(loss2).detach()).to(device).reshape(())
 
 
-def _second_grads(opt: AugmentedBUG, groups: list[_Group], points: dict, loss2,
+def _second_grads(opt: Optimizer, groups: list[_Group], points: dict, loss2,
                   closure) -> list[Tensor] | None:
     """The second pass's core gradients per group (L, ku, kv), averaged over a data-parallel group;
     None when another rank's loss was not finite."""
@@ -499,7 +497,7 @@ def _second_grads(opt: AugmentedBUG, groups: list[_Group], points: dict, loss2,
     return grads
 
 
-def _commit(opt: AugmentedBUG, g: _Group) -> None:
+def _commit(opt: Optimizer, g: _Group) -> None:
     """Truncate a group to its new ranks and write factors, buffers and states back: the new
     bases of every layer from one product (Ū P, V̄ Q at the group's widest rank and buffer),
     each layer's columns cut from it; into the layers' tensors in one ``_foreach_copy_`` where
@@ -551,7 +549,7 @@ def _commit(opt: AugmentedBUG, g: _Group) -> None:
         st["augmentations"] = st.get("augmentations", 0) + 1
 
 
-def _core_hp(opt: AugmentedBUG, layers: list, dt: torch.dtype) -> dict:
+def _core_hp(opt: Optimizer, layers: list, dt: torch.dtype) -> dict:
     """The core rule's hyperparameters for a group of cores; under the Muon rule with each
     layer's weight's rate factor (one number, or (L, 1, 1) where the shapes differ)."""
     hp = opt._core_hp(layers[0].S)
@@ -563,7 +561,7 @@ def _core_hp(opt: AugmentedBUG, layers: list, dt: torch.dtype) -> dict:
     return {**hp, "weight_scale": scales[0] if one else each}
 
 
-def core_step(opt: AugmentedBUG, loss) -> bool:
+def core_step(opt: Optimizer, loss) -> bool:
     """Between augmentations: the rule on every layer's core S and on the dense parameters,
     batched (cores of one rank bucket zero-padded to one size), reading nothing back; a
     non-finite loss or gradient changes nothing and is counted on the device

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from ._base import layer_of
+from ..nn._base import layer_of
 
 Parameters = nn.Module | Tensor | Iterable[Tensor]
 

@@ -17,14 +17,15 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from . import _batched, _closure, _dp, _fsdp, _shard, _state
-from ._base import AbstractLowRankLayer, factor_changes, fsdp_classes, layer_of
-from ._budget import Planner
-from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
-from ._replicas import Replicas
-from ._rules import restart
-from ._settings import Settings, pop_rule, settings_doc, settings_from
+from ..nn._base import AbstractLowRankLayer, factor_changes, fsdp_classes, layer_of
+from . import _batched, _closure, _state
+from ._planner import Planner
 from ._truncation import strategy
+from .parallel import _dp, _fsdp, _shard
+from .parallel._replicas import Replicas
+from .rules._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
+from .rules._rules import restart
+from .rules._settings import Settings, pop_rule, settings_doc, settings_from
 
 
 def _split_groups(params: list[Tensor], groups: list[dict] | None, layers: dict[str, AbstractLowRankLayer],
@@ -97,7 +98,7 @@ def _checked(model: nn.Module, lr: float, settings: Settings | None, kwargs: dic
         raise TypeError(f"give `settings` or the settings as keyword arguments, not both "
                         f"(got {sorted(kwargs)})")
     elif not isinstance(settings, Settings):
-        raise TypeError(f"`settings` must be rankwise.lowrank.Settings; got {type(settings).__name__}")
+        raise TypeError(f"`settings` must be rankwise.Settings; got {type(settings).__name__}")
     if process_group is not None and not torch.distributed.is_initialized():
         raise ValueError("`process_group` given but torch.distributed is not initialised: call "
                          "rankwise.dist.init_process_group() (under torchrun) first")
@@ -715,7 +716,7 @@ _COMMON_DOC = """
       e.g. 0.9 keeps 10 % of the dense parameters, counting every parameter of the model).
       At each augmentation the ranks are allocated model-wide: greedily, the singular
       direction that removes the most relative error of its layer per √(parameters it costs),
-      until the budget is spent (``rankwise.lowrank._budget.allocate_ranks``; `allocation`
+      until the budget is spent (``rankwise.nn._budget.allocate_ranks``; `allocation`
       chooses another rule: ``"error"``, ``"energy"``, ``"uniform"``). The budget falls
       from the model's size at construction to the target over `ramp_steps` (default 200) augmentations
       (cubically, AdaLoRA's schedule: fast while the spectra still hold much small energy),

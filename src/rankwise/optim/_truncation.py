@@ -14,17 +14,13 @@ The user-facing policies (:class:`._policies.Tolerance`, :class:`._policies.Budg
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch.optim import Optimizer
 
+from ..nn._budget import tail_share
 from . import functional as F
-from ._budget import tail_share
-
-if TYPE_CHECKING:
-    from ._batched import _Group
-    from ._optim import AugmentedBUG
-    from ._settings import Settings
+from ._batched import _Group, _stack
+from .rules._settings import Settings
 
 
 class Strategy:
@@ -33,16 +29,16 @@ class Strategy:
     spectra = False  # read each core's singular values back
     scores = False  # and their sensitivity scores
 
-    def on_device(self, opt: AugmentedBUG, g: _Group) -> F.Ranks | None:
+    def on_device(self, opt: Optimizer, g: _Group) -> F.Ranks | None:
         return None
 
     def reorder(self, g: _Group) -> None:
         """After a group's plan: reorder its directions before the ranks are chosen (sensitivity)."""
 
-    def from_host(self, opt: AugmentedBUG, groups: list[_Group]) -> None:
+    def from_host(self, opt: Optimizer, groups: list[_Group]) -> None:
         """After the read: set ``g.r1`` where the host chooses the ranks."""
 
-    def after_commit(self, opt: AugmentedBUG, g: _Group, i: int, st: dict) -> None:
+    def after_commit(self, opt: Optimizer, g: _Group, i: int, st: dict) -> None:
         """What layer i of group `g` keeps in its state `st` of its new rank ``g.r1[i]``."""
 
 
@@ -54,13 +50,13 @@ class ToleranceStrategy(Strategy):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    def on_device(self, opt: AugmentedBUG, g: _Group) -> F.Ranks:
+    def on_device(self, opt: Optimizer, g: _Group) -> F.Ranks:
         dev, caps = g.plan_device, [opt._rank_cap(m) for m in g.layers]
         return F.Ranks(torch.tensor([st["tau"] for st in g.states], dtype=torch.float64, device=dev),
                        torch.tensor([min(self.settings.min_rank, c) for c in caps], device=dev),
                        torch.tensor(caps, device=dev))
 
-    def after_commit(self, opt: AugmentedBUG, g: _Group, i: int, st: dict) -> None:
+    def after_commit(self, opt: Optimizer, g: _Group, i: int, st: dict) -> None:
         feedback = self.settings.feedback
         if feedback is not None:
             st["tau"] = feedback(st["tau"], g.r1[i], st["r_init"], self.settings.tau)
@@ -72,7 +68,7 @@ class BudgetStrategy(Strategy):
 
     spectra = True
 
-    def from_host(self, opt: AugmentedBUG, groups: list[_Group]) -> None:
+    def from_host(self, opt: Optimizer, groups: list[_Group]) -> None:
         spectra, scores = {}, {}
         for g in groups:
             for i, n in enumerate(g.names):
@@ -85,7 +81,7 @@ class BudgetStrategy(Strategy):
             g.r1 = [ranks[n] for n in g.names]
             g.tails = [tail_share(spectra[n], ranks[n]) for n in g.names]
 
-    def after_commit(self, opt: AugmentedBUG, g: _Group, i: int, st: dict) -> None:
+    def after_commit(self, opt: Optimizer, g: _Group, i: int, st: dict) -> None:
         st["tail"] = g.tails[i]
 
 
@@ -99,7 +95,6 @@ class SensitivityStrategy(BudgetStrategy):
         self.beta1, self.beta2 = beta1, beta2
 
     def reorder(self, g: _Group) -> None:
-        from ._batched import _stack
 
         prev = [st.get("sensitivity") for st in g.states]
         dt = g.planned.plan.s.dtype
@@ -108,7 +103,7 @@ class SensitivityStrategy(BudgetStrategy):
         g.planned, g.smoothed, g.scores = F.by_sensitivity(g.planned, previous, cost, beta1=self.beta1,
                                                            beta2=self.beta2)
 
-    def after_commit(self, opt: AugmentedBUG, g: _Group, i: int, st: dict) -> None:
+    def after_commit(self, opt: Optimizer, g: _Group, i: int, st: dict) -> None:
         super().after_commit(opt, g, i, st)
         st["sensitivity"] = [t[i, :g.r1[i]].clone() for t in g.smoothed]
 

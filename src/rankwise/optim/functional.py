@@ -32,7 +32,7 @@ from torch import Tensor
 from ..linalg import batch_mm
 from . import _step
 from ._integrators import Factors
-from ._rules import Rule, State, restart, transport, weight_scale
+from .rules._rules import Rule, State, restart, transport, weight_scale
 
 _MOMENTS = ("m", "v")
 

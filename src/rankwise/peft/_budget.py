@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..lowrank._budget import layer_cost
+from ..nn._budget import layer_cost
 from ._config import lora_rank_of
 
 
@@ -20,7 +20,7 @@ def budget_params(budget: int | str, shapes: Sequence[tuple[int, int]]) -> int:
 
 def uniform_rank(shapes: Sequence[tuple[int, int]], params: int, *, buffer: bool) -> int:
     """The largest rank r such that every layer at min(r, out, in) costs at most `params` in all
-    (:func:`rankwise.lowrank._budget.layer_cost`, SDLRT's buffer counted at its largest with
+    (:func:`rankwise.nn._budget.layer_cost`, SDLRT's buffer counted at its largest with
     `buffer`). Raises ``ValueError`` when rank 1 everywhere does not fit."""
     def cost(r: int) -> int:
         return sum(layer_cost(m, n, min(r, m, n), buffer=buffer) for m, n in shapes)

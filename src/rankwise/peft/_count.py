@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..lowrank._base import AbstractLowRankLayer
+from ..nn._base import AbstractLowRankLayer
 
 
 def trainable_parameters(model: nn.Module) -> tuple[int, int]:

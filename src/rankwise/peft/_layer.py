@@ -6,8 +6,8 @@ import torch
 from torch import Tensor, nn
 
 from ..linalg import work_dtype
-from ..lowrank._autograd import LowRankLinearFn
-from ..lowrank._base import AbstractLowRankLayer, _orthonormal
+from ..nn._autograd import LowRankLinearFn
+from ..nn._base import AbstractLowRankLayer, _orthonormal
 
 
 class AdapterLinear(AbstractLowRankLayer):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._io import read_json, write_atomic
-from ..lowrank._convert import _set_submodule
+from ..nn._convert import _set_submodule
 from ._budget import budget_params, uniform_rank
 from ._config import AdapterConfig
 from ._layer import AdapterLinear
@@ -105,7 +105,7 @@ def adapter_optimizer(model: nn.Module, lr: float, *, allocation: str = "error-s
     parameters that require grad (the `modules_to_save`); the frozen base weights are not in
     its ``param_groups``, so its ``state_dict`` holds nothing of them.
     """
-    from ..lowrank import DLRT, SDLRT, AugmentedBUG, Budget
+    from ..optim import DLRT, SDLRT, AugmentedBUG, Budget
 
     config = _config_of(model)
     if config.budget is not None:

@@ -32,7 +32,7 @@ def _is_adapter_model(model: nn.Module) -> bool:
 
 def _low_rank_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{name: layer} of every rankwise low-rank layer (adapters included)."""
-    from ..lowrank import AbstractLowRankLayer
+    from ..nn import AbstractLowRankLayer
 
     return {n: m for n, m in model.named_modules() if isinstance(m, AbstractLowRankLayer)}
 
@@ -149,14 +149,14 @@ class RankwiseTrainer(transformers.Trainer):
     def _clip_grad_norm(self, model: nn.Module) -> Tensor:
         """The Trainer's clipping step (when ``max_grad_norm`` > 0): :func:`rankwise.clip_grad_norm_`,
         which also reaches the factor gradients; returns the norm before clipping."""
-        from ..lowrank import clip_grad_norm_, grad_norm
+        from ..optim import clip_grad_norm_, grad_norm
 
         return clip_grad_norm_(model, self.clip_norm) if self.clip_norm else grad_norm(model)
 
     def _clip_before_steps(self, opt) -> None:
         if not self.clip_norm:
             return
-        from ..lowrank import clip_grad_norm_
+        from ..optim import clip_grad_norm_
 
         model, norm = self.model, self.clip_norm
 
@@ -188,7 +188,7 @@ class RankwiseTrainer(transformers.Trainer):
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
-            from ..lowrank import DLRT, SDLRT
+            from ..optim import DLRT, SDLRT
 
             a = self.args
             kw = dict(self.integrator, optimizer="adamw", betas=(a.adam_beta1, a.adam_beta2),

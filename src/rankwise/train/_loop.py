@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._checks import check_training
-from ..lowrank._clip import clip_grad_norm_
+from ..optim._clip import clip_grad_norm_
 
 
 class Callback:

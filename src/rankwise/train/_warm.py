@@ -69,7 +69,7 @@ class DenseWarmStart(Callback):
     def on_step_end(self, loop: Loop) -> None:
         if loop.global_step != self.steps:
             return
-        from ..lowrank import to_low_rank
+        from ..nn import to_low_rank
 
         model = loop.model
         rank = self.rank

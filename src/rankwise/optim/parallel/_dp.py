@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..dist import global_rank
+from ...dist import global_rank
 
 BUCKET_BYTES = 25 * 2**20  # as DDP's default bucket_cap_mb
 

@@ -19,15 +19,12 @@ placement, each layer on one rank, is what would divide that work).
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+from torch.optim import Optimizer
 
-from ._base import AbstractLowRankLayer
-
-if TYPE_CHECKING:
-    from ._optim import AugmentedBUG
+from ...nn._base import AbstractLowRankLayer
 
 
 def is_dtensor(t: Tensor | None) -> bool:
@@ -78,7 +75,7 @@ class _Gathered(AbstractLowRankLayer):
 
 
 @contextlib.contextmanager
-def gathered(opt: AugmentedBUG):
+def gathered(opt: Optimizer):
     """Within the block, ``opt.layers`` are full plain copies of the sharded layers (with their
     optimizer states and param groups), so that the step runs unchanged; on leaving, each rank's
     rows of the new factors and moments go back into its shards, and the live ranks into the layers."""

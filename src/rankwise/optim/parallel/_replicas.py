@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..linalg import work_dtype
+from ...linalg import work_dtype
+from ...nn._base import AbstractLowRankLayer
 from . import _dp, _shard
-from ._base import AbstractLowRankLayer
 from ._fsdp import is_dtensor
 
 

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..dist import global_rank
+from ...dist import global_rank
 
 
 def layer_cost(out_features: int, in_features: int, rank: int) -> float:

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, ClassVar
 
-from .._checks import check_unit_interval
+from ..._checks import check_unit_interval
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -74,8 +74,8 @@ class Budget:
       stays there. 0: the end budget from the first step.
     - `allocation`: what a singular direction is worth per parameter it costs:
       ``"error-sqrt"`` (default), ``"error"``, ``"energy"``, ``"uniform"``
-      (:mod:`rankwise.lowrank._budget`) or ``"sensitivity"`` (its smoothed importance to the
-      loss, :mod:`rankwise.lowrank._sensitivity`, with smoothing factors `beta1`, `beta2`).
+      (:mod:`rankwise.nn._budget`) or ``"sensitivity"`` (its smoothed importance to the
+      loss, :mod:`rankwise.optim._sensitivity`, with smoothing factors `beta1`, `beta2`).
     - `floor`: every layer keeps at least this share of the rank a uniform allocation of the
       current budget would give it (0: no floor beyond the optimizer's `min_rank`): no layer
       becomes a one-dimensional bottleneck.
@@ -119,7 +119,7 @@ class Budget:
         for name in ("beta1", "beta2"):
             if not 0 <= _real(name, getattr(self, name)) < 1:
                 raise ValueError(f"`{name}` must be in [0, 1); got {getattr(self, name)!r}")
-        from ._budget import TRAINING_RULES
+        from ...nn._budget import TRAINING_RULES
 
         if self.allocation not in TRAINING_RULES:
             raise ValueError(f"`allocation` must be one of {TRAINING_RULES}; got {self.allocation!r}")
@@ -141,7 +141,7 @@ class Budget:
     def params_at(self, augmentation: int, start: float, dense: float, other: float = 0.0) -> float:
         """Parameters the model may store at `augmentation` (0, 1, …), falling from `start`
         to :meth:`end_params`."""
-        from ._budget import budget_schedule
+        from ...nn._budget import budget_schedule
 
         end = self.end_params(dense, other)
         if self.ramp_steps == 0 or augmentation >= self.ramp_steps:
@@ -160,7 +160,7 @@ class Budget:
         the `allocation` rule (:func:`._budget.allocate_ranks`; `scores` for
         ``"sensitivity"``), each layer at least `min_rank` and `floor` × its uniform share, at
         most its `max_ranks`."""
-        from ._budget import allocate_ranks
+        from ...nn._budget import allocate_ranks
 
         floors: int | dict[str, int] = min_rank
         if self.floor > 0:  # a share of the rank a uniform allocation would give

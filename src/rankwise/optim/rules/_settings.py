@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from .._fields import fields_doc, setting
+from ..._fields import fields_doc, setting
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._rules import Rule, adam, muon, sgd
 
@@ -278,7 +278,7 @@ class Settings:
                             f"rankwise.TwoSidedFeedback(...); got {self.feedback!r}")
         if not isinstance(self.rule, Rules):
             raise TypeError(f"`rule` must be rankwise.Sgd(momentum=...), rankwise.Adam(betas=..., eps=...) "
-                            f"rankwise.lowrank.AdamW(...) or rankwise.Muon(...); got {self.rule!r}")
+                            f"rankwise.AdamW(...) or rankwise.Muon(...); got {self.rule!r}")
         for name in ("buffer", "single_pass", "adaptive"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"`{name}` must be True or False; got {getattr(self, name)!r}")
