@@ -1,5 +1,5 @@
 """DDP and FSDP2 at N gloo ranks against one process: the equality cases of the integration tests
-(``tests/integration/test_ddp.py``, ``test_fsdp.py``: float64, half or quarter batches, ranks moving)
+(``tests/optim/parallel/test_ddp.py``, ``test_fsdp.py``: float64, half or quarter batches, ranks moving)
 at another world size, printed as the largest loss and weight differences.
 
 How to run (from the repository root)

@@ -233,7 +233,7 @@ def test_add_param_group_integrates_a_new_low_rank_layer():
 # ---------------------------------------------------------------- case 2: wrappers
 def test_a_ddp_wrapped_model_without_capacity_is_refused_at_construction(tmp_path):
     """Case 2: DLRT(DDP(model)) over exact-shape factors is refused in one line naming `capacity`
-    (world size 1); over fixed-capacity factors it trains (tests/integration/test_ddp.py)."""
+    (world size 1); over fixed-capacity factors it trains (tests/optim/parallel/test_ddp.py)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
@@ -263,7 +263,7 @@ def test_several_processes_without_a_process_group_warn_once(monkeypatch):
 def test_fsdp_over_exact_shapes_is_refused_by_name(monkeypatch):
     """Case 2 / FSDP: a model holding a module sharded by fully_shard (an FSDPModule) over exact-shape
     factors is refused in one line naming `capacity` (the sharded class is stood in for: fully_shard
-    needs a process group); over fixed-capacity factors it trains (tests/integration/test_fsdp.py)."""
+    needs a process group); over fixed-capacity factors it trains (tests/optim/parallel/test_fsdp.py)."""
     from torch.distributed import fsdp
 
     from rankwise.optim import _optim

@@ -7,8 +7,9 @@ import pytest
 
 
 def _adapter_case(tmp_path, save_modules):
-    from rankwise.peft import AdapterConfig, get_adapter_model, save_adapter
     from test_peft import QKV, tiny_bert
+
+    from rankwise.peft import AdapterConfig, get_adapter_model, save_adapter
 
     model = get_adapter_model(tiny_bert(), AdapterConfig(QKV, r=4, tau=0.05, modules_to_save=save_modules))
     save_adapter(model, tmp_path / "a")

@@ -179,7 +179,7 @@ def test_adalora_trains_with_peft_s_own_orthogonality_regulariser(built):
 
 # ------------------------------------------------------------------------- the command
 def test_peft_command_checks_its_arguments(tmp_path):
-    from test_cli_errors import _one_line_error
+    from helpers import one_line_error as _one_line_error
 
     out = ["--out", tmp_path / "o"]
     msg = _one_line_error(run_cli("peft", "--settings", "25", *out), "peft")

@@ -1,5 +1,5 @@
 """rankwise sweep: end to end on a tiny configuration, resumability, the file loaders. (d_t = 0 for
-the truncated SVD of the shadow: tests/test_metrics.py.)"""
+the truncated SVD of the shadow: tests/nn/test_metrics.py.)"""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.distributed import run_world
-from tests.integration.test_ddp import _data, _model, _preset, _share
+from tests.optim.parallel.test_ddp import _data, _model, _preset, _share
 from torch import nn
 
 import rankwise
@@ -262,7 +262,7 @@ def test_the_pretraining_example_runs_and_resumes_at_another_world_size(tmp_path
     import sys
     from pathlib import Path
 
-    script = str(Path(__file__).parents[2] / "examples" / "pretrain_fsdp.py")
+    script = str(Path(__file__).parents[3] / "examples" / "pretrain_fsdp.py")
     tiny = ["--width", "32", "--depth", "1", "--context", "16", "--batch", "2", "--every", "2",
             "--ckpt", str(tmp_path / "ckpt")]
     cmd, env = rankwise.dist.local_torchrun(4, "x", [])

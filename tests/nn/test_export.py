@@ -21,7 +21,7 @@ from rankwise.models import lenet, mlp
 from rankwise.nn import LowRankConv2d, LowRankLinear, export, to_low_rank
 from rankwise.nn._base import AbstractLowRankLayer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64
 
 

@@ -1,7 +1,7 @@
 """The Muon rule for the factors (`rankwise.Muon`, `rankwise.optim.rules._rules.muon`) against
 torch.optim.Muon on plain matrices, its batched Newton–Schulz against one matrix at a time, and
 its AdamW on the dense parameters against torch.optim.AdamW. Its use inside DLRT/SDLRT is checked
-step by step against the float64 reference in tests/test_reference_step.py."""
+step by step against the float64 reference in tests/optim/test_reference_step.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The sharded integrator's owner assignment: a pure function of the layers' costs, balanced
 within the longest-processing-time bound of the best assignment (brute force); the state
-travels as a structure plus tensors. (Training with it: tests/test_dp.py.)"""
+travels as a structure plus tensors. (Training with it: tests/optim/parallel/test_dp.py.)"""
 
 from __future__ import annotations
 

@@ -143,7 +143,7 @@ def test_foreach_rules_equal_the_rules(name, rule, hp):
 def _exact(monkeypatch):
     """Every optimizer built inside takes ``implementation="exact"`` (groups of one rank, room for
     every new direction): the papers' shapes, against which the bucketed default is checked
-    (both are checked against the float64 reference in tests/test_reference_step.py)."""
+    (both are checked against the float64 reference in tests/optim/test_reference_step.py)."""
     init = AugmentedBUG.__init__
 
     def exact_init(self, *a, **kw):
