@@ -119,3 +119,19 @@ def test_the_packages_import_in_one_direction(package, never):
     bad = sorted((m, n) for m, ns in graph.items() if m == package or m.startswith(package + ".")
                  for n in ns if any(n == x or n.startswith(x + ".") for x in never))
     assert bad == []
+
+
+@pytest.mark.parametrize("name", ["rankwise.nn", "rankwise.optim", "rankwise.dist", "rankwise.ckpt",
+                                  "rankwise.ode", "rankwise.peft", "rankwise.train", "rankwise.data"])
+def test_a_public_namespace_lists_only_what_it_exports(name):
+    """``dir()`` of a public package shows its ``__all__`` and its public subpackages, never its
+    own imports (``os``, ``torch``, ``timedelta``, ``TYPE_CHECKING``)."""
+    import importlib
+    import types
+
+    mod = importlib.import_module(name)
+    public = [n for n in dir(mod) if not n.startswith("_")]
+    stray = [n for n in public if n not in mod.__all__
+             and not isinstance(getattr(mod, n), types.ModuleType)]
+    assert stray == []
+    assert all(hasattr(mod, n) for n in mod.__all__)

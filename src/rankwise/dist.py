@@ -15,6 +15,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+__all__ = ["exit_worker", "global_rank", "group_timeout", "init_process_group", "local_torchrun",
+           "ordered_allreduce_hook"]
+
+
+def __dir__() -> list[str]:
+    """The public names only (not this module's own imports)."""
+    return list(__all__)
+
 
 def _env_int(name: str, default: int | None = None) -> int:
     v = os.environ.get(name)

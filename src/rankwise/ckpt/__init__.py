@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
 
 
 def __getattr__(name: str) -> Any:
+    if name == "testing":  # (the test doubles: a lying rank)
+        return importlib.import_module("rankwise.ckpt.testing")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rankwise.ckpt' has no attribute {name!r}")
@@ -51,4 +53,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names and the test doubles' module (not this module's own imports)."""
+    return sorted({*_LAZY, "testing"})

@@ -12,3 +12,6 @@ from ._files import load_mnist as load_mnist
 from ._files import read_idx as read_idx
 from ._mnist1d import Mnist1dSplit as Mnist1dSplit
 from ._mnist1d import load_mnist1d as load_mnist1d
+
+__all__ = ["DigitsSplit", "Mnist1dSplit", "load_bbc_news", "load_bbc_text", "load_cifar", "load_digits",
+           "load_mnist", "load_mnist1d", "random_windows", "read_idx", "stratified_split", "subsample"]

@@ -56,15 +56,14 @@ class OdeRunConfig:
     budget_states: int = 12
     budget_in: str = setting("states", help="budget:STATES counts states (the same for every batch) or "
                                             "bytes (STATES states of the first batch: a smaller batch gets "
-                                            "more, the rule before issue 28).")
+                                            "more).")
     epochs: int = setting(1, help="Training epochs per run.")
     lr: float | None = None
     batch_size: int = 64
     seed: int = 0
     causal: bool = setting(True, flag="--causal/--no-causal",
                            help="Gated model: each KSL step's S-substep at its start, so step i reads "
-                           "elements <= i (--no-causal: at t + h, one element ahead, the step before "
-                           "issue 28).")
+                           "elements <= i (--no-causal: at t + h, one element ahead).")
     gru_hidden: int = 128
     recurrence: str = setting("kron", help="Gated model: how the gates read the memory's core: kron (A c "
                                            "Bᵀ, 2p² numbers per gate) or full (U vec(c), p⁴ per gate, as a "

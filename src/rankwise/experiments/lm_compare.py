@@ -24,7 +24,7 @@ Methods (``compression`` c is of the projections' parameters; the names are
   rule's moments start afresh at every truncation instead of being rotated), ``dlrt-warm`` and
   ``fixed-warm`` (dense AdamW for the first `warm` share of the steps, then the SVD of the
   trained weights at the start ranks, trained on by ``dlrt`` / ``fixed``), ``dlrt-core3`` and
-  ``dlrt-core0.3`` (the core's rate 3× / 0.3× the bases', ``core_lr_ratio``); issue 48's
+  ``dlrt-core0.3`` (the core's rate 3× / 0.3× the bases', ``core_lr_ratio``);
   ``dlrt-reset-m`` / ``dlrt-reset-v`` (only the first / second moments restart),
   ``dlrt-reset-ue5`` / ``dlrt-reset-ue20`` (``dlrt-reset`` augmenting every 5th / 20th step),
   ``dlrt-muon`` / ``dlrt-muon-reset`` (the :class:`rankwise.Muon` rule on the factors, its

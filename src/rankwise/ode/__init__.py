@@ -20,3 +20,8 @@ from ._ksl import rank_ratio as rank_ratio
 from ._ksl import reversal_defect as reversal_defect
 from ._state import LowRankState as LowRankState
 from ._tape import OdeSolution as OdeSolution
+
+__all__ = ["AbstractController", "BoundField", "DefectController", "FactoredField", "FixedController",
+           "GatedMemoryField", "LowRankODEBlock", "LowRankState", "MemoryBudget", "MemoryField",
+           "OdeSolution", "SequenceClassifier", "audit_gradients", "enrich", "ksl_reverse", "ksl_step",
+           "rank_ratio", "reversal_defect"]

@@ -28,3 +28,7 @@ def __getattr__(name: str):
 
         return RankwiseTrainer
     raise AttributeError(f"module 'rankwise.peft' has no attribute {name!r}")
+
+__all__ = ["AdapterConfig", "AdapterLinear", "adapter_budget", "adapter_optimizer", "adapters",
+           "export_peft_lora", "get_adapter_model", "load_adapter", "merge_and_unload",
+           "print_trainable_parameters", "save_adapter", "trainable_parameters"]
