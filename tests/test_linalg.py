@@ -43,17 +43,3 @@ def test_orth_against_spans_the_projected_columns():
         torch.testing.assert_close(Q[b] @ Q[b].mT, ref @ ref.mT)
 
 
-def test_one_thread_runs_the_block_on_one_thread_and_restores_the_setting():
-    from rankwise.linalg import one_thread
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        with one_thread():
-            assert torch.get_num_threads() == 1
-        assert torch.get_num_threads() == 2
-        with pytest.raises(RuntimeError, match="inside"), one_thread():
-            raise RuntimeError("inside")
-        assert torch.get_num_threads() == 2  # restored on an error too
-    finally:
-        torch.set_num_threads(before)

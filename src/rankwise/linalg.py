@@ -6,42 +6,15 @@ Everything here is dtype-agnostic and never divides by a singular value without 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from ._checks import check_unit_interval
 
-__all__ = ["batch_mm", "gram_rtol", "one_thread", "orth_against", "orth_complement",
+__all__ = ["batch_mm", "gram_rtol", "orth_against", "orth_complement",
            "orth_complement_batched",
            "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the block on one intra-op thread, then restore torch's setting.
-
-    For the integrator's factorisations (QR, eigh, Cholesky, SVD of matrices with a few
-    hundred columns at most): multi-threaded, LAPACK splits work that takes a millisecond
-    and then waits for a peer thread; when another process is busy on the same cores that
-    peer is descheduled and the call takes a scheduler quantum or more. Measured on 2 cores
-    with other jobs running: a 200×200 Cholesky 40 ms at 2 threads against 0.25 ms at one, a
-    200×200 SVD 63 against 16 ms, a 2048×200 QR 177 against 41 ms. One thread is never the
-    slow case, and costs little on an idle machine because the matrices are small.
-    (``torch.set_num_threads`` is process-wide: another Python thread running torch work
-    inside the block runs single-threaded too.)
-    """
-    n = torch.get_num_threads()
-    if n == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,8 +26,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 def orthonormalize(Q: Tensor) -> tuple[Tensor, Tensor]:
     """Thin QR ``Q = Q' R`` with ``diag(R) >= 0``: (..., m, k) -> Q' (..., m, k) orthonormal,
     R (..., k, k); batched over leading dimensions."""
-    with one_thread():
-        Qn, R = torch.linalg.qr(Q)
+    Qn, R = torch.linalg.qr(Q)
     sign = torch.where(torch.diagonal(R, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(Q.dtype)
     return Qn * sign[..., None, :], R * sign[..., :, None]
 
@@ -66,8 +38,7 @@ def orth_against(Q0: Tensor, Y: Tensor) -> Tensor:
     so Y must have full rank after the projection."""
     for _ in range(2):
         Y = Y - Q0 @ (Q0.mT @ Y)
-    with one_thread():
-        return torch.linalg.qr(Y)[0]
+    return torch.linalg.qr(Y)[0]
 
 
 def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tensor:
@@ -148,8 +119,7 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
     G = mm(X.mT, X).double()
     sq_norms += torch.diagonal(G, dim1=-2, dim2=-1)  # ‖x‖² = ‖Q0ᵀx‖² + ‖residual‖²
     d = torch.where(sq_norms > 0, sq_norms.rsqrt(), torch.zeros_like(sq_norms))
-    with one_thread():
-        lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])  # Gram of unit-length columns
+    lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])  # Gram of unit-length columns
     kept = (lam > rtol**2).sum(-1).tolist()  # eigenvalues ascend: the kept ones are the last e
     out: list[Tensor] = [X.new_zeros(m, 0)] * L
     for e in sorted(set(kept) - {0}):
@@ -160,8 +130,7 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
         Y = mm(Xs, M.to(X.dtype))
         if Q0.shape[-1]:
             Y = Y - mm(Q0s, mm(Q0s.mT, Y))
-        with one_thread():
-            Lc, info = torch.linalg.cholesky_ex(mm(Y.mT, Y).double())
+        Lc, info = torch.linalg.cholesky_ex(mm(Y.mT, Y).double())
         E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
         for j, i in enumerate(idx):  # a failed Cholesky is not expected after the eigen filter
             out[i] = E[j] if int(info[j]) == 0 else orthonormalize(Y[j])[0]

@@ -30,11 +30,6 @@ def factor_changes() -> int:
     return _CHANGES[0]
 
 
-# weight views read without autograd, kept per layer until its factors change (`weight`); weak, so
-# that a layer is never kept alive, copied or pickled with its view
-_VIEWS: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
-
-
 def _dynamic_size(t: Tensor) -> Tensor:
     """`t`, its size marked as ``torch._dynamo.maybe_mark_dynamic(t, 0)`` does (dynamic from the first
     compile), without importing torch._dynamo (over a second) where it is not imported yet."""
@@ -440,10 +435,10 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             return self._view()
         key = (factor_changes(), *(id(t) for t in (U, S, V)), *(t._version for t in (U, S, V)),
                *(t.data_ptr() for t in (U, S, V)), U.shape, V.shape, U.dtype, U.device)
-        kept = _VIEWS.get(self)
+        kept = self.__dict__.get("_kept_view")  # (the layer's own: never copied or pickled, see __getstate__)
         if kept is None or kept[0] != key:
             with torch.inference_mode(False), torch.no_grad():  # (never an inference tensor)
-                kept = _VIEWS[self] = (key, self.dense_weight())
+                kept = self.__dict__["_kept_view"] = (key, self.dense_weight())
         return as_view(kept[1].detach(), f"{type(self).__name__}.weight ({self._weight_is})",
                        self._edit_instead)
 
@@ -506,6 +501,10 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         for p in (self.U, self.S, self.V):
             _BY_PARAM[id(p)] = self
 
+    def __getstate__(self) -> dict:
+        """The module's state without the kept :attr:`weight` view (a copy forms its own)."""
+        return {k: v for k, v in super().__getstate__().items() if k != "_kept_view"}
+
     def __setstate__(self, state) -> None:
         """copy.deepcopy and pickle: new U, S, V objects, found by :func:`layer_of`; a copy is
         trained by no optimizer yet, so it starts in plain autograd (``"full"``) mode."""
@@ -518,6 +517,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
     def _apply(self, fn, recurse=True):  # .to() / .cuda() may give new Parameter objects
         out = super()._apply(fn, recurse)
         self._register()
+        self.__dict__.pop("_kept_view", None)  # (the kept weight view stays where it was)
         return out
 
     # ----------------------------------------------------------------- gradient modes

@@ -238,7 +238,7 @@ class _Group:
                         *(stack([g[j] for g in grads]) for j in range(3)),
                         *(stack([b[j] if cfg.buffer else b[j][:, :0] for b in bufs]) for j in range(2)))
         x = F.Stack(f, *(_stack_states(_rule_states(opt, layers, k), dt) for k in ("K", "L", "S")),
-                    _step.padding(self.r, self.b, dt, first.U.device))
+                    _step.padding(self.r, self.b, dt, first.U.device), opt._fills)
         self.padded = x.pad is not None
         self.hp, self.core_hp = opt._hp_of(first.S), opt._core_hp(first.S)  # (a group is one param group)
         width = _width(self.states) if cfg.buffer and not full else None

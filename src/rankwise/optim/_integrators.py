@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..linalg import one_thread, orth_complement, orthonormalize
+from ..linalg import orth_complement, orthonormalize
 
 
 class Augmented(NamedTuple):
@@ -71,13 +71,11 @@ def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def thin_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`core_svd` without its finiteness check (no host read): the caller guarantees a
-    finite S (k, l) or batch (..., k, l); on one thread, retried in float64 if LAPACK's SVD
-    does not converge."""
-    with one_thread():  # a small factorisation: see rankwise.linalg.one_thread
-        try:
-            P, s, Qh = torch.linalg.svd(S, full_matrices=False)
-        except torch.linalg.LinAlgError:
-            P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
+    finite S (k, l) or batch (..., k, l); retried in float64 if LAPACK's SVD does not converge."""
+    try:
+        P, s, Qh = torch.linalg.svd(S, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        P, s, Qh = (t.to(S.dtype) for t in torch.linalg.svd(S.double(), full_matrices=False))
     return P, s, Qh.mT
 
 

@@ -211,6 +211,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._warned_world = False
         self._group_by_id: dict[int, dict] | None = None
         self._skipped: Tensor | None = None  # core steps skipped on the device since the last augmentation
+        self._fills: dict = {}  # the step's fill directions, drawn once per shape (:func:`._step._fill`)
         self._seen_changes = factor_changes()
         # every low-rank layer, frozen ones too: as torch.optim.Adam(model.parameters()) holds frozen
         # parameters and trains them once they are unfrozen and get gradients (gradual unfreezing)
@@ -290,7 +291,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self.__dict__.setdefault("ddp", None)  # (pickled before DDP and FSDP2 were taken)
         self.__dict__.setdefault("fsdp", False)
         self._model, self._token, self.dp = weakref.ref(model), object(), None
-        self._group_by_id, self._skipped = None, None
+        self._group_by_id, self._skipped, self._fills = None, None, {}
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
         self._param_names = {id(p): n for n, p in model.named_parameters()}
         if not self._released:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import batch_mm as _mm
-from ..linalg import gram_rtol, one_thread, orthonormalize
+from ..linalg import gram_rtol, orthonormalize
 from ._integrators import Factors, reorthonormalize, thin_svd
 
 
@@ -62,25 +62,24 @@ def _sub_mm(X: Tensor, A: Tensor, B: Tensor) -> Tensor:
     return torch.baddbmm(X, A, B, alpha=-1)
 
 
-_FILLS: dict[tuple, Tensor] = {}
-
-
-def _fill(m: int, w: int, like: Tensor) -> Tensor:
+def _fill(m: int, w: int, like: Tensor, fills: dict | None) -> Tensor:
     """A fixed Gaussian matrix (m, w) (seed 0, its own generator: the caller's random stream is
-    not touched) to complete a basis where a direction was dropped; made once per shape, dtype
-    and device (drawing it every step cost as much as a matrix product on the CPU)."""
+    not touched) to complete a basis where a direction was dropped. `fills`: the caller's cache
+    (an optimizer keeps one, so that it draws each shape, dtype and device once); None: drawn
+    for this call."""
     key = (m, w, like.dtype, like.device)
-    if key not in _FILLS:
-        if len(_FILLS) > 64:
-            _FILLS.clear()
-        gen = torch.Generator(device=like.device).manual_seed(0)
-        _FILLS[key] = torch.randn(m, w, generator=gen, device=like.device, dtype=like.dtype)
-    return _FILLS[key]
+    if fills is not None and key in fills:
+        return fills[key]
+    gen = torch.Generator(device=like.device).manual_seed(0)
+    out = torch.randn(m, w, generator=gen, device=like.device, dtype=like.dtype)
+    if fills is not None:
+        fills[key] = out
+    return out
 
 
 def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None = None,
-                          width: int | None = None, extra: int = 0,
-                          robust: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                          width: int | None = None, extra: int = 0, robust: bool = False,
+                          fills: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Orthonormal columns spanning the part of span(X) orthogonal to span(Q0), at a width the
     host knows: Q0 (L, m, k) orthonormal, X (L, m, c) -> E (L, m, w), ``valid`` (L, w) bool,
     ``failed`` (L,) bool, with ``w = min(c, m − k, width)``. A `width` below the number of
@@ -104,7 +103,8 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     E and the non-zero columns of Q0, come after E (E then has ``w + extra`` columns): the
     caller puts them where Q0 has zero columns, so that Ū stays orthonormal. `robust`: where
     the Cholesky factorisation fails, E comes from a Householder QR instead (always computed:
-    for the rare retry of a step, not for every step).
+    for the rare retry of a step, not for every step). `fills`: a cache of the fill directions
+    (:func:`_fill`).
     """
     L, m, c = X.shape
     k = Q0.shape[-1]
@@ -132,8 +132,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     G = torch.where(finite[:, None, None], G, torch.zeros_like(G))
     sq = torch.where(finite[:, None], sq, torch.zeros_like(sq))
     d = torch.where(sq > 0, sq.clamp_min(1e-300).rsqrt(), torch.zeros_like(sq))
-    with one_thread():
-        lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])
+    lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])
     # more directions than a restricted width holds (beyond m − k they are roundoff: ignored)
     overflow = (lam > tol2).sum(-1) > (w if w < min(c, m - k) else c)
     lam, W = lam[..., c - w:].flip(-1), W[..., c - w:].flip(-1)  # the w largest, descending
@@ -146,14 +145,13 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     W = W.gather(-1, order[:, None, :].expand(-1, c, -1))
     inv = torch.where(valid, lam.clamp_min(tol2).rsqrt(), torch.zeros_like(lam))
     M = d[..., :, None] * W * inv[..., None, :]
-    fill = _fill(m, w + extra, X)
+    fill = _fill(m, w + extra, X, fills)
     Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), fill[:, :w])
     if extra:
         Y = torch.cat([Y, fill[:, w:].expand(L, m, extra)], -1)
     if k:
         Y = _sub_mm(Y, Q0, _mm(Q0.mT, Y))
-    with one_thread():
-        Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double())
+    Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double())
     E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
     if robust:
         E = torch.where((info != 0)[:, None, None], orthonormalize(Y)[0], E)
@@ -162,8 +160,8 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
 
 
 def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor, V_buf: Tensor,
-                  width: int | None = None, pad: Padding | None = None, robust: bool = False
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  width: int | None = None, pad: Padding | None = None, robust: bool = False,
+                  fills: dict | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Ū = [U0, U_buf, E_U] (L, m, ku), V̄ = [V0, V_buf, E_V] (L, n, kv), the masks of their
     columns that carry the step (L, ku), (L, kv) (False: a fill direction of
     :func:`orth_complement_fixed`, or a padded column) and the layers' failure flags (L,): both
@@ -176,11 +174,13 @@ def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor,
         L = Uk.shape[0]
         rt = None if rtol is None else torch.cat([rtol, rtol])
         E, valid, failed = orth_complement_fixed(torch.cat([Uk, Vk]), torch.cat([dK, dL]), width=width,
-                                                 extra=extra, rtol=rt, robust=robust)
+                                                 extra=extra, rtol=rt, robust=robust, fills=fills)
         EU, EV, vU, vV, fU, fV = E[:L], E[L:], valid[:L], valid[L:], failed[:L], failed[L:]
     else:
-        EU, vU, fU = orth_complement_fixed(Uk, dK, width=width, extra=extra, rtol=rtol, robust=robust)
-        EV, vV, fV = orth_complement_fixed(Vk, dL, width=width, extra=extra, rtol=rtol, robust=robust)
+        EU, vU, fU = orth_complement_fixed(Uk, dK, width=width, extra=extra, rtol=rtol, robust=robust,
+                                           fills=fills)
+        EV, vV, fV = orth_complement_fixed(Vk, dL, width=width, extra=extra, rtol=rtol, robust=robust,
+                                           fills=fills)
     if pad is None:
         ones = torch.ones(Uk.shape[0], Uk.shape[-1], dtype=torch.bool, device=Uk.device)
         return (torch.cat([Uk, EU], -1), torch.cat([Vk, EV], -1), torch.cat([ones, vU], -1),
@@ -283,13 +283,13 @@ def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
 
 def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
                U_buf: Tensor, V_buf: Tensor, *, svd: str = "auto", width: int | None = None,
-               pad: Padding | None = None, robust: bool = False) -> GroupPlan:
+               pad: Padding | None = None, robust: bool = False, fills: dict | None = None) -> GroupPlan:
     """Augment, form the single-pass core and take its SVD for a group (shapes: module
     docstring; with `pad`, each layer padded to the group's rank and buffer width). A
     non-finite core is replaced by zeros before its SVD (``finite`` says so), so the
     factorisation never sees NaN. `width`: at most this many new directions per side (a layer
-    that needs more is marked ``failed``)."""
-    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf, width, pad, robust)
+    that needs more is marked ``failed``); `fills`: :func:`_fill`'s cache."""
+    U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf, width, pad, robust, fills)
     S = core_group(U, V, S0, dK, dS, dL, mU, mV)
     finite = torch.isfinite(S).all(-1).all(-1)
     safe = torch.where(finite[:, None, None], S, torch.zeros_like(S))
@@ -335,8 +335,7 @@ def masked_qr(X: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
     Q, R = X, None
     pad = torch.diag_embed((~real).to(torch.float64))
     for _ in range(2):
-        with one_thread():
-            C = torch.linalg.cholesky(_mm(Q.mT, Q).double() + pad).mT  # upper
+        C = torch.linalg.cholesky(_mm(Q.mT, Q).double() + pad).mT  # upper
         Q = torch.linalg.solve_triangular(C.to(Q.dtype), Q, upper=True, left=False)
         R = C if R is None else C @ R
     return Q, R.to(X.dtype)

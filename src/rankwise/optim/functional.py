@@ -39,13 +39,15 @@ _MOMENTS = ("m", "v")
 
 class Stack(NamedTuple):
     """A group's inputs: its factors and gradients (:class:`._integrators.Factors`, stacked and
-    padded), the stacked rule states of K, L and S, and the padding (None: every layer at R, B)."""
+    padded), the stacked rule states of K, L and S, the padding (None: every layer at R, B) and
+    the caller's cache of fill directions (:func:`._step._fill`; None: drawn per call)."""
 
     f: Factors
     K: State
     L: State
     S: State
     pad: _step.Padding | None
+    fills: dict | None = None
 
 
 class Planned(NamedTuple):
@@ -117,7 +119,7 @@ def plan(x: Stack, rule: Rule, hp: Mapping[str, Any], core_hp: Mapping[str, Any]
     f, dK, dL, stK, stL = _rules(x, rule, hp, reorth)
     dS, stS = rule(f.G_S, f.S, x.S, scaled(core_hp, f.U.shape[-2], f.V.shape[-2]))
     p = _step.plan_group(f.U, f.S, f.V, dK, dS, dL, f.U_buf, f.V_buf, svd="auto", width=width, pad=x.pad,
-                         robust=robust)
+                         robust=robust, fills=x.fills)
     r = None if ranks is None else _step.tolerance_ranks(p.s, ranks.tau, ranks.min_rank, ranks.max_rank, p.k)
     return Planned(f, p, {"K": stK, "L": stL, "S": stS}, r, finite)
 
@@ -130,7 +132,8 @@ def augment(x: Stack, rule: Rule, hp: Mapping[str, Any], *, reorth: bool, width:
     coordinates (:func:`augmented_core_state`)."""
     finite = grads_finite(x.f)
     f, dK, dL, stK, stL = _rules(x, rule, hp, reorth)
-    U, V, mU, mV, failed = _step.augment_group(f.U, f.V, dK, dL, f.U_buf, f.V_buf, width, x.pad, robust)
+    U, V, mU, mV, failed = _step.augment_group(f.U, f.V, dK, dL, f.U_buf, f.V_buf, width, x.pad, robust,
+                                               x.fills)
     r0 = f.S.shape[-1]
     S0 = f.S.new_zeros(f.S.shape[0], U.shape[-1], V.shape[-1])
     S0[:, :r0, :r0] = f.S
@@ -167,7 +170,7 @@ def augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Te
     off-diagonal blocks are ``Ũᵀ(μ m_K + G_K)``: the components of the update that leave the old
     subspaces carry the same momentum as in single-pass mode, and the one block only a second
     pass sees, ŨᵀGṼ, starts without history (exactly the single-pass update plus that block for
-    SGD: ``tests/test_two_pass_momentum.py``). ``m_S`` padded with zeros would not do: the
+    SGD: ``tests/optim/test_two_pass_momentum.py``). ``m_S`` padded with zeros would not do: the
     update outside span(U0) × span(V0) would then be a plain SGD step, 1/(1 − μ) smaller, and
     two-pass training with momentum stalls (LeNet/digits at τ = 0.2: 0.43 test accuracy against
     0.94 single-pass). First moments are assembled linearly, Adam's second moments by the
