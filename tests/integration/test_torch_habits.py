@@ -168,7 +168,9 @@ def test_clip_grad_norm_takes_what_torch_takes():
 # ---------------------------------------------------------------- case 14: release
 def test_release_hands_the_layers_back_to_plain_torch():
     """Case 14: after DLRT, a torch optimizer trains U, S and V with their true gradients once
-    the DLRT is released (release() or dropped); before that its step is refused."""
+    the DLRT is released (release() or dropped). A torch optimizer that steps a layer the DLRT
+    still trains (U.grad holding G_K) is refused at the DLRT's next step, before it changes
+    anything (the library installs no hook into other optimizers' steps)."""
     X, Y = _data()
     m = _model()
     opt = DLRT(m, 0.1, tau=0.2)
@@ -176,10 +178,11 @@ def test_release_hands_the_layers_back_to_plain_torch():
     adamw = torch.optim.AdamW(m.parameters(), lr=1e-2)
     adamw.zero_grad()
     _loss(m, X, Y).backward()
-    before = [p.detach().clone() for p in m.parameters()]
-    with pytest.raises(RuntimeError, match="release"):
-        adamw.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+    adamw.step()
+    after = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(RuntimeError, match=r"layer '0' .*changed since this DLRT's last step.*release\(\)"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(after, m.parameters(), strict=True))
     opt.release()
     with pytest.raises(RuntimeError, match="released"):
         opt.step()
@@ -208,6 +211,22 @@ def test_a_dropped_optimizer_releases_its_layers():
     del other
     gc.collect()
     assert m[0].grad_mode == "full" and m[0].U.requires_grad
+
+
+def test_a_dropped_optimizer_releases_its_layers_without_a_garbage_collection():
+    """No reference cycle keeps a dropped DLRT (with a budget too: its planner holds the rank cap)
+    alive: its layers go back to plain autograd when the last reference goes, with no collection
+    (nothing in the library runs one inside another optimizer's step any more)."""
+    for kw in ({"tau": 0.2}, {"target": 0.5}):
+        m = _model()
+        gc.disable()
+        try:
+            opt = DLRT(m, 0.1, **kw)
+            assert m[0].grad_mode == "factors"
+            del opt
+            assert m[0].grad_mode == "full", kw
+        finally:
+            gc.enable()
 
 
 # ---------------------------------------------------------------- case 16: add_param_group

@@ -1,14 +1,15 @@
 """DLRT and SDLRT as ``torch.optim.Optimizer`` objects.
 
-The math lives in :mod:`._integrators` (pure functions) and :mod:`._rules` (update rules
-and state transport); this module orchestrates one training step: closure handling,
-gradient modes, dense parameters, optimizer-state transport and SDLRT's τ feedback.
+A thin shell: the step's math is in :mod:`.functional` (pure functions of stacked tensors,
+with the kernels of :mod:`._step`) and :mod:`.rules._rules` (update rules and state transport),
+run over groups of layers by :mod:`._batched`; this module holds the settings, the param groups,
+the layers' gradient modes, the optimizer's state and SDLRT's τ feedback.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
+import functools
 import math
 import warnings
 import weakref
@@ -181,8 +182,12 @@ class AugmentedBUG(torch.optim.Optimizer):
     ``S̄ = ŪᵀU0 S0 V0ᵀV̄ + ΔS̄``, its SVD and a truncation chosen by `truncation`. The optimizer
     holds every parameter of the model, as ``torch.optim.Adam(model.parameters())`` does: a step
     updates those with a gradient, so frozen ones (a PEFT base model, a frozen low-rank layer)
-    stay as they are and train once unfrozen. A second optimizer stepping a parameter this one
-    also steps is refused at its ``step()`` (the parameter would move twice per step).
+    stay as they are and train once unfrozen. While it trains a low-rank layer, the layer's
+    ``U.grad`` and ``V.grad`` hold the factor gradients G_K, G_L: another optimizer that steps U or
+    V in the meantime is refused at this optimizer's next ``step()`` (:meth:`release` hands the
+    layers back to plain torch first). A dense parameter given to a second optimizer as well moves
+    twice per step, as with two torch optimizers: give it its own hyperparameters with
+    `param_groups` instead.
 
     **Arguments:** `model`, `lr`, `param_groups`, `process_group` as under :class:`DLRT`;
     `implementation`: ``"batched"`` (default: layers of one shape and rank bucket together,
@@ -239,8 +244,6 @@ class AugmentedBUG(torch.optim.Optimizer):
         if self.layers and all(m.capacity is not None for m in self.layers.values()):
             _state.materialise(self)  # (a fresh state_dict() has every key and shape: DCP loads into it)
         self._set_modes()
-        _install_foreign_step_check()
-        _LIVE.add(self)
         # dropped without release(): the layers go back to plain autograd, as release() does
         self._owned = list(self.layers.values())  # (add_param_group appends to it)
         weakref.finalize(self, _release, self._owned, self._token)
@@ -248,6 +251,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if process_group is not None:
             self.dp = Replicas(model, self.layers, process_group, sharded=settings.data_parallel == "sharded",
                                rank_cap=self._rank_cap)
+        self._versions = _versions(self._trained())  # (what this optimizer left; step() checks them)
 
     def _adopt(self, layer: AbstractLowRankLayer) -> None:
         """Start a layer's optimizer state and mark it as trained by this optimizer."""
@@ -299,9 +303,8 @@ class AugmentedBUG(torch.optim.Optimizer):
                 layer._grad_owner = self._token
             self._set_modes()
         weakref.finalize(self, _release, self._owned, self._token)
-        _install_foreign_step_check()
-        _LIVE.add(self)
         self._seen_changes = factor_changes()
+        self._versions = _versions(self._trained())
 
     def release(self) -> None:
         """Hand the low-rank layers back to plain torch: they return to ``"full"`` gradient mode
@@ -309,8 +312,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         are dropped), so that a torch optimizer built afterwards (``AdamW(model.parameters())``)
         trains every factor (U's and V's ``requires_grad`` as they were before this optimizer).
         This optimizer takes no further step. Dropping the optimizer does the same once Python
-        collects it (a torch optimizer refused for a layer a dropped DLRT still holds first runs
-        a garbage collection)."""
+        collects it."""
         _release(self._owned, self._token)
         self._released = True
         if self.dp is not None:
@@ -386,14 +388,11 @@ class AugmentedBUG(torch.optim.Optimizer):
             if getattr(layer, "_grad_owner", None) is self._token:
                 layer.set_grad_mode(mode)
 
-    def _dense_ids(self) -> set[int]:
-        """ids of the dense parameters this optimizer holds (cached per param-group layout)."""
-        key = tuple(len(g["params"]) for g in self.param_groups)
-        if getattr(self, "_dense_key", None) != key:
-            self._dense_key = key
-            self._dense = {id(p) for g in self.param_groups for p in g["params"]
-                           if id(p) not in self._factor_ids}
-        return self._dense
+    def _trained(self) -> dict[str, AbstractLowRankLayer]:
+        """The layers this optimizer trains now (not released, not taken over by another)."""
+        if self._released:
+            return {}
+        return {n: m for n, m in self.layers.items() if getattr(m, "_grad_owner", None) is self._token}
 
     def _hp(self) -> dict:
         """The first param group: the optimizer's own counters (``global_step``,
@@ -439,6 +438,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._owned.append(layer)
         if new:
             self._set_modes()
+            self._versions = _versions(self._trained())
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -466,6 +466,8 @@ class AugmentedBUG(torch.optim.Optimizer):
             _closure.warn_without_group(self)
         if factor_changes() != self._seen_changes:  # someone else replaced factors since our last step
             _restart_stale_moments(self)
+        elif not self.fsdp:
+            _refuse_foreign_writes(self)
         augment = self._augment_now()
         two_pass = augment and not self.settings.single_pass and self.layers
         if closure is None and two_pass:
@@ -500,6 +502,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                 layer.reset_factor_grads()
             self._set_modes()
             self._seen_changes = factor_changes()
+            self._versions = _versions(self._trained())
         return loss
 
     def _placement(self):
@@ -524,6 +527,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._group_by_id = None
         _state.tidy(self, start)
         self._set_modes()
+        self._versions = _versions(self._trained())
 
     def _nonfinite(self, what: str) -> bool:
         """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
@@ -533,9 +537,12 @@ class AugmentedBUG(torch.optim.Optimizer):
         warnings.warn(msg + "; step skipped", RuntimeWarning, stacklevel=3)
         return False
 
-    def _rank_cap(self, layer) -> int:
-        cap = self.settings.max_rank
-        return layer.max_rank if cap is None else min(cap, layer.max_rank)
+    @property
+    def _rank_cap(self) -> Callable[[AbstractLowRankLayer], int]:
+        """A layer's largest rank under the settings (a function holding no reference to this
+        optimizer: kept by the planner and the replicas, it must not make a reference cycle, so
+        that a dropped optimizer releases its layers at once)."""
+        return functools.partial(_rank_cap, self.settings.max_rank)
 
     def _budget_ranks(self, spectra: dict[str, Tensor],
                       scores: dict[str, list[float]] | None = None) -> dict[str, int]:
@@ -624,80 +631,34 @@ def _check_unwrapped(model: nn.Module, after: bool = False) -> None:
                          "built (its parameters are new ones): call fully_shard first, then build DLRT/SDLRT")
 
 
-_HOOKED = False
+def _rank_cap(cap: int | None, layer: AbstractLowRankLayer) -> int:
+    return layer.max_rank if cap is None else min(cap, layer.max_rank)
 
 
-def _install_foreign_step_check() -> None:
-    """Once per process: a torch optimizer that steps a layer while a DLRT/SDLRT trains it (its
-    U.grad, V.grad hold G_K, G_L, not dL/dU, dL/dV) is refused before it changes anything."""
-    global _HOOKED
-    if not _HOOKED:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(_foreign_step_check)
-        _HOOKED = True
+def _versions(layers: dict[str, AbstractLowRankLayer]) -> dict[str, tuple[int, int]]:
+    """The version counters of each layer's U and V (bumped by every in-place write)."""
+    return {n: (m.U._version, m.V._version) for n, m in layers.items()}
 
 
-_LIVE: weakref.WeakSet[AugmentedBUG] = weakref.WeakSet()  # (released ones are skipped)
-
-
-def _foreign_step_check(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if isinstance(optimizer, AugmentedBUG):
-        return
-    layer = _trained_layer(optimizer)
-    if layer is not None:
-        gc.collect()  # a dropped DLRT in a reference cycle releases its layers when collected
-        layer = _trained_layer(optimizer)
-    if layer is not None:
+def _refuse_foreign_writes(opt: AugmentedBUG) -> None:
+    """A layer this optimizer trains whose U or V was written in place since its last step (not by
+    ``set_factors`` or ``load_state_dict``, which :func:`factor_changes` counts) was most likely
+    stepped by another optimizer with the factor gradients G_K, G_L in U.grad, V.grad: refused before
+    this step changes anything. A fixed-capacity layer whose live rank no longer matches its tensors
+    is left to the step's own check (its tensors were loaded in place)."""
+    for name, layer in opt._trained().items():
+        now = (layer.U._version, layer.V._version)
+        if opt._versions.get(name, now) == now:
+            continue
+        if layer.capacity is not None and tuple(int(v) for v in layer.live.tolist()) != tuple(layer._live):
+            continue
+        kind = type(opt).__name__
         raise RuntimeError(
-            f"{type(optimizer).__name__}.step() would update a {type(layer).__name__} that a "
-            "rankwise DLRT/SDLRT is training (its U.grad and V.grad hold the integrator's factor "
-            "gradients G_K, G_L): call release() on that optimizer first (a dropped one releases "
-            "its layers when Python collects it); the layer then gets plain gradients")
-    _refuse_double_step(optimizer)
-
-
-def _refuse_double_step(optimizer: torch.optim.Optimizer) -> None:
-    """A torch optimizer about to step a dense parameter (one with a gradient) that a live
-    DLRT/SDLRT also steps is refused: the parameter would move twice per training step."""
-    found = _shared_param(optimizer)
-    if found is not None:
-        gc.collect()  # a dropped DLRT in a reference cycle is not live
-        found = _shared_param(optimizer)
-    if found is not None:
-        owner, name = found
-        kind = type(owner).__name__
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step() would update {name!r}, which a rankwise {kind} also updates "
-            "at its step() (it trains every parameter of the model it was given, as "
-            "torch.optim.Adam(model.parameters()) does): the parameter would move twice per step; build the "
-            f"{kind} on the part it should train (e.g. {kind}(model.body, …)), or give the parameter to it "
-            "with its own hyperparameters (param_groups=[{'params': …, 'lr': …}]) instead of a second "
-            "optimizer, or release() it when it is done")
-
-
-def _shared_param(optimizer: torch.optim.Optimizer) -> tuple[AugmentedBUG, str] | None:
-    """(a live DLRT/SDLRT, the name of a dense parameter with a gradient that it and `optimizer`
-    both hold), or None."""
-    live = [o for o in _LIVE if not o._released]
-    for group in optimizer.param_groups if live else ():
-        for p in group["params"]:
-            if p.grad is None or layer_of(p) is not None:  # (layers: _trained_layer's message)
-                continue
-            owner = next((o for o in live if id(p) in o._dense_ids()), None)
-            if owner is not None:
-                return owner, owner._param_names.get(id(p), f"a {tuple(p.shape)} parameter")
-    return None
-
-
-def _trained_layer(optimizer: torch.optim.Optimizer) -> AbstractLowRankLayer | None:
-    """A low-rank layer among `optimizer`'s parameters that a DLRT/SDLRT trains, if any."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            layer = layer_of(p)
-            if layer is not None and layer.grad_mode != "full":
-                return layer
-    return None
+            f"{kind}.step(): the U or V of layer {name!r} ({type(layer).__name__}) changed since this "
+            f"{kind}'s last step, and not by set_factors or load_state_dict: another optimizer stepped it? "
+            f"While a {kind} trains a layer, its U.grad and V.grad hold the factor gradients G_K, G_L "
+            f"(not dL/dU, dL/dV), so that step was wrong; call release() on this {kind} before training "
+            "the layer with another optimizer (no weight was changed by this step)")
 
 
 _COMMON_DOC = """
