@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 import rankwise
 from rankwise.data._bytes import load_bbc_text, random_windows
-from rankwise.experiments._lm_spec import ADAM, LmRunSpec
-from rankwise.experiments.lm_compare import optimizer_for, projections, rank_for
+from rankwise.experiments.lm._lm_spec import ADAM, LmRunSpec
+from rankwise.experiments.lm.lm_compare import optimizer_for, projections, rank_for
 from rankwise.models import llama
 
 

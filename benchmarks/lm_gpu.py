@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 import rankwise
 from rankwise.data._bytes import load_bbc_text, random_windows, sequential_windows
-from rankwise.experiments import lm_compare
-from rankwise.experiments._lm_spec import DENSE, LmRunSpec
+from rankwise.experiments.lm import lm_compare
+from rankwise.experiments.lm._lm_spec import DENSE, LmRunSpec
 from rankwise.methods import REGISTRY
 from rankwise.train import fit
 

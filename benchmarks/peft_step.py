@@ -1,7 +1,7 @@
 """What a rank-adaptive adapter step costs against a LoRA step: every ``rankwise peft`` method on
 MiniLM-L6 (query/key/value, classifier head trained), side by side in one run.
 
-The models and optimizers are the comparison's own (``rankwise.experiments.peft_compare``):
+The models and optimizers are the comparison's own (``rankwise.experiments.peft.peft_compare``):
 LoRA, LoRA at rank 20, AdaLoRA (with ``update_and_allocate``) and LoRA+ through ``peft``;
 DLRT / SDLRT adapters on LoRA r10's parameter budget and, as ``*-cap2r``, at τ = 0.02 capped at
 rank 20, all with the integrator's Adam; and, with ``--update-every K``, DLRT / SDLRT running
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rankwise.experiments.peft_compare import METHODS, PeftRunSpec, _build, _data, _ranks_and_params
+from rankwise.experiments.peft.peft_compare import METHODS, PeftRunSpec, _build, _data, _ranks_and_params
 
 
 def main(argv: list[str] | None = None) -> None:

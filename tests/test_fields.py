@@ -46,13 +46,13 @@ def _ode_spec():
 
 
 def _lm_spec():
-    from rankwise.experiments._lm_spec import LmRunSpec
+    from rankwise.experiments.lm._lm_spec import LmRunSpec
 
     return LmRunSpec
 
 
 def _peft_spec():
-    from rankwise.experiments._peft_spec import PeftRunSpec
+    from rankwise.experiments.peft._peft_spec import PeftRunSpec
 
     return PeftRunSpec
 
@@ -81,7 +81,7 @@ def test_the_ode_and_lm_specs_are_torch_free_and_agree_with_the_model():
     import sys
 
     code = ("import sys; from rankwise.experiments._ode_spec import OdeRunConfig; OdeRunConfig(); "
-            "from rankwise.experiments._lm_spec import LmRunSpec; LmRunSpec('dense'); "
+            "from rankwise.experiments.lm._lm_spec import LmRunSpec; LmRunSpec('dense'); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -54,7 +54,7 @@ def test_llama_is_causal_untied_and_its_projections_are_the_ones_converted():
     assert not torch.allclose(a[:, 9:], b[:, 9:])
     assert m.head.weight.data_ptr() != m.tok.weight.data_ptr()  # untied
     assert m.blocks[0].mlp.gate.out_features == 88  # 8/3 · 32 rounded up to a multiple of 8
-    from rankwise.experiments.lm_compare import projections
+    from rankwise.experiments.lm.lm_compare import projections
 
     names = set(projections(m))
     parts = ("attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down")
@@ -68,7 +68,7 @@ def test_llama_is_causal_untied_and_its_projections_are_the_ones_converted():
 def test_dlrt_trains_the_llama_and_the_lm_study_runs_it():
     """One DLRT run of the study on the LLaMA-style model (every projection factored at its start
     rank, the head dense): it learns, and its record is keyed apart from the GPT's."""
-    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, run_one
 
     tiny = dict(steps=3, batch=2, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=4,
                 final_windows=8)
@@ -88,7 +88,7 @@ def test_dlrt_trains_the_llama_and_the_lm_study_runs_it():
 def test_the_muon_baseline_steps_the_matrices_by_muon_and_the_rest_by_adamw():
     """`rankwise lm --methods muon`: torch.optim.Muon on exactly the projections' matrices (the
     same update as a Muon of its own), AdamW on the rest, and the schedule's rate reaches both."""
-    from rankwise.experiments.lm_compare import LmRunSpec, MuonAdamW, projections, run_one
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, MuonAdamW, projections, run_one
 
     torch.manual_seed(0)
     model = llama(context=16, width=32, depth=1, heads=2)
@@ -117,7 +117,7 @@ def test_the_cola_baseline_replaces_every_projection_by_b_silu_a_within_the_budg
     """`rankwise lm --methods cola`: every projection (q, k, v, o, gate, up, down; not the head)
     becomes B·σ(A·x) at the rank whose A and B hold at most (1 − c) of its parameters; the
     model trains (AdamW) and its weights count less than the dense model's."""
-    from rankwise.experiments.lm_compare import CoLALinear, LmRunSpec, build, projections, run_one
+    from rankwise.experiments.lm.lm_compare import CoLALinear, LmRunSpec, build, projections, run_one
 
     tiny = dict(steps=3, batch=2, context=16, width=32, depth=1, heads=2, eval_every=2, eval_windows=4,
                 final_windows=8)

@@ -15,7 +15,7 @@ from rankwise.methods import COMMANDS, METHOD_FIELDS, REGISTRY
 
 def test_the_registry_is_importable_without_torch():
     code = ("import sys; import rankwise.methods, rankwise.train_config, rankwise.experiments._sweep_spec, "
-            "rankwise.experiments._lm_spec, rankwise.experiments._peft_spec, "
+            "rankwise.experiments.lm._lm_spec, rankwise.experiments.peft._peft_spec, "
             "rankwise.experiments.ddp_resilience; print('torch' in sys.modules)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr
@@ -23,7 +23,9 @@ def test_the_registry_is_importable_without_torch():
 
 def test_every_commands_methods_come_from_the_registry():
     from rankwise.cli._app import Method
-    from rankwise.experiments import _lm_spec, _peft_spec, _sweep_spec, ddp_resilience
+    from rankwise.experiments import _sweep_spec, ddp_resilience
+    from rankwise.experiments.lm import _lm_spec
+    from rankwise.experiments.peft import _peft_spec
     from rankwise.train_config import METHODS as TRAIN
 
     listed = {"train": TRAIN, "sweep": _sweep_spec.METHODS, "lm": _lm_spec.METHODS,
@@ -69,14 +71,14 @@ def _sweep(name: str, **level):
 
 
 def _lm(name: str):
-    from rankwise.experiments.lm_compare import LmRunSpec, build
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, build
 
     return build(LmRunSpec(name, 0.5, context=16, width=32, depth=1, heads=2, steps=4))[1]
 
 
 def _peft(name: str):
-    from rankwise.experiments._peft_spec import PeftRunSpec
-    from rankwise.experiments.peft_compare import _adapters
+    from rankwise.experiments.peft._peft_spec import PeftRunSpec
+    from rankwise.experiments.peft.peft_compare import _adapters
 
     return _adapters(_Attention(), PeftRunSpec(method=name))[1]
 

@@ -23,7 +23,10 @@ def require(module: str, what: str, *, install: str = CLI_EXTRA) -> ModuleType:
 def quiet_optional_logs() -> None:
     """Silence one import-time warning of a dependency of a dependency: bitsandbytes (pulled in by
     peft and galore-torch) logs "Failed to load CPU gemm_4bit_forward ... pip install kernels" on
-    CPUs with AVX512-BF16 when its optional `kernels` package is absent. It concerns 4-bit
-    matrix products rankwise never runs. Called by the command line and the experiments only
-    (the library leaves other packages' logging alone)."""
+    CPUs with AVX512-BF16 when its optional `kernels` package is absent, and with `kernels`
+    present and the Hub offline (as here), `kernels` logs "Skipping publisher trust check for
+    'kernels-community/quantization-bitsandbytes'". Both concern 4-bit matrix products rankwise
+    never runs. Called by the command line and the experiments only (the library leaves other
+    packages' logging alone)."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    logging.getLogger("kernels").setLevel(logging.ERROR)

@@ -42,7 +42,8 @@ def _checkpoint_file(tmp_path: Path, size: int = 3000) -> Path:
 @pytest.fixture
 def no_runs(monkeypatch):
     """The studies' runs fail the test if they start (a refusal must come before any work)."""
-    from rankwise.experiments import _resume, ddp_resilience, lm_compare, sweep
+    from rankwise.experiments import _resume, ddp_resilience, sweep
+    from rankwise.experiments.lm import lm_compare
 
     def ran(*a, **k):
         pytest.fail("the command started its runs")

@@ -56,7 +56,7 @@ def test_peft_resumes_a_folder_holding_only_its_token_cache(tmp_path, monkeypatc
     """An interrupted first `peft` run leaves bbc_tokens_*.pt and no record; the rerun was
     refused as if the cache were someone's outputs."""
     pytest.importorskip("peft")
-    import rankwise.experiments.peft_compare as pc
+    import rankwise.experiments.peft.peft_compare as pc
     from helpers import run_cli
 
     out = tmp_path / "p"

@@ -130,7 +130,7 @@ TINY = dict(steps=3, batch=2, context=16, width=32, depth=1, heads=2, eval_every
 
 
 def test_rank_for_is_the_largest_rank_within_the_share():
-    from rankwise.experiments.lm_compare import rank_for
+    from rankwise.experiments.lm.lm_compare import rank_for
 
     for m, n, c in ((256, 256, 0.5), (1024, 256, 0.75), (64, 64, 0.9), (8, 8, 0.99)):
         keep = (1 - c) * m * n
@@ -140,7 +140,7 @@ def test_rank_for_is_the_largest_rank_within_the_share():
 
 @pytest.mark.parametrize("method", ["dense", "dlrt", "sdlrt", "fixed", "galore"])
 def test_every_method_trains_and_counts_its_memory(method):
-    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, run_one
 
     if method == "galore":
         pytest.importorskip("galore_torch", reason="galore-torch (the rankwise[lm] extra) is not installed")
@@ -160,7 +160,7 @@ def test_every_method_trains_and_counts_its_memory(method):
 
 
 def test_study_chooses_on_validation_and_resumes(tmp_path):
-    from rankwise.experiments.lm_compare import study, summary_markdown
+    from rankwise.experiments.lm.lm_compare import study, summary_markdown
 
     res = study(["dense"], [], 2, tmp_path, grid=(1e-3, 1e-2), widen=1, fresh_process=False, **TINY)
     lrs = sorted(r["spec"]["lr"] for r in res.records if r["spec"]["seed"] == 0)
@@ -170,7 +170,7 @@ def test_study_chooses_on_validation_and_resumes(tmp_path):
     assert edge == (lr in (lrs[0], lrs[-1]))
     assert [r["spec"]["lr"] for r in res.records if r["spec"]["seed"] == 1] == [lr]
     assert "| dense |" in summary_markdown(res.records, res.chosen)
-    from rankwise.experiments.lm_compare import rates_markdown
+    from rankwise.experiments.lm.lm_compare import rates_markdown
 
     rates = rates_markdown(res.records, res.chosen)
     row = next(line for line in rates.splitlines() if line.startswith("| dense |"))
@@ -181,7 +181,7 @@ def test_study_chooses_on_validation_and_resumes(tmp_path):
 
 
 def test_final_windows_are_evenly_spaced_through_the_split():
-    from rankwise.experiments.lm_compare import spaced
+    from rankwise.experiments.lm.lm_compare import spaced
 
     x = torch.arange(100)[:, None].expand(100, 3)
     a, b = spaced(x, x + 1, 5)
@@ -190,7 +190,7 @@ def test_final_windows_are_evenly_spaced_through_the_split():
 
 
 def test_study_can_choose_at_one_compression_and_reuse_the_rate(tmp_path):
-    from rankwise.experiments.lm_compare import study, summary_markdown
+    from rankwise.experiments.lm.lm_compare import study, summary_markdown
 
     res = study(["fixed"], [0.5, 0.75], 2, tmp_path, grid=(1e-3, 1e-2), widen=0, select_at=0.5,
                 fresh_process=False, **TINY)
@@ -222,7 +222,7 @@ def test_lm_command_refuses_bad_arguments_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("method", ["dense", "dlrt"])
 def test_a_diverging_rate_is_recorded_as_infinite_loss(method):
-    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, run_one
 
     r = run_one(LmRunSpec(method, 0.0 if method == "dense" else 0.5, lr=1e12, **{**TINY, "steps": 6}))
     assert r["val_bits"] == r["test_bits"] == float("inf")
@@ -230,7 +230,7 @@ def test_a_diverging_rate_is_recorded_as_infinite_loss(method):
 
 
 def test_the_schedule_warms_up_linearly_then_decays_by_a_cosine():
-    from rankwise.experiments.lm_compare import LmRunSpec
+    from rankwise.experiments.lm.lm_compare import LmRunSpec
 
     spec = LmRunSpec("dense", steps=10, warmup=0.2, final_lr=0.1)
     f = [spec.lr_factor(s) for s in range(10)]
@@ -251,7 +251,7 @@ def test_the_schedule_warms_up_linearly_then_decays_by_a_cosine():
 def test_clipping_reaches_every_method(method):
     """Clipped at a norm of 1e-12, Adam's steps are ~lr·1e-4 (eps dominates √v): the validation
     loss stays at the untrained model's within 1e-4 bits (unclipped, the same steps lower it)."""
-    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, run_one
 
     c = 0.0 if method == "dense" else 0.5
     kw = {**TINY, "steps": 8, "schedule": "constant"}
@@ -265,7 +265,7 @@ def test_clipping_reaches_every_method(method):
 @pytest.mark.parametrize("method", ["dlrt-fixedrank", "dlrt-uniform", "dlrt-reset", "dlrt-warm",
                                     "fixed-warm", "dlrt-core3"])
 def test_every_ablation_trains(method):
-    from rankwise.experiments.lm_compare import LmRunSpec, run_one
+    from rankwise.experiments.lm.lm_compare import LmRunSpec, run_one
 
     r = run_one(LmRunSpec(method, 0.5, **{**TINY, "steps": 6, "warm": 0.5}))
     assert 3 < r["val_bits"] < 10
@@ -279,7 +279,7 @@ def test_every_ablation_trains(method):
 
 def test_the_command_knows_every_method():
     from rankwise.cli._lm import METHODS as COMMAND
-    from rankwise.experiments.lm_compare import METHODS
+    from rankwise.experiments.lm.lm_compare import METHODS
 
     assert COMMAND == METHODS
 
@@ -288,7 +288,7 @@ def test_spectra_analysis_compares_allocations_at_equal_parameters():
     """The allocation spends no more than the uniform ranks' parameters; a projection of exact
     rank 2 gets no more than rank 2 and no error; the energy-weighted error equals one computed
     from the truncated weights themselves."""
-    from rankwise.experiments.lm_spectra import analyse
+    from rankwise.experiments.lm.lm_spectra import analyse
 
     torch.manual_seed(0)
     model = gpt(context=16, width=32, depth=1, heads=2)

@@ -11,9 +11,9 @@ import re
 import pytest
 
 from helpers import run_cli
-from rankwise.experiments import peft_compare as pc
-from rankwise.experiments._peft_spec import METHODS, PeftRunSpec
 from rankwise.experiments._select import Choice
+from rankwise.experiments.peft import peft_compare as pc
+from rankwise.experiments.peft._peft_spec import METHODS, PeftRunSpec
 
 
 def rec(method, lr, seed, val, test, t=1.0, *, optimizer="adam", setting="100", steps=150, **extra):

@@ -3,6 +3,8 @@ budget's new options (a parameter count, floors, an end phase at frozen ranks)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +12,8 @@ from torch import nn
 import rankwise
 from rankwise.nn._budget import allocate_ranks, layer_cost
 from rankwise.optim import _sensitivity as sens
-from rankwise.optim._integrators import augment, core_svd
+from rankwise.optim._integrators import thin_svd
+from rankwise.optim._step import augment_group, tangent_blocks
 
 F64 = torch.float64
 
@@ -28,25 +31,32 @@ def _loss(W, X, T):
     return ((torch.tanh(X @ W.mT) - T) ** 2).sum()
 
 
-def test_augmented_gradient_is_the_tangent_projection_of_autograds_gradient():
+def _augment(U0, V0, g):
+    """Ū = [U0, E_U], V̄ = [V0, E_V] with two new directions each (the step's augmentation)."""
+    dK, dL = (torch.randn(d, 2, generator=g, dtype=F64)[None] for d in (7, 5))
+    U, V, *_ = augment_group(U0[None], V0[None], dK, dL, U0[None, :, :0], V0[None, :, :0])
+    return SimpleNamespace(U=U[0], V=V[0])
+
+
+def test_tangent_blocks_give_the_tangent_projection_of_autograds_gradient():
     U0, S0, V0, X, T, g = _problem()
     W = (U0 @ S0 @ V0.mT).requires_grad_()
     _loss(W, X, T).backward()
     G = W.grad
     G_K, G_L, G_S = G @ V0, G.mT @ U0, U0.mT @ G @ V0
-    aug = augment(U0, V0, *(torch.randn(d, 2, generator=g, dtype=F64) for d in (7, 5)))
+    aug = _augment(U0, V0, g)
     full = aug.U.mT @ G @ aug.V  # Ūᵀ G V̄, from the dense gradient
     full[2:, 2:] = 0  # the block of two new directions, which the integrator does not know
-    got = sens.augmented_gradient(aug.U[:, 2:], aug.V[:, 2:], G_K, G_S, G_L)
+    got = tangent_blocks(2, aug.U[None, :, 2:], aug.V[None, :, 2:], G_S[None], G_K[None], G_L[None])[0]
     torch.testing.assert_close(got, full, rtol=1e-12, atol=1e-12)
 
 
 def test_importance_is_sigma_times_the_loss_derivative_by_sigma():
     """|σ_i ∂L/∂σ_i| with W(σ) = Ū P diag(σ) Qᵀ V̄ᵀ, differentiated by autograd."""
     U0, _, V0, X, T, g = _problem(1)
-    aug = augment(U0, V0, *(torch.randn(d, 2, generator=g, dtype=F64) for d in (7, 5)))
+    aug = _augment(U0, V0, g)
     S_bar = torch.randn(aug.U.shape[1], aug.V.shape[1], generator=g, dtype=F64)
-    P, s, Q = core_svd(S_bar)
+    P, s, Q = thin_svd(S_bar)
     sigma = s.clone().requires_grad_()
     W = aug.U @ P @ torch.diag(sigma) @ Q.mT @ aug.V.mT
     _loss(W, X, T).backward()

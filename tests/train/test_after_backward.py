@@ -60,7 +60,7 @@ def test_a_two_pass_integrator_calls_it_twice_a_step():
 def test_lm_counts_the_same_memory_as_inside_the_step():
     """The hook's count equals the count made in a closure wrapped around the optimizer's own
     (where the factor gradients exist), at every step."""
-    from rankwise.experiments.lm_compare import _Curve
+    from rankwise.experiments.lm.lm_compare import _Curve
 
     x, y = _data()
     model = rankwise.to_low_rank(_model(), rank=4)

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 
 from .._fields import help_of, options_named
-from ..experiments._lm_spec import DENSE, METHODS
-from ..experiments._lm_spec import LmRunSpec as Spec
+from ..experiments.lm._lm_spec import DENSE, METHODS
+from ..experiments.lm._lm_spec import LmRunSpec as Spec
 from ..methods import REGISTRY
 from ._common import (
     MAX_WORKERS,
@@ -132,7 +132,7 @@ def lm_cmd(
     from rich.console import Console
 
     from .._io import write_atomic
-    from ..experiments.lm_compare import plot, rates_markdown, study, summary_markdown
+    from ..experiments.lm.lm_compare import plot, rates_markdown, study, summary_markdown
 
     console = Console()
     line = (lambda r: f"{r['key']}: val {r['val_bits']:.3f} bits, test {r['test_bits']:.3f}, "  # noqa: E731

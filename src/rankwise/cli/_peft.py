@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ..experiments._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
-from ..experiments._peft_spec import PeftRunSpec as Spec
+from ..experiments.peft._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
+from ..experiments.peft._peft_spec import PeftRunSpec as Spec
 from ._common import (
     MAX_WORKERS,
     UserError,
@@ -95,11 +95,12 @@ def peft_cmd(
     check_output_dir(out, produced=PEFT_OUTPUTS,
                      force=force or caches_only, records="setting", what="peft comparison")
     try:  # everything it needs, before anything runs
-        import peft  # noqa: F401
         import transformers  # noqa: F401
 
+        import peft  # noqa: F401
+
         from ..data._bbc import bbc_news_dir
-        from ..experiments.peft_compare import model_path
+        from ..experiments.peft.peft_compare import model_path
 
         model_path()
         bbc_news_dir()
@@ -110,7 +111,7 @@ def peft_cmd(
 
     from .._io import write_atomic
     from ..experiments._select import choices_markdown
-    from ..experiments.peft_compare import plot, study, study_records, summary_markdown
+    from ..experiments.peft.peft_compare import plot, study, study_records, summary_markdown
 
     console = Console()
     line = (lambda r: f"{r['key']}: val {r['val_acc']:.3f}, test {r['test_acc']:.3f}, "  # noqa: E731

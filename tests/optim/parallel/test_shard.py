@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from rankwise.optim.parallel._shard import _join, _split, assign_owners, layer_cost
+from rankwise.optim.parallel._shard import _join, _split, assign_owners, integration_cost
 
 
 def _makespan(costs: dict[str, float], owners: dict[str, int], world: int) -> float:
@@ -35,7 +35,7 @@ def test_owners_are_within_the_lpt_bound_of_the_best_assignment(seed, world):
 
 
 def test_equal_layers_are_spread_evenly():
-    costs = {f"l{i}": layer_cost(1024, 1024, 52) for i in range(4)}
+    costs = {f"l{i}": integration_cost(1024, 1024, 52) for i in range(4)}
     assert assign_owners(costs, 2) == {"l0": 0, "l1": 1, "l2": 0, "l3": 1}
     assert assign_owners(costs, 4) == {"l0": 0, "l1": 1, "l2": 2, "l3": 3}
     assert assign_owners(costs, 1) == dict.fromkeys(costs, 0)

@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..methods import REGISTRY
-from ..train import Callback, DenseWarmStart, Loop, fit
+from ...methods import REGISTRY
+from ...train import Callback, DenseWarmStart, Loop, fit
 from ._lm_spec import ABLATIONS as ABLATIONS
 from ._lm_spec import ADAM, DENSE, GRID, LmRunSpec
 from ._lm_spec import LOWRANK as LOWRANK
@@ -254,7 +254,7 @@ class _Curve(Callback):
 
 def run_one(spec: LmRunSpec, report=None, keep: list | None = None) -> dict:
     """Train one run; returns its record (JSON-ready). `keep`: the trained model is appended."""
-    from ..data._bytes import load_bbc_text, random_windows, sequential_windows
+    from ...data._bytes import load_bbc_text, random_windows, sequential_windows
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     data = load_bbc_text()
@@ -334,7 +334,7 @@ def compare(specs: Sequence[LmRunSpec], out: Path, *, jobs: int = 1, overwrite: 
             on_progress: Callable[[str, int, int, str], None] | None = None) -> list[dict]:
     """Run every spec not already in ``out/runs/`` (resumable, each in a fresh process, so
     that the peak memory is the run's own); returns all records, in `specs` order."""
-    from ._resume import run_resumable
+    from .._resume import run_resumable
 
     return run_resumable(list(specs), out / "runs", _job, jobs=jobs, overwrite=overwrite,
                          fresh_process=fresh_process,
@@ -468,7 +468,7 @@ def plot(records: Sequence[dict], chosen: dict[tuple[str, float], tuple[float, b
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .._io import write_atomic
+    from ..._io import write_atomic
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for (m, c), (lr, _) in chosen.items():

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .. import _fields  # (called as _fields.setting: this spec has a field named `setting`)
-from .._checks import check_training
-from ..methods import COMMANDS, REGISTRY
+from ... import _fields  # (called as _fields.setting: this spec has a field named `setting`)
+from ..._checks import check_training
+from ...methods import COMMANDS, REGISTRY
 
 # Every method at LoRA r10's trainable parameters (r = PeftRunSpec.rank), unless its name says
 # otherwise: LoRA; LoRA at 2r; AdaLoRA with the final budget of LoRA at r (target_r = r, from

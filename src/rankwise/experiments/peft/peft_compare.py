@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..train import Callback, Loop, accuracy, fit
+from ...train import Callback, Loop, accuracy, fit
+from .._select import Choice
 from ._peft_report import best_by_validation as best_by_validation
 from ._peft_report import plot as plot
 from ._peft_report import study_records as study_records
@@ -38,7 +39,6 @@ from ._peft_spec import PEFT_METHODS, VERSION
 from ._peft_spec import SETTINGS as SETTINGS
 from ._peft_spec import STEPS as STEPS
 from ._peft_spec import PeftRunSpec as PeftRunSpec
-from ._select import Choice
 
 TARGETS = ["query", "key", "value"]
 GRID: dict[str, tuple[float, ...]] = {"adam": (3e-4, 1e-3, 3e-3, 1e-2)}  # the default selection grid
@@ -70,7 +70,7 @@ def _data(max_len: int, cache_dir: Path | None = None):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         from transformers import AutoTokenizer
 
-        from ..data import load_bbc_news, stratified_split
+        from ...data import load_bbc_news, stratified_split
 
         texts, labels, _ = load_bbc_news()
         tok = AutoTokenizer.from_pretrained(str(model_path()))
@@ -80,7 +80,7 @@ def _data(max_len: int, cache_dir: Path | None = None):
         if cached is not None:
             import io
 
-            from .._io import write_atomic
+            from ..._io import write_atomic
 
             buf = io.BytesIO()
             torch.save(_CACHE[max_len], buf)
@@ -141,9 +141,9 @@ def _adapters(model: nn.Module, spec: PeftRunSpec) -> tuple[nn.Module, torch.opt
     """`model` with rankwise adapters and the integrator of `spec.method` (:mod:`rankwise.methods`):
     at LoRA r's trainable parameters (a budget, SDLRT's buffer counted), or for a method with a
     `cap` at the tolerance ``spec.tau`` from rank r, every rank capped at cap × r."""
-    from .. import methods
-    from ..optim import Budget, Tolerance
-    from ..peft import AdapterConfig, adapter_budget, get_adapter_model
+    from ... import methods
+    from ...optim import Budget, Tolerance
+    from ...peft import AdapterConfig, adapter_budget, get_adapter_model
 
     method, r = methods.get(spec.method), spec.rank
     kind = "sdlrt" if method.buffer else "dlrt"  # (the adapters' budget counts SDLRT's buffer)
@@ -205,7 +205,7 @@ class _StepLog(Callback):
         self.most_trainable = 0
 
     def on_step_end(self, loop: Loop) -> None:
-        from ..peft import trainable_parameters
+        from ...peft import trainable_parameters
 
         t0 = time.perf_counter()
         if self.hook is not None:
@@ -220,7 +220,7 @@ class _StepLog(Callback):
 def _ranks_and_params(model: nn.Module, method: str) -> tuple[dict[str, int], int]:
     """Final rank per adapted module, and the trainable parameters
     (:func:`rankwise.peft.trainable_parameters`: SDLRT's buffer counted)."""
-    from ..peft import adapters, trainable_parameters
+    from ...peft import adapters, trainable_parameters
 
     trainable = trainable_parameters(model)[0]
     if method in PEFT_METHODS:
@@ -245,7 +245,7 @@ def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> 
     if n is None:
         train = split["train"]
     else:
-        from ..data import subsample
+        from ...data import subsample
 
         train = subsample(labels, split["train"], n, spec.seed)
     model, opt, hook = _build(spec, spec.steps)
@@ -260,7 +260,7 @@ def run_one(spec: PeftRunSpec, progress=None, cache_dir: Path | None = None) -> 
     ranks, trainable = _ranks_and_params(model, spec.method)
     budget = None
     if spec.budget is not None:
-        from ..peft import adapter_budget
+        from ...peft import adapter_budget
 
         budget = adapter_budget(model)
     val, test = torch.tensor(split["val"]), torch.tensor(split["test"])
@@ -314,7 +314,7 @@ def compare(specs: Sequence[PeftRunSpec], out: Path, *, jobs: int = 1, overwrite
         raise FileExistsError(f"{folder} holds {len(old)} run records of the protocol before equal "
                               f"budgets (e.g. {old[0]}); rerun with --force to run beside them "
                               "(they stay out of the tables), or choose another --out")
-    from ._resume import run_resumable
+    from .._resume import run_resumable
 
     return run_resumable(list(specs), folder, partial(_job, cache_dir=str(out)),
                          differences=PeftRunSpec.differences, jobs=jobs, overwrite=overwrite,
@@ -363,7 +363,7 @@ def study(methods: Sequence[str], settings: Sequence[str], seeds: int, out: Path
 
     choices: dict[str, Choice] = {}
     if select is not None:
-        from ._select import select as choose_on_validation
+        from .._select import select as choose_on_validation
 
         groups = {m: spec(m, select, 0) for m in methods}
         choices = choose_on_validation(groups, grid, lambda s, family, rate: dataclasses.replace(

@@ -4,7 +4,7 @@ ranks of a compression (what ``dlrt`` and ``fixed`` start from) against the rank
 allocation rule gives for the same parameters, compared by the relative error of the weights
 and by the validation bits of the truncated model (no fine-tuning).
 
-``python -m rankwise.experiments.lm_spectra --width 128 --context 64 --steps 1500 --lr 0.01``
+``python -m rankwise.experiments.lm.lm_spectra --width 128 --context 64 --steps 1500 --lr 0.01``
 trains the dense model (``rankwise lm``'s run, its defaults otherwise) and prints the tables.
 """
 
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compressions", default="0.5,0.75")
     p.add_argument("--windows", type=int, default=1024)
     a = p.parse_args(argv)
-    from ..data._bytes import load_bbc_text, sequential_windows
+    from ...data._bytes import load_bbc_text, sequential_windows
 
     torch.set_num_threads(1)
     keep: list = []

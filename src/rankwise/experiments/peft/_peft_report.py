@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..methods import REGISTRY
+from ...methods import REGISTRY
+from .._select import Choice
 from ._peft_spec import METHODS, SETTINGS, PeftRunSpec
-from ._select import Choice
 
 _PER_RUN = ("method", "setting", "seed", "optimizer", "lr", "steps")  # what varies within one study
 Group = tuple[str, int, str]  # (setting, steps, method)
@@ -77,7 +77,7 @@ def summary_markdown(results: list[dict], choices: Mapping[str, Choice] | None =
     trainable parameters held at any step (:func:`rankwise.peft.trainable_parameters`: U, S,
     V and SDLRT's buffer counted), the final ranks, the step time relative to LoRA's and the
     peak memory growth."""
-    from ._stats import mean_std
+    from .._stats import mean_std
 
     best = best_by_validation(results, choices)
     lines = ["| setting | steps | method | optimizer, lr | chosen | at grid edge | seeds | val acc | "
@@ -107,15 +107,15 @@ def plot(results: list[dict], out: Path, choices: Mapping[str, Choice] | None = 
     chosen configuration (:func:`best_by_validation`), one panel per setting and step count."""
     import io
 
-    from .._extras import require
+    from ..._extras import require
 
     matplotlib = require("matplotlib", "the plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .._io import write_atomic
-    from .._provenance import source_commit
-    from ._stats import mean_sd
+    from ..._io import write_atomic
+    from ..._provenance import source_commit
+    from .._stats import mean_sd
 
     best = best_by_validation(results, choices)
     panels = list(dict.fromkeys((s, n) for s, n, _, _ in _ordered(best)))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .._fields import setting
-from ..methods import COMMANDS, REGISTRY
+from ..._fields import setting
+from ...methods import COMMANDS, REGISTRY
 
 METHODS = COMMANDS["lm"]  # what each name means: rankwise.methods
 ABLATIONS = METHODS[METHODS.index("dlrt-fixedrank"):]  # the variants of the ablation table (docs/lm.md)

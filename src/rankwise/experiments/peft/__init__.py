@@ -1,0 +1,1 @@
+"""The PEFT study (`rankwise peft`): rank-adaptive adapters against LoRA, AdaLoRA, LoRA+."""
