@@ -14,7 +14,7 @@ from ._checks import check_unit_interval
 
 __all__ = ["batch_mm", "gram_rtol", "orth_against", "orth_complement",
            "orth_complement_batched",
-           "orthonormalize", "tail_rank", "truncated_svd", "work_dtype"]
+           "orthonormalize", "tail_count", "tail_rank", "truncated_svd", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -137,17 +137,25 @@ def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None)
     return out
 
 
+def tail_count(s: Tensor, tol: Tensor | float) -> Tensor:
+    """The tolerance rule: the smallest r with ``‖s[r:]‖₂ ≤ tol``, unclamped (0 when the whole
+    ``‖s‖ ≤ tol``), for singular values s (..., k) in descending order and a tolerance broadcasting
+    over the leading dimensions (a number, or a tensor (...,)). Returns (...,) int64."""
+    sq = torch.cat([s.flip(-1).square().cumsum(-1).flip(-1), s.new_zeros(*s.shape[:-1], 1)], -1)
+    tails = sq.clamp_min(0).sqrt()  # tails[..., i] = ‖s[..., i:]‖, tails[..., k] = 0: non-increasing
+    tol = tol[..., None] if torch.is_tensor(tol) else tol
+    return (tails > tol).sum(-1)
+
+
 def tail_rank(s: Tensor, tol: float, *, min_rank: int = 1, max_rank: int | None = None) -> int:
-    """Smallest rank r with ``sqrt(sum_{i>=r} s_i^2) <= tol``, clamped to [min_rank, max_rank].
+    """Smallest rank r with ``sqrt(sum_{i>=r} s_i^2) <= tol`` (:func:`tail_count`), clamped to
+    [min_rank, max_rank].
 
     ``s`` (k,) are singular values in descending order. The clamp never exceeds ``k``.
     """
     k = s.numel()
     hi = k if max_rank is None else min(k, max_rank)
-    # tails[i] = || s[i:] ||_2 ; tails[k] = 0
-    sq = torch.cat([s.flip(0).square().cumsum(0).flip(0), s.new_zeros(1)])
-    tails = sq.clamp_min(0).sqrt()
-    r = int((tails > tol).sum())  # tails is non-increasing: first index with tail <= tol
+    r = int(tail_count(s, tol))
     return max(min(r, hi), min(min_rank, hi))
 
 

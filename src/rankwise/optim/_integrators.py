@@ -19,7 +19,7 @@ One step for a layer ``W0 = U0 S0 V0ᵀ`` (U0 (m, r0), S0 (r0, r0), V0 (n, r0)) 
 The step itself is batched over groups of layers (:mod:`.functional`, :mod:`._step`) and
 checked against an independent float64 reference of steps 1–4 (``tests/reference_bug.py``);
 here are the pieces it shares: the working copies (:class:`Factors`), their periodic
-re-orthonormalisation, the core's SVD, and step 1 for one layer (:func:`augment`).
+re-orthonormalisation and the core's SVD.
 
 References: Ceruti, Kusch & Lubich, "A rank-adaptive robust integrator for dynamical low-rank
 approximation" (BIT 2022); Schotthöfer et al., "Low-rank lottery tickets" (NeurIPS 2022);
@@ -33,44 +33,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..linalg import orth_complement, orthonormalize
-
-
-class Augmented(NamedTuple):
-    """Augmented bases Ū = [U0, U_buf, E_U] (m, ku) and V̄ = [V0, V_buf, E_V] (n, kv); their
-    first ``r0`` columns are the old bases (so ŪᵀU0 = I[:, :r0] and V0ᵀV̄ = I[:r0, :])."""
-
-    U: Tensor
-    V: Tensor
-    r0: int
-
-
-def augment(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor,
-            U_buf: Tensor | None = None, V_buf: Tensor | None = None) -> Augmented:
-    """Step 1: ``Ū = [U0, U_buf, orth((I − P)ΔK)]`` and likewise V̄.
-
-    ``[U0, U_buf]`` must be orthonormal — true for the buffer this integrator produces (it
-    comes from the same SVD as the retained basis); the optimizer re-orthonormalises
-    periodically. Only ΔK (m, r0) and ΔL (n, r0) are orthogonalised (numerically dependent
-    directions dropped).
-    """
-    Uk = U0 if U_buf is None else torch.cat([U0, U_buf], dim=1)
-    Vk = V0 if V_buf is None else torch.cat([V0, V_buf], dim=1)
-    return Augmented(torch.cat([Uk, orth_complement(Uk, dK)], dim=1),
-                     torch.cat([Vk, orth_complement(Vk, dL)], dim=1), U0.shape[1])
-
-
-def core_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Thin SVD ``S = P diag(s) Qᵀ`` (returns P, s, Q) of a core (k, l) or a batch (..., k, l).
-    LAPACK's divide-and-conquer SVD occasionally fails to converge on finite matrices; retry
-    once in float64."""
-    if not bool(torch.isfinite(S).all()):
-        raise FloatingPointError("the augmented core S̄ is not finite; no weights were changed")
-    return thin_svd(S)
+from ..linalg import orthonormalize
 
 
 def thin_svd(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`core_svd` without its finiteness check (no host read): the caller guarantees a
+    """Thin SVD ``S = P diag(s) Qᵀ`` (returns P, s, Q) of a core; the caller guarantees a
     finite S (k, l) or batch (..., k, l); retried in float64 if LAPACK's SVD does not converge."""
     try:
         P, s, Qh = torch.linalg.svd(S, full_matrices=False)

@@ -7,7 +7,7 @@ the loss instead (AdaLoRA's sensitivity, on DLRT's augmented core):
 1. **The gradient in the augmented coordinates.** With Ū = [U0, E_U] (m, ku), V̄ = [V0, E_V]
    (n, kv) and G = ∂L/∂W, the integrator knows G_K = G V0, G_L = Gᵀ U0 and G_S = U0ᵀ G V0,
    so of Ḡ = Ūᵀ G V̄ it knows every block but E_Uᵀ G E_V (set to 0: the tangent-space
-   projection of G, in augmented coordinates)::
+   projection of G, in augmented coordinates; :func:`._step.tangent_blocks`)::
 
        Ḡ = [[G_S, G_Lᵀ E_V], [E_Uᵀ G_K, 0]]                      (ku, kv)
 
@@ -44,22 +44,6 @@ class Smoothed(NamedTuple):
 
     I: Tensor  # noqa: E741 (AdaLoRA's name)
     U: Tensor
-
-
-def augmented_gradient(E_U: Tensor, E_V: Tensor, G_K: Tensor, G_S: Tensor, G_L: Tensor) -> Tensor:
-    """Ḡ (r0 + a_u, r0 + a_v): the loss gradient in the augmented coordinates, its block of
-    two new directions set to 0 (module docstring, step 1).
-
-    **Arguments:** `E_U` (m, a_u), `E_V` (n, a_v): the augmented bases' columns after the
-    first r0 (the buffer's and the new directions); `G_K` (m, r0), `G_S` (r0, r0), `G_L`
-    (n, r0): the gradients of K = U S, S and L = V Sᵀ at the current weight.
-    """
-    r0 = G_S.shape[0]
-    out = G_S.new_zeros(r0 + E_U.shape[1], r0 + E_V.shape[1])
-    out[:r0, :r0] = G_S
-    out[r0:, :r0] = E_U.mT @ G_K
-    out[:r0, r0:] = G_L.mT @ E_V
-    return out
 
 
 def importance(P: Tensor, s: Tensor, Q: Tensor, G_bar: Tensor) -> Tensor:

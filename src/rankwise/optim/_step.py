@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ..linalg import batch_mm as _mm
-from ..linalg import gram_rtol, orthonormalize
+from ..linalg import gram_rtol, orthonormalize, tail_count
 from ._integrators import Factors, reorthonormalize, thin_svd
 
 
@@ -233,17 +233,35 @@ def rank_bucket(r: int) -> int:
     return 1 << max(r - 1, 0).bit_length()
 
 
+def tangent_blocks(r0: int, EU: Tensor, EV: Tensor, S: Tensor | None = None, K: Tensor | None = None,
+                   L: Tensor | None = None) -> Tensor:
+    r"""A tangent-space matrix M = U0 S V0ᵀ + (I − U0U0ᵀ) K V0ᵀ + U0 Lᵀ (I − V0V0ᵀ) in augmented
+    coordinates Ūᵀ M V̄, Ū = [U0, E_U], V̄ = [V0, E_V] (E_U ⟂ U0, E_V ⟂ V0):
+    ``[[S, Lᵀ E_V], [E_Uᵀ K, 0]]`` (B, r0 + a, r0 + b), in E_U's dtype. The one embedding of the
+    step: the Galerkin core (S0 + ΔS, ΔK, ΔL), the two-pass S state (the moments), the gradient
+    the sensitivity scores read (G_S, G_K, G_L), the augmented point (S0 alone).
+
+    **Arguments:** `r0`: the old rank; `EU` (B, m, a), `EV` (B, n, b): the augmented bases'
+    columns after the first r0; `S` (B, r0, r0), `K` (B, m, r0), `L` (B, n, r0): the blocks
+    (None: zero)."""
+    out = EU.new_zeros(EU.shape[0], r0 + EU.shape[-1], r0 + EV.shape[-1])
+    if S is not None:
+        out[:, :r0, :r0] = S
+    if K is not None:
+        out[:, r0:, :r0] = _mm(EU.mT, K)
+    if L is not None:
+        out[:, :r0, r0:] = _mm(L.mT, EV)
+    return out
+
+
 def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
                mask_U: Tensor | None = None, mask_V: Tensor | None = None) -> Tensor:
     """The single-pass Galerkin core S̄ = S̄(0) + Ūᵀ ΔW V̄ (L, ku, kv), in blocks
     ``[[S0 + ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` (the tangent-space update ΔW = U0ΔSV0ᵀ + (I − U0U0ᵀ)ΔKV0ᵀ +
     U0ΔLᵀ(I − V0V0ᵀ) in the augmented bases: docs/lowrank.md, "One step, precisely"); the rows and
     columns of fill directions (masks False) are zero, as if those columns were not there."""
-    L, r0 = S0.shape[0], S0.shape[-1]
-    out = S0.new_zeros(L, U.shape[-1], V.shape[-1])
-    out[:, :r0, :r0] = S0 + dS
-    out[:, r0:, :r0] = _mm(U[..., r0:].mT, dK)
-    out[:, :r0, r0:] = _mm(dL.mT, V[..., r0:])
+    r0 = S0.shape[-1]
+    out = tangent_blocks(r0, U[..., r0:], V[..., r0:], S0 + dS, dK, dL)
     if mask_U is not None and mask_V is not None:
         out = out * (mask_U[:, :, None] & mask_V[:, None, :]).to(out.dtype)
     return out
@@ -317,10 +335,8 @@ def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
     size = torch.full((L,), k, device=s.device) if size is None else size
     if k == 0:
         return torch.zeros(L, dtype=torch.int64, device=s.device)
-    sq = torch.cat([s.flip(-1).square().cumsum(-1).flip(-1), s.new_zeros(L, 1)], -1)
-    tails = sq.clamp_min(0).sqrt()
     tol = tau.to(torch.float64) * torch.linalg.vector_norm(s, dim=-1).double()
-    r = (tails > tol.to(s.dtype)[:, None]).sum(-1).clamp(1, k)
+    r = tail_count(s, tol.to(s.dtype)).clamp(1, k)
     numerical = (s > s[:, :1] * (size[:, None].to(s.dtype) * torch.finfo(s.dtype).eps)).sum(-1)
     r = torch.minimum(r, numerical)
     r = torch.maximum(torch.minimum(r, max_rank), min_rank)

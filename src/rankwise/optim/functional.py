@@ -86,10 +86,18 @@ class Ranks(NamedTuple):
     max_rank: Tensor
 
 
+def all_finite(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """A bool on `device`: every tensor (plain, one device) is finite (max-abs by
+    ``_foreach_norm(inf)``: never overflows); True for none."""
+    if not tensors:
+        return torch.ones((), dtype=torch.bool, device=device)
+    norms = torch._foreach_norm(tensors, float("inf"))
+    return torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all()
+
+
 def grads_finite(f: Factors) -> Tensor:
-    """A device bool: every factor gradient is finite (max-abs by ``_foreach_norm(inf)``)."""
-    norms = torch._foreach_norm([f.G_K, f.G_L, f.G_S], float("inf"))
-    return torch.isfinite(torch.stack([n.to(torch.float64) for n in norms])).all()
+    """A device bool: every factor gradient is finite (:func:`all_finite`)."""
+    return all_finite([f.G_K, f.G_L, f.G_S], f.G_K.device)
 
 
 def _rules(x: Stack, rule: Rule, hp: Mapping[str, Any],
@@ -135,8 +143,7 @@ def augment(x: Stack, rule: Rule, hp: Mapping[str, Any], *, reorth: bool, width:
     U, V, mU, mV, failed = _step.augment_group(f.U, f.V, dK, dL, f.U_buf, f.V_buf, width, x.pad, robust,
                                                x.fills)
     r0 = f.S.shape[-1]
-    S0 = f.S.new_zeros(f.S.shape[0], U.shape[-1], V.shape[-1])
-    S0[:, :r0, :r0] = f.S
+    S0 = _step.tangent_blocks(r0, U[..., r0:], V[..., r0:], f.S)
     stS = augmented_core_state(x.S, x.K, x.L, U, V, mU, mV, r0)  # the K and L states before the rules
     return TwoPass(f, U, S0, V, mU, mV, failed, {"K": stK, "L": stL, "S": stS}, finite)
 
@@ -180,17 +187,10 @@ def augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Te
     EV = V[..., r0:] * mV[:, None, r0:].to(V.dtype)
     out = dict(st_S)
     for key, (AU, AV) in (("m", (EU, EV)), ("v", (EU.square(), EV.square()))):
-        xS, xK, xL = (st.get(key) for st in (st_S, st_K, st_L))
+        xS, xK, xL = (None if st.get(key) is None else st[key].to(U) for st in (st_S, st_K, st_L))
         if xS is None and xK is None and xL is None:
             continue
-        X = U.new_zeros(U.shape[0], U.shape[-1], V.shape[-1])
-        if xS is not None:
-            X[:, :r0, :r0] = xS.to(X)
-        if xK is not None:
-            X[:, r0:, :r0] = batch_mm(AU.mT, xK.to(X))
-        if xL is not None:
-            X[:, :r0, r0:] = batch_mm(xL.to(X).mT, AV)
-        out[key] = X
+        out[key] = _step.tangent_blocks(r0, AU, AV, xS, xK, xL)
     return out
 
 
@@ -251,10 +251,7 @@ def by_sensitivity(p: Planned, previous: tuple[Tensor, Tensor] | None, cost: Ten
     r0 = plan.r0
     EU = plan.U[..., r0:] * plan.mU[:, None, r0:].to(plan.U.dtype)
     EV = plan.V[..., r0:] * plan.mV[:, None, r0:].to(plan.V.dtype)
-    G = f.S.new_zeros(f.S.shape[0], plan.U.shape[-1], plan.V.shape[-1])
-    G[:, :r0, :r0] = f.G_S
-    G[:, r0:, :r0] = batch_mm(EU.mT, f.G_K)
-    G[:, :r0, r0:] = batch_mm(f.G_L.mT, EV)
+    G = _step.tangent_blocks(r0, EU, EV, f.G_S, f.G_K, f.G_L)
     inst = sens.importance(plan.P, plan.s, plan.Q, G)
     prev = None if previous is None else sens.Smoothed(previous[0].to(inst), previous[1].to(inst))
     sm = sens.smooth(prev, plan.P, plan.Q, inst, beta1=beta1, beta2=beta2)
