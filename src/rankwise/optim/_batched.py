@@ -203,13 +203,22 @@ def dense_step(opt: Optimizer, ok: Tensor | None = None) -> None:
         if ok is not None:
             zero = torch.zeros((), dtype=params[0].dtype, device=params[0].device)
             deltas = [torch.where(ok, d, zero) for d in deltas]
-            for st, n in zip(states, new, strict=True):
-                for k in _MOMENTS:
-                    if n.get(k) is not None:
-                        n[k] = torch.where(ok, n[k], st[k] if st.get(k) is not None else zero)
+            new = [_unless(ok, n, st) for n, st in zip(new, states, strict=True)]
         torch._foreach_add_(params, deltas)
         for st, n in zip(states, new, strict=True):
             st.update(n)
+
+
+def _unless(ok: Tensor, new: State, old: State) -> State:
+    """`new` with each moment kept from `old` (zeros where `old` has none) where the device bool
+    `ok` is False: a skipped step leaves the moments as they were, with no host read."""
+    out = dict(new)
+    for k in _MOMENTS:
+        if new.get(k) is not None:
+            before = old[k] if old.get(k) is not None else torch.zeros((), dtype=new[k].dtype,
+                                                                          device=new[k].device)
+            out[k] = torch.where(ok, new[k], before)
+    return out
 
 
 class _Group:
@@ -377,10 +386,9 @@ def _attempt(opt: Optimizer, loss, closure, full: bool) -> bool | None:
     failed = bad is None and any(f for g in groups for f in g.failed)
     sharded = opt.dp is not None and opt.dp.owners is not None
     if sharded:  # each rank saw only its own layers; all decide alike
-        code = opt.dp.decide(2 if bad else float(failed), device)
+        elsewhere, failed = opt.dp.agree(bad is not None, failed, device)
         bad = bad or ("non-finite update in a layer integrated by another data-parallel rank"
-                      if code == 2 else None)
-        failed = code == 1
+                      if elsewhere else None)
     if failed and not full:
         return None
     bad = overflow if failed else bad
@@ -431,8 +439,7 @@ def _second_pass(opt: Optimizer, groups: list[_Group], closure, loss, device: to
     failed = any(f > 0 for f in failed)
     sharded = opt.dp is not None and opt.dp.owners is not None
     if sharded:  # each rank saw its own layers only
-        code = opt.dp.decide(2 if bad_input else float(failed), device)
-        bad_input, failed = code == 2, code == 1
+        bad_input, failed = opt.dp.agree(bool(bad_input), failed, device)
     if bad_input:
         what = "non-finite loss or gradient" + ("" if loss is None else f" (loss={float(loss)})")
         return opt._nonfinite(what)
@@ -586,11 +593,7 @@ def core_step(opt: Optimizer, loss) -> bool:
     for layers, S0, S1, old, new in planned:
         shapes = [(m.rank, m.rank) for m in layers]
         torch._foreach_copy_([m.factors()[1] for m in layers], _rows(torch.where(ok, S1, S0), shapes))
-        for k in _MOMENTS:
-            if new.get(k) is not None:
-                before = old[k] if old.get(k) is not None else torch.zeros_like(new[k])
-                new[k] = torch.where(ok, new[k], before)
-        new = {k: v for k, v in new.items() if k in RULE_KEYS}
+        new = {k: v for k, v in _unless(ok, new, old).items() if k in RULE_KEYS}
         caps = [_capacity_shape(m, "S") for m in layers]
         _write_states([opt.state[m.S] for m in layers], new, shapes, caps)
     dense_step(opt, ok)

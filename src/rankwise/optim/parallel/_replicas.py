@@ -20,27 +20,21 @@ from torch import Tensor, nn
 
 from ...linalg import work_dtype
 from ...nn._base import AbstractLowRankLayer
+from ..functional import all_finite
 from . import _dp, _shard
 from ._fsdp import is_dtensor
 
 
 def _all_finite_flag(tensors: list[Tensor], device: torch.device) -> Tensor:
     """A device bool: every tensor finite (max-abs by ``_foreach_norm(inf)``: never overflows)."""
-    if not tensors:
-        return torch.ones((), dtype=torch.bool, device=device)
     sharded = [t for t in tensors if is_dtensor(t)]
     if sharded:  # FSDP2's DTensor shards: each rank checks its own (some may be empty), then all agree
-        local = [t.to_local() for t in sharded]
-        local = [t for t in local if t.numel()]
-        norms = torch._foreach_norm(local, float("inf")) if local else []
-        ok = torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all() if norms else \
-            torch.ones((), dtype=torch.bool, device=device)
-        vote = ok.to(torch.float64).reshape(1)
+        local = [t for t in (t.to_local() for t in sharded) if t.numel()]
+        vote = all_finite(local, device).to(torch.float64).reshape(1)
         torch.distributed.all_reduce(vote, op=torch.distributed.ReduceOp.MIN,
                                      group=sharded[0].device_mesh.get_group())
         return vote[0] > 0
-    norms = torch._foreach_norm(tensors, float("inf"))
-    return torch.isfinite(torch.stack([n.to(device, torch.float64) for n in norms])).all()
+    return all_finite(tensors, device)
 
 
 def core_slot(layer: AbstractLowRankLayer) -> _dp.Slot:
@@ -63,7 +57,8 @@ class Replicas:
         self.rank = torch.distributed.get_rank(group)
         # the owners, sharded or not: they also key the batches, so that both modes batch alike
         self.placement = _shard.assign_owners(
-            {n: _shard.layer_cost(m.out_features, m.in_features, rank_cap(m)) for n, m in layers.items()},
+            {n: _shard.integration_cost(m.out_features, m.in_features, rank_cap(m))
+             for n, m in layers.items()},
             torch.distributed.get_world_size(group))
         self.owners = self.placement if sharded else None
         self.allreduce_bytes = 0
@@ -116,10 +111,11 @@ class Replicas:
         self.allreduce_bytes = sent + (0 if first else self.allreduce_bytes)
         return bad
 
-    def decide(self, code: float, device: torch.device) -> float:
-        """The largest of the ranks' `code`s (sharded: each rank saw only its own layers; all
-        decide alike)."""
-        return _shard.max_of(code, self.group, device)
+    def agree(self, bad: bool, failed: bool, device: torch.device) -> tuple[bool, bool]:
+        """Sharded, each rank saw only its own layers: (some rank found a non-finite value, else
+        some rank's fixed-width augmentation failed), the same on every rank."""
+        code = _shard.max_of(2.0 if bad else float(failed), self.group, device)
+        return code == 2, code == 1
 
     def share(self, names: Iterable[str], state: dict) -> None:
         """Sharded: each owner sends its layers' new factors, buffers and optimizer `state` (τ,

@@ -27,7 +27,7 @@ from torch import Tensor
 from ...dist import global_rank
 
 
-def layer_cost(out_features: int, in_features: int, rank: int) -> float:
+def integration_cost(out_features: int, in_features: int, rank: int) -> float:
     """The integrator's arithmetic for one layer at `rank` (its largest), up to a constant: the
     QRs of the (out, 2r) and (in, 2r) augmented bases and the SVD of the 2r × 2r core,
     ``(m + n)(2r)² + (2r)³``."""
