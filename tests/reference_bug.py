@@ -15,7 +15,8 @@ W0 = U0 S0 V0ᵀ (U0 (m, r0), S0 (r0, r0), V0 (n, r0)):
    ``ΔW = U0 ΔS V0ᵀ + (I − U0U0ᵀ) ΔK V0ᵀ + U0 ΔLᵀ (I − V0V0ᵀ)``;
    two passes: ``S̄ = S̄(0) + ΔS̄``, ``S̄(0) = Ūᵀ W0 V̄``, ΔS̄ the rule on ``Ḡ = Ūᵀ ∇W V̄`` (the
    gradient at the augmented point, which is the same weight) with the state
-   ``[[m_S, m_Lᵀ Ṽ], [Ũᵀ m_K, 0]]`` (Ũ = Ū[:, r0:], Ṽ = V̄[:, r0:]; √v for Adam's v);
+   ``[[m_S, m_Lᵀ Ṽ], [Ũᵀ m_K, 0]]`` (Ũ = Ū[:, r0:], Ṽ = V̄[:, r0:]; for Adam's v the same
+   blocks with the entrywise squares Ũ², Ṽ²);
 4. ``S̄ = P Σ Qᵀ``; r1 the smallest r with ``‖σ[r:]‖ ≤ τ‖σ‖`` (at least 1), capped at the
    numerical rank ``#{σ > k·eps·σ_max}`` (k = min of the core's sides), clamped to
    [min(min_rank, hi), hi] with hi = min(max_rank, the layer's max rank), and to [1, k];
@@ -25,7 +26,8 @@ W0 = U0 S0 V0ᵀ (U0 (m, r0), S0 (r0, r0), V0 (n, r0)):
    ``τ ← min(τ/ω, max(τ0, τ_max))`` if r1 > r_init;
 6. moments (``"rotate"``): with ``T_U = U0ᵀU1``, ``T_V = V0ᵀV1``: ``m_K ← m_K T_V``,
    ``m_L ← m_L T_U``, ``m_S ← T_Uᵀ m_S T_V`` (two passes: ``m_S ← (ŪᵀU1)ᵀ m̄ (V̄ᵀV1)``);
-   Adam's v through √v; step counts kept. ``"reset"``: all three emptied.
+   Adam's v by the entrywise squared maps (``v_K ← v_K T_V²``, …); step counts kept.
+   ``"reset"``: all three emptied.
 
 Between augmentations (``update_every`` > 1) only S takes the rule on G_S. Biases take the
 rule at every step.
@@ -268,9 +270,9 @@ class Model:
     def align_signs(self, Us: list[Tensor]) -> None:
         """Adopt another run's signs of the singular vectors, layer by layer (`Us`: its U's):
         U's and V's columns flipped where ``diag(Uᵀ U_other) < 0``, S ← D S D, first moments
-        along (m_K, m_L: columns, m_S ← D m_S D). The weight and every sign-equivariant step
-        are unchanged: a gauge the SVD leaves open. It matters only to Adam's second-moment
-        transport, ``v ↦ (√v T)²``, which is not sign-equivariant (``(√v D T)² ≠ (√v T)²``).
+        along (m_K, m_L: columns, m_S ← D m_S D; second moments need nothing: they are moved by
+        squared maps, ``(D T)² = T²``). The weight and every step are unchanged: a gauge the SVD
+        leaves open, fixed so that the two runs' factors compare entry by entry.
         Raises AssertionError where a column is not ±1 times the other's (other directions)."""
         for i, (layer, other) in enumerate(zip(self.layers, Us, strict=True)):
             c = (layer.U * other.detach().to(F64)).sum(0)

@@ -5,16 +5,13 @@ Everything here is dtype-agnostic and never divides by a singular value without 
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
 from ._checks import check_unit_interval
 
-__all__ = ["batch_mm", "gram_rtol", "orth_against", "orth_complement",
-           "orth_complement_batched",
-           "orthonormalize", "tail_count", "tail_rank", "truncated_svd", "work_dtype"]
+__all__ = ["batch_mm", "gram_rtol", "orth_against", "orthonormalize", "tail_count", "tail_rank",
+           "truncated_svd", "work_dtype"]
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,34 +31,12 @@ def orthonormalize(Q: Tensor) -> tuple[Tensor, Tensor]:
 def orth_against(Q0: Tensor, Y: Tensor) -> Tensor:
     """Orthonormal columns spanning (I − Q0 Q0ᵀ) Y: Q0 (..., m, r) orthonormal, Y (..., m, c)
     -> (..., m, c), batched; Q0 projected out twice (classical Gram–Schmidt, reorthogonalised),
-    then a QR. Unlike :func:`orth_complement` it keeps all c columns (a batch needs one shape),
-    so Y must have full rank after the projection."""
+    then a QR. It keeps all c columns, so Y must have full rank after the projection (the
+    integrator's rank-revealing complement, which drops dependent directions, is
+    :func:`rankwise.optim._step.orth_complement_fixed`)."""
     for _ in range(2):
         Y = Y - Q0 @ (Q0.mT @ Y)
     return torch.linalg.qr(Y)[0]
-
-
-def orth_complement(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> Tensor:
-    """Orthonormal basis (m, e) of the part of ``span(X)`` orthogonal to ``span(Q0)``.
-
-    ``Q0`` (m, r) must have orthonormal columns (r may be 0); ``X`` is (m, c). X is projected
-    off Q0 and the range of the residual is read from the eigen-decomposition of its Gram
-    matrix (float64), scaled as if every column of X had unit length: directions whose
-    singular value is ≤ ``rtol`` relative to the original column norms are numerically
-    dependent (or inside span(Q0)) and dropped — no division by a singular value below
-    ``rtol`` ever happens. The result is projected off Q0 once more and re-orthonormalised by
-    one Cholesky-QR pass. All heavy work is matrix products plus (c×c) factorisations, which
-    is several times faster than a Householder QR of the tall matrix on few cores.
-
-    `rtol` defaults to :func:`gram_rtol`: ``max(sqrt(4 eps), sqrt(1e3·c·eps64))``, but no
-    smaller than what a float64 Gram matrix can resolve. A batch of same-shape pairs:
-    :func:`orth_complement_batched`.
-    """
-    if X.dim() != 2 or Q0.dim() != 2:
-        raise ValueError(f"Q0 and X must be matrices; got shapes {tuple(Q0.shape)} and {tuple(X.shape)}")
-    if X.shape[0] != Q0.shape[0]:
-        raise ValueError(f"X must have {Q0.shape[0]} rows like Q0; got {X.shape[0]}")
-    return orth_complement_batched(Q0[None], X[None], rtol=rtol)[0]
 
 
 def batch_mm(A: Tensor, B: Tensor) -> Tensor:
@@ -78,63 +53,6 @@ def gram_rtol(dtype: torch.dtype, c: int) -> float:
     c unit columns resolves."""
     gram_floor = (1e3 * max(c, 1) * torch.finfo(torch.float64).eps) ** 0.5
     return max((4 * torch.finfo(dtype).eps) ** 0.5, gram_floor)
-
-
-def orth_complement_batched(Q0: Tensor, X: Tensor, *, rtol: float | None = None) -> list[Tensor]:
-    """:func:`orth_complement` of each pair of a batch, in one call per step of the algorithm:
-    Q0 (L, m, r), X (L, m, c) -> L bases (m, e_i) (e_i may differ: each drops its own
-    dependent directions). For many small layers of one shape this removes most of the
-    per-call cost (25 small torch operations per pair). Results agree with the unbatched
-    function to roundoff; bitwise they depend on the batch (LAPACK and the batched matrix
-    product take other code paths for other batch sizes and memory offsets), so a caller
-    that must be reproducible forms its batches the same way each time.
-
-    Raises ``FloatingPointError`` naming the first pair whose X is not finite.
-    """
-    L, m, c = X.shape
-    mm = batch_mm
-    if Q0.dim() != 3 or Q0.shape[:2] != (L, m):
-        raise ValueError(f"X (L, m, c) = {tuple(X.shape)} needs Q0 (L, m, r) with the same L and m; "
-                         f"got {tuple(Q0.shape)}")
-    X = X.to(Q0.dtype)
-    if rtol is None:
-        rtol = gram_rtol(X.dtype, c)
-    if X.numel() == 0:
-        return [X.new_zeros(m, 0) for _ in range(L)]
-    big = X.abs().amax(dim=(-2, -1)).tolist()
-    for i, b in enumerate(big):
-        if not math.isfinite(b):
-            where = f" (pair {i})" if L > 1 else ""
-            raise FloatingPointError(f"orth_complement: X has non-finite entries{where}")
-    scale = [i for i, b in enumerate(big) if b > 1e15 or 0.0 < b < 1e-15]
-    if scale:  # keep the Gram matrix X^T X inside the dtype's range
-        X = X.clone()
-        for i in scale:
-            X[i] = X[i] / big[i]
-    sq_norms = torch.zeros(L, c, dtype=torch.float64, device=X.device)
-    if Q0.shape[-1]:
-        C = mm(Q0.mT, X)
-        X = X - mm(Q0, C)
-        sq_norms += C.double().square().sum(-2)
-    G = mm(X.mT, X).double()
-    sq_norms += torch.diagonal(G, dim1=-2, dim2=-1)  # ‖x‖² = ‖Q0ᵀx‖² + ‖residual‖²
-    d = torch.where(sq_norms > 0, sq_norms.rsqrt(), torch.zeros_like(sq_norms))
-    lam, W = torch.linalg.eigh(G * d[..., :, None] * d[..., None, :])  # Gram of unit-length columns
-    kept = (lam > rtol**2).sum(-1).tolist()  # eigenvalues ascend: the kept ones are the last e
-    out: list[Tensor] = [X.new_zeros(m, 0)] * L
-    for e in sorted(set(kept) - {0}):
-        idx = [i for i, k in enumerate(kept) if k == e]
-        sel = slice(None) if len(idx) == L else torch.tensor(idx, device=X.device)
-        Xs, Q0s = X[sel], Q0[sel]
-        M = d[sel][..., :, None] * W[sel][..., c - e:] * lam[sel][..., None, c - e:].rsqrt()
-        Y = mm(Xs, M.to(X.dtype))
-        if Q0.shape[-1]:
-            Y = Y - mm(Q0s, mm(Q0s.mT, Y))
-        Lc, info = torch.linalg.cholesky_ex(mm(Y.mT, Y).double())
-        E = torch.linalg.solve_triangular(Lc.to(Y.dtype), Y.mT, upper=False).mT
-        for j, i in enumerate(idx):  # a failed Cholesky is not expected after the eigen filter
-            out[i] = E[j] if int(info[j]) == 0 else orthonormalize(Y[j])[0]
-    return out
 
 
 def tail_count(s: Tensor, tol: Tensor | float) -> Tensor:

@@ -6,25 +6,34 @@ import pytest
 import torch
 
 from helpers import F64
-from rankwise.linalg import orth_complement, tail_rank, truncated_svd
+from rankwise.linalg import tail_rank, truncated_svd
 from rankwise.optim import _integrators as bug
+from rankwise.optim._step import orth_complement_fixed
+from reference_bug import new_directions
 
 
 def _orth(m, r):
     return torch.linalg.qr(torch.randn(m, r, dtype=F64))[0]
 
 
+def _kept(Q0, X):
+    """The valid columns of :func:`orth_complement_fixed` for one pair (m, k), (m, c)."""
+    E, valid, failed = orth_complement_fixed(Q0[None], X[None])
+    assert not failed.any()
+    return E[0][:, valid[0]]
+
+
 def test_orth_complement_spans_inputs_and_drops_dependent_columns():
     Q0 = _orth(12, 3)
     a = torch.randn(12, 2, dtype=F64)
     dep = Q0 @ torch.randn(3, 2, dtype=F64) + a @ torch.randn(2, 2, dtype=F64)  # in span[Q0, a]
-    E = orth_complement(Q0, torch.cat([a, dep, torch.zeros(12, 1, dtype=F64)], 1))
+    E = _kept(Q0, torch.cat([a, dep, torch.zeros(12, 1, dtype=F64)], 1))
     Q = torch.cat([Q0, E], 1)
     assert Q.shape == (12, 5)
     torch.testing.assert_close(Q.T @ Q, torch.eye(5, dtype=F64))
     for M in (Q0, a, dep):
         torch.testing.assert_close(Q @ (Q.T @ M), M)  # span contains every input
-    assert orth_complement(Q0, Q0 @ torch.randn(3, 4, dtype=F64)).shape == (12, 0)
+    assert _kept(Q0, Q0 @ torch.randn(3, 4, dtype=F64)).shape == (12, 0)
 
 
 def test_tail_rank_matches_brute_force():
@@ -51,8 +60,8 @@ def _setup(m=15, n=11, r=3, b=2):
     S0 = torch.randn(r, r, dtype=F64)
     dK, dL = torch.randn(m, r, dtype=F64), torch.randn(n, r, dtype=F64)
     # buffers: orthonormal, orthogonal to U0 / V0 (and here also to the updates)
-    Ub = orth_complement(torch.cat([U0, orth_complement(U0, dK)], 1), torch.randn(m, b, dtype=F64))
-    Vb = orth_complement(torch.cat([V0, orth_complement(V0, dL)], 1), torch.randn(n, b, dtype=F64))
+    Ub = new_directions(torch.cat([U0, new_directions(U0, dK)[0]], 1), torch.randn(m, b, dtype=F64))[0]
+    Vb = new_directions(torch.cat([V0, new_directions(V0, dL)[0]], 1), torch.randn(n, b, dtype=F64))[0]
     return U0, S0, V0, dK, dL, Ub, Vb
 
 
@@ -76,19 +85,18 @@ def test_orth_complement_float32_orthogonality():
     X = torch.randn(2048, 100) + Q0 @ torch.randn(100, 100) * 10  # mostly inside span(Q0)
     X[:, 5] = X[:, 4] + 0.1 * X[:, 6]  # a dependent column: dropped
     X[:, 7] = X[:, 8] + 1e-2 * torch.randn(2048)  # nearly dependent (σ ~ 1e-3 > √eps): kept
-    E = orth_complement(Q0, X)
+    E = _kept(Q0, X)
     assert E.shape[1] == 99
     eps = torch.finfo(torch.float32).eps
     assert float((E.T @ E - torch.eye(99)).abs().max()) < 50 * eps
     assert float((Q0.T @ E).abs().max()) < 50 * eps
 
 
-def test_orth_complement_batched_equals_each_pair():
+def test_orth_complement_of_a_batch_equals_each_pair():
     """A batch with a pair whose X has dependent columns (it keeps fewer directions), one at
-    an extreme scale (rescaled inside) and one zero X: each result spans what the unbatched
-    function's does, with orthonormal columns orthogonal to Q0."""
-    from rankwise.linalg import orth_complement_batched
-
+    an extreme scale (rescaled inside) and one zero X: each result spans what the independent
+    reference's does and what the pair alone gives, with orthonormal columns orthogonal to Q0;
+    a non-finite X drops every direction of its own pair only."""
     g = torch.Generator().manual_seed(5)
     m, r, c = 30, 4, 5
     Q0 = torch.stack([torch.linalg.qr(torch.randn(m, r, generator=g, dtype=F64))[0] for _ in range(4)])
@@ -96,16 +104,20 @@ def test_orth_complement_batched_equals_each_pair():
     X[1, :, 3:] = X[1, :, :2] + Q0[1] @ torch.randn(r, 2, generator=g, dtype=F64)  # 2 dependent
     X[2] *= 1e17
     X[3] = 0
-    out = orth_complement_batched(Q0, X)
-    assert [E.shape[1] for E in out] == [5, 3, 5, 0]
-    for i, E in enumerate(out):
-        ref = orth_complement(Q0[i], X[i])
-        assert E.shape == ref.shape
-        torch.testing.assert_close(E @ E.T, ref @ ref.T)  # the same subspace
-        torch.testing.assert_close(E.T @ E, torch.eye(E.shape[1], dtype=F64))
-        assert E.shape[1] == 0 or float((Q0[i].T @ E).abs().max()) < 1e-12
-    assert all(torch.equal(a, b) for a, b in zip(out, orth_complement_batched(Q0, X.clone()), strict=True))
+    E, valid, failed = orth_complement_fixed(Q0, X)
+    assert valid.sum(-1).tolist() == [5, 3, 5, 0] and not failed.any()
+    for i in range(4):
+        got = E[i][:, valid[i]]
+        ref = new_directions(Q0[i], X[i])[0] if i != 3 else got
+        alone = _kept(Q0[i], X[i])
+        assert got.shape == ref.shape == alone.shape
+        torch.testing.assert_close(got @ got.T, ref @ ref.T)  # the same subspace
+        torch.testing.assert_close(got @ got.T, alone @ alone.T)
+        torch.testing.assert_close(E[i].T @ E[i], torch.eye(5, dtype=F64))
+        assert float((Q0[i].T @ E[i]).abs().max()) < 1e-12
+    assert torch.equal(E, orth_complement_fixed(Q0, X.clone())[0])  # the same batch: the same bits
     X[2, 0, 0] = float("nan")
-    with pytest.raises(FloatingPointError, match=r"non-finite entries \(pair 2\)"):
-        orth_complement_batched(Q0, X)
+    E2, valid2, _ = orth_complement_fixed(Q0, X)
+    assert valid2.sum(-1).tolist() == [5, 3, 0, 0] and torch.isfinite(E2).all()
+    torch.testing.assert_close(E2[:2], E[:2], rtol=0, atol=1e-12)
 

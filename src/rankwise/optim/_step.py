@@ -85,17 +85,21 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     ``failed`` (L,) bool, with ``w = min(c, m − k, width)``. A `width` below the number of
     directions the filter keeps sets ``failed`` (the caller integrates that layer exactly).
 
-    The algorithm of :func:`rankwise.linalg.orth_complement_batched` (projection, the float64
-    Gram matrix of unit-length columns, its eigen filter, one Cholesky-QR pass), with the
-    valid directions first, in the exact path's order, and the filter's dropped
-    directions (``valid`` False, always last) not cut out but replaced by fixed random
-    directions, orthonormalised in the same Cholesky-QR pass: E stays orthonormal and
-    orthogonal to Q0, its valid columns span exactly what the exact path keeps, and the
-    caller masks what the extra columns carry. ``failed``: the Cholesky factorisation did not
-    succeed (E is unusable). X is first scaled by a power of two (exactly) so that its largest
-    entry is in [0.5, 1): the Gram matrix stays inside the dtype's range and the span is
-    unchanged. A non-finite X never reaches the eigen-decomposition (its Gram matrix is
-    replaced by zeros): its E is non-finite and ``failed`` is set.
+    The one orthogonal complement of the step: X projected off Q0, the float64 Gram matrix of
+    its columns scaled to unit length, its eigen filter (a direction whose singular value is
+    ≤ `rtol`, default :func:`rankwise.linalg.gram_rtol`, relative to the original column norms
+    is numerically dependent, or inside span(Q0), and dropped: no division by a singular value
+    below `rtol`), a second projection and one Cholesky-QR pass. The valid directions come
+    first (in ascending order of the filter's eigenvalues); the dropped ones (``valid`` False,
+    always last) are not cut out but replaced by fixed random directions, orthonormalised in
+    the same Cholesky-QR pass: E stays orthonormal and orthogonal to Q0, its valid columns
+    span what the filter keeps, and the caller masks what the extra columns carry.
+    ``failed``: the Cholesky factorisation did not succeed (E is unusable). X is first scaled
+    by a power of two (exactly) so that its largest entry is in [0.5, 1): the Gram matrix
+    stays inside the dtype's range and the span is unchanged. A non-finite X never reaches
+    the eigen-decomposition (its Gram matrix is replaced by zeros): every direction of it is
+    dropped (``valid`` all False, E its fill directions; the caller's finiteness checks of the
+    update skip the step).
 
     Rank buckets: Q0 may hold zero columns (a layer padded to its group's width; they project
     nothing out), X zero columns (they count as dropped); `rtol` may then be a tensor (L,), each
@@ -127,8 +131,8 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
         sq = sq + C.double().square().sum(-2)
     G = _mm(X.mT, X).double()
     sq = sq + torch.diagonal(G, dim1=-2, dim2=-1)  # ‖x‖² = ‖Q0ᵀx‖² + ‖residual‖²
-    # a non-finite X: its Gram matrix replaced (the eigen filter then drops every direction);
-    # the NaN stays in Y, so the Cholesky factorisation reports it (``failed``)
+    # a non-finite X: its Gram matrix replaced (the eigen filter then drops every direction, and
+    # its fill directions take the place of X M in Y)
     G = torch.where(finite[:, None, None], G, torch.zeros_like(G))
     sq = torch.where(finite[:, None], sq, torch.zeros_like(sq))
     d = torch.where(sq > 0, sq.clamp_min(1e-300).rsqrt(), torch.zeros_like(sq))
