@@ -229,7 +229,14 @@ def _four_ranks(rank: int, root: str):
     got_lazy, lazy = _zeros(sd), CodedStorageReader(ck, scrub=False)  # reads only the blocks asked for
     dcp.load(got_lazy, storage_reader=lazy)
     ok = _equal(got, sd) and _equal(got_bg, sd) and _equal(got_lazy, sd) and not lazy.stats["repaired"]
-    return ok, reader.collective, reader.stats
+    sub, refused = dist.new_group([0, 1, 2]), None  # a save on a part of the world: refused, no hang
+    if rank < 3:
+        try:
+            dcp.save(sd, storage_writer=CodedStorageWriter(Path(root) / "sub", t=1), process_group=sub)
+        except (CheckpointException, ValueError) as e:
+            refused = str(e)
+    dist.barrier()
+    return ok and (rank == 3 or "a part of it" in str(refused)), reader.collective, reader.stats
 
 
 def _two_ranks(rank: int, root: str):

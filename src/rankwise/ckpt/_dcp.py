@@ -67,6 +67,10 @@ FRAGMENT, META, folder = _layout.FRAGMENT, _layout.META, _layout.folder
 _SIDE: list[tuple[weakref.ref, weakref.ref]] = []
 
 
+_SUBGROUP = ("CodedStorageWriter codes across every rank of the default process group; dcp.save was given "
+             "a process_group that is a part of it (leave process_group out)")
+
+
 def _world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -178,6 +182,8 @@ class CodedStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         if kwargs.get("use_collectives") is False:
             raise ValueError("CodedStorageWriter needs use_collectives=True (the code spans the ranks)")
+        if kwargs.get("rank") not in (None, self.rank):
+            raise ValueError(_SUBGROUP)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Open (and make) this rank's folders now, never through a link: the save writes through
@@ -215,6 +221,8 @@ class CodedStorageWriter(StorageWriter):
                                                                 where=self.path))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) > 1 and len(plans) != self.code.n:  # (one plan: no_dist, each rank plans alone)
+            raise ValueError(_SUBGROUP)
         return plans
 
     def _close(self) -> None:
