@@ -128,8 +128,15 @@ def plan(x: Stack, rule: Rule, hp: Mapping[str, Any], core_hp: Mapping[str, Any]
     dS, stS = rule(f.G_S, f.S, x.S, scaled(core_hp, f.U.shape[-2], f.V.shape[-2]))
     p = _step.plan_group(f.U, f.S, f.V, dK, dS, dL, f.U_buf, f.V_buf, svd="auto", width=width, pad=x.pad,
                          robust=robust, fills=x.fills)
-    r = None if ranks is None else _step.tolerance_ranks(p.s, ranks.tau, ranks.min_rank, ranks.max_rank, p.k)
-    return Planned(f, p, {"K": stK, "L": stL, "S": stS}, r, finite)
+    return Planned(f, p, {"K": stK, "L": stL, "S": stS}, _tolerance(p, ranks), finite)
+
+
+def _tolerance(p: _step.GroupPlan, ranks: Ranks | None) -> Tensor | None:
+    """Each layer's rank under its tolerance (:func:`._step.tolerance_ranks`; None: the caller
+    chooses)."""
+    if ranks is None:
+        return None
+    return _step.tolerance_ranks(p.s, ranks.tau, ranks.min_rank, ranks.max_rank, p.k)
 
 
 def augment(x: Stack, rule: Rule, hp: Mapping[str, Any], *, reorth: bool, width: int | None,
@@ -155,12 +162,9 @@ def finish(t: TwoPass, G: Tensor, rule: Rule, core_hp: Mapping[str, Any], *, ran
     core_hp = scaled(core_hp, t.U.shape[-2], t.V.shape[-2])
     dS, stS = rule(G.to(t.S0.dtype) * mask, t.S0, t.states["S"], core_hp)
     S = (t.S0 + dS) * mask
-    finite = torch.isfinite(S).all(-1).all(-1)
-    P, s, Q = _step.svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)))
     r0 = t.f.S.shape[-1]
-    p = _step.sized_plan(t.U, t.V, S, P, s, Q, r0, t.mU, t.mV, t.failed, finite, r0 + t.f.U_buf.shape[-1])
-    r = None if ranks is None else _step.tolerance_ranks(p.s, ranks.tau, ranks.min_rank, ranks.max_rank, p.k)
-    return Planned(t.f, p, {**t.states, "S": stS}, r, t.grads_finite)
+    p = _step.sized_plan(t.U, t.V, S, r0, t.mU, t.mV, t.failed, r0 + t.f.U_buf.shape[-1])
+    return Planned(t.f, p, {**t.states, "S": stS}, _tolerance(p, ranks), t.grads_finite)
 
 
 def augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Tensor, mU: Tensor,
