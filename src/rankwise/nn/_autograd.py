@@ -125,6 +125,36 @@ def _setup_layer(ctx, inputs: tuple, output) -> None:
     ctx.factors, ctx.has_bias, ctx.keep_h = factors, bias is not None, keep_h
 
 
+def _backward_start(ctx, dy: torch.Tensor, input_grad):
+    """A layer Function's backward up to its parameter gradients: the saved x, U, S, V and dy in
+    the factors' dtype (under autocast the forward ran in lower precision), the input's gradient
+    ``input_grad(ctx, dy, U, S, V, x, differentiated)`` in x's dtype where needed
+    (`differentiated`: the backward is itself differentiated, create_graph=True or torch.func:
+    the adjoint as a Function), and the saved h = x V where it may be reused (None otherwise)."""
+    x_in, U, S, V, *h = ctx.saved_tensors
+    x, dy = x_in.to(U.dtype), dy.to(U.dtype)
+    differentiated = torch.is_grad_enabled()
+    dx = input_grad(ctx, dy, U, S, V, x, differentiated).to(x_in.dtype) if ctx.needs_input_grad[0] else None
+    h = h[0].to(U.dtype) if h and not differentiated else None
+    return x, dy, U, S, V, h, dx
+
+
+def _linear_dx(ctx, dy, U, S, V, x, differentiated):
+    """dx = dy U S Vᵀ; differentiated: dy (V Sᵀ Uᵀ)ᵀ as the adjoint layer, whose backward gives U,
+    S, V gradients of the same kind (G_K, G_S, G_L in factor mode)."""
+    if differentiated:
+        return _fn(_LinearFn).apply(dy, V, S.mT, U, None, ctx.factors, False)
+    return ((dy @ U) @ S) @ V.mT
+
+
+def _conv_dx(ctx, dy, U, S, V, x, differentiated):
+    """The conv's input gradient; differentiated: the adjoint as a Function of the same mode
+    (see :func:`_linear_dx`)."""
+    if differentiated:
+        return _fn(_Conv2dAdjointFn).apply(dy, U, S, V, ctx.factors, tuple(x.shape), *ctx.geom)
+    return _conv_input_grad(dy, U, S, V, x.shape, ctx.geom)
+
+
 class _LinearFn(torch.autograd.Function):
     """``y = (x V Sᵀ) Uᵀ + b``; with `keep_h` it returns (y, h), h = x V non-differentiable and
     saved for the backward (the layers' forward), else y alone and the backward recomputes h (the
@@ -150,20 +180,7 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, dy, *_dh):
         if dy is None:
             return (None,) * 7
-        x_in, U, S, V, *h = ctx.saved_tensors
-        # under autocast the forward ran in lower precision: do the backward in the factors' dtype
-        x, dy = x_in.to(U.dtype), dy.to(U.dtype)
-        differentiated = torch.is_grad_enabled()  # create_graph=True, torch.func
-        dx = None
-        if ctx.needs_input_grad[0]:
-            if differentiated:
-                # dx = dy U S Vᵀ = dy (V Sᵀ Uᵀ)ᵀ: the adjoint layer, whose backward gives U, S, V
-                # gradients of the same kind (G_K, G_S, G_L in factor mode)
-                dx = _fn(_LinearFn).apply(dy, V, S.mT, U, None, ctx.factors, False)
-            else:
-                dx = ((dy @ U) @ S) @ V.mT
-            dx = dx.to(x_in.dtype)
-        h = h[0].to(U.dtype) if h and not differentiated else None
+        x, dy, U, S, V, h, dx = _backward_start(ctx, dy, _linear_dx)
         dU, dS, dV = _linear_param_grads(ctx.needs_input_grad[1:4], ctx.factors, x, dy, U, S, V, h)
         db = None
         if ctx.has_bias and ctx.needs_input_grad[4]:
@@ -260,18 +277,7 @@ class _Conv2dFn(torch.autograd.Function):
     def backward(ctx, dy, *_dh):
         if dy is None:
             return (None,) * 11
-        x_in, U, S, V, *h = ctx.saved_tensors
-        x, dy = x_in.to(U.dtype), dy.to(U.dtype)  # see _LinearFn
-        differentiated = torch.is_grad_enabled()
-        dx = None
-        if ctx.needs_input_grad[0]:
-            if differentiated:  # the adjoint as a Function of the same mode (see _LinearFn)
-                dx = _fn(_Conv2dAdjointFn).apply(dy, U, S, V, ctx.factors,
-                                                                     tuple(x.shape), *ctx.geom)
-            else:
-                dx = _conv_input_grad(dy, U, S, V, x.shape, ctx.geom)
-            dx = dx.to(x_in.dtype)
-        h = h[0].to(U.dtype) if h and not differentiated else None
+        x, dy, U, S, V, h, dx = _backward_start(ctx, dy, _conv_dx)
         dU, dS, dV = _conv_param_grads(ctx.needs_input_grad[1:4], ctx.factors, x, dy, U, S, V, ctx.geom, h)
         db = dy.sum((0, 2, 3)) if ctx.has_bias and ctx.needs_input_grad[4] else None
         return dx, dU, dS, dV, db, None, None, None, None, None, None
