@@ -9,6 +9,14 @@ def check_unit_interval(value, name: str = "tau") -> None:
         raise ValueError(f"`{name}` must be in [0, 1); got {value}")
 
 
+def check_choice(value, choices, name: str) -> None:
+    """Raise ``ValueError`` unless `value` is one of `choices`, naming them all."""
+    if value not in choices:
+        listed = " or ".join(map(repr, choices)) if len(choices) == 2 else \
+            "one of " + ", ".join(map(repr, choices))
+        raise ValueError(f"`{name}` must be {listed}; got {value!r}")
+
+
 def check_rank(value, name: str = "rank") -> None:
     """Raise ``ValueError`` unless `value` is an int >= 1 (a rank or rank cap; ``True``, ``1.5``
     and numpy floats refused rather than truncated or read as 1)."""
@@ -21,7 +29,7 @@ def check_rank(value, name: str = "rank") -> None:
 def code_geometry_problem(n, t) -> str | None:
     """Why (n, t) is not a geometry of the 2-D code (``None`` when it is one): integers with
     1 <= t and 3t < n <= 255, the hint saying which bound to move."""
-    if not (_is_int(n) and _is_int(t)):
+    if not (is_int(n) and is_int(t)):
         return f"n and t must be integers; got n={n!r}, t={t!r}"
     if t >= 1 and 3 * t < n <= 255:
         return None
@@ -44,7 +52,7 @@ def check_training(**settings) -> None:
 
     for name, v in settings.items():
         if name in _COUNTS:
-            if not _is_int(v) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"`{name}` must be an int >= 1; got {v!r}")
         elif name == "lr":
             if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v > 0):
@@ -53,7 +61,7 @@ def check_training(**settings) -> None:
             if not (isinstance(v, int | float) and 0 <= v < 1):
                 raise ValueError(f"`momentum` must be in [0, 1); got {v!r}")
         elif name == "seed":
-            if not _is_int(v):
+            if not is_int(v):
                 raise TypeError(f"`seed` must be an int; got {type(v).__name__}")
             if not 0 <= v < 2**32:  # what numpy's and scikit-learn's generators accept
                 raise ValueError(f"`seed` must be in [0, 2**32); got {v}")
@@ -61,5 +69,5 @@ def check_training(**settings) -> None:
             raise TypeError(f"check_training: unknown setting {name!r}")
 
 
-def _is_int(x: object) -> bool:
+def is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, ClassVar, Literal
 
+from ..._checks import check_choice
 from ..._fields import fields_doc, setting
 from ._policies import Budget, Feedback, SeedFeedback, Tolerance, TwoSidedFeedback, _real
 from ._rules import Rule, adam, muon, sgd
@@ -296,16 +297,12 @@ class Settings:
         cap = self.max_rank
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < self.min_rank):
             raise ValueError(f"need 1 <= min_rank <= max_rank; got {self.min_rank}, {self.max_rank}")
-        if self.on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"`on_nonfinite` must be 'raise' or 'skip'; got {self.on_nonfinite!r}")
+        check_choice(self.on_nonfinite, ("raise", "skip"), "on_nonfinite")
         if not (isinstance(self.core_lr_ratio, int | float) and not isinstance(self.core_lr_ratio, bool)
                 and math.isfinite(self.core_lr_ratio) and self.core_lr_ratio > 0):
             raise ValueError(f"`core_lr_ratio` must be a finite number > 0; got {self.core_lr_ratio!r}")
-        if self.moments not in MOMENTS:
-            raise ValueError(f"`moments` must be one of {', '.join(map(repr, MOMENTS))}; "
-                             f"got {self.moments!r}")
-        if self.data_parallel not in ("replicated", "sharded"):
-            raise ValueError(f"`data_parallel` must be 'replicated' or 'sharded'; got {self.data_parallel!r}")
+        check_choice(self.moments, MOMENTS, "moments")
+        check_choice(self.data_parallel, ("replicated", "sharded"), "data_parallel")
 
     @property
     def budgeted(self) -> bool:
