@@ -182,8 +182,6 @@ class CodedStorageWriter(StorageWriter):
         self.is_coordinator = is_coordinator
         if kwargs.get("use_collectives") is False:
             raise ValueError("CodedStorageWriter needs use_collectives=True (the code spans the ranks)")
-        if kwargs.get("rank") not in (None, self.rank):
-            raise ValueError(_SUBGROUP)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """Open (and make) this rank's folders now, never through a link: the save writes through
