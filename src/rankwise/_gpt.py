@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
-class _Attention(nn.Module):
+class Attention(nn.Module):
     """Causal multi-head attention with separate ``q``, ``k``, ``v``, ``o`` projections (no bias);
     `positions` (queries and keys (B, heads, T, d) -> the same) adds positions inside it (the
     LLaMA-style model's rotary embedding; the GPT adds learned ones to the input instead)."""
@@ -40,7 +40,7 @@ class _Block(nn.Module):
     def __init__(self, width: int, heads: int, mlp_ratio: int):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.attn = _Attention(width, heads)
+        self.attn = Attention(width, heads)
         self.fc = nn.Linear(width, mlp_ratio * width)
         self.proj = nn.Linear(mlp_ratio * width, width)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._gpt import _Attention
+from ._gpt import Attention
 
 
 def rotary(x: Tensor, base: float = 10000.0) -> Tensor:
@@ -45,7 +45,7 @@ class _Block(nn.Module):
     def __init__(self, width: int, heads: int, hidden: int):
         super().__init__()
         self.norm1, self.norm2 = nn.RMSNorm(width), nn.RMSNorm(width)
-        self.attn = _Attention(width, heads, positions=rotary)
+        self.attn = Attention(width, heads, positions=rotary)
         self.mlp = _SwiGLU(width, hidden)
 
     def forward(self, x: Tensor) -> Tensor:

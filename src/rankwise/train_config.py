@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from ._checks import _is_int, check_training, check_unit_interval
+from ._checks import check_training, check_unit_interval, is_int
 from ._fields import setting
 from .methods import COMMANDS
 
@@ -97,7 +97,7 @@ class TrainConfig:
                 raise ValueError(f"`target` must be a compression in (0, 1), e.g. 0.9; got {self.target!r}")
             if self.method == "dense":
                 raise ValueError("`target` needs a low-rank method (dlrt or sdlrt); dense compresses nothing")
-        if self.rank is not None and (not _is_int(self.rank) or self.rank < 1):
+        if self.rank is not None and (not is_int(self.rank) or self.rank < 1):
             raise ValueError(f"`rank` must be a positive int or None (full rank); got {self.rank!r}")
         if self.rank is not None and self.method == "dense":
             raise ValueError("`rank` needs a low-rank method (dlrt or sdlrt); dense trains full matrices")
@@ -113,7 +113,7 @@ class TrainConfig:
             raise TypeError(f"`exclude` must be a tuple of module names; got {self.exclude!r}")
         check_training(epochs=self.epochs, lr=self.lr, momentum=self.momentum, batch_size=self.batch_size,
                        seed=self.seed)
-        if not _is_int(self.update_every) or self.update_every < 1:
+        if not is_int(self.update_every) or self.update_every < 1:
             raise ValueError(f"`update_every` must be an int >= 1 (steps); got {self.update_every!r}")
         if self.update_every > 1 and self.method == "dense":
             raise ValueError("`update_every` needs a low-rank method (dlrt or sdlrt)")
@@ -122,7 +122,7 @@ class TrainConfig:
         if (self.checkpoint_every is None) != (self.checkpoint_dir is None):
             raise ValueError("give `checkpoint_every` and `checkpoint_dir` together (or neither)")
         every, where = self.checkpoint_every, self.checkpoint_dir
-        if every is not None and (not _is_int(every) or every < 1):
+        if every is not None and (not is_int(every) or every < 1):
             raise ValueError(f"`checkpoint_every` must be an int >= 1 (steps); got {every!r}")
         if where is not None and not isinstance(where, Path):
             raise TypeError(f"`checkpoint_dir` must be a pathlib.Path; got {type(where).__name__}")

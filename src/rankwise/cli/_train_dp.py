@@ -19,7 +19,7 @@ def check_checkpoint_dir(config, nproc: int) -> None:
     checkpoints of a run with other settings or another number of processes (its
     ``run.json``), naming what differs; creates nothing."""
     from .._io import read_json
-    from ..experiments.train_run import _resumable
+    from ..experiments.train_run import resumable
     from ..train._checkpoints import mismatch as resume_mismatch
     from ._common import UserError, _check_writable
 
@@ -29,7 +29,7 @@ def check_checkpoint_dir(config, nproc: int) -> None:
                         "missing)")
     _check_writable(folder, "--checkpoint-dir")  # (e.g. /proc/ck: names the option, not an errno)
     manifest = folder / "run.json"
-    mine = {**_resumable(config), "nproc": nproc}
+    mine = {**resumable(config), "nproc": nproc}
     if manifest.exists():
         try:
             saved = read_json(manifest)
@@ -65,7 +65,7 @@ def claim_checkpoint_dir(config, nproc: int) -> str | None:
     import secrets
 
     from .._io import write_atomic
-    from ..experiments.train_run import _resumable
+    from ..experiments.train_run import resumable
 
     check_checkpoint_dir(config, nproc)
     manifest = config.checkpoint_dir / "run.json"
@@ -73,7 +73,7 @@ def claim_checkpoint_dir(config, nproc: int) -> str | None:
         return _run_id(config.checkpoint_dir)
     config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     run_id = secrets.token_hex(8)
-    manifest_body = {**_resumable(config), "nproc": nproc, RUN_ID: run_id}
+    manifest_body = {**resumable(config), "nproc": nproc, RUN_ID: run_id}
     write_atomic(manifest, json.dumps(manifest_body, indent=1).encode())
     return run_id
 

@@ -199,7 +199,7 @@ def _build(config: TrainConfig, total_steps: int, group=None,
                                 process_group=group)
 
 
-def _resumable(config: TrainConfig) -> dict:
+def resumable(config: TrainConfig) -> dict:
     """What a checkpoint must agree on to resume a run (not where its records or checkpoints go;
     `update_every` only when it is not 1, so checkpoints written before the option still resume)."""
     return {k: v for k, v in config.to_dict().items()
@@ -254,14 +254,14 @@ def _checkpoints(config: TrainConfig, group) -> CodedCheckpoints | None:
         return None
     if group is None:
         return CodedCheckpoints(FileCheckpoints(config.checkpoint_dir), config.checkpoint_every,
-                                identity=_resumable(config))
+                                identity=resumable(config))
     if torch.distributed.get_world_size(group) < 4:
         raise ValueError("coded checkpoints (`checkpoint_every`) need a data-parallel run on >= 4 ranks "
                          "(the code tolerates t = 1 lost rank with n > 3t)")
     from ..ckpt import CodedCheckpointer
 
     return CodedCheckpoints(CodedCheckpointer(t=1, store_dir=config.checkpoint_dir, process_group=group),
-                            config.checkpoint_every, identity=_resumable(config))
+                            config.checkpoint_every, identity=resumable(config))
 
 
 class _EpochRecords(Callback):
