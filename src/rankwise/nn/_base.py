@@ -58,7 +58,7 @@ def layer_of(p: Tensor) -> AbstractLowRankLayer | None:
     return m if m is not None and any(t is p for t in (m.U, m.S, m.V)) else None
 
 
-def _orthonormal(rows: int, cols: int, *, generator=None, **kw) -> Tensor:
+def orthonormal(rows: int, cols: int, *, generator=None, **kw) -> Tensor:
     q, _ = torch.linalg.qr(torch.randn(rows, cols, generator=generator, **kw))
     return q
 

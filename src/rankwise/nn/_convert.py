@@ -164,7 +164,7 @@ def to_low_rank(model: nn.Module, *, rank: int | Mapping[str, int] | None = None
             _fix_capacity(new, capacity, max_rank)
         carry_over(mod, new)
         for alias in names_of[id(mod)]:
-            _set_submodule(model, alias, new.train(mod.training))
+            set_submodule(model, alias, new.train(mod.training))
     if tied:
         warnings.warn(f"to_low_rank: leaving layers dense whose weight is tied to another module's (so the "
                       f"tie holds; converting would untie it): {_tied_text(tied)}", stacklevel=2)
@@ -542,7 +542,7 @@ def _show(name: str) -> str:
     return repr(name) if name else "<root module>"
 
 
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     if name == "":
         raise ValueError("to_low_rank cannot replace the root module itself; wrap it first")
     parent_name, _, child = name.rpartition(".")

@@ -35,9 +35,7 @@ from torch.optim import Optimizer
 
 from ..linalg import work_dtype
 from ..nn._base import write_fixed
-from . import _closure, _step
-from . import _integrators as bug
-from . import functional as F
+from . import _closure, _integrators, _step, functional
 from ._readback import ReadBack
 from .parallel import _shard
 from .parallel._fsdp import is_dtensor
@@ -243,22 +241,22 @@ class _Group:
 
         live, grads, bufs = ([m.factors() for m in layers], [m.live_grads() for m in layers],
                              [m.live_buffer() for m in layers])
-        f = bug.Factors(*(stack([t[j] for t in live]) for j in range(3)),
+        f = _integrators.Factors(*(stack([t[j] for t in live]) for j in range(3)),
                         *(stack([g[j] for g in grads]) for j in range(3)),
                         *(stack([b[j] if cfg.buffer else b[j][:, :0] for b in bufs]) for j in range(2)))
-        x = F.Stack(f, *(_stack_states(_rule_states(opt, layers, k), dt) for k in ("K", "L", "S")),
+        x = functional.Stack(f, *(_stack_states(_rule_states(opt, layers, k), dt) for k in ("K", "L", "S")),
                     _step.padding(self.r, self.b, dt, first.U.device), opt._fills)
         self.padded = x.pad is not None
         self.hp, self.core_hp = opt._hp_of(first.S), opt._core_hp(first.S)  # (a group is one param group)
         width = _width(self.states) if cfg.buffer and not full else None
         self.plan_device = f.U.device
         self.tolerance = opt.strategy.on_device(opt, self)  # (the numbers for ranks chosen on the device)
-        self.two: F.TwoPass | None = None
+        self.two: functional.TwoPass | None = None
         if two_pass:  # the second phase (finish_two_pass) takes the S rule at the augmented point
-            self.two = F.augment(x, opt.rule, self.hp, reorth=reorth, width=width, robust=full)
+            self.two = functional.augment(x, opt.rule, self.hp, reorth=reorth, width=width, robust=full)
             return
-        self.planned = F.plan(x, opt.rule, self.hp, self.core_hp, reorth=reorth, width=width, robust=full,
-                              ranks=self.tolerance)
+        self.planned = functional.plan(x, opt.rule, self.hp, self.core_hp, reorth=reorth, width=width,
+                                       robust=full, ranks=self.tolerance)
         opt.strategy.reorder(self)
 
     @property
@@ -276,7 +274,7 @@ class _Group:
     def finish_two_pass(self, G: Tensor) -> None:
         """Two-pass BUG's second phase (:func:`.functional.finish`) on the core gradients G
         (L, ku, kv) measured at the augmented point."""
-        self.planned = F.finish(self.two, G, self.opt.rule, self.core_hp, ranks=self.tolerance)
+        self.planned = functional.finish(self.two, G, self.opt.rule, self.core_hp, ranks=self.tolerance)
         self.opt.strategy.reorder(self)
 
 
@@ -511,7 +509,7 @@ def _commit(opt: Optimizer, g: _Group) -> None:
     a layer's shapes did not change, else as fresh tensors."""
     cfg, r1 = opt.settings, g.r1
     b1 = [min(r, k - r) if cfg.buffer else 0 for r, k in zip(r1, g.k, strict=True)]
-    t = F.truncate(g.planned, r1, b1, moments=cfg.moments_used, two_pass=g.plan_two_pass)
+    t = functional.truncate(g.planned, r1, b1, moments=cfg.moments_used, two_pass=g.plan_two_pass)
     UP, VQ, S1 = t.U, t.V, t.S
     layers, L = g.layers, len(g.names)
     m_, n_ = layers[0].out_features, layers[0].in_features
@@ -587,7 +585,7 @@ def core_step(opt: Optimizer, loss) -> bool:
         S0 = _stack([m.factors()[1] for m in layers], dt)
         G = _stack([m.live_grads()[1] for m in layers], dt)
         old = _stack_states(_rule_states(opt, layers, "S"), dt)
-        S1, new, finite = F.core(S0, G, old, opt.rule, _core_hp(opt, layers, dt))
+        S1, new, finite = functional.core(S0, G, old, opt.rule, _core_hp(opt, layers, dt))
         ok = ok & finite
         planned.append((layers, S0, S1, old, new))
     for layers, S0, S1, old, new in planned:

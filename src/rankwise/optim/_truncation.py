@@ -18,7 +18,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..nn._budget import tail_share
-from . import functional as F
+from . import functional
 from ._batched import _Group, _stack
 from .rules._settings import Settings
 
@@ -29,7 +29,7 @@ class Strategy:
     spectra = False  # read each core's singular values back
     scores = False  # and their sensitivity scores
 
-    def on_device(self, opt: Optimizer, g: _Group) -> F.Ranks | None:
+    def on_device(self, opt: Optimizer, g: _Group) -> functional.Ranks | None:
         return None
 
     def reorder(self, g: _Group) -> None:
@@ -50,9 +50,9 @@ class ToleranceStrategy(Strategy):
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
 
-    def on_device(self, opt: Optimizer, g: _Group) -> F.Ranks:
+    def on_device(self, opt: Optimizer, g: _Group) -> functional.Ranks:
         dev, caps = g.plan_device, [opt._rank_cap(m) for m in g.layers]
-        return F.Ranks(torch.tensor([st["tau"] for st in g.states], dtype=torch.float64, device=dev),
+        return functional.Ranks(torch.tensor([st["tau"] for st in g.states], dtype=torch.float64, device=dev),
                        torch.tensor([min(self.settings.min_rank, c) for c in caps], device=dev),
                        torch.tensor(caps, device=dev))
 
@@ -100,8 +100,8 @@ class SensitivityStrategy(BudgetStrategy):
         dt = g.planned.plan.s.dtype
         previous = None if prev[0] is None else tuple(_stack([p[j] for p in prev], dt) for j in (0, 1))
         cost = torch.tensor([m.out_features + m.in_features for m in g.layers], device=g.plan.s.device)
-        g.planned, g.smoothed, g.scores = F.by_sensitivity(g.planned, previous, cost, beta1=self.beta1,
-                                                           beta2=self.beta2)
+        g.planned, g.smoothed, g.scores = functional.by_sensitivity(g.planned, previous, cost,
+                                                                    beta1=self.beta1, beta2=self.beta2)
 
     def after_commit(self, opt: Optimizer, g: _Group, i: int, st: dict) -> None:
         super().after_commit(opt, g, i, st)

@@ -7,7 +7,7 @@ from torch import Tensor, nn
 
 from ..linalg import work_dtype
 from ..nn._autograd import LowRankLinearFn
-from ..nn._base import AbstractLowRankLayer, _orthonormal
+from ..nn._base import AbstractLowRankLayer, orthonormal
 
 
 class AdapterLinear(AbstractLowRankLayer):
@@ -43,8 +43,8 @@ class AdapterLinear(AbstractLowRankLayer):
         """Random orthonormal U, V; S = 0 (see the class docstring)."""
         dt = work_dtype(self.U.dtype)
         r = self.rank
-        self.set_factors(_orthonormal(self.out_features, r, dtype=dt), torch.zeros(r, r, dtype=dt),
-                         _orthonormal(self.in_features, r, dtype=dt))
+        self.set_factors(orthonormal(self.out_features, r, dtype=dt), torch.zeros(r, r, dtype=dt),
+                         orthonormal(self.in_features, r, dtype=dt))
 
     def forward(self, x: Tensor) -> Tensor:
         delta = LowRankLinearFn.apply(self.dropout(x), *self.factors(), None,

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .._io import read_json, write_atomic
-from ..nn._convert import _set_submodule
+from ..nn._convert import set_submodule
 from ._budget import budget_params, uniform_rank
 from ._config import AdapterConfig
 from ._layer import AdapterLinear
@@ -60,7 +60,7 @@ def get_adapter_model(model: nn.Module, config: AdapterConfig) -> nn.Module:
     for name in targets:
         layer = AdapterLinear(model.get_submodule(name), rank, max_rank=config.max_rank,
                               alpha=config.alpha, dropout=config.dropout)
-        _set_submodule(model, name, layer)
+        set_submodule(model, name, layer)
     for name in saved:
         for p in model.get_submodule(name).parameters():
             p.requires_grad_(True)
@@ -285,7 +285,7 @@ def merge_and_unload(model: nn.Module) -> nn.Module:
         for name, layer in list(adapters(model)):
             base = layer.base
             base.weight.copy_(layer.dense_weight())
-            _set_submodule(model, name, base)
+            set_submodule(model, name, base)
     del model.adapter_config
     return model
 
@@ -302,7 +302,7 @@ def export_peft_lora(model: nn.Module, directory: str | Path) -> Path:
     layers = dict(adapters(model))
     base = copy.deepcopy(model)
     for name in layers:
-        _set_submodule(base, name, base.get_submodule(name).base)
+        set_submodule(base, name, base.get_submodule(name).base)
     del base.adapter_config
     ranks = {name: layer.rank for name, layer in layers.items()}
     top = max(ranks.values())
