@@ -691,11 +691,11 @@ def test_the_functional_step_is_a_truncated_projected_gradient_step_without_an_o
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
 
 
-def test_the_state_is_flat_loads_weights_only_and_an_old_nested_state_is_converted(tmp_path):
+def test_the_state_is_flat_loads_weights_only_and_an_old_nested_state_is_refused(tmp_path):
     """K's rule state under U, L's under V, S's and the layer's counters under S, as torch keeps
-    a state per parameter; `torch.load(weights_only=True)` reads a saved state_dict; a state
-    saved with the rule states nested under S (``{"K": {...}, "L": {...}, "S": {...}}``) loads
-    into the flat layout and continues the same trajectory."""
+    a state per parameter; `torch.load(weights_only=True)` reads a saved state_dict, which
+    continues the same trajectory; a state with the rule states nested under S (``{"K": {...},
+    "L": {...}, "S": {...}}``, a development layout) is refused by name, nothing loaded."""
     import copy
 
     def run(steps, state=None):
@@ -730,9 +730,10 @@ def test_the_state_is_flat_loads_weights_only_and_an_old_nested_state_is_convert
         iu, iv, i_s = index[id(lay.U)], index[id(lay.V)], index[id(lay.S)]
         rule = {k: old[i_s].pop(k) for k in ("m", "v", "step")}
         old[i_s].update(K=old.pop(iu), L=old.pop(iv), S=rule)
-    for state in (flat, {**flat, "state": old}):
-        # (a copy: as torch.optim's, the loaded state's tensors are the optimizer's and change in place)
-        again, opt2, _ = run(4, (saved[0], copy.deepcopy(state)))
-        for a, b in zip(m.parameters(), again.parameters(), strict=True):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-        assert set(opt2.state[next(iter(opt2.layers.values())).U]) == {"m", "v", "step"}
+    # (a copy: as torch.optim's, the loaded state's tensors are the optimizer's and change in place)
+    again, opt2, _ = run(4, (saved[0], copy.deepcopy(flat)))
+    for a, b in zip(m.parameters(), again.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert set(opt2.state[next(iter(opt2.layers.values())).U]) == {"m", "v", "step"}
+    with pytest.raises(ValueError, match="nested under S"):
+        run(4, (saved[0], {**flat, "state": old}))

@@ -518,8 +518,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         modes then follow the loaded step count."""
         start = self._hp().get("budget_start")
         _state.warn_other_policies(self.settings, state_dict)
-        state_dict = _state.widened(self.layers, self.param_groups, state_dict)
-        state_dict = _state.flattened(self.layers, self.param_groups, state_dict)
+        _state.refuse_nested(self.layers, self.param_groups, state_dict)
         _state.check_saved_ranks(self.layers, self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         if self.dp is not None:

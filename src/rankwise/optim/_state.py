@@ -35,50 +35,19 @@ def _by_param(param_groups: list[dict], state_dict: dict) -> dict[int, int]:
     return {id(p): i for i, p in zip(saved_ids, params, strict=False)}
 
 
-def widened(layers: dict, param_groups: list[dict], state_dict: dict) -> dict:
-    """A state saved when the optimizer held only the trainable parameters and the factors of
-    trainable layers (before it held every parameter, issue 56) renumbered into today's groups,
-    which hold every parameter; any other state is returned as it is (torch's load checks it)."""
-    saved = state_dict.get("param_groups", [])
-    if not isinstance(saved, list) or len(saved) != len(param_groups):
-        return state_dict
-    sizes = [len(g.get("params", [])) if isinstance(g, dict) else -1 for g in saved]
-    if sizes == [len(g["params"]) for g in param_groups]:
-        return state_dict
-    factors = {id(t) for m in layers.values() if m.S.requires_grad for t in (m.U, m.S, m.V)}
-    held = [[i for i, p in enumerate(g["params"]) if p.requires_grad or id(p) in factors]
-            for g in param_groups]
-    if sizes != [len(h) for h in held]:
-        return state_dict
-    remap, groups, start = {}, [], 0
-    for old, g, kept in zip(saved, param_groups, held, strict=True):
-        ids = list(range(start, start + len(g["params"])))
-        start += len(ids)
-        remap.update({k: ids[i] for k, i in zip(old["params"], kept, strict=True)})
-        groups.append({**old, "params": ids})
-    state = {remap[k]: v for k, v in state_dict.get("state", {}).items() if k in remap}
-    return {**state_dict, "state": state, "param_groups": groups}
-
-
-def flattened(layers: dict, param_groups: list[dict], state_dict: dict) -> dict:
-    """A state saved with each layer's rule states nested under S (``{"K": {...}, "L": {...},
-    "S": {...}}``, before the state was flat) converted: K's under U, L's under V, S's beside
-    the layer's counters under S. A flat state is returned as it is."""
+def refuse_nested(layers: dict, param_groups: list[dict], state_dict: dict) -> None:
+    """Refuse (``ValueError``, nothing loaded) a state whose layers keep their rule states nested
+    under S (``{"K": {...}, "L": {...}, "S": {...}}``): a development layout that no release had,
+    which would otherwise load and leave U's and V's moments to start afresh."""
     index = _by_param(param_groups, state_dict)
     saved = state_dict.get("state", {})
-    nested = [m for m in layers.values() if isinstance(saved.get(index.get(id(m.S))), dict)
-              and isinstance(saved[index[id(m.S)]].get("K"), dict)]
-    if not nested:
-        return state_dict
-    state = dict(saved)
-    for m in nested:
-        st = dict(state[index[id(m.S)]])
-        K, L, S = st.pop("K"), st.pop("L", {}), st.pop("S", {})
-        state[index[id(m.S)]] = {**st, **S}
-        for p, sub in ((m.U, K), (m.V, L)):
-            if id(p) in index and sub:
-                state[index[id(p)]] = dict(sub)
-    return {**state_dict, "state": state}
+    if not isinstance(saved, dict):
+        return
+    for name, m in layers.items():
+        st = saved.get(index.get(id(m.S)))
+        if isinstance(st, dict) and isinstance(st.get("K"), dict):
+            raise ValueError(f"optimizer state: layer {name!r} keeps its rule states nested under S ('K', "
+                             "'L', 'S'), the layout of a development version of rankwise, which is not read")
 
 
 def check_saved_ranks(layers: dict, param_groups: list[dict], state_dict: dict) -> None:
