@@ -67,3 +67,18 @@ def run_world(fn, n: int, tmp: Path, *args, timeout: float = 120.0, pg_timeout: 
     if hung:
         raise AssertionError(f"rank(s) {hung} returned but did not exit within {exit_timeout} s")
     return [results[r][1] for r in range(n)]
+
+
+def fresh_side_group(seconds: float) -> None:
+    """Collective, inside a world: give the coded checkpoint a side group of its own whose
+    collectives time out after `seconds` (test plumbing: a scenario that leaves a rank waiting
+    fails in seconds and does not hold up the next one)."""
+    import weakref
+
+    import torch.distributed as dist
+
+    from rankwise.ckpt import _dcp
+
+    dist.barrier()
+    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=seconds))
+    _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]

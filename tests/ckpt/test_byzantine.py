@@ -15,13 +15,12 @@ import json
 import os
 import pickle
 import shutil
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import fresh_side_group, run_world
 from rankwise.ckpt import Code2D, Commitment, _format
 from rankwise.ckpt._format import commitment_root
 from rankwise.ckpt._merkle import get_hash
@@ -353,20 +352,6 @@ def _pickled_plan(rank: int, store: Path, marker: str) -> dict:
     return {"error": error}
 
 
-def _fresh_side_group() -> None:
-    """A side group of its own for the next scenario, with a short timeout (test plumbing: a
-    scenario that leaves a rank waiting fails in seconds and does not hold up the next one)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from rankwise.ckpt import _dcp
-
-    dist.barrier()
-    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=SIDE_TIMEOUT))
-    _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]
-
-
 def _world(rank: int, root: str, n: int, t: int, marker: str) -> dict:
     root_ = Path(root)
     scenarios = {
@@ -383,7 +368,7 @@ def _world(rank: int, root: str, n: int, t: int, marker: str) -> dict:
         scenarios["pickled_plan"] = lambda: _pickled_plan(rank, root_ / "plan", f"{marker}-plan")
     out = {}
     for name, run in scenarios.items():
-        _fresh_side_group()
+        fresh_side_group(SIDE_TIMEOUT)
         try:
             out[name] = run()
         except BaseException as e:

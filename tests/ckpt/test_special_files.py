@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import pytest
@@ -113,19 +112,16 @@ def _restore_with_planted(rank: int, root: str):
     or oversized file, then a restore. Each case runs on a side group of its own with a short
     timeout (test plumbing: a case that leaves a rank waiting fails in seconds, and the next
     one starts in step)."""
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
-    from rankwise.ckpt import CodedCheckpointer, _dcp
+    from distributed import fresh_side_group
+    from rankwise.ckpt import CodedCheckpointer
 
     state = {"w": torch.arange(3000.0), "step": 7}
     out = {}
     for which, kind in PLANTED:
-        dist.barrier()
-        side = dist.new_group(backend="gloo", timeout=timedelta(seconds=10))
-        _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]
+        fresh_side_group(10)
         store = Path(root) / f"{which}-{kind}"
         try:
             ck = CodedCheckpointer(t=1, store_dir=store)

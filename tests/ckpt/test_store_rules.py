@@ -15,13 +15,12 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from distributed import run_world
+from distributed import fresh_side_group, run_world
 from rankwise.ckpt import _layout, _store
 from rankwise.ckpt._store import StoreError, opened_folder
 
@@ -215,19 +214,6 @@ def _after_vote(rank: int, root: Path, attack: str) -> dict:
                 skipped=restored.skipped, rank0_unchanged=before == _tree(rank0))
 
 
-def _fresh_side_group() -> None:
-    """A side group of its own for the next scenario, with a short timeout (test plumbing)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from rankwise.ckpt import _dcp
-
-    dist.barrier()
-    side = dist.new_group(backend="gloo", timeout=timedelta(seconds=SIDE_TIMEOUT))
-    _dcp._SIDE[:] = [(weakref.ref(dist.group.WORLD), weakref.ref(side))]
-
-
 def _world(rank: int, root: str) -> dict:
     root_ = Path(root)
     scenarios = {("prune",): lambda: _prune_beside_links(rank, root_, root_ / "elsewhere-prune")}
@@ -241,7 +227,7 @@ def _world(rank: int, root: str) -> dict:
             rank, root_, root_ / f"outside-{attack}", attack)
     out = {}
     for key, run in scenarios.items():
-        _fresh_side_group()
+        fresh_side_group(SIDE_TIMEOUT)
         try:
             out[key] = run()
         except BaseException as e:  # (a CheckpointException is a BaseException)

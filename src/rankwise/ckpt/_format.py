@@ -34,18 +34,9 @@ FRAGMENT_HEAD = _HEAD.size + _SIZES.size + _DIGEST  # what precedes a fragment's
 
 
 def seal(kind: int, body: bytes, version: int = VERSION) -> bytes:
-    """Header + body + checksum."""
-    return b"".join(seal_parts(kind, [body], version))
-
-
-def seal_parts(kind: int, body: list, version: int = VERSION) -> list:
-    """:func:`seal` of a body given as buffers, as buffers (header, the body's, checksum):
-    nothing is concatenated."""
-    head = _HEAD.pack(MAGIC, version, kind)
-    h = hashlib.sha256(head)
-    for part in body:
-        h.update(part)
-    return [head, *body, h.digest()]
+    """Header + body + a SHA-256 of both."""
+    head = _HEAD.pack(MAGIC, version, kind) + bytes(body)
+    return head + hashlib.sha256(head).digest()
 
 
 def unseal(blob: bytes, kind: int, what: str) -> memoryview:
