@@ -6,8 +6,8 @@ What is measured
 
     - ``dense AdamW``: the model with ``nn.Linear`` layers and ``torch.optim.AdamW``;
     - ``fixed AdamW``: every converted layer as two ``nn.Linear`` factors at rank r, AdamW;
-    - ``DLRT Sgd``, ``DLRT Adam``, ``SDLRT Sgd``, ``SDLRT Adam``: the converted layers at rank r
-      (``max_rank=r``, ``tau=1e-3``; Sgd with momentum 0.9), every step augmenting;
+    - ``DLRT SGD``, ``DLRT Adam``, ``SDLRT SGD``, ``SDLRT Adam``: the converted layers at rank r
+      (``max_rank=r``, ``tau=1e-3``; SGD with momentum 0.9), every step augmenting;
     - ``DLRT Adam ueK``: ``update_every=K`` (default 10), the mean over whole periods.
 
     Models: MLPs of 4 width→width layers (ReLU, MSE against a fixed target) and
@@ -44,7 +44,7 @@ import rankwise
 from rankwise._opcount import OpCounter
 from rankwise.models import gpt
 
-METHODS = ("dense AdamW", "fixed AdamW", "DLRT Sgd", "DLRT Adam", "SDLRT Sgd", "SDLRT Adam")
+METHODS = ("dense AdamW", "fixed AdamW", "DLRT SGD", "DLRT Adam", "SDLRT SGD", "SDLRT Adam")
 
 
 def _mlp(width: int, device) -> nn.Module:

@@ -483,7 +483,7 @@ class _Phases:
                 fn = getattr(obj, attr)
                 self.saved.append((obj, attr, fn))
                 setattr(obj, attr, self._wrap(phase, fn))
-        for cls in (_settings.Sgd, _settings.Adam):  # the rules as the settings objects hold them
+        for cls in (_settings.SGD, _settings.Adam):  # the rules as the settings objects hold them
             self.saved.append((cls, "update", cls.__dict__["update"]))
             cls.update = staticmethod(self._wrap("rules", cls.__dict__["update"].__func__))
         return self

@@ -24,7 +24,7 @@ _LAZY: dict[str, str] = {
     "SeedFeedback": "rankwise.optim",
     "Tolerance": "rankwise.optim",
     "TwoSidedFeedback": "rankwise.optim",
-    "Sgd": "rankwise.optim",
+    "SGD": "rankwise.optim",
     "Adam": "rankwise.optim",
     "AdamW": "rankwise.optim",
     "Muon": "rankwise.optim",
@@ -66,6 +66,7 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .nn import to_low_rank as to_low_rank
     from .optim import DLRT as DLRT
     from .optim import SDLRT as SDLRT
+    from .optim import SGD as SGD
     from .optim import Adam as Adam
     from .optim import AdamW as AdamW
     from .optim import AugmentedBUG as AugmentedBUG
@@ -75,7 +76,6 @@ if TYPE_CHECKING:  # what static tools and IDEs see
     from .optim import Muon as Muon
     from .optim import SeedFeedback as SeedFeedback
     from .optim import Settings as Settings
-    from .optim import Sgd as Sgd
     from .optim import Tolerance as Tolerance
     from .optim import TwoSidedFeedback as TwoSidedFeedback
     from .optim import clip_grad_norm_ as clip_grad_norm_
@@ -86,6 +86,8 @@ if TYPE_CHECKING:  # what static tools and IDEs see
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:  # ``rankwise.models`` etc. without importing them first
         return importlib.import_module(f"rankwise.{name}")
+    if name == "Sgd":  # the SGD rule's earlier name (torch spells it SGD); kept so that code using it runs
+        return importlib.import_module("rankwise.optim").SGD
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'rankwise' has no attribute {name!r}")

@@ -91,7 +91,7 @@ def test_moments_auto_resets_under_muon_and_rotates_otherwise():
     assert S(truncation=tol).moments == "auto"
     assert S(truncation=tol, rule=rankwise.Muon()).moments_used == "reset"
     assert S(truncation=tol, rule=rankwise.Adam()).moments_used == "rotate"
-    assert S(truncation=tol, rule=rankwise.Sgd(momentum=0.9)).moments_used == "rotate"
+    assert S(truncation=tol, rule=rankwise.SGD(momentum=0.9)).moments_used == "rotate"
     assert S(truncation=tol, rule=rankwise.Muon(), moments="rotate").moments_used == "rotate"
     torch.manual_seed(3)
     for rule, kept in ((rankwise.Muon(), False), (rankwise.Adam(), True)):

@@ -123,7 +123,7 @@ def test_bad_groups_are_refused_with_the_problem_named():
         DLRT(model, 0.1, tau=0.05, param_groups=[{"params": [model[0].U]}, {"params": [model[0].V]}])
     with pytest.raises(ValueError, match="momentum"):
         DLRT(model, 0.1, tau=0.05, param_groups=[{"params": model[4].parameters(), "momentum": 1.0}])
-    with pytest.raises(ValueError, match="but the rule is Sgd"):
+    with pytest.raises(ValueError, match="but the rule is SGD"):
         DLRT(model, 0.1, tau=0.05, param_groups=[{"params": model[4].parameters(), "betas": (0.9, 0.9)}])
     with pytest.raises(TypeError, match="list of dicts"):
         DLRT(model, 0.1, tau=0.05, param_groups=[model[4].weight])

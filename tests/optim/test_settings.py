@@ -35,7 +35,7 @@ def _closure(opt, model, seed: int = 1):
 
 SETTINGS = [
     Settings(rankwise.Tolerance(0.1)),
-    Settings(rankwise.Tolerance(0.2), rankwise.SeedFeedback(0.7, 0.01), True, rankwise.Sgd(0.9, 1e-4),
+    Settings(rankwise.Tolerance(0.2), rankwise.SeedFeedback(0.7, 0.01), True, rankwise.SGD(0.9, 1e-4),
              single_pass=False, min_rank=1, max_rank=6, update_every=2, on_nonfinite="skip"),
     Settings(rankwise.Tolerance(0.2), rankwise.TwoSidedFeedback(tau_max=0.4),
              rule=rankwise.Adam((0.8, 0.99), 1e-6)),
@@ -66,9 +66,9 @@ def test_settings_round_trip_through_the_state_dict(settings):
 def test_keyword_settings_and_a_settings_object_train_identically():
     a, b = _model(), _model()
     kw = rankwise.AugmentedBUG(a, 0.05, truncation=rankwise.Tolerance(0.1), buffer=True,
-                               feedback=rankwise.SeedFeedback(), rule=rankwise.Sgd(momentum=0.9))
+                               feedback=rankwise.SeedFeedback(), rule=rankwise.SGD(momentum=0.9))
     obj = rankwise.AugmentedBUG(b, 0.05, Settings(rankwise.Tolerance(0.1), rankwise.SeedFeedback(), True,
-                                                  rankwise.Sgd(momentum=0.9)))
+                                                  rankwise.SGD(momentum=0.9)))
     preset = rankwise.SDLRT(_model(), 0.05, tau=0.1, momentum=0.9)
     assert kw.settings == obj.settings == preset.settings
     for step in range(4):
@@ -80,9 +80,9 @@ def test_keyword_settings_and_a_settings_object_train_identically():
 
 def test_the_presets_keyword_arguments_build_the_rule():
     m = _model()
-    assert rankwise.DLRT(m, 0.1, tau=0.1).settings.rule == rankwise.Sgd()
+    assert rankwise.DLRT(m, 0.1, tau=0.1).settings.rule == rankwise.SGD()
     opt = rankwise.DLRT(m, 0.1, tau=0.1, momentum=0.9, weight_decay=0.1)
-    assert opt.settings.rule == rankwise.Sgd(0.9, 0.1)
+    assert opt.settings.rule == rankwise.SGD(0.9, 0.1)
     opt = rankwise.SDLRT(m, 0.1, tau=0.1, optimizer="adam", betas=(0.8, 0.9), eps=1e-6)
     assert opt.settings.rule == rankwise.Adam((0.8, 0.9), 1e-6)
     assert opt.settings.buffer and opt.settings.feedback == rankwise.SeedFeedback()
@@ -96,6 +96,15 @@ def test_the_presets_keyword_arguments_build_the_rule():
         rankwise.DLRT(m, 0.1, tau=0.1, betas=(0.9, 0.99), eps=1e-6)  # (the rule is SGD: they stayed unused)
 
 
+def test_the_sgd_rule_is_spelled_as_torch_spells_it_and_its_earlier_name_still_works():
+    import rankwise.optim
+
+    assert rankwise.SGD.__name__ == "SGD" and rankwise.Sgd is rankwise.SGD is rankwise.optim.Sgd
+    assert "Sgd" not in dir(rankwise) and "Sgd" not in rankwise.optim.__all__
+    with pytest.raises(AttributeError, match="no attribute 'Sdg'"):
+        rankwise.optim.Sdg  # noqa: B018
+
+
 @pytest.mark.parametrize("make, err, match", [
     (lambda m: rankwise.AugmentedBUG(m, 0.1, truncation=rankwise.Tolerance(0.1), rule=rankwise.Adam(),
                                      momentum=0.9), TypeError, "not both"),
@@ -105,12 +114,12 @@ def test_the_presets_keyword_arguments_build_the_rule():
     (lambda m: rankwise.AugmentedBUG(m, 0.1, Settings(rankwise.Tolerance(0.1)), buffer=True),
      TypeError, "not both"),
     (lambda m: rankwise.AugmentedBUG(m, 0.1, truncation=rankwise.Tolerance(0.1), rule=torch.optim.Adam),
-     TypeError, "rankwise.Sgd"),
+     TypeError, "rankwise.SGD"),
     (lambda m: rankwise.DLRT(m, 0.1, tau=0.1, buffer=True), TypeError,
      "unexpected keyword argument 'buffer'"),
     (lambda m: rankwise.SDLRT(m, 0.1, tau=0.1, truncation=rankwise.Tolerance(0.1)), TypeError, "truncation"),
-    (lambda m: rankwise.Sgd(momentum=1.0), ValueError, "momentum"),
-    (lambda m: rankwise.Sgd(weight_decay=-1), ValueError, "weight_decay"),
+    (lambda m: rankwise.SGD(momentum=1.0), ValueError, "momentum"),
+    (lambda m: rankwise.SGD(weight_decay=-1), ValueError, "weight_decay"),
     (lambda m: rankwise.Adam(betas=(0.9,)), TypeError, "betas"),
     (lambda m: rankwise.Adam(eps=0), ValueError, "eps"),
     (lambda m: Settings(rankwise.Tolerance(0.1), update_every=0), ValueError, "update_every"),

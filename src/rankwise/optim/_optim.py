@@ -734,7 +734,7 @@ def _truncation(tau: float | None, target: float | None, ramp_steps: int | None,
 AugmentedBUG.__doc__ = AugmentedBUG.__doc__.rstrip() + "\n" + settings_doc() + """
 
     Example: ``AugmentedBUG(model, 0.05, truncation=Budget(0.9, ramp_steps=300), buffer=True,
-    rule=Sgd(momentum=0.9))``.
+    rule=SGD(momentum=0.9))``.
 """
 
 

@@ -1,6 +1,6 @@
 r"""The optimizer's settings, validated once and held once.
 
-:class:`Sgd`, :class:`Adam` and :class:`AdamW` are the update rules (with their hyperparameters' starting
+:class:`SGD`, :class:`Adam` and :class:`AdamW` are the update rules (with their hyperparameters' starting
 values; the live values sit in ``param_groups`` so that torch's LR and momentum schedulers
 work); :class:`Settings` holds every choice of an :class:`~rankwise.AugmentedBUG`:
 truncation, feedback, buffer, rule and the integrator's switches. All are frozen dataclasses
@@ -26,7 +26,7 @@ def _nonnegative(name: str, value: object, what: str) -> None:
 
 
 @dataclass(frozen=True)
-class Sgd:
+class SGD:
     """SGD with momentum μ in [0, 1) and L2 `weight_decay` (as ``torch.optim.SGD`` without
     dampening): ``m ← μ m + g + wd·p``, ``Δ = −lr·m``."""
 
@@ -147,14 +147,14 @@ class Muon:
                 "decoupled_weight_decay": True}
 
 
-Rules = Sgd | Adam | Muon
-RULES: dict[str, type[Sgd] | type[Adam] | type[Muon]] = {"sgd": Sgd, "adam": Adam, "adamw": AdamW,
+Rules = SGD | Adam | Muon
+RULES: dict[str, type[SGD] | type[Adam] | type[Muon]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW,
                                                           "muon": Muon}
 
 
 def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_decay: float | None = None,
               betas: tuple[float, float] | None = None, eps: float | None = None,
-              decoupled_weight_decay: bool | None = None) -> Sgd | Adam:
+              decoupled_weight_decay: bool | None = None) -> SGD | Adam:
     """The rule object for the presets' keyword arguments (``optimizer="adam"``, ``betas=...``).
     Every value is checked; those of the other rule (a non-zero ``momentum`` under Adam,
     ``betas`` or ``eps`` under SGD) are refused: they would be silently unused, as torch's
@@ -173,7 +173,7 @@ def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_d
     wd = {} if weight_decay is None else {"weight_decay": weight_decay}
     Adam(**{k: v for k, v in (("betas", betas), ("eps", eps)) if v is not None})  # a wrong value first
     if momentum is not None and optimizer != "muon":
-        Sgd(momentum)
+        SGD(momentum)
     unused = [k for k, v in (("betas", betas), ("eps", eps)) if v is not None] if optimizer == "sgd" else \
         (["momentum"] if optimizer in ("adam", "adamw") and momentum not in (None, 0, 0.0) else [])
     if unused:
@@ -193,7 +193,7 @@ def rule_from(optimizer: str = "sgd", *, momentum: float | None = None, weight_d
         if decoupled_weight_decay:
             raise ValueError("`decoupled_weight_decay` is Adam's (torch.optim.SGD has none): use "
                              "optimizer='adamw', or weight_decay= alone for SGD's L2 decay")
-        return Sgd(momentum, **wd)
+        return SGD(momentum, **wd)
     dec = {} if decoupled_weight_decay is None else {"decoupled_weight_decay": decoupled_weight_decay}
     return cls(betas, eps, **wd, **dec)
 
@@ -236,8 +236,8 @@ class Settings:
     buffer: bool = setting(False, help=(
         "SDLRT's compensation buffer: the augmented bases also span the last truncation's next "
         "discarded directions, ``Ū = orth[U0, ΔK, U_buf]``."))
-    rule: Rules = setting(default_factory=Sgd, help=(
-        ":class:`Sgd` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``, ``eps``, "
+    rule: Rules = setting(default_factory=SGD, help=(
+        ":class:`SGD` (``momentum``, ``weight_decay``), :class:`Adam` (``betas``, ``eps``, "
         "``weight_decay``, ``decoupled_weight_decay``) or :class:`AdamW`, applied to K = US, L = VSᵀ, S "
         "and every other trainable parameter, or :class:`Muon` (orthogonalised momentum on K, L and S, "
         "AdamW on the rest); its values start the param groups, where torch's "
@@ -262,7 +262,7 @@ class Settings:
         "rank that drifted raises ``RuntimeError`` naming it."))
     moments: Literal["auto", "rotate", "reset", "reset_m", "reset_v"] = setting("auto", help=(
         "``\"auto\"`` (the default): ``\"reset\"`` under :class:`Muon`, ``\"rotate\"`` under "
-        ":class:`Adam` and :class:`Sgd`, what issue 48 measured best for each rule (docs/lm.md); "
+        ":class:`Adam` and :class:`SGD`, what issue 48 measured best for each rule (docs/lm.md); "
         "``\"rotate\"`` carries the rule's K, L and S moments into the new bases at every "
         "truncation (:func:`._rules.transport`); ``\"reset\"`` starts them afresh, with Adam's step "
         "count (on a small GPT with the Adam rule 0.115 validation bits ahead of ``\"rotate\"``, "
@@ -278,7 +278,7 @@ class Settings:
             raise TypeError(f"`feedback` must be None, rankwise.SeedFeedback(...) or "
                             f"rankwise.TwoSidedFeedback(...); got {self.feedback!r}")
         if not isinstance(self.rule, Rules):
-            raise TypeError(f"`rule` must be rankwise.Sgd(momentum=...), rankwise.Adam(betas=..., eps=...) "
+            raise TypeError(f"`rule` must be rankwise.SGD(momentum=...), rankwise.Adam(betas=..., eps=...) "
                             f"rankwise.AdamW(...) or rankwise.Muon(...); got {self.rule!r}")
         for name in ("buffer", "single_pass", "adaptive"):
             if not isinstance(getattr(self, name), bool):
@@ -353,7 +353,7 @@ def pop_rule(kwargs: dict[str, Any]) -> Rules:
     """Take the update rule out of keyword arguments (in place): `rule`, or the presets'
     ``optimizer=`` (``"sgd"``, ``"adam"``, ``"adamw"``), ``momentum=``, ``weight_decay=``,
     ``betas=``, ``eps=``, ``decoupled_weight_decay=`` (checked here, :func:`rule_from`), or
-    the default ``Sgd()``."""
+    the default ``SGD()``."""
     legacy = {k: kwargs.pop(k) for k in RULE_ARGS if k in kwargs}
     rule = kwargs.pop("rule", None)
     if legacy and rule is not None:
