@@ -60,6 +60,19 @@ def test_fixed_width_fills_dropped_directions():
     assert narrow.shape == (1, 8, 3) and v2.all()  # only 8 − 5 directions are left
 
 
+@pytest.mark.parametrize("seed", [0, 1, 42, 1234])
+def test_fill_directions_stay_orthogonal_to_a_basis_drawn_from_a_common_seed(seed):
+    """Every direction of X inside span(Q0): E is all fill. Q0 drawn right after
+    ``torch.manual_seed(seed)`` with a seed users pick: the fill (its own generator) is not that
+    stream (with seed 0 it was, and E came out 0.77 off orthogonal to Q0 without `failed`)."""
+    torch.manual_seed(seed)
+    Q0 = torch.linalg.qr(torch.randn(1, 30, 3, dtype=F64))[0]
+    E, valid, failed = _step.orth_complement_fixed(Q0, Q0 @ torch.randn(1, 3, 3, dtype=F64))
+    assert not valid.any() and not failed.any()
+    torch.testing.assert_close(E[0].T @ E[0], torch.eye(3, dtype=F64), atol=1e-12, rtol=0)
+    assert (Q0[0].T @ E[0]).abs().max() < 1e-12
+
+
 def test_fixed_width_survives_non_finite_input():
     Q0, X = _orth(2, 20, 3), torch.randn(2, 20, 3, generator=torch.Generator().manual_seed(5), dtype=F64)
     X[1, 0, 0] = float("nan")

@@ -62,15 +62,20 @@ def _sub_mm(X: Tensor, A: Tensor, B: Tensor) -> Tensor:
     return torch.baddbmm(X, A, B, alpha=-1)
 
 
+FILL_SEED = 0x7F4A_7C15_9E37_79B9
+"""The fill directions' seed. Not a seed users pick (0, 42, …): a basis drawn from the same
+stream would contain the fill directions, which then cannot be orthogonal to it."""
+
+
 def _fill(m: int, w: int, like: Tensor, fills: dict | None) -> Tensor:
-    """A fixed Gaussian matrix (m, w) (seed 0, its own generator: the caller's random stream is
-    not touched) to complete a basis where a direction was dropped. `fills`: the caller's cache
-    (an optimizer keeps one, so that it draws each shape, dtype and device once); None: drawn
-    for this call."""
+    """A fixed Gaussian matrix (m, w) (seed :data:`FILL_SEED`, its own generator: the caller's
+    random stream is not touched) to complete a basis where a direction was dropped. `fills`:
+    the caller's cache (an optimizer keeps one, so that it draws each shape, dtype and device
+    once); None: drawn for this call."""
     key = (m, w, like.dtype, like.device)
     if fills is not None and key in fills:
         return fills[key]
-    gen = torch.Generator(device=like.device).manual_seed(0)
+    gen = torch.Generator(device=like.device).manual_seed(FILL_SEED)
     out = torch.randn(m, w, generator=gen, device=like.device, dtype=like.dtype)
     if fills is not None:
         fills[key] = out
