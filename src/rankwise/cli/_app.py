@@ -18,6 +18,7 @@ import typer
 
 from .. import __version__
 from .._fields import help_of, options_named
+from .._io import write_atomic
 from ..train_config import METHODS as TRAIN_METHODS
 from ..train_config import TrainConfig as TC
 from ._common import (
@@ -265,7 +266,6 @@ def demo_cmd(
         claim_output_dir(c.out, produced=RUN_OUTPUTS, force=force, checked=checked)
     from rich.console import Console
 
-    from .._io import write_atomic
     from ..experiments.train_run import train
     from ._train_view import comparison_markdown, comparison_table, progress
 

@@ -19,6 +19,8 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from .._io import read_json
+
 # --threads / --jobs beyond this are almost surely a typo: oversubscribing the cores only slows
 # a run down (2000 threads made a 3 s training run take 51 s)
 MAX_WORKERS = max(4, 4 * (os.cpu_count() or 1))
@@ -82,6 +84,8 @@ def config_option(cls: type, name: str, **kw: Any) -> Any:
 
 Force = Annotated[bool, typer.Option("--force", help="Replace what an earlier run left in the output "
                                      "(only the files this command writes).")]
+Jobs = Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
+                                    max=MAX_WORKERS)]
 
 
 # --------------------------------------------------------------------------- outputs
@@ -156,8 +160,6 @@ RECORD_FIELDS = {"context": "rankwise lm", "task": "rankwise sweep", "setting": 
 
 def _records(folder: Path) -> list[tuple[Path, dict]]:
     """The run records in ``folder/runs/``: ``*.json`` objects with a ``"spec"`` object."""
-    from .._io import read_json
-
     out = []
     for p in sorted((folder / "runs").glob("*.json")) if (folder / "runs").is_dir() else []:
         try:

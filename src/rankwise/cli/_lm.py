@@ -9,11 +9,12 @@ from typing import Annotated
 import typer
 
 from .._fields import help_of, options_named
+from .._io import write_atomic
 from ..experiments.lm._lm_spec import DENSE, METHODS
 from ..experiments.lm._lm_spec import LmRunSpec as Spec
 from ..methods import REGISTRY
 from ._common import (
-    MAX_WORKERS,
+    Jobs,
     UserError,
     check_output_dir,
     check_range,
@@ -70,8 +71,7 @@ def lm_cmd(
     clip: Annotated[float, config_option(Spec, "clip")] = Spec.clip,
     warm: Annotated[float, config_option(Spec, "warm")] = Spec.warm,
     model: Annotated[str, config_option(Spec, "model")] = Spec.model,
-    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
-                                      max=MAX_WORKERS)] = 1,
+    jobs: Jobs = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, lm_curves.png.")]
     = Path("runs/lm"),
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings differ "
@@ -131,7 +131,6 @@ def lm_cmd(
                             f"it): {e}", 1) from None
     from rich.console import Console
 
-    from .._io import write_atomic
     from ..experiments.lm.lm_compare import plot, rates_markdown, study, summary_markdown
 
     console = Console()

@@ -12,10 +12,11 @@ import typer
 from rich.console import Console
 
 from .._fields import options_named
+from .._io import write_atomic
 from ..experiments._ode_spec import OdeRunConfig as Spec
 from ._common import (
-    MAX_WORKERS,
     Force,
+    Jobs,
     UserError,
     claim_output_dir,
     config_option,
@@ -112,8 +113,7 @@ def ode_cmd(
     recurrence: Annotated[str, config_option(Spec, "recurrence")] = Spec.recurrence,
     budget_in: Annotated[str, config_option(Spec, "budget_in")] = Spec.budget_in,
     validation: Annotated[float, config_option(Spec, "validation")] = Spec.validation,
-    jobs: Annotated[int, typer.Option(help="Runs in parallel processes (one thread each).", min=1,
-                                      max=MAX_WORKERS)] = 1,
+    jobs: Jobs = 1,
     out: Annotated[Path, typer.Option(help="Folder for runs/*.json (one record per run: a run stored there "
                                       "with the same settings is reused, not rerun), results.json, "
                                       "traces.csv and ode_traces.png.")] = Path("runs/ode"),
@@ -167,7 +167,6 @@ def ode_cmd(
 
     from rich.table import Table
 
-    from .._io import write_atomic
     from ..experiments._resume import run_resumable
     from ..experiments._stats import mean_std
     from ..experiments.ode_seq import plot_traces

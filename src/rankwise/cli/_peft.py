@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 
+from .._io import write_atomic
 from ..experiments.peft._peft_spec import METHODS, OPTIMIZERS, SETTINGS, STEPS
 from ..experiments.peft._peft_spec import PeftRunSpec as Spec
 from ._common import (
-    MAX_WORKERS,
+    Jobs,
     UserError,
     check_output_dir,
     check_range,
@@ -52,8 +53,7 @@ def peft_cmd(
     batch_size: Annotated[int, config_option(Spec, "batch_size", min=1)] = Spec.batch_size,
     max_len: Annotated[int, config_option(Spec, "max_len", min=8, max=512)] = Spec.max_len,
     rank: Annotated[int, config_option(Spec, "rank", min=1)] = Spec.rank,
-    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
-                                      max=MAX_WORKERS)] = 1,
+    jobs: Jobs = 1,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, summary.md, selection.md, "
                                       "peft_acc.png.")] = Path("runs/peft"),
     force: Annotated[bool, typer.Option("--force", help="Rerun and replace stored runs whose settings differ "
@@ -109,7 +109,6 @@ def peft_cmd(
                         f"(make installs them): {e}", 1) from None
     from rich.console import Console
 
-    from .._io import write_atomic
     from ..experiments._select import choices_markdown
     from ..experiments.peft.peft_compare import plot, study, study_records, summary_markdown
 

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from .._fields import options_named
+from .._io import write_atomic
 from ..experiments._sweep_spec import (
     ALLOCATIONS,
     DEFAULT_METHODS,
@@ -24,7 +25,7 @@ from ..experiments._sweep_spec import (
 from ..methods import REGISTRY, renamed
 from ..train_config import RAMP_SHARE
 from ._common import (
-    MAX_WORKERS,
+    Jobs,
     UserError,
     check_output_dir,
     check_range,
@@ -147,8 +148,7 @@ def sweep_cmd(
     lr: Annotated[float | None, typer.Option(help="Learning rate (SGD, momentum 0.9); default 0.05, "
                                              "0.01 for cnn-digits-pretrained (fine-tuning).")] = None,
     omega: Annotated[float, typer.Option(help="SDLRT's feedback factor ω in (0, 1).")] = 0.8,
-    jobs: Annotated[int, typer.Option(help="Parallel processes (one thread each).", min=1,
-                                      max=MAX_WORKERS)] = 1,
+    jobs: Jobs = 1,
     data_dir: Annotated[Path | None, typer.Option(help="Folder with MNIST IDX / CIFAR batches.")] = None,
     out: Annotated[Path, typer.Option(help="Run folder: runs/*.json, runs.csv, summary.md, PNGs.")]
     = Path("runs/sweep"),
@@ -291,7 +291,6 @@ def sweep_cmd(
     check_output_dir(out, produced=SWEEP_SUMMARIES, force=force, records="task", what="sweep")
     from rich.console import Console
 
-    from .._io import write_atomic
     from ..experiments.sweep import plot, summary_markdown, sweep, write_csv
     from ..experiments.sweep_report import RANKWISE, equal_compression_markdown, versus_baselines_markdown
     from ._common import run_bars

@@ -13,12 +13,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .._io import read_json, write_atomic
+
 
 def check_checkpoint_dir(config, nproc: int) -> None:
     """Refuse (``UserError``) a ``checkpoint_dir`` that is not a folder, or that holds the
     checkpoints of a run with other settings or another number of processes (its
     ``run.json``), naming what differs; creates nothing."""
-    from .._io import read_json
     from ..experiments.train_run import resumable
     from ..train._checkpoints import mismatch as resume_mismatch
     from ._common import UserError, _check_writable
@@ -48,8 +49,6 @@ OUT_MARK = ".rankwise-run.json"  # in --out: the checkpointed run whose records 
 
 
 def _run_id(folder: Path) -> str | None:
-    from .._io import read_json
-
     try:
         saved = read_json(folder / "run.json")
     except (OSError, ValueError):
@@ -64,7 +63,6 @@ def claim_checkpoint_dir(config, nproc: int) -> str | None:
     run ids)."""
     import secrets
 
-    from .._io import write_atomic
     from ..experiments.train_run import resumable
 
     check_checkpoint_dir(config, nproc)
@@ -81,8 +79,6 @@ def claim_checkpoint_dir(config, nproc: int) -> str | None:
 def mark_out(config, run_id: str | None) -> None:
     """Record in ``config.out`` that its records are the checkpointed run `run_id`'s (so that
     rerunning the same command resumes it: :func:`resumes_out`)."""
-    from .._io import write_atomic
-
     if config.out is not None and run_id is not None:
         write_atomic(config.out / OUT_MARK, json.dumps(
             {RUN_ID: run_id, "checkpoint_dir": str(config.checkpoint_dir.resolve())}).encode())
@@ -92,8 +88,6 @@ def resumes_out(config) -> bool:
     """Does ``config.out`` hold the records of the run whose checkpoints are in
     ``config.checkpoint_dir`` (its mark names that folder and the run id of its manifest)? Then
     rerunning the command resumes that run and replaces its records, as ``--force`` would."""
-    from .._io import read_json
-
     if config.out is None or config.checkpoint_dir is None:
         return False
     run_id = _run_id(config.checkpoint_dir)
@@ -133,7 +127,6 @@ def _worker(config_json: str, summary_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from .._io import write_atomic
     from ..dist import init_process_group
     from ..experiments.train_run import train
     from ..train_config import TrainConfig
