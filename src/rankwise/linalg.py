@@ -40,7 +40,7 @@ def orth_against(Q0: Tensor, Y: Tensor) -> Tensor:
 
 
 def batch_mm(A: Tensor, B: Tensor) -> Tensor:
-    """A @ B for batches (L, ·, ·), a batch of one as one matrix product (torch's batched
+    """A @ B for batches (N, ·, ·), a batch of one as one matrix product (torch's batched
     product is slower there)."""
     return A @ B if A.shape[0] > 1 else (A[0] @ B[0])[None]
 

@@ -53,7 +53,7 @@ def _signature(state: State) -> tuple:
 
 
 def _stack(ts: list[Tensor], dt: torch.dtype) -> Tensor:
-    """Tensors of up to two dimensions as one batch (L, ...) in `dt`, each zero-padded at the end
+    """Tensors of up to two dimensions as one batch (N, ...) in `dt`, each zero-padded at the end
     of its dimensions to the largest (layers of several ranks in one group)."""
     shape = tuple(max(t.shape[d] for t in ts) for d in range(ts[0].ndim))
     if all(tuple(t.shape) == shape for t in ts):
@@ -64,7 +64,7 @@ def _stack(ts: list[Tensor], dt: torch.dtype) -> Tensor:
 
 
 def _rows(batch: Tensor, shapes: list[tuple[int, ...]]) -> list[Tensor]:
-    """Row i of `batch` (L, ...) cut to shapes[i] (views)."""
+    """Row i of `batch` (N, ...) cut to shapes[i] (views)."""
     out = []
     for r, sh in zip(batch.unbind(0), shapes, strict=True):
         for d, n in enumerate(sh):
@@ -138,7 +138,7 @@ def _stack_states(states: list[State], dt: torch.dtype) -> State:
 
 def _write_states(targets: list[State], new: State, shapes: list[tuple[int, ...]],
                   caps: list[tuple[int, int] | None] | None = None) -> None:
-    """Write a stacked state (L, ...) into L per-layer state dicts, row i cut to shapes[i]: into
+    """Write a stacked state (N, ...) into N per-layer state dicts, row i cut to shapes[i]: into
     their tensors in one ``_foreach_copy_`` where every tensor is there with that shape and
     dtype, else as fresh per-layer tensors (own storage: a view would save the whole batch).
     Where ``caps[i]`` is a shape (a fixed capacity), the moment is stored at that shape: its
@@ -273,14 +273,14 @@ class _Group:
 
     def finish_two_pass(self, G: Tensor) -> None:
         """Two-pass BUG's second phase (:func:`.functional.finish`) on the core gradients G
-        (L, ku, kv) measured at the augmented point."""
+        (N, ku, kv) measured at the augmented point."""
         self.planned = functional.finish(self.two, G, self.opt.rule, self.core_hp, ranks=self.tolerance)
         self.opt.strategy.reorder(self)
 
 
 CPU_CHUNK = 2**19
 """On the CPU a group is integrated in chunks of at most this many elements per stacked
-augmented basis (L·m·ku): larger temporaries are returned to the system and faulted back in
+augmented basis (N·m·ku): larger temporaries are returned to the system and faulted back in
 at every step (glibc's malloc), which cost more than batching saves (a one-off measurement:
 4 × 2048² layers at rank 100 took 110 ms a step in one group against 81 ms layer by layer).
 Host reads are free there, so only the dispatched ops grow. On CUDA a group is never split."""
@@ -478,7 +478,7 @@ def _second_pass(opt: Optimizer, groups: list[_Group], closure, loss, device: to
 
 def _second_grads(opt: Optimizer, groups: list[_Group], points: dict, loss2,
                   closure) -> list[Tensor] | None:
-    """The second pass's core gradients per group (L, ku, kv), averaged over a data-parallel group;
+    """The second pass's core gradients per group (N, ku, kv), averaged over a data-parallel group;
     None when another rank's loss was not finite."""
     _closure.check_loss(type(opt).__name__, loss2)
     if not any(p.grad is not None for group in opt.param_groups for p in group["params"]) and not any(
@@ -511,11 +511,11 @@ def _commit(opt: Optimizer, g: _Group) -> None:
     b1 = [min(r, k - r) if cfg.buffer else 0 for r, k in zip(r1, g.k, strict=True)]
     t = functional.truncate(g.planned, r1, b1, moments=cfg.moments_used, two_pass=g.plan_two_pass)
     UP, VQ, S1 = t.U, t.V, t.S
-    layers, L = g.layers, len(g.names)
+    layers, N = g.layers, len(g.names)
     m_, n_ = layers[0].out_features, layers[0].in_features
-    same = [i for i in range(L) if r1[i] == g.r[i] and b1[i] == g.b[i]]
+    same = [i for i in range(N) if r1[i] == g.r[i] and b1[i] == g.b[i]]
     if same:
-        sel = torch.tensor(same, device=UP.device) if len(same) < L else None
+        sel = torch.tensor(same, device=UP.device) if len(same) < N else None
 
         def pick(t: Tensor, sel=sel) -> Tensor:
             return t if sel is None else t.index_select(0, sel)
@@ -533,7 +533,7 @@ def _commit(opt: Optimizer, g: _Group) -> None:
         for i in same:
             m = layers[i]
             m.U.grad = m.S.grad = m.V.grad = None
-    changed = [i for i in range(L) if r1[i] != g.r[i] or b1[i] != g.b[i]]
+    changed = [i for i in range(N) if r1[i] != g.r[i] or b1[i] != g.b[i]]
     fixed = [i for i in changed if layers[i].capacity is not None]
     if fixed:  # (into the same tensors, all layers in a few foreach ops)
         write_fixed([layers[i] for i in fixed], [UP[i, :, :r1[i]] for i in fixed],
@@ -556,7 +556,7 @@ def _commit(opt: Optimizer, g: _Group) -> None:
 
 def _core_hp(opt: Optimizer, layers: list, dt: torch.dtype) -> dict:
     """The core rule's hyperparameters for a group of cores; under the Muon rule with each
-    layer's weight's rate factor (one number, or (L, 1, 1) where the shapes differ)."""
+    layer's weight's rate factor (one number, or (N, 1, 1) where the shapes differ)."""
     hp = opt._core_hp(layers[0].S)
     if opt.settings.rule.name != "muon":
         return hp

@@ -63,7 +63,7 @@ class ReadBack:
             for name, t in lay:
                 values = host[pos:pos + t.numel()]
                 pos += t.numel()
-                if name in ("spectra", "scores"):  # (L, width): row i's first k_i entries
+                if name in ("spectra", "scores"):  # (N, width): row i's first k_i entries
                     width = t.shape[-1]
                     rows = [values[i * width:i * width + fields["k"][i]] for i in range(t.shape[0])]
                     fields[name] = ([torch.tensor(r, dtype=torch.float64) for r in rows] if name == "spectra"

@@ -3,7 +3,7 @@ r"""The augmented-BUG step over a *group* of same-shape layers: batched, with no
 The papers state the step for one layer, with shapes that follow the data (a
 numerically dependent direction of ΔK is dropped, so Ū has as many columns as survive). That
 is exact but needs the host to learn each shape, i.e. a device→host read per layer and
-factorisation. Here the same step runs on L layers stacked along a leading dimension, with
+factorisation. Here the same step runs on N layers stacked along a leading dimension, with
 shapes the host knows in advance:
 
 - **fixed width**: ``Ū = [U0, U_buf, E_U]`` with E_U of ``w = min(c, m − k)`` columns (c the
@@ -16,8 +16,9 @@ shapes the host knows in advance:
   (:func:`tolerance_ranks`); the caller brings every layer's new rank, its buffer size, the
   drop flags and the finiteness flags to the host in one transfer.
 
-Shapes: U0 (L, m, r0), V0 (L, n, r0), ΔK (L, m, r0), ΔL (L, n, r0), ΔS (L, r0, r0),
-buffers (L, m, b), (L, n, b). All functions are pure.
+Shapes: U0 (N, m, r0), V0 (N, n, r0), ΔK (N, m, r0), ΔL (N, n, r0), ΔS (N, r0, r0),
+buffers (N, m, b), (N, n, b): N counts the layers of the group (L is always the factor V Sᵀ).
+All functions are pure.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ from ._integrators import Factors, reorthonormalize, thin_svd
 
 
 class GroupPlan(NamedTuple):
-    """One group's augmented step before its truncation: Ū (L, m, ku), V̄ (L, n, kv), the
-    core S̄ (L, ku, kv) and its SVD P (L, ku, k), s (L, k), Q (L, kv, k); ``r0``: the old rank;
-    ``k`` (L,) int64: each layer's core size as the exact path has it (min of its augmented
-    bases' widths without fill directions); ``failed`` (L,) bool: the fixed-width augmentation
-    failed (integrate that layer by the exact path); ``finite`` (L,) bool: S̄ is finite;
-    ``new`` (L,) int64: the new directions the wider side kept (the width the next step needs)."""
+    """One group's augmented step before its truncation: Ū (N, m, ku), V̄ (N, n, kv), the
+    core S̄ (N, ku, kv) and its SVD P (N, ku, k), s (N, k), Q (N, kv, k); ``r0``: the old rank;
+    ``k`` (N,) int64: each layer's core size as the exact path has it (min of its augmented
+    bases' widths without fill directions); ``failed`` (N,) bool: the fixed-width augmentation
+    failed (integrate that layer by the exact path); ``finite`` (N,) bool: S̄ is finite;
+    ``new`` (N,) int64: the new directions the wider side kept (the width the next step needs)."""
 
     U: Tensor
     V: Tensor
@@ -51,8 +52,8 @@ class GroupPlan(NamedTuple):
     failed: Tensor
     finite: Tensor
     new: Tensor
-    mU: Tensor | None = None  # (L, ku) bool: Ū's columns that carry the step (False: a fill)
-    mV: Tensor | None = None  # (L, kv) bool
+    mU: Tensor | None = None  # (N, ku) bool: Ū's columns that carry the step (False: a fill)
+    mV: Tensor | None = None  # (N, kv) bool
 
 
 def _sub_mm(X: Tensor, A: Tensor, B: Tensor) -> Tensor:
@@ -86,8 +87,8 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
                           width: int | None = None, extra: int = 0, robust: bool = False,
                           fills: dict | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Orthonormal columns spanning the part of span(X) orthogonal to span(Q0), at a width the
-    host knows: Q0 (L, m, k) orthonormal, X (L, m, c) -> E (L, m, w), ``valid`` (L, w) bool,
-    ``failed`` (L,) bool, with ``w = min(c, m − k, width)``. A `width` below the number of
+    host knows: Q0 (N, m, k) orthonormal, X (N, m, c) -> E (N, m, w), ``valid`` (N, w) bool,
+    ``failed`` (N,) bool, with ``w = min(c, m − k, width)``. A `width` below the number of
     directions the filter keeps sets ``failed`` (the caller integrates that layer exactly).
 
     The one orthogonal complement of the step: X projected off Q0, the float64 Gram matrix of
@@ -107,7 +108,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     update skip the step).
 
     Rank buckets: Q0 may hold zero columns (a layer padded to its group's width; they project
-    nothing out), X zero columns (they count as dropped); `rtol` may then be a tensor (L,), each
+    nothing out), X zero columns (they count as dropped); `rtol` may then be a tensor (N,), each
     layer's threshold for its own column count. `extra` more fill columns, orthonormal to
     E and the non-zero columns of Q0, come after E (E then has ``w + extra`` columns): the
     caller puts them where Q0 has zero columns, so that Ū stays orthonormal. `robust`: where
@@ -115,7 +116,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     for the rare retry of a step, not for every step). `fills`: a cache of the fill directions
     (:func:`_fill`).
     """
-    L, m, c = X.shape
+    N, m, c = X.shape
     k = Q0.shape[-1]
     w = max(min(c, m - k, c if width is None else width), 0)
     X = X.to(Q0.dtype)
@@ -123,13 +124,13 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
         rtol = gram_rtol(X.dtype, c)
     tol2 = rtol**2 if not torch.is_tensor(rtol) else rtol.to(torch.float64).square()[:, None]
     if w == 0 and not extra:
-        return X.new_zeros(L, m, 0), torch.zeros(L, 0, dtype=torch.bool, device=X.device), \
-            torch.zeros(L, dtype=torch.bool, device=X.device)
+        return X.new_zeros(N, m, 0), torch.zeros(N, 0, dtype=torch.bool, device=X.device), \
+            torch.zeros(N, dtype=torch.bool, device=X.device)
     big = torch.linalg.vector_norm(X, float("inf"), dim=(-2, -1))  # NaN or inf: not finite
     finite = torch.isfinite(big)
     _, exp = torch.frexp(torch.where(finite & (big > 0), big, torch.ones_like(big)))
     X = torch.ldexp(X, -exp[:, None, None].to(X.dtype))  # exact: a power of two
-    sq = torch.zeros(L, c, dtype=torch.float64, device=X.device)
+    sq = torch.zeros(N, c, dtype=torch.float64, device=X.device)
     if k:
         C = _mm(Q0.mT, X)
         X = _sub_mm(X, Q0, C)
@@ -157,7 +158,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     fill = _fill(m, w + extra, X, fills)
     Y = torch.where(valid[:, None, :], _mm(X, M.to(X.dtype)), fill[:, :w])
     if extra:
-        Y = torch.cat([Y, fill[:, w:].expand(L, m, extra)], -1)
+        Y = torch.cat([Y, fill[:, w:].expand(N, m, extra)], -1)
     if k:
         Y = _sub_mm(Y, Q0, _mm(Q0.mT, Y))
     Lc, info = torch.linalg.cholesky_ex(_mm(Y.mT, Y).double())
@@ -171,20 +172,20 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
 def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor, V_buf: Tensor,
                   width: int | None = None, pad: Padding | None = None, robust: bool = False,
                   fills: dict | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Ū = [U0, U_buf, E_U] (L, m, ku), V̄ = [V0, V_buf, E_V] (L, n, kv), the masks of their
-    columns that carry the step (L, ku), (L, kv) (False: a fill direction of
-    :func:`orth_complement_fixed`, or a padded column) and the layers' failure flags (L,): both
+    """Ū = [U0, U_buf, E_U] (N, m, ku), V̄ = [V0, V_buf, E_V] (N, n, kv), the masks of their
+    columns that carry the step (N, ku), (N, kv) (False: a fill direction of
+    :func:`orth_complement_fixed`, or a padded column) and the layers' failure flags (N,): both
     sides in one call where their shapes agree (a square layer). With `pad` (layers of several
     ranks in one group, :class:`Padding`) the zero columns of [U0, U_buf] and [V0, V_buf] are
     replaced by orthonormal fill directions orthogonal to everything else in Ū, V̄."""
     Uk, Vk = torch.cat([U0, U_buf], -1), torch.cat([V0, V_buf], -1)
     extra, rtol = (0, None) if pad is None else (len(pad.slots), pad.rtol)
     if Uk.shape == Vk.shape and dK.shape == dL.shape:
-        L = Uk.shape[0]
+        N = Uk.shape[0]
         rt = None if rtol is None else torch.cat([rtol, rtol])
         E, valid, failed = orth_complement_fixed(torch.cat([Uk, Vk]), torch.cat([dK, dL]), width=width,
                                                  extra=extra, rtol=rt, robust=robust, fills=fills)
-        EU, EV, vU, vV, fU, fV = E[:L], E[L:], valid[:L], valid[L:], failed[:L], failed[L:]
+        EU, EV, vU, vV, fU, fV = E[:N], E[N:], valid[:N], valid[N:], failed[:N], failed[N:]
     else:
         EU, vU, fU = orth_complement_fixed(Uk, dK, width=width, extra=extra, rtol=rtol, robust=robust,
                                            fills=fills)
@@ -202,9 +203,9 @@ def augment_group(U0: Tensor, V0: Tensor, dK: Tensor, dL: Tensor, U_buf: Tensor,
 
 class Padding(NamedTuple):
     """How a group of layers of one shape and several ranks is padded to one width (rank
-    buckets): each layer's [U0, U_buf] (L, m, R + B) holds its r columns, zeros up to R, its b
-    buffer columns, zeros up to R + B. ``old`` (L, R + B) bool: the real columns; ``slots``:
-    the column indices padded in some layer (host ints); ``rtol`` (L,): each layer's threshold
+    buckets): each layer's [U0, U_buf] (N, m, R + B) holds its r columns, zeros up to R, its b
+    buffer columns, zeros up to R + B. ``old`` (N, R + B) bool: the real columns; ``slots``:
+    the column indices padded in some layer (host ints); ``rtol`` (N,): each layer's threshold
     of the eigen filter for its own r columns (:func:`rankwise.linalg.gram_rtol`)."""
 
     old: Tensor
@@ -213,7 +214,7 @@ class Padding(NamedTuple):
     index: Tensor  # the slots as a device index
 
     def fill(self, Q0: Tensor, F: Tensor) -> Tensor:
-        """Q0 (L, m, R + B) with its zero columns replaced by the fill directions F (L, m,
+        """Q0 (N, m, R + B) with its zero columns replaced by the fill directions F (N, m,
         len(slots)), slot by slot."""
         keep = self.old.index_select(-1, self.index)[:, None, :]
         cols = torch.where(keep, Q0.index_select(-1, self.index), F)
@@ -246,12 +247,12 @@ def tangent_blocks(r0: int, EU: Tensor, EV: Tensor, S: Tensor | None = None, K: 
                    L: Tensor | None = None) -> Tensor:
     r"""A tangent-space matrix M = U0 S V0ᵀ + (I − U0U0ᵀ) K V0ᵀ + U0 Lᵀ (I − V0V0ᵀ) in augmented
     coordinates Ūᵀ M V̄, Ū = [U0, E_U], V̄ = [V0, E_V] (E_U ⟂ U0, E_V ⟂ V0):
-    ``[[S, Lᵀ E_V], [E_Uᵀ K, 0]]`` (B, r0 + a, r0 + b), in E_U's dtype. The one embedding of the
+    ``[[S, Lᵀ E_V], [E_Uᵀ K, 0]]`` (N, r0 + a, r0 + b), in E_U's dtype. The one embedding of the
     step: the Galerkin core (S0 + ΔS, ΔK, ΔL), the two-pass S state (the moments), the gradient
     the sensitivity scores read (G_S, G_K, G_L), the augmented point (S0 alone).
 
-    **Arguments:** `r0`: the old rank; `EU` (B, m, a), `EV` (B, n, b): the augmented bases'
-    columns after the first r0; `S` (B, r0, r0), `K` (B, m, r0), `L` (B, n, r0): the blocks
+    **Arguments:** `r0`: the old rank; `EU` (N, m, a), `EV` (N, n, b): the augmented bases'
+    columns after the first r0; `S` (N, r0, r0), `K` (N, m, r0), `L` (N, n, r0): the blocks
     (None: zero)."""
     out = EU.new_zeros(EU.shape[0], r0 + EU.shape[-1], r0 + EV.shape[-1])
     if S is not None:
@@ -265,7 +266,7 @@ def tangent_blocks(r0: int, EU: Tensor, EV: Tensor, S: Tensor | None = None, K: 
 
 def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
                mask_U: Tensor | None = None, mask_V: Tensor | None = None) -> Tensor:
-    """The single-pass Galerkin core S̄ = S̄(0) + Ūᵀ ΔW V̄ (L, ku, kv), in blocks
+    """The single-pass Galerkin core S̄ = S̄(0) + Ūᵀ ΔW V̄ (N, ku, kv), in blocks
     ``[[S0 + ΔS, ΔLᵀṼ], [ŨᵀΔK, 0]]`` (the tangent-space update ΔW = U0ΔSV0ᵀ + (I − U0U0ᵀ)ΔKV0ᵀ +
     U0ΔLᵀ(I − V0V0ᵀ) in the augmented bases: docs/lowrank.md, "One step, precisely"); the rows and
     columns of fill directions (masks False) are zero, as if those columns were not there."""
@@ -277,11 +278,11 @@ def core_group(U: Tensor, V: Tensor, S0: Tensor, dK: Tensor, dS: Tensor, dL: Ten
 
 
 def svd_gram(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Thin SVD of a batch of cores S (L, k1, k2) through the float64 Gram matrix: SᵀS = Q Λ Qᵀ
+    """Thin SVD of a batch of cores S (N, k1, k2) through the float64 Gram matrix: SᵀS = Q Λ Qᵀ
     (one batched ``eigh``), σ = √λ, and P the orthonormal factor of the QR of S Q (which, for
     an exact SVD, only normalises S qᵢ = σᵢ pᵢ; for σ at roundoff level it completes P with
     orthonormal columns). cuSOLVER's default SVD is several times slower at these sizes.
-    Returns P (L, k1, k), s (L, k), Q (L, k2, k), k = min(k1, k2), in the input's dtype."""
+    Returns P (N, k1, k), s (N, k), Q (N, k2, k), k = min(k1, k2), in the input's dtype."""
     k = min(S.shape[-2:])
     S64 = S.double()
     lam, W = torch.linalg.eigh(S64.mT @ S64)
@@ -293,7 +294,7 @@ def svd_gram(S: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
-    """Thin SVD P (L, k1, k), s (L, k), Q (L, k2, k) of a batch of finite cores, in one call.
+    """Thin SVD P (N, k1, k), s (N, k), Q (N, k2, k) of a batch of finite cores, in one call.
     `method`: ``"svd"`` (LAPACK / cuSOLVER's ``torch.linalg.svd``), ``"gram"``
     (:func:`svd_gram`) or ``"auto"``: ``"gram"`` for float32 cores on CUDA (its float64 Gram
     matrix resolves σ down to ~1e-8·σ_max, below float32's own roundoff), ``"svd"`` for float64
@@ -322,7 +323,7 @@ def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: T
 
 def sized_plan(U: Tensor, V: Tensor, S: Tensor, r0: int, mU: Tensor, mV: Tensor, failed: Tensor,
                k0: int, svd: str = "auto") -> GroupPlan:
-    """The plan of a group's augmented core S (L, ku, kv): its SVD (:func:`svd_group`), each
+    """The plan of a group's augmented core S (N, ku, kv): its SVD (:func:`svd_group`), each
     non-finite core replaced by zeros first (``finite`` says so: the factorisation never sees
     NaN), each layer's exact core size k = min(ku, kv) and its new directions (the wider
     side's), counted on the masks (k0: the padded width of [U0, U_buf])."""
@@ -335,15 +336,15 @@ def sized_plan(U: Tensor, V: Tensor, S: Tensor, r0: int, mU: Tensor, mV: Tensor,
 
 def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
                     size: Tensor | None = None) -> Tensor:
-    """The rank of each layer under its tolerance (L,) as the papers' rule picks
+    """The rank of each layer under its tolerance (N,) as the papers' rule picks
     it, on the device: the smallest r with ‖s[r:]‖ ≤ τ‖s‖ (at least 1), capped at the numerical
-    rank (σ > k·eps·σ_max), then clamped to [min_rank, max_rank] and to [1, k]. s (L, kp)
-    descending; `size` (L,): each layer's k (default kp; entries beyond it are zeros of fill
-    directions). Returns (L,) int64."""
-    L, k = s.shape
-    size = torch.full((L,), k, device=s.device) if size is None else size
+    rank (σ > k·eps·σ_max), then clamped to [min_rank, max_rank] and to [1, k]. s (N, kp)
+    descending; `size` (N,): each layer's k (default kp; entries beyond it are zeros of fill
+    directions). Returns (N,) int64."""
+    N, k = s.shape
+    size = torch.full((N,), k, device=s.device) if size is None else size
     if k == 0:
-        return torch.zeros(L, dtype=torch.int64, device=s.device)
+        return torch.zeros(N, dtype=torch.int64, device=s.device)
     tol = tau.to(torch.float64) * torch.linalg.vector_norm(s, dim=-1).double()
     r = tail_count(s, tol.to(s.dtype)).clamp(1, k)
     numerical = (s > s[:, :1] * (size[:, None].to(s.dtype) * torch.finfo(s.dtype).eps)).sum(-1)
@@ -353,8 +354,8 @@ def tolerance_ranks(s: Tensor, tau: Tensor, min_rank: Tensor, max_rank: Tensor,
 
 
 def masked_qr(X: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
-    """Thin QR ``X = Q R`` (diag(R) > 0) of a batch X (L, m, k) whose columns where `real`
-    (L, k) is False are zero: those columns stay zero in Q and are the identity in R (so R is
+    """Thin QR ``X = Q R`` (diag(R) > 0) of a batch X (N, m, k) whose columns where `real`
+    (N, k) is False are zero: those columns stay zero in Q and are the identity in R (so R is
     invertible). Cholesky QR, twice, on the float64 Gram matrix: for the nearly orthonormal
     bases it is used on (re-orthonormalisation) it is as accurate as Householder QR."""
     Q, R = X, None

@@ -2,7 +2,7 @@ r"""The rank-adaptive augmented BUG step as functions of tensors and numbers (no
 
 As ``torch.optim.adam`` keeps its math in ``_multi_tensor_adam(params, grads, …, lr=…)``, the
 optimizer :class:`~rankwise.AugmentedBUG` only collects, calls these functions and writes back.
-Everything is batched over a *group* of L layers of one shape: their factors, gradients and
+Everything is batched over a *group* of N layers of one shape: their factors, gradients and
 rule states stacked along a leading dimension and zero-padded to the group's largest rank R
 and buffer B (:class:`Stack`; the padding's layout is a :class:`._step.Padding`). A group of
 one layer, unpadded, is the degenerate case.
@@ -17,8 +17,8 @@ one layer, unpadded, is the degenerate case.
    calls :func:`truncate`: the new bases of every layer from one product at the group's widest
    rank, the rule states carried into the new bases (or reset).
 
-Shapes: U (L, m, R), S (L, R, R), V (L, n, R), G_K like U, G_S like S, G_L like V, buffers
-(L, m, B), (L, n, B); each layer's own r ≤ R columns first, zeros after.
+Shapes: U (N, m, R), S (N, R, R), V (N, n, R), G_K like U, G_S like S, G_L like V, buffers
+(N, m, B), (N, n, B); each layer's own r ≤ R columns first, zeros after.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class TwoPass(NamedTuple):
 
 
 class Ranks(NamedTuple):
-    """The tolerance rule's numbers per layer (L,): τ, the rank bounds."""
+    """The tolerance rule's numbers per layer (N,): τ, the rank bounds."""
 
     tau: Tensor
     min_rank: Tensor
@@ -156,7 +156,7 @@ def augment(x: Stack, rule: Rule, hp: Mapping[str, Any], *, reorth: bool, width:
 
 
 def finish(t: TwoPass, G: Tensor, rule: Rule, core_hp: Mapping[str, Any], *, ranks: Ranks | None) -> Planned:
-    """Two-pass BUG's second phase: the S rule on the core gradient G (L, ku, kv) measured at the
+    """Two-pass BUG's second phase: the S rule on the core gradient G (N, ku, kv) measured at the
     augmented point (fill directions masked out, as if absent), the core's SVD, the ranks."""
     mask = (t.mU[:, :, None] & t.mV[:, None, :]).to(t.S0.dtype)
     core_hp = scaled(core_hp, t.U.shape[-2], t.V.shape[-2])
@@ -169,7 +169,7 @@ def finish(t: TwoPass, G: Tensor, rule: Rule, core_hp: Mapping[str, Any], *, ran
 
 def augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Tensor, mU: Tensor,
                          mV: Tensor, r0: int) -> State:
-    r"""Two-pass BUG: the S rule's state in the augmented coordinates (Ū, V̄) (L, ku, kv), from
+    r"""Two-pass BUG: the S rule's state in the augmented coordinates (Ū, V̄) (N, ku, kv), from
     the S, K *and* L states of the old bases (before this step's rule calls); rows and columns
     of fill directions zero.
 
@@ -200,9 +200,9 @@ def augmented_core_state(st_S: State, st_K: State, st_L: State, U: Tensor, V: Te
 
 class Truncated(NamedTuple):
     """A group truncated to its layers' new ranks r1 and buffers b1, at the group's widest:
-    ``U`` (L, m, c) = Ū P[:, :c], ``V`` (L, n, c) = V̄ Q[:, :c] (c = max r1 + b1: layer i's new U
-    is ``U[i, :, :r1]``, its buffer ``U[i, :, r1:r1 + b1]``), ``S`` (L, t, t) diagonal (t = max
-    r1), and the rule states in the new bases (K (L, m, t), L (L, n, t), S (L, t, t); empty
+    ``U`` (N, m, c) = Ū P[:, :c], ``V`` (N, n, c) = V̄ Q[:, :c] (c = max r1 + b1: layer i's new U
+    is ``U[i, :, :r1]``, its buffer ``U[i, :, r1:r1 + b1]``), ``S`` (N, t, t) diagonal (t = max
+    r1), and the rule states in the new bases (K (N, m, t), L (N, n, t), S (N, t, t); empty
     with ``moments="reset"``)."""
 
     U: Tensor
@@ -234,7 +234,7 @@ def truncate(p: Planned, r1: list[int], b1: list[int], *, moments: str, two_pass
 
 def core(S: Tensor, G: Tensor, state: State, rule: Rule,
          core_hp: Mapping[str, Any]) -> tuple[Tensor, State, Tensor]:
-    """Between augmentations: the rule on a group's cores S (L, R, R) with gradients G; returns
+    """Between augmentations: the rule on a group's cores S (N, R, R) with gradients G; returns
     the new cores, the new state and a device bool (the new cores are finite). The group's
     layers may differ in shape: `core_hp` carries their ``weight_scale`` where the rule uses it."""
     dS, new = rule(G, S, state, core_hp)
@@ -246,9 +246,9 @@ def by_sensitivity(p: Planned, previous: tuple[Tensor, Tensor] | None, cost: Ten
                    beta2: float) -> tuple[Planned, tuple[Tensor, Tensor], Tensor]:
     """The data-aware budget (:mod:`._sensitivity`): each layer's SVD directions reordered by
     their smoothed sensitivity scores (the directions beyond each layer's core size, fills, last).
-    `previous`: the smoothed importance and uncertainty of the old directions (L, R) (None: no
-    history); `cost` (L,): each layer's parameters per unit of rank (m + n). Returns the
-    reordered plan, the smoothed values in that order (L, k) and the scores per cost (L, k)."""
+    `previous`: the smoothed importance and uncertainty of the old directions (N, R) (None: no
+    history); `cost` (N,): each layer's parameters per unit of rank (m + n). Returns the
+    reordered plan, the smoothed values in that order (N, k) and the scores per cost (N, k)."""
     from . import _sensitivity as sens
 
     plan, f = p.plan, p.f
