@@ -15,7 +15,17 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from distributed import run_world
-from rankwise.ckpt import Code2D, CodedStorageReader, CodedStorageWriter, _dcp, _dcp_meta, _format, _store
+from rankwise.ckpt import (
+    Code2D,
+    CodedStorageReader,
+    CodedStorageWriter,
+    Commitment,
+    _dcp,
+    _dcp_meta,
+    _format,
+    _store,
+    read_fragment,
+)
 
 
 def _sd(seed: int) -> dict:
@@ -44,8 +54,8 @@ def _metadata(folder: Path) -> tuple:
     return _dcp_meta.decode_file(_store.read_metadata(folder / _dcp.META))
 
 
-def _commitment(folder: Path) -> _format.Commitment:
-    return _format.Commitment.from_bytes(_metadata(folder)[1])
+def _commitment(folder: Path) -> Commitment:
+    return Commitment.from_bytes(_metadata(folder)[1])
 
 
 def test_one_process_writes_n_folders_and_reads_past_t_lost_or_damaged_ones(tmp_path):
@@ -127,9 +137,9 @@ def test_a_resealed_metadata_in_any_folder_is_outvoted(tmp_path):
     dcp.save(sd, storage_writer=CodedStorageWriter(ck, t=1, n=4))
     for bad in (0, 3):
         md, raw = _metadata(ck / f"rank{bad}")
-        com = _format.Commitment.from_bytes(raw)
-        forged = _format.Commitment(com.n, com.t, com.data_len + 1, com.block_size, com.hash, com.codec,
-                                    com.line_roots, com.root)  # the root kept, a field changed
+        com = Commitment.from_bytes(raw)
+        forged = Commitment(com.n, com.t, com.data_len + 1, com.block_size, com.hash, com.codec,
+                            com.line_roots, com.root)  # the root kept, a field changed
         body = _dcp_meta.encode_file(md, forged.to_bytes())
         saved = (ck / f"rank{bad}" / _dcp.META).read_bytes()
         _store.write_metadata(ck / f"rank{bad}" / _dcp.META, body)  # sealed anew
@@ -254,7 +264,7 @@ def test_four_ranks_code_their_shares_rebuild_a_wiped_rank_from_2m_over_k_and_lo
     com = _commitment(ck / "rank0")
     # the encode across ranks gives the bytes one process gives for the same checkpoint
     code = Code2D(4, 1)
-    frags = [_store.read_fragment(ck / f"rank{i}" / _dcp.FRAGMENT, com) for i in range(4)]
+    frags = [read_fragment(ck / f"rank{i}" / _dcp.FRAGMENT, com) for i in range(4)]
     m = code.retrieve(frags, com)
     ref = code.encode(m)
     assert ref.commitment.root == com.root

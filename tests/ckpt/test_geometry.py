@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from rankwise.ckpt import _layout, _store
-from rankwise.ckpt._format import COMMITMENT, Commitment, seal
+from rankwise.ckpt import Commitment, _layout, _store
+from rankwise.ckpt._format import COMMITMENT, seal
 
 
 def _forged(n: int, d: int, roots: bytes = b"") -> bytes:
@@ -37,7 +37,8 @@ def test_error_texts_quote_no_file_content(tmp_path):
     bytes into the status a restore sends to every peer. The parsers of what one rank's folder
     holds (fragment, repair symbols, commitment, sealed metadata and the metadata's JSON) name
     the problem, never the bytes."""
-    from rankwise.ckpt._format import METADATA, Fragment, RepairSymbols
+    from rankwise.ckpt import Fragment, RepairSymbols
+    from rankwise.ckpt._format import METADATA
 
     secret = b"SECRETKEY=hunter2-" * 8
     for parse in (Fragment.from_bytes, RepairSymbols.from_bytes, Commitment.from_bytes):
@@ -68,7 +69,7 @@ def _metadata_in_steps(root, steps) -> None:
 
 
 def _bare_checkpointer(root, keep: int = 2):
-    from rankwise.ckpt._checkpointer import CodedCheckpointer
+    from rankwise.ckpt import CodedCheckpointer
 
     ck = CodedCheckpointer.__new__(CodedCheckpointer)
     ck.root_dir, ck.rank, ck.keep, ck.scan_seconds = root, 0, keep, 60.0

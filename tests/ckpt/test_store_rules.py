@@ -321,7 +321,7 @@ def test_only_the_stores_own_step_names_are_steps(tmp_path, name, step):
     """A step folder is exactly step_{s:010d} in ASCII digits with s < 2⁶⁴: `step_25` was read as
     step 25 by the vote and then not found; twenty nines raised struct.error; `step_²` passed
     isdigit() and failed int() (in _prune too, failing every save)."""
-    from rankwise.ckpt._checkpointer import CodedCheckpointer
+    from rankwise.ckpt import CodedCheckpointer
 
     _store.write_metadata(tmp_path / name / "rank0" / META, b"{}")
     ck = CodedCheckpointer.__new__(CodedCheckpointer)
@@ -330,7 +330,7 @@ def test_only_the_stores_own_step_names_are_steps(tmp_path, name, step):
 
 
 def _pruner(root: Path, steps: list[int]):
-    from rankwise.ckpt._checkpointer import CodedCheckpointer
+    from rankwise.ckpt import CodedCheckpointer
 
     ck = CodedCheckpointer.__new__(CodedCheckpointer)
     ck.root_dir, ck.rank, ck.keep = root, 0, 1
