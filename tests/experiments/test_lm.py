@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import rankwise
-from rankwise.data._bytes import ByteTokenizer, load_bbc_text, random_windows, sequential_windows
+from rankwise.data import load_bbc_text, random_windows
+from rankwise.data._bytes import ByteTokenizer, sequential_windows
 from rankwise.models import gpt
 
 

@@ -14,9 +14,14 @@ import pytest
 import torch
 from torch import nn
 
-from rankwise.nn import LowRankLinear, compression, export, to_low_rank
-from rankwise.nn._attention import LowRankMultiheadAttention
-from rankwise.nn._hf import LowRankConv1D
+from rankwise.nn import (
+    LowRankConv1D,
+    LowRankLinear,
+    LowRankMultiheadAttention,
+    compression,
+    export,
+    to_low_rank,
+)
 from rankwise.optim import DLRT
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny SVDs: threads only wait on each other

@@ -18,8 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rankwise.models import lenet, mlp
-from rankwise.nn import LowRankConv2d, LowRankLinear, export, to_low_rank
-from rankwise.nn._base import AbstractLowRankLayer
+from rankwise.nn import AbstractLowRankLayer, LowRankConv2d, LowRankLinear, export, to_low_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 F64 = torch.float64

@@ -1,6 +1,6 @@
 """save_pretrained / from_pretrained of converted Hugging Face models (GPT-2, Llama, BERT from
 tiny configs): the merged export reloads with HF's own loader, and
-rankwise.nn._pretrained.from_pretrained restores the low-rank model, at its per-layer ranks."""
+rankwise.nn.from_pretrained restores the low-rank model, at its per-layer ranks."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import warnings
 import pytest
 import torch
 
-from rankwise.nn import export, to_low_rank
-from rankwise.nn._base import AbstractLowRankLayer
-from rankwise.nn._pretrained import from_pretrained
+from rankwise.nn import AbstractLowRankLayer, export, from_pretrained, to_low_rank
 
 transformers = pytest.importorskip("transformers")  # the rankwise[peft] extra; make test installs it
 transformers.logging.set_verbosity_error()

@@ -9,11 +9,10 @@ import torch
 from torch import nn
 
 import rankwise
-from rankwise import DLRT, SDLRT, LowRankLinear
+from rankwise import DLRT, SDLRT, AugmentedBUG, LowRankLinear
 from rankwise._opcount import OpCounter, step_counts
 from rankwise.models import gpt
 from rankwise.optim import _step
-from rankwise.optim._optim import AugmentedBUG
 from rankwise.optim.rules._rules import adam, foreach_update, sgd
 from reference_bug import choose_rank, new_directions
 
@@ -370,17 +369,15 @@ def test_sdlrt_with_momentum_narrows_its_augmentation(monkeypatch):
     """In float32 with momentum, ΔK lies mostly in span[U0, U_buf]: layers keep fewer new
     directions than their rank, and the next augmentation makes room for 2e + 4 < r of them,
     so Ū is narrower than [U0, U_buf] plus r new columns."""
-    from rankwise.optim import _step as step_mod
-
     widths = []
-    plan = step_mod.plan_group
+    plan = _step.plan_group
 
     def spy(*a, **k):
         out = plan(*a, **k)
         widths.append((out.U.shape[-1], a[0].shape[-1] + a[6].shape[-1] + a[0].shape[-1]))
         return out
 
-    monkeypatch.setattr(step_mod, "plan_group", spy)
+    monkeypatch.setattr(_step, "plan_group", spy)
     torch.manual_seed(0)
     model = nn.Sequential(LowRankLinear(256, 256, 16), nn.Tanh(), LowRankLinear(256, 256, 16))
     X, Y = torch.randn(256, 256), torch.randn(256, 256)
@@ -642,7 +639,6 @@ def test_ops_of_a_padded_group_do_not_grow_with_the_number_of_ranks():
     """Eight layers of one shape at four ranks of one bucket take one group: the optimizer's
     kernel ops (views aside) within 1.2× of the same layers at one rank; in groups of one rank
     (`implementation="exact"`) they are 2× or more."""
-    from rankwise._opcount import OpCounter
 
     def kernels(ranks, implementation="batched"):
         torch.manual_seed(0)
@@ -668,7 +664,6 @@ def test_the_functional_step_is_a_truncated_projected_gradient_step_without_an_o
     of W0 − lr·P_T(∇W) (P_T: the projection onto the tangent space at W0), computed densely."""
     from rankwise.optim import functional as F
     from rankwise.optim._batched import _stack
-    from rankwise.optim._integrators import Factors
 
     g = torch.Generator().manual_seed(4)
     m, n, lr = 12, 10, 0.3
@@ -680,7 +675,7 @@ def test_the_functional_step_is_a_truncated_projected_gradient_step_without_an_o
         layers.append((U, S, V))
         grads.append(torch.randn(m, n, generator=g, dtype=F64))
     pairs = list(zip(layers, grads, strict=True))
-    f = Factors(*(_stack(ts, F64) for ts in (
+    f = F.Factors(*(_stack(ts, F64) for ts in (
         [U for U, _, _ in layers], [S for _, S, _ in layers], [V for _, _, V in layers],
         [G @ V for (_, _, V), G in pairs], [U.T @ G @ V for (U, _, V), G in pairs],
         [G.T @ U for (U, _, _), G in pairs],

@@ -9,7 +9,7 @@ from torch import nn
 import rankwise
 from helpers import F64, mse_closure
 from rankwise.nn import LowRankLinear
-from rankwise.optim._average import DenseEMA, dense_parameters
+from rankwise.optim import DenseEMA
 
 
 def _model() -> nn.Sequential:
@@ -68,7 +68,7 @@ def test_first_update_copies_and_decay_one_holds():
     with torch.no_grad():
         model[0].S.mul_(2)
     ema.update(model)  # the first update copies, as AveragedModel's
-    torch.testing.assert_close(ema.module[0].weight, dense_parameters(model)["0.weight"])
+    torch.testing.assert_close(ema.module[0].weight, _dense(model)["0.weight"])
     with torch.no_grad():
         model[0].S.mul_(2)
     ema.update(model)

@@ -12,7 +12,6 @@ from torch import nn
 
 import rankwise
 from rankwise.optim import Settings
-from rankwise.optim.rules._settings import rule_from
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -91,7 +90,7 @@ def test_the_presets_keyword_arguments_build_the_rule():
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.8, 0.9), 1e-6, 0.0)
     assert rankwise.SDLRT(m, 0.1, tau=0.1, rule=rankwise.Adam()).settings.rule == rankwise.Adam()
     with pytest.raises(ValueError, match=r"`momentum` is SGD's .* the rule is 'adam': it would be unused"):
-        rule_from("adam", momentum=0.9)  # (it was silently dropped)
+        rankwise.SDLRT(m, 0.1, tau=0.1, optimizer="adam", momentum=0.9)  # (it was silently dropped)
     with pytest.raises(ValueError, match="`betas` and `eps` are Adam's"):
         rankwise.DLRT(m, 0.1, tau=0.1, betas=(0.9, 0.99), eps=1e-6)  # (the rule is SGD: they stayed unused)
 

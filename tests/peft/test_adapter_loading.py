@@ -66,7 +66,7 @@ def test_load_adapter_refuses_non_finite_factors_by_name(tmp_path):
 def test_load_adapter_puts_the_model_back_when_applying_fails(tmp_path, monkeypatch):
     """A failure after the checks (here: raised once everything was written) restores the
     factors and the saved modules as they were."""
-    from rankwise.peft import _model
+    from rankwise.peft import _model, load_adapter
 
     d, fresh = _adapter_case(tmp_path, ["classifier"])
     apply = _model._apply
@@ -80,6 +80,6 @@ def test_load_adapter_puts_the_model_back_when_applying_fails(tmp_path, monkeypa
 
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
     with pytest.raises(RuntimeError, match="disk gone"):
-        _model.load_adapter(fresh, d)
+        load_adapter(fresh, d)
     after = fresh.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)

@@ -14,9 +14,8 @@ from torch import nn
 import rankwise
 from helpers import F64, step_beside_torch
 from rankwise.nn import LowRankLinear
-from rankwise.optim import DLRT, Settings
+from rankwise.optim import DLRT, AdamW, Settings
 from rankwise.optim.rules._rules import adam, foreach_update
-from rankwise.optim.rules._settings import AdamW
 
 ROOT = Path(__file__).resolve().parents[2]
 
