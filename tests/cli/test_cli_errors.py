@@ -81,10 +81,13 @@ def test_ckpt_user_errors_are_one_line(tmp_path):
     (256, 1, "(n must be at most 255; with n=255, t can be at most 84)"),
     (4.0, 1, "n and t must be integers"), (4, True, "n and t must be integers")])
 def test_the_code_geometry_problem_says_which_bound_to_move(n, t, hint):
-    from rankwise._checks import code_geometry_problem
+    from rankwise.ckpt import Code2D
 
-    assert hint in code_geometry_problem(n, t)
-    assert all(code_geometry_problem(n, t) is None for n, t in [(4, 1), (7, 2), (255, 84)])
+    with pytest.raises(ValueError) as e:
+        Code2D(n, t)
+    assert hint in str(e.value)
+    for n, t in [(4, 1), (7, 2), (255, 84)]:  # the bounds themselves are no problem
+        Code2D(n, t)
 
 
 def test_sweep_and_ode_user_errors_are_one_line(tmp_path):
@@ -269,10 +272,10 @@ def test_flags_show_no_bool_type(command):
 
 
 def test_version():
-    from rankwise import __version__
+    import rankwise
 
     r = run_cli("--version")
-    assert r.exit_code == 0 and r.stdout.strip() == f"rankwise {__version__}"
+    assert r.exit_code == 0 and r.stdout.strip() == f"rankwise {rankwise.__version__}"
 
 
 def test_written_files_follow_the_umask(tmp_path):

@@ -12,10 +12,10 @@ def test_a_negative_seed_is_refused_at_once_naming_the_option(tmp_path, command)
 
     r = run_cli(command, "--seed", "-1", "--out", tmp_path / "o")
     assert r.exit_code == 2 and "--seed" in r.stderr and not (tmp_path / "o").exists()
-    from rankwise._checks import check_training
+    from rankwise.train import TrainConfig
 
     with pytest.raises(ValueError, match=r"`seed` must be in \[0, 2\*\*32\)"):
-        check_training(seed=2**32)
+        TrainConfig(seed=2**32)
 
 
 def test_train_refuses_options_that_would_be_ignored_or_misplaced(tmp_path):
