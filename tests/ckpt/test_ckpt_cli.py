@@ -5,7 +5,11 @@ import random
 from pathlib import Path
 
 from helpers import run_cli
-from rankwise.ckpt._layout import FRAGMENT, META
+from rankwise.ckpt import _layout, _store
+from rankwise.ckpt._format import METADATA, commitment_root, seal
+from rankwise.ckpt._layout import FRAGMENT, META, file_metadata, scan
+from rankwise.ckpt._merkle import get_hash
+from rankwise.ckpt._store import read_metadata
 
 PARTY = sorted([FRAGMENT, META])
 
@@ -20,9 +24,6 @@ def _encode(tmp_path: Path, data: bytes, n: int = 4, t: int = 1, folder: Path | 
 
 def _metadata(folder: Path, n: int, com, data_len: int) -> None:
     """Every worker's metadata replaced by one that holds `com` (what a writer of the folder does)."""
-    from rankwise.ckpt._format import METADATA, seal
-    from rankwise.ckpt._layout import file_metadata
-
     for i in range(n):
         (folder / f"rank{i}" / META).write_bytes(seal(METADATA, file_metadata(data_len, com)))
 
@@ -30,8 +31,6 @@ def _metadata(folder: Path, n: int, com, data_len: int) -> None:
 def _resealed(com, *, keep_root: bool, **changes):
     """The commitment with fields changed and its root kept or recomputed (a forger's)."""
     from rankwise.ckpt import Commitment
-    from rankwise.ckpt._format import commitment_root
-    from rankwise.ckpt._merkle import get_hash
 
     fields = {f: getattr(com, f) for f in ("n", "t", "data_len", "block_size", "hash", "codec", "line_roots",
                                            "version")}
@@ -42,8 +41,6 @@ def _resealed(com, *, keep_root: bool, **changes):
 
 
 def _commitment(folder: Path):
-    from rankwise.ckpt._layout import scan
-
     return scan(folder, fragments=False).com
 
 
@@ -135,9 +132,6 @@ def test_malformed_metadata_held_by_a_quorum_is_refused_in_one_line(tmp_path):
     """Sealed, with a valid commitment, but its storage_data entries malformed."""
     import json
 
-    from rankwise.ckpt._format import METADATA, seal
-    from rankwise.ckpt._store import read_metadata
-
     folder, _ = _encode(tmp_path, random.Random(8).randbytes(5_000))
     doc = json.loads(read_metadata(folder / "rank0" / META))
     for bad in ([[1]], [["file", None], 7]):
@@ -200,7 +194,7 @@ def test_without_a_quorum_or_a_checkpoint_nothing_is_read_and_torch_is_never_imp
 def test_retrieve_compares_the_pinned_root_before_reading_any_fragment(tmp_path, monkeypatch):
     """Issue 41, attack 5: a forged commitment with large worker files was refused only after
     every worker file was read and verified."""
-    from rankwise.ckpt import Code2D, _store
+    from rankwise.ckpt import Code2D
 
     folder, _ = _encode(tmp_path, random.Random(7).randbytes(5_000))
 
@@ -275,8 +269,6 @@ def test_encode_force_drops_the_old_metadata_first_and_only_our_stale_folders(tm
     """--force over a 7-worker checkpoint with a 4-worker one: stale rank4…6 holding only a fragment
     and metadata go, one holding a user's file stays (less its metadata); an encode interrupted
     after two workers leaves no checkpoint that looks complete (no quorum)."""
-    from rankwise.ckpt import _layout
-
     folder, _ = _encode(tmp_path, random.Random(5).randbytes(30_000), n=7, t=2)
     (folder / "rank5" / "notes.txt").write_text("mine")
     (folder / "notes.txt").write_text("mine too")
@@ -325,9 +317,6 @@ def test_encode_refuses_part_of_a_checkpoint_without_force(tmp_path):
 
 def test_inspect_of_metadata_whose_entries_are_no_mapping_is_not_an_internal_error(tmp_path):
     import json
-
-    from rankwise.ckpt._format import METADATA, seal
-    from rankwise.ckpt._store import read_metadata
 
     folder, _ = _encode(tmp_path, random.Random(11).randbytes(5_000))
     doc = json.loads(read_metadata(folder / "rank0" / META))

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from rankwise.ckpt import Commitment, _layout, _store
-from rankwise.ckpt._format import COMMITMENT, seal
+from rankwise.ckpt._format import CODEC, COMMITMENT, METADATA, commitment_root, fragment_size, seal
 
 
 def _forged(n: int, d: int, roots: bytes = b"") -> bytes:
@@ -38,7 +38,6 @@ def test_error_texts_quote_no_file_content(tmp_path):
     holds (fragment, repair symbols, commitment, sealed metadata and the metadata's JSON) name
     the problem, never the bytes."""
     from rankwise.ckpt import Fragment, RepairSymbols
-    from rankwise.ckpt._format import METADATA
 
     secret = b"SECRETKEY=hunter2-" * 8
     for parse in (Fragment.from_bytes, RepairSymbols.from_bytes, Commitment.from_bytes):
@@ -115,7 +114,6 @@ def _forged_whole(block: int) -> Commitment:
     """A commitment forged whole: consistent in itself (its fields hash to its root) for a state of
     9 blocks of `block` bytes (n = 4, t = 1, k = 3), with made-up line roots."""
     from rankwise.ckpt import _merkle
-    from rankwise.ckpt._format import CODEC, commitment_root
 
     roots = tuple(bytes([i]) * 32 for i in range(8))
     fields = dict(n=4, t=1, data_len=9 * block, block_size=block, hash="sha256", codec=CODEC)
@@ -128,8 +126,6 @@ def test_a_fragment_is_sized_and_its_header_checked_before_its_body_is_read(tmp_
     sparse fragment into memory before it found no header. Every folder's metadata holding that
     commitment (a quorum), a fragment must still have exactly its geometry's size and a header
     that fits it, both checked before any of its body is read."""
-    from rankwise.ckpt._format import fragment_size
-
     com = _forged_whole(1 << 30)
     body = _layout.file_metadata(com.data_len, com)
     for i in range(4):

@@ -16,7 +16,7 @@ import pytest
 
 from helpers import one_line_error as _one_line_error
 from helpers import run_cli
-from rankwise.cli._common import _HELD, LOCK_FILE
+from rankwise.cli._common import _HELD, LOCK_FILE, earlier_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -113,7 +113,6 @@ def test_ckpt_encode_on_a_full_disk_is_one_line_and_the_rerun_works(tmp_path, mo
 
 def test_train_on_a_full_disk_is_one_line_and_leaves_nothing_that_blocks_the_rerun(tmp_path, monkeypatch):
     from rankwise.cli._app import RUN_OUTPUTS
-    from rankwise.cli._common import earlier_outputs
     from rankwise.experiments import train_run
 
     def full(path, data, **kw):
@@ -170,8 +169,6 @@ def test_ckpt_repair_checks_the_folder_is_writable_before_the_work(tmp_path, mon
 
 def test_an_existing_read_only_out_is_called_not_writable(tmp_path, monkeypatch):
     """A read-only existing --out said "cannot create it"."""
-    from rankwise.cli import _common
-
     real = os.open
 
     def refused(path, *a, **k):
@@ -181,7 +178,7 @@ def test_an_existing_read_only_out_is_called_not_writable(tmp_path, monkeypatch)
 
     out = tmp_path / "ro"
     out.mkdir()
-    monkeypatch.setattr(_common.os, "open", refused)
+    monkeypatch.setattr(os, "open", refused)  # the lock file is opened through os.open
     msg = _one_line_error(run_cli("train", "--out", out), "train", 1)
     assert f"--out {out} is not writable (Permission denied)" in msg and "cannot create" not in msg
     msg = _one_line_error(run_cli("train", "--out", tmp_path / "new" / "x"), "train", 1)

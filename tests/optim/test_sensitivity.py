@@ -12,7 +12,6 @@ from torch import nn
 import rankwise
 from rankwise.nn._budget import allocate_ranks, layer_cost
 from rankwise.optim import _sensitivity as sens
-from rankwise.optim._integrators import thin_svd
 from rankwise.optim._step import augment_group, tangent_blocks
 
 F64 = torch.float64
@@ -56,7 +55,8 @@ def test_importance_is_sigma_times_the_loss_derivative_by_sigma():
     U0, _, V0, X, T, g = _problem(1)
     aug = _augment(U0, V0, g)
     S_bar = torch.randn(aug.U.shape[1], aug.V.shape[1], generator=g, dtype=F64)
-    P, s, Q = thin_svd(S_bar)
+    P, s, Qh = torch.linalg.svd(S_bar, full_matrices=False)  # S̄ = P diag(s) Qᵀ
+    Q = Qh.mT
     sigma = s.clone().requires_grad_()
     W = aug.U @ P @ torch.diag(sigma) @ Q.mT @ aug.V.mT
     _loss(W, X, T).backward()
