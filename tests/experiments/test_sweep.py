@@ -15,7 +15,7 @@ import torch
 
 from helpers import run_cli
 from rankwise.data import load_cifar, load_mnist, read_idx
-from rankwise.experiments._sweep_spec import TASK_LR
+from rankwise.experiments._sweep_spec import TASK_LR, RunSpec
 
 TINY = ["sweep", "--tasks", "lenet-digits", "--methods", "dense,sdlrt", "--taus", "0.2,0.4",
         "--seeds", "1", "--epochs", "1"]
@@ -135,8 +135,6 @@ def test_sweep_with_targets_lands_on_them(tmp_path):
 
 
 def test_stored_runs_conflict_only_on_settings_their_method_uses():
-    from rankwise.experiments._sweep_spec import RunSpec
-
     dense = RunSpec(task="lenet-digits", method="dense", tau=0.0, rank=32)
     assert dense.differences({**asdict(dense), "rank": 16, "omega": 0.5}) == {}  # dense reads neither
     assert dense.differences({**asdict(dense), "epochs": 3}) == {"epochs": (3, 5)}
@@ -169,7 +167,6 @@ def test_validation_split_is_stratified_and_disjoint_from_training():
 
 
 def test_every_method_trains_the_same_steps_dense_svd_fine_tuning_included():
-    from rankwise.experiments._sweep_spec import RunSpec
     from rankwise.experiments.sweep import run_one
 
     common = dict(task="lenet-digits", seed=0, epochs=2, dt_every=0)
