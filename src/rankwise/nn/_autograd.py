@@ -81,8 +81,8 @@ def _fn(plain):
     ``torch.export`` (Dynamo breaks the graph at a Function that defines ``jvp``); under torch.func
     transforms the subclass with a ``jvp`` (forward mode: ``jacfwd``, ``hessian``); else, in plain
     eager, the same Function in the ctx-in-forward style (with the ``jvp``), since torch binds the
-    arguments with ``inspect.signature`` on every call of a ``setup_context`` Function (~60 µs a
-    layer)."""
+    arguments with ``inspect.signature`` on every call of a ``setup_context`` Function (its cost:
+    docs/lowrank.md, "Choices made on a measurement")."""
     if torch.compiler.is_compiling():
         return plain
     fwd, eager = _VARIANTS[plain]

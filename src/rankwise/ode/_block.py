@@ -89,8 +89,8 @@ class LowRankODEBlock(nn.Module):
       ordering) or ``"start"`` (t: causal for a field driven by a piecewise-constant input,
       step i reads element i only). See :mod:`._ksl`.
     - `solver`: how the reverse solves its implicit substeps: ``"picard"`` (plain fixed point)
-      or ``"anderson"`` (Anderson-accelerated: about 20 % fewer field evaluations, but slower
-      in time at the sizes measured in docs/ode.md). See :mod:`._implicit`.
+      or ``"anderson"`` (Anderson-accelerated: fewer field evaluations, but slower in time at
+      the sizes measured in docs/ode.md). See :mod:`._implicit`.
 
     ``solve(state)`` takes a :class:`LowRankState` or a dense (B, m, n) tensor and returns an
     :class:`OdeSolution` (the final state, the tape, the statistics, which its backward pass

@@ -281,9 +281,9 @@ class _Group:
 CPU_CHUNK = 2**19
 """On the CPU a group is integrated in chunks of at most this many elements per stacked
 augmented basis (N·m·ku): larger temporaries are returned to the system and faulted back in
-at every step (glibc's malloc), which cost more than batching saves (a one-off measurement:
-4 × 2048² layers at rank 100 took 110 ms a step in one group against 81 ms layer by layer).
-Host reads are free there, so only the dispatched ops grow. On CUDA a group is never split."""
+at every step (glibc's malloc), which can cost more than batching saves (measured in
+docs/lowrank.md, "Choices made on a measurement"). Host reads are free there, so only the
+dispatched ops grow. On CUDA a group is never split."""
 
 
 def _chunks(key: tuple, names: list[str]) -> list[list[str]]:

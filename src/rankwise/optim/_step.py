@@ -299,7 +299,7 @@ def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
     (:func:`svd_gram`) or ``"auto"``: ``"gram"`` for float32 cores on CUDA (its float64 Gram
     matrix resolves σ down to ~1e-8·σ_max, below float32's own roundoff), ``"svd"`` for float64
     cores (whose users want float64 accuracy) and on the CPU (LAPACK's SVD is the faster there:
-    14 against 19 ms for 4 cores of 200² on 2 cores, a one-off measurement)."""
+    docs/lowrank.md, "Choices made on a measurement")."""
     if method == "auto":
         method = "gram" if S.is_cuda and S.dtype != torch.float64 else "svd"
     if method == "gram":

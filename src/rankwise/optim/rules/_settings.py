@@ -104,10 +104,10 @@ class AdamW(Adam):
 
 
 MOMENTS = ("auto", "rotate", "reset", "reset_m", "reset_v")
-# what moments="auto" means under each rule (issue 48's measurements, docs/lm.md): Muon's momentum
+# what moments="auto" means under each rule, chosen on the comparison in docs/lm.md: Muon's momentum
 # restarted at every truncation (ahead on the LLaMA-style LM and the digits MLP); Adam's rotated
-# (a reset was 0.03 bits ahead on the LM but 5 points behind on the digits MLP); SGD's rotated (a
-# reset at every step switches off the momentum asked for)
+# (a reset gained little on the LM and lost on the digits MLP); SGD's rotated (a reset at every
+# step switches off the momentum asked for)
 AUTO_MOMENTS = {"sgd": "rotate", "adam": "rotate", "adamw": "rotate", "muon": "reset"}
 
 
@@ -243,7 +243,7 @@ class Settings:
         "AdamW on the rest); its values start the param groups, where torch's "
         "schedulers may change them."))
     single_pass: bool = setting(True, help=(
-        "one closure call per step, the gradient projected onto the augmented bases (~2× cheaper); "
+        "one closure call per step, the gradient projected onto the augmented bases; "
         "``False``: classic two-pass BUG (the closure is called twice)."))
     min_rank: int = setting(2, help="the smallest rank a truncation keeps.")
     max_rank: int | None = setting(None, help="the largest rank (also capped per layer by its shape).")
@@ -262,11 +262,10 @@ class Settings:
         "rank that drifted raises ``RuntimeError`` naming it."))
     moments: Literal["auto", "rotate", "reset", "reset_m", "reset_v"] = setting("auto", help=(
         "``\"auto\"`` (the default): ``\"reset\"`` under :class:`Muon`, ``\"rotate\"`` under "
-        ":class:`Adam` and :class:`SGD`, what issue 48 measured best for each rule (docs/lm.md); "
+        ":class:`Adam` and :class:`SGD`, the better of the two for each rule in docs/lm.md's comparison; "
         "``\"rotate\"`` carries the rule's K, L and S moments into the new bases at every "
         "truncation (:func:`._rules.transport`); ``\"reset\"`` starts them afresh, with Adam's step "
-        "count (on a small GPT with the Adam rule 0.115 validation bits ahead of ``\"rotate\"``, "
-        "docs/lm.md); ``\"reset_m\"`` / ``\"reset_v\"`` restart only the first / second moment "
+        "count; ``\"reset_m\"`` / ``\"reset_v\"`` restart only the first / second moment "
         "(its bias correction counted from the restart) and rotate the other."))
     core_lr_ratio: float = setting(1.0, help="the core S's rate as a multiple of the bases' K and L rate.")
 
