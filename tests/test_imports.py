@@ -122,7 +122,8 @@ def test_the_packages_import_in_one_direction(package, never):
 
 
 @pytest.mark.parametrize("name", ["rankwise.nn", "rankwise.optim", "rankwise.dist", "rankwise.ckpt",
-                                  "rankwise.ode", "rankwise.peft", "rankwise.train", "rankwise.data"])
+                                  "rankwise.ode", "rankwise.peft", "rankwise.train", "rankwise.data",
+                                  "rankwise.optim.functional", "rankwise.models", "rankwise.linalg"])
 def test_a_public_namespace_lists_only_what_it_exports(name):
     """``dir()`` of a public package shows its ``__all__`` and its public subpackages, never its
     own imports (``os``, ``torch``, ``timedelta``, ``TYPE_CHECKING``)."""

@@ -102,3 +102,8 @@ def truncated_svd(
     if tau is not None:
         r = min(r, tail_rank(s, tau * float(torch.linalg.vector_norm(s))))
     return U[..., :r], s[..., :r], Vh[..., :r, :].mT
+
+
+def __dir__() -> list[str]:
+    """The public names only (not this module's own imports)."""
+    return list(__all__)

@@ -21,6 +21,10 @@ from ._llama import llama as llama
 from ._wheels import DIGIT_CNN_WHEEL as DIGIT_CNN_WHEEL
 from ._wheels import digit_cnn_weights_path as digit_cnn_weights_path
 
+__all__ = ["DIGIT_CNN_MEAN", "DIGIT_CNN_STD", "DIGIT_CNN_WHEEL", "GPT", "MODELS", "Llama", "ModelFactory",
+           "digit_cnn", "digit_cnn_weights_path", "get_model", "gpt", "lenet", "llama", "mlp",
+           "register_model", "vgg"]
+
 ModelFactory = Callable[..., nn.Module]
 
 
@@ -188,3 +192,8 @@ def get_model(name: str, **kwargs) -> nn.Module:
 def _check_positive(name: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive int; got {value!r}")
+
+
+def __dir__() -> list[str]:
+    """The public names only (not this module's own imports)."""
+    return list(__all__)

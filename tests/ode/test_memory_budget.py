@@ -119,7 +119,7 @@ def test_live_states_stay_within_the_budget_plus_working_states(monkeypatch):
     import gc
     import weakref
 
-    from rankwise.ode import _backward as _block
+    from rankwise.ode import _backward
 
     alive: weakref.WeakSet = weakref.WeakSet()
     made = LowRankState.__post_init__
@@ -130,13 +130,13 @@ def test_live_states_stay_within_the_budget_plus_working_states(monkeypatch):
 
     monkeypatch.setattr(LowRankState, "__post_init__", tracked)
     live: list[int] = []
-    real = _block._vjp
+    real = _backward._vjp
 
     def counting(*args, **kwargs):
         live.append(len(alive))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_block, "_vjp", counting)
+    monkeypatch.setattr(_backward, "_vjp", counting)
     B, m, n, r, steps = 2, 10, 8, 3, 24
     F0 = torch.randn(B, m, n, generator=torch.Generator().manual_seed(12), dtype=F64)
     for slots, tau in ((2, 1e-300), (1, None), (3, None)):

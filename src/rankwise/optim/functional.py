@@ -34,6 +34,10 @@ from . import _step
 from ._integrators import Factors
 from .rules._rules import Rule, State, restart, transport, weight_scale
 
+__all__ = ["Factors", "Planned", "Ranks", "Stack", "Truncated", "TwoPass", "all_finite", "augment",
+           "augmented_core_state", "by_sensitivity", "core", "finish", "grads_finite", "plan", "scaled",
+           "truncate"]
+
 _MOMENTS = ("m", "v")
 
 
@@ -269,3 +273,8 @@ def by_sensitivity(p: Planned, previous: tuple[Tensor, Tensor] | None, cost: Ten
     plan = plan._replace(P=cols(plan.P), s=plan.s.gather(-1, order), Q=cols(plan.Q))
     smoothed = (sm.I.gather(-1, order), sm.U.gather(-1, order))
     return p._replace(plan=plan), smoothed, score.gather(-1, order) / cost[:, None].to(score.dtype)
+
+
+def __dir__() -> list[str]:
+    """The public names only (not this module's own imports)."""
+    return list(__all__)
