@@ -200,6 +200,32 @@ def test_release_hands_the_layers_back_to_plain_torch():
     assert not torch.equal(U0, layer.U.detach())
 
 
+def test_a_torch_optimizer_beside_a_kept_dlrt_is_refused_at_the_next_forward():
+    """The DLRT is kept but never stepped again (a notebook that switched to AdamW): the forward
+    after AdamW's first step refuses, so that no second wrong step follows (before, every step
+    trained with G_K as if it were dL/dU, silently). Without gradients, through
+    ``functional_call`` and after ``load_state_dict`` the forward goes on."""
+    X, Y = _data()
+    m = _model()
+    opt = DLRT(m, 0.1, tau=0.2)
+    _train(m, opt, X, Y, steps=2)
+    saved = {k: v.clone() for k, v in m.state_dict().items()}
+    _loss(m, X, Y).backward()  # (gradients from the DLRT's mode: U.grad = G_K)
+    torch.optim.SGD(m.parameters(), lr=1e-2).step()
+    with torch.no_grad():
+        _loss(m, X, Y)  # an evaluation feeds no optimizer: not checked
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in m.named_parameters()}
+    torch.func.functional_call(m, params, (X,)).sum().backward()  # other tensors than U, V
+    with pytest.raises(RuntimeError, match=r"LowRankLinear: U or V changed since the DLRT .*release\(\)"):
+        _loss(m, X, Y)
+    m.load_state_dict(saved)  # replaced factors: the DLRT's next step restarts from them
+    _loss(m, X, Y).backward()
+    opt.step()
+    _loss(m, X, Y).backward()  # and the step marks them again
+    opt.release()
+    _loss(m, X, Y).backward()  # released: plain torch
+
+
 def test_a_dropped_optimizer_releases_its_layers():
     m = _model()
     opt = DLRT(m, 0.1, tau=0.2)

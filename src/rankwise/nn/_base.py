@@ -409,7 +409,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         U, S, V = self.factors()
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in (U, S, V)):
             return U @ S @ V.mT
-        return DenseWeightFn.apply(U, S, V, self.grad_mode == "factors")
+        return DenseWeightFn.apply(U, S, V, self._factor_mode())
 
     @abc.abstractmethod
     def dense_weight(self) -> Tensor:
@@ -503,7 +503,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
 
     def __getstate__(self) -> dict:
         """The module's state without the kept :attr:`weight` view (a copy forms its own)."""
-        return {k: v for k, v in super().__getstate__().items() if k != "_kept_view"}
+        return {k: v for k, v in super().__getstate__().items() if k not in ("_kept_view", "_stepped")}
 
     def __setstate__(self, state) -> None:
         """copy.deepcopy and pickle: new U, S, V objects, found by :func:`layer_of`; a copy is
@@ -554,6 +554,38 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
     def reset_factor_grads(self) -> None:
         if self.grad_mode == "factors":
             self.U.grad = self.V.grad = None
+
+    def mark_stepped(self, by: str) -> None:
+        """Record U's and V's versions after the optimizer that trains this layer (its class name
+        `by`) wrote them: a forward in factor mode checks them (:meth:`_factor_mode`)."""
+        self.__dict__["_stepped"] = (weakref.ref(self.U), weakref.ref(self.V), self.U._version,
+                                     self.V._version, factor_changes(), by)
+
+    def _factor_mode(self) -> bool:
+        """Whether the backward computes the integrator's factor gradients (``"factors"`` mode).
+        A forward with gradients in that mode refuses U or V written in place since the optimizer
+        that trains the layer last wrote them, and not by ``set_factors`` / ``load_state_dict``:
+        most likely another optimizer stepped them with G_K, G_L, which are not dL/dU, dL/dV (that
+        optimizer's step was wrong, and every later one would be). Unchecked: under compile,
+        without gradients, at a fixed capacity (loaded in place by DCP: the optimizer's step
+        checks it) and for tensors other than the recorded U and V (``functional_call``, FSDP's
+        gathered parameters)."""
+        if self.grad_mode != "factors":
+            return False
+        seen = self.__dict__.get("_stepped")
+        if (seen is None or self.capacity is not None or not torch.is_grad_enabled()
+                or torch.compiler.is_compiling()):
+            return True
+        wU, wV, u, v, changes, by = seen
+        U, V = self.U, self.V
+        if (U._version, V._version) != (u, v) and wU() is U and wV() is V and changes == factor_changes():
+            raise RuntimeError(
+                f"{type(self).__name__}: U or V changed since the {by} that trains this layer last "
+                f"stepped, and not by set_factors or load_state_dict: another optimizer stepped it? "
+                f"While a {by} trains a layer its U.grad and V.grad hold the factor gradients G_K, G_L "
+                f"(not dL/dU, dL/dV), so that step was wrong; call release() on the {by} before "
+                "training the layer with another optimizer")
+        return True
 
     # ----------------------------------------------------------------- state dict
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,

@@ -66,7 +66,7 @@ class LowRankConv2d(AbstractLowRankLayer):
                                    self.padding, self.dilation)
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(f"expected input (N, {self.in_channels}, H, W); got {tuple(x.shape)}")
-        return LowRankConv2dFn.apply(x, *self.factors(), self.bias, self.grad_mode == "factors",
+        return LowRankConv2dFn.apply(x, *self.factors(), self.bias, self._factor_mode(),
                                      self.kernel_size, self.stride, self.padding, self.dilation)
 
     _weight_is = "U S Vᵀ of its factors, reshaped to the kernel"

@@ -45,7 +45,7 @@ class LowRankLinear(AbstractLowRankLayer):
             return low_rank_linear(x, self.U, self.S, self.V, self.bias)
         if x.shape[-1] != self.in_features:
             raise ValueError(f"expected input (..., {self.in_features}); got {tuple(x.shape)}")
-        return LowRankLinearFn.apply(x, *self.factors(), self.bias, self.grad_mode == "factors")
+        return LowRankLinearFn.apply(x, *self.factors(), self.bias, self._factor_mode())
 
     def dense_weight(self) -> Tensor:
         """(out_features, in_features), as ``nn.Linear.weight``."""

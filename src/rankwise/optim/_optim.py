@@ -184,10 +184,10 @@ class AugmentedBUG(torch.optim.Optimizer):
     updates those with a gradient, so frozen ones (a PEFT base model, a frozen low-rank layer)
     stay as they are and train once unfrozen. While it trains a low-rank layer, the layer's
     ``U.grad`` and ``V.grad`` hold the factor gradients G_K, G_L: another optimizer that steps U or
-    V in the meantime is refused at this optimizer's next ``step()`` (:meth:`release` hands the
-    layers back to plain torch first). A dense parameter given to a second optimizer as well moves
-    twice per step, as with two torch optimizers: give it its own hyperparameters with
-    `param_groups` instead.
+    V in the meantime is refused at the layer's next forward with gradients or this optimizer's
+    next ``step()`` (:meth:`release` hands the layers back to plain torch first). A dense
+    parameter given to a second optimizer as well moves twice per step, as with two torch
+    optimizers: give it its own hyperparameters with `param_groups` instead.
 
     **Arguments:** `model`, `lr`, `param_groups`, `process_group` as under :class:`DLRT`;
     `implementation`: ``"batched"`` (default: layers of one shape and rank bucket together,
@@ -251,7 +251,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         if process_group is not None:
             self.dp = Replicas(model, self.layers, process_group, sharded=settings.data_parallel == "sharded",
                                rank_cap=self._rank_cap)
-        self._versions = _versions(self._trained())  # (what this optimizer left; step() checks them)
+        self._versions = _versions(self)  # (what this optimizer left; step() checks them)
 
     def _adopt(self, layer: AbstractLowRankLayer) -> None:
         """Start a layer's optimizer state and mark it as trained by this optimizer."""
@@ -304,7 +304,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._set_modes()
         weakref.finalize(self, _release, self._owned, self._token)
         self._seen_changes = factor_changes()
-        self._versions = _versions(self._trained())
+        self._versions = _versions(self)
 
     def release(self) -> None:
         """Hand the low-rank layers back to plain torch: they return to ``"full"`` gradient mode
@@ -438,7 +438,7 @@ class AugmentedBUG(torch.optim.Optimizer):
             self._owned.append(layer)
         if new:
             self._set_modes()
-            self._versions = _versions(self._trained())
+            self._versions = _versions(self)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -502,7 +502,7 @@ class AugmentedBUG(torch.optim.Optimizer):
                 layer.reset_factor_grads()
             self._set_modes()
             self._seen_changes = factor_changes()
-            self._versions = _versions(self._trained())
+            self._versions = _versions(self)
         return loss
 
     def _placement(self):
@@ -526,7 +526,7 @@ class AugmentedBUG(torch.optim.Optimizer):
         self._group_by_id = None
         _state.tidy(self, start)
         self._set_modes()
-        self._versions = _versions(self._trained())
+        self._versions = _versions(self)
 
     def _nonfinite(self, what: str) -> bool:
         """Apply the `on_nonfinite` policy: raise, or warn and report the step as skipped."""
@@ -634,8 +634,13 @@ def _rank_cap(cap: int | None, layer: AbstractLowRankLayer) -> int:
     return layer.max_rank if cap is None else min(cap, layer.max_rank)
 
 
-def _versions(layers: dict[str, AbstractLowRankLayer]) -> dict[str, tuple[int, int]]:
-    """The version counters of each layer's U and V (bumped by every in-place write)."""
+def _versions(opt: AugmentedBUG) -> dict[str, tuple[int, int]]:
+    """The version counters of the U and V of each layer `opt` trains (bumped by every in-place
+    write), also marked on the layers (:meth:`~rankwise.AbstractLowRankLayer.mark_stepped`: a
+    forward checks them)."""
+    layers = opt._trained()
+    for m in layers.values():
+        m.mark_stepped(type(opt).__name__)
     return {n: (m.U._version, m.V._version) for n, m in layers.items()}
 
 
