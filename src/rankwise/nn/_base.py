@@ -211,8 +211,6 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
     integrator use :meth:`factors` (the live columns).
     """
 
-    grad_mode: GradMode = "full"  # (a layer pickled before the attribute existed)
-
     def __init__(self, out_features: int, in_features: int, rank: int, *,
                  max_rank: int | None, bias: bool, device=None, dtype=None) -> None:
         super().__init__()

@@ -290,10 +290,6 @@ class AugmentedBUG(torch.optim.Optimizer):
             return
         model = state.pop("_model")
         super().__setstate__(state)
-        if "strategy" not in self.__dict__:  # (pickled before the strategy was kept)
-            self.strategy = strategy(self.settings)
-        self.__dict__.setdefault("ddp", None)  # (pickled before DDP and FSDP2 were taken)
-        self.__dict__.setdefault("fsdp", False)
         self._model, self._token, self.dp = weakref.ref(model), object(), None
         self._group_by_id, self._skipped, self._fills = None, None, {}
         self._factor_ids = {id(p) for m in self.layers.values() for p in (m.U, m.S, m.V)}
