@@ -127,7 +127,7 @@ def _worker(config_json: str, summary_path: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from ..dist import init_process_group
+    from ..dist import exit_worker, init_process_group
     from ..experiments.train_run import train
     from ..train_config import TrainConfig
 
@@ -139,10 +139,8 @@ def _worker(config_json: str, summary_path: str) -> None:
         write_atomic(Path(summary_path), json.dumps(summary).encode())
     dist.barrier()
     dist.destroy_process_group()
+    exit_worker()  # here, while the run's objects are alive: see exit_worker
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
-    from ..dist import exit_worker
-
-    exit_worker()
+    _worker(sys.argv[1], sys.argv[2])  # (it ends the process)

@@ -54,7 +54,7 @@ def _worker(args: argparse.Namespace) -> None:
     from ..ckpt import CodedCheckpointer
     from ..ckpt.testing import LyingCheckpointer
     from ..data import load_digits
-    from ..dist import init_process_group, ordered_allreduce_hook
+    from ..dist import exit_worker, init_process_group, ordered_allreduce_hook
     from ..nn import LowRankLinear, to_low_rank
     from ..train import Callback, CodedCheckpoints, fit
 
@@ -103,6 +103,7 @@ def _worker(args: argparse.Namespace) -> None:
         callbacks=[CodedCheckpoints(ck, args.every), Demo()])
     dist.barrier()
     dist.destroy_process_group()
+    exit_worker()  # here, while the run's objects (DDP, the checkpointer) are alive: see exit_worker
 
 
 # ---------------------------------------------------------------------------- harness
@@ -243,10 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     d.add_argument("--force", action="store_true", help="replace an earlier demo in --workdir")
     a = ap.parse_args(argv)
     if a.cmd == "worker":
-        _worker(a)
-        from ..dist import exit_worker
-
-        exit_worker()
+        _worker(a)  # (it ends the process)
     else:
         try:
             result = run_demo(a.workdir, nproc=a.nproc, overwrite=a.force, method=a.method)
