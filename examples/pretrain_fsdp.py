@@ -63,6 +63,14 @@ def main() -> None:
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         rankwise.dist.init_process_group()  # (gloo on CPU, nccl with CUDA)
+    try:
+        train(a, distributed)
+    finally:  # after train() returned: what holds the group (FSDP, the optimizer) is freed before it
+        if distributed:
+            dist.destroy_process_group()
+
+
+def train(a: argparse.Namespace, distributed: bool) -> None:
     rank = dist.get_rank() if distributed else 0
     stream = text_stream(a.text)
 
@@ -118,8 +126,6 @@ def main() -> None:
             path = folder / f"step_{step + 1}"
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path),
                      storage_writer=CodedStorageWriter(path, t=1) if coded else None)
-    if distributed:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
