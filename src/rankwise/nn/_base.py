@@ -571,12 +571,15 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         if self.grad_mode != "factors":
             return False
         seen = self.__dict__.get("_stepped")
-        if (seen is None or self.capacity is not None or not torch.is_grad_enabled()
-                or torch.compiler.is_compiling()):
+        if seen is None or torch.compiler.is_compiling():
             return True
         wU, wV, u, v, changes, by = seen
-        U, V = self.U, self.V
-        if (U._version, V._version) != (u, v) and wU() is U and wV() is V and changes == factor_changes():
+        U, V = self._parameters.get("U"), self._parameters.get("V")  # (self.U without __getattr__)
+        if U is None or V is None or (U._version == u and V._version == v):
+            return True  # (the common case, first: a forward pays a dict lookup and two reads)
+        if self.capacity is not None or not torch.is_grad_enabled():
+            return True
+        if wU() is U and wV() is V and changes == factor_changes():
             raise RuntimeError(
                 f"{type(self).__name__}: U or V changed since the {by} that trains this layer last "
                 f"stepped, and not by set_factors or load_state_dict: another optimizer stepped it? "
