@@ -41,6 +41,17 @@ def mse_closure(opt, model, X, Y):
     return closure
 
 
+def xent_closure(opt, model, x, y):
+    """``opt.step``'s closure: cross-entropy of ``model(x)`` against the class indices `y`."""
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return loss
+
+    return closure
+
+
 def projector(M: torch.Tensor) -> torch.Tensor:
     """Orthogonal projector onto span(M), via numpy's SVD (an independent code path)."""
     import numpy as np

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import rankwise
+from helpers import xent_closure
 from rankwise import DLRT, SDLRT, AugmentedBUG, LowRankLinear
 from rankwise._opcount import OpCounter, step_counts
 from rankwise.models import gpt
@@ -495,13 +496,7 @@ def test_the_sensitivity_budget_is_batched_and_follows_the_exact_implementation(
             X, Y = torch.randn(6, 32, 12, generator=g, dtype=F64), torch.randint(0, 3, (6, 32), generator=g)
             ranks = []
             for t in range(6):
-                def closure(t=t):
-                    opt.zero_grad()
-                    loss = nn.functional.cross_entropy(m(X[t]), Y[t])
-                    loss.backward()
-                    return loss
-
-                opt.step(closure)
+                opt.step(xent_closure(opt, m, X[t], Y[t]))
                 ranks.append(tuple(opt.ranks().values()))
             layers = list(opt.layers.values())
             return ranks, [m.dense_weight().detach() for m in layers], \
@@ -608,12 +603,7 @@ def test_ranks_of_one_bucket_take_one_padded_group_and_their_exact_steps(cls, kw
         m = _SameShapes()
         opt = cls(m, implementation=implementation, **{"lr": 0.5, **kw})
         for t in range(6):
-            def closure(t=t):
-                opt.zero_grad()
-                loss = nn.functional.cross_entropy(m(X[t]), Y[t])
-                loss.backward()
-                return loss
-            opt.step(closure)
+            opt.step(xent_closure(opt, m, X[t], Y[t]))
         return m, opt
 
     with monkeypatch.context() as mp:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import rankwise
+from helpers import xent_closure
 from rankwise.optim import Settings
 
 
@@ -23,13 +24,7 @@ def _model(seed: int = 0) -> nn.Module:
 def _closure(opt, model, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(32, 12, generator=g, dtype=torch.float64), torch.randint(0, 5, (32,), generator=g)
-
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-    return closure
+    return xent_closure(opt, model, x, y)
 
 
 SETTINGS = [

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import rankwise
-from helpers import F64, mse_closure, rank3_problem
+from helpers import F64, mse_closure, rank3_problem, xent_closure
 from rankwise import DLRT, SDLRT, LowRankConv2d, LowRankLinear
 
 OPTIMIZERS = [DLRT, SDLRT]
@@ -338,14 +338,7 @@ def test_train_config_dict_round_trip(tmp_path):
 
 def _xent_closure(model, opt):
     x, y = torch.randn(64, 20, generator=torch.Generator().manual_seed(1)), torch.arange(64) % 5
-
-    def closure():
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        return loss
-
-    return closure
+    return xent_closure(opt, model, x, y)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
