@@ -226,6 +226,23 @@ def test_a_torch_optimizer_beside_a_kept_dlrt_is_refused_at_the_next_forward():
     _loss(m, X, Y).backward()  # released: plain torch
 
 
+def test_torch_can_swap_the_factors_of_a_layer_a_dlrt_trains():
+    """``load_state_dict`` (and ``.to()``) under ``set_swap_module_params_on_conversion`` (FSDP2 too)
+    swap tensors with ``torch.utils.swap_tensors``, which refuses a tensor with a weak reference:
+    the foreign-write check records U and V by id (with weak references both raised)."""
+    X, Y = _data()
+    m = _model()
+    opt = DLRT(m, 0.1, tau=0.2)
+    _train(m, opt, X, Y, steps=1)
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        m.load_state_dict(m.state_dict())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    _train(m, opt, X, Y, steps=1)
+
+
 def test_a_dropped_optimizer_releases_its_layers():
     m = _model()
     opt = DLRT(m, 0.1, tau=0.2)

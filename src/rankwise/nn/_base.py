@@ -514,6 +514,7 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
 
     def _apply(self, fn, recurse=True):  # .to() / .cuda() may give new Parameter objects
         out = super()._apply(fn, recurse)
+        self.__dict__.pop("_stepped", None)  # (a swapped tensor keeps its object, not its version)
         self._register()
         self.__dict__.pop("_kept_view", None)  # (the kept weight view stays where it was)
         return out
@@ -537,6 +538,8 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
             raise ValueError(f"`mode` must be 'full', 'factors' or 'core'; got {mode!r}")
         if mode != self.grad_mode:
             self.U.grad = self.V.grad = None
+        if mode == "full":  # (released: nothing to check)
+            self.__dict__.pop("_stepped", None)
         self.grad_mode = mode
         if self.S.requires_grad:  # a frozen layer stays frozen; the mode applies once it is unfrozen
             self.U.requires_grad_(mode != "core")
@@ -555,9 +558,12 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
 
     def mark_stepped(self, by: str) -> None:
         """Record U's and V's versions after the optimizer that trains this layer (its class name
-        `by`) wrote them: a forward in factor mode checks them (:meth:`_factor_mode`)."""
-        self.__dict__["_stepped"] = (weakref.ref(self.U), weakref.ref(self.V), self.U._version,
-                                     self.V._version, factor_changes(), by)
+        `by`) wrote them: a forward in factor mode checks them (:meth:`_factor_mode`). The tensors
+        are recorded by ``id``, not by weak reference: ``torch.utils.swap_tensors`` (``.to()`` and
+        ``load_state_dict`` under ``set_swap_module_params_on_conversion``, FSDP2) refuses a
+        tensor that has one."""
+        self.__dict__["_stepped"] = (id(self.U), id(self.V), self.U._version, self.V._version,
+                                     factor_changes(), by)
 
     def _factor_mode(self) -> bool:
         """Whether the backward computes the integrator's factor gradients (``"factors"`` mode).
@@ -573,19 +579,20 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         seen = self.__dict__.get("_stepped")
         if seen is None or torch.compiler.is_compiling():
             return True
-        wU, wV, u, v, changes, by = seen
+        iU, iV, u, v, changes, by = seen
         U, V = self._parameters.get("U"), self._parameters.get("V")  # (self.U without __getattr__)
         if U is None or V is None or (U._version == u and V._version == v):
             return True  # (the common case, first: a forward pays a dict lookup and two reads)
         if self.capacity is not None or not torch.is_grad_enabled():
             return True
-        if wU() is U and wV() is V and changes == factor_changes():
+        if id(U) == iU and id(V) == iV and changes == factor_changes():
             raise RuntimeError(
                 f"{type(self).__name__}: U or V changed since the {by} that trains this layer last "
                 f"stepped, and not by set_factors or load_state_dict: another optimizer stepped it? "
                 f"While a {by} trains a layer its U.grad and V.grad hold the factor gradients G_K, G_L "
                 f"(not dL/dU, dL/dV), so that step was wrong; call release() on the {by} before "
-                "training the layer with another optimizer")
+                "training the layer with another optimizer. To write factors yourself (an EMA swapped "
+                "in for evaluation), use load_state_dict or set_factors, which the optimizer follows")
         return True
 
     # ----------------------------------------------------------------- state dict

@@ -658,7 +658,9 @@ def _refuse_foreign_writes(opt: AugmentedBUG) -> None:
             f"{kind}'s last step, and not by set_factors or load_state_dict: another optimizer stepped it? "
             f"While a {kind} trains a layer, its U.grad and V.grad hold the factor gradients G_K, G_L "
             f"(not dL/dU, dL/dV), so that step was wrong; call release() on this {kind} before training "
-            "the layer with another optimizer (no weight was changed by this step)")
+            "the layer with another optimizer (no weight was changed by this step). To write factors "
+            "yourself (an EMA swapped in for evaluation), use load_state_dict or set_factors, which "
+            "the optimizer follows")
 
 
 _COMMON_DOC = """
