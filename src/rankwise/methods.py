@@ -2,7 +2,7 @@
 ``lm``, ``peft``, ``ckpt demo``), so that a name means the same wherever it is used.
 
 A method of rankwise's own is a configuration of :class:`rankwise.AugmentedBUG`: the fields of
-:class:`rankwise.lowrank.Settings` it fixes (``buffer``, ``single_pass``, ``update_every``,
+:class:`rankwise.Settings` it fixes (``buffer``, ``single_pass``, ``update_every``,
 ``moments``, …), its τ feedback, and whether it starts with a dense phase. What it leaves open
 is the command's: the truncation level (a tolerance τ or a :class:`rankwise.Budget`), the update
 rule and its rate, rank bounds, data parallelism. A baseline (dense training, a fixed
@@ -40,7 +40,7 @@ class Method:
     """What one name means.
 
     - `help`: one line, for the commands' help and the docs.
-    - `settings`: the :class:`rankwise.lowrank.Settings` fields the method fixes, from
+    - `settings`: the :class:`rankwise.Settings` fields the method fixes, from
       ``METHOD_FIELDS`` (unset ones keep ``Settings``' defaults unless the command sets them).
     - `feedback`: SDLRT's τ feedback, ``"seed"`` (the paper's τ ← ωτ while a layer's rank is
       below its initial rank; :class:`rankwise.SeedFeedback`), ``"two-sided"`` (also τ ← τ/ω
@@ -190,7 +190,7 @@ def _integrator(name: str) -> Method:
 
 def settings(name: str, truncation: Tolerance | Budget, *, omega: float = 0.8, tau_min: float = 0.0,
              **kwargs: Any) -> Settings:
-    """The :class:`rankwise.lowrank.Settings` of method `name` at `truncation`.
+    """The :class:`rankwise.Settings` of method `name` at `truncation`.
 
     `omega`, `tau_min`: the τ feedback's factor and floor (used by a method with a feedback,
     under a tolerance). `kwargs`: the rule (``rule=`` or the presets' ``optimizer=``,

@@ -147,7 +147,7 @@ def orth_complement_fixed(Q0: Tensor, X: Tensor, *, rtol: float | Tensor | None 
     overflow = (lam > tol2).sum(-1) > (w if w < min(c, m - k) else c)
     lam, W = lam[..., c - w:].flip(-1), W[..., c - w:].flip(-1)  # the w largest, descending
     valid = lam > tol2
-    # the e valid ones back in ascending order (the exact path's column order), fills after them
+    # the e valid ones back in ascending order of their eigenvalues, fills after them
     j = torch.arange(w, device=X.device)
     e = valid.sum(-1, keepdim=True)
     order = torch.where(j < e, e - 1 - j, j)
@@ -310,7 +310,7 @@ def svd_group(S: Tensor, method: str = "auto") -> tuple[Tensor, Tensor, Tensor]:
 
 
 def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: Tensor,
-               U_buf: Tensor, V_buf: Tensor, *, svd: str = "auto", width: int | None = None,
+               U_buf: Tensor, V_buf: Tensor, *, width: int | None = None,
                pad: Padding | None = None, robust: bool = False, fills: dict | None = None) -> GroupPlan:
     """Augment, form the single-pass core and take its SVD for a group (shapes: module
     docstring; with `pad`, each layer padded to the group's rank and buffer width; the plan:
@@ -318,17 +318,17 @@ def plan_group(U0: Tensor, S0: Tensor, V0: Tensor, dK: Tensor, dS: Tensor, dL: T
     needs more is marked ``failed``); `fills`: :func:`_fill`'s cache."""
     U, V, mU, mV, failed = augment_group(U0, V0, dK, dL, U_buf, V_buf, width, pad, robust, fills)
     S = core_group(U, V, S0, dK, dS, dL, mU, mV)
-    return sized_plan(U, V, S, S0.shape[-1], mU, mV, failed, U_buf.shape[-1] + S0.shape[-1], svd)
+    return sized_plan(U, V, S, S0.shape[-1], mU, mV, failed, U_buf.shape[-1] + S0.shape[-1])
 
 
 def sized_plan(U: Tensor, V: Tensor, S: Tensor, r0: int, mU: Tensor, mV: Tensor, failed: Tensor,
-               k0: int, svd: str = "auto") -> GroupPlan:
+               k0: int) -> GroupPlan:
     """The plan of a group's augmented core S (N, ku, kv): its SVD (:func:`svd_group`), each
     non-finite core replaced by zeros first (``finite`` says so: the factorisation never sees
     NaN), each layer's exact core size k = min(ku, kv) and its new directions (the wider
     side's), counted on the masks (k0: the padded width of [U0, U_buf])."""
     finite = torch.isfinite(S).all(-1).all(-1)
-    P, s, Q = svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)), svd)
+    P, s, Q = svd_group(torch.where(finite[:, None, None], S, torch.zeros_like(S)))
     kU, kV = mU.sum(-1), mV.sum(-1)
     new = torch.maximum(mU[:, k0:].sum(-1), mV[:, k0:].sum(-1))
     return GroupPlan(U, V, S, P, s, Q, r0, torch.minimum(kU, kV), failed, finite, new, mU, mV)

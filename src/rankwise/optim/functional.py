@@ -130,7 +130,7 @@ def plan(x: Stack, rule: Rule, hp: Mapping[str, Any], core_hp: Mapping[str, Any]
     finite = grads_finite(x.f)
     f, dK, dL, stK, stL = _rules(x, rule, hp, reorth)
     dS, stS = rule(f.G_S, f.S, x.S, scaled(core_hp, f.U.shape[-2], f.V.shape[-2]))
-    p = _step.plan_group(f.U, f.S, f.V, dK, dS, dL, f.U_buf, f.V_buf, svd="auto", width=width, pad=x.pad,
+    p = _step.plan_group(f.U, f.S, f.V, dK, dS, dL, f.U_buf, f.V_buf, width=width, pad=x.pad,
                          robust=robust, fills=x.fills)
     return Planned(f, p, {"K": stK, "L": stL, "S": stS}, _tolerance(p, ranks), finite)
 

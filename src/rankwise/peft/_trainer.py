@@ -88,7 +88,7 @@ class RankwiseTrainer(transformers.Trainer):
 
     Its optimizer is rankwise's integrator with the rule the Trainer's default optimizer
     (``torch.optim.AdamW``) has: the AdamW rule (decoupled weight decay,
-    ``rankwise.lowrank.AdamW``) with ``TrainingArguments``' ``learning_rate``, ``adam_beta1/2``,
+    ``rankwise.AdamW``) with ``TrainingArguments``' ``learning_rate``, ``adam_beta1/2``,
     ``adam_epsilon`` and ``weight_decay``, which, as the Trainer does, spares the parameters it
     names in :meth:`get_decay_parameter_names` (biases and norms: a param group with
     ``weight_decay=0``). The integrator is
