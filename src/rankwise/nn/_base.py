@@ -576,8 +576,10 @@ class AbstractLowRankLayer(GuardedViews, nn.Module, abc.ABC):
         gathered parameters)."""
         if self.grad_mode != "factors":
             return False
+        if torch.compiler.is_compiling():  # (first: a traced read of the record would guard on its values)
+            return True
         seen = self.__dict__.get("_stepped")
-        if seen is None or torch.compiler.is_compiling():
+        if seen is None:
             return True
         iU, iV, u, v, changes, by = seen
         U, V = self._parameters.get("U"), self._parameters.get("V")  # (self.U without __getattr__)
